@@ -1,0 +1,129 @@
+"""The checkpoint's `config.json`, read once and checked, so bad files fail at load with a name."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+NOISE_SCALE_MODES = ("resolution", "dynamic_sqrt", "constant")
+
+
+def _get(section: dict, key: str, where: str, default: Any = ..., kind: type = int) -> Any:
+    if key not in section:
+        if default is ...:
+            raise ConfigError(f"config.json: required key '{where}{key}' is missing")
+        return default
+    value = section[key]
+    try:
+        return kind(value) if kind is not bool else bool(value)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"config.json: '{where}{key}' = {value!r} is not {kind.__name__}") from exc
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Geometry and constants of the generation tower (spec section 1)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_theta_hw: float
+    vision_hidden_size: int
+    rope_theta_vision: float
+    max_position_embeddings_vision: int
+    patch_size: int = 16
+    merge_size: int = 2
+    noise_scale: float = 1.0
+    noise_scale_mode: str = "resolution"
+    noise_scale_base_image_seq_len: int = 64
+    noise_scale_max_value: float = 8.0
+    add_noise_scale_embedding: bool = True
+    use_pixel_head: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def token_size(self) -> int:
+        """Pixels per side of one image token (`T = P * M`)."""
+        return self.patch_size * self.merge_size
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def kv_dims(self) -> tuple[int, int, int]:
+        """(layers, kv_heads, head_dim): what a KV prefix must match."""
+        return (self.num_layers, self.num_kv_heads, self.head_dim)
+
+    @staticmethod
+    def from_dict(raw: dict) -> "ModelConfig":
+        llm = raw.get("llm_config")
+        vision = raw.get("vision_config")
+        if not isinstance(llm, dict):
+            raise ConfigError("config.json: required section 'llm_config' is missing")
+        if not isinstance(vision, dict):
+            raise ConfigError("config.json: required section 'vision_config' is missing")
+        L, V = "llm_config.", "vision_config."
+        num_experts = _get(llm, "gen_num_experts", L, 0)
+        cfg = ModelConfig(
+            num_layers=_get(llm, "num_hidden_layers", L),
+            hidden_size=_get(llm, "hidden_size", L),
+            num_heads=_get(llm, "num_attention_heads", L),
+            num_kv_heads=_get(llm, "num_key_value_heads", L),
+            head_dim=_get(llm, "head_dim", L),
+            rope_theta=_get(llm, "rope_theta", L, kind=float),
+            rope_theta_hw=_get(llm, "rope_theta_hw", L, kind=float),
+            vision_hidden_size=_get(vision, "hidden_size", V),
+            rope_theta_vision=_get(vision, "rope_theta_vision", V, kind=float),
+            max_position_embeddings_vision=_get(vision, "max_position_embeddings_vision", V),
+            patch_size=_get(raw, "patch_size", "", 16),
+            noise_scale=_get(raw, "noise_scale", "", 1.0, float),
+            noise_scale_mode=_get(raw, "noise_scale_mode", "", "resolution", str),
+            noise_scale_base_image_seq_len=_get(raw, "noise_scale_base_image_seq_len", "", 64),
+            noise_scale_max_value=_get(raw, "noise_scale_max_value", "", 8.0, float),
+            add_noise_scale_embedding=_get(raw, "add_noise_scale_embedding", "", True, bool),
+            use_pixel_head=_get(raw, "use_pixel_head", "", False, bool),
+            num_experts=num_experts,
+            num_experts_per_tok=_get(llm, "num_experts_per_tok", L, 0 if not num_experts else ...),
+            norm_topk_prob=_get(llm, "norm_topk_prob", L, True, bool),
+        )
+        cfg.check()
+        return cfg
+
+    @staticmethod
+    def from_checkpoint(ckpt_dir: str | Path) -> "ModelConfig":
+        path = Path(ckpt_dir) / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"checkpoint: {path} does not exist")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
+        return ModelConfig.from_dict(raw)
+
+    def check(self) -> None:
+        """Reject geometry the computation cannot run, naming the key."""
+        positive = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                    "vision_hidden_size", "patch_size", "max_position_embeddings_vision")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.json: '{name}' must be positive, got {getattr(self, name)}")
+        if self.head_dim % 8:
+            raise ConfigError(f"config.json: 'llm_config.head_dim' ({self.head_dim}) must be divisible by 8")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("config.json: 'num_attention_heads' must be a multiple of 'num_key_value_heads'")
+        if self.vision_hidden_size % 4:
+            raise ConfigError("config.json: 'vision_config.hidden_size' must be divisible by 4 (2-D RoPE)")
+        if self.noise_scale_mode not in NOISE_SCALE_MODES:
+            raise ConfigError(f"config.json: 'noise_scale_mode' {self.noise_scale_mode!r} is not one of {NOISE_SCALE_MODES}")
+        if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError("config.json: 'llm_config.num_experts_per_tok' must be in 1..gen_num_experts")

@@ -1,0 +1,120 @@
+"""Building blocks of one decoder layer: norms, linears, attention over prefix + image, MLPs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+RMS_EPS = 1e-6
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 statistics, cast back, then the weight (spec 1)."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+    return normed.to(x.dtype) * weight
+
+
+class Linear:
+    """`y = x W^T + b` with a full-precision weight; quantised variants share this call."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.weight, self.bias = weight, bias
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
+
+
+class SwiGLU:
+    def __init__(self, gate: Linear, up: Linear, down: Linear) -> None:
+        self.gate, self.up, self.down = gate, up, down
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+    def linears(self) -> list[Linear]:
+        return [self.gate, self.up, self.down]
+
+
+class MoE:
+    """Top-k routed SwiGLU experts; tokens are grouped so each expert runs one matmul."""
+
+    def __init__(self, router: Linear, experts: list[SwiGLU], top_k: int, norm_topk_prob: bool) -> None:
+        self.router, self.experts, self.top_k, self.norm_topk_prob = router, experts, top_k, norm_topk_prob
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k] float32, expert ids [N, k])."""
+        logits = self.router(x).float()
+        if self.norm_topk_prob:
+            top, ids = logits.topk(self.top_k, dim=-1)
+            return top.softmax(dim=-1), ids
+        return logits.softmax(dim=-1).topk(self.top_k, dim=-1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        flat_ids = ids.reshape(-1)
+        order = flat_ids.argsort(stable=True)
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        token_of = order // self.top_k
+        slot_weight = weights.reshape(-1)[order]
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in zip(self.experts, counts):
+            if count:
+                tokens = token_of[start:start + count]
+                y = expert(x[tokens]) * slot_weight[start:start + count, None].to(x.dtype)
+                out.index_add_(0, tokens, y)
+            start += count
+        return out
+
+    def linears(self) -> list[Linear]:
+        return [self.router] + [lin for e in self.experts for lin in e.linears()]
+
+
+@dataclass
+class DecoderLayer:
+    """Weights of one layer of the generation tower."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    q_norm_hw: torch.Tensor
+    k_norm_hw: torch.Tensor
+    mlp: SwiGLU | MoE
+
+    def linears(self) -> list[Linear]:
+        return [self.q_proj, self.k_proj, self.v_proj, self.o_proj] + self.mlp.linears()
+
+
+def split_head_norm(x: torch.Tensor, temporal_w: torch.Tensor, spatial_w: torch.Tensor) -> torch.Tensor:
+    """RMSNorm the temporal half and the spatial half of each head separately."""
+    half = x.shape[-1] // 2
+    return torch.cat([rms_norm(x[..., :half], temporal_w), rms_norm(x[..., half:], spatial_w)], dim=-1)
+
+
+def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Unmasked GQA: q [L, NH, HD] over k, v [NKV, S+L, HD] -> [L, NH*HD].
+
+    The query heads that share a KV head are folded into the query length, so keys and
+    values are never repeated per head.
+    """
+    tokens, heads, hd = q.shape
+    kv_heads = k.shape[0]
+    group = heads // kv_heads
+    qg = q.permute(1, 0, 2).reshape(kv_heads, group * tokens, hd)
+    out = F.scaled_dot_product_attention(qg.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=hd ** -0.5)
+    return out.view(kv_heads * group, tokens, hd).permute(1, 0, 2).reshape(tokens, heads * hd)

@@ -1,0 +1,148 @@
+"""Mode files (`configs/neopp/*.json`) and the sampling values a call may override."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, fields, replace as dc_replace
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError, InputError
+
+CFG_NORMS = ("global", "channel", "none")
+OUTPUT_FORMATS = ("jpeg", "png", "webp")
+TASKS = ("t2i", "i2i")
+MAX_STEPS_HARD = 1000
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-call sampling values; a call overrides some, the rest keep the mode's defaults."""
+
+    infer_steps: int = 50
+    cfg_scale: float = 4.0
+    timestep_shift: float = 3.0
+    cfg_interval: tuple[float, float] = (-1.0, 2.0)
+    enable_cfg: bool = True
+    cfg_norm: str = "global"
+    output_format: str = "jpeg"
+    image_guidance_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Raise InputError naming the field and the rule."""
+        if not isinstance(self.infer_steps, int) or not 1 <= self.infer_steps <= MAX_STEPS_HARD:
+            raise InputError(f"infer_steps: must be an integer in 1..{MAX_STEPS_HARD}, got {self.infer_steps!r}")
+        for name in ("cfg_scale", "timestep_shift", "image_guidance_scale"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise InputError(f"{name}: must be a finite number, got {value!r}")
+        if self.timestep_shift <= 0:
+            raise InputError(f"timestep_shift: must be > 0, got {self.timestep_shift}")
+        lo_hi = self.cfg_interval
+        if len(lo_hi) != 2 or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in lo_hi):
+            raise InputError(f"cfg_interval: must be two finite numbers [low, high], got {lo_hi!r}")
+        if lo_hi[0] > lo_hi[1]:
+            raise InputError(f"cfg_interval: low ({lo_hi[0]}) must not exceed high ({lo_hi[1]})")
+        if self.cfg_norm not in CFG_NORMS:
+            raise InputError(f"cfg_norm: unknown normalisation {self.cfg_norm!r}; expected one of {CFG_NORMS}")
+        if self.output_format not in OUTPUT_FORMATS:
+            raise InputError(f"output_format: unknown format {self.output_format!r}; expected one of {OUTPUT_FORMATS}")
+        if self.image_guidance_scale != 1.0:
+            raise InputError(
+                f"image_guidance_scale: {self.image_guidance_scale} refused; three-branch (image) guidance "
+                "is not implemented by this runner, only 1.0 is accepted")
+
+    def replace(self, **overrides: Any) -> "SamplingParams":
+        """A validated copy; `None` values keep the current field."""
+        known = {f.name for f in fields(self)}
+        for key in overrides:
+            if key not in known:
+                raise InputError(f"{key}: unknown sampling parameter")
+        kept = {k: v for k, v in overrides.items() if v is not None}
+        if "cfg_interval" in kept:
+            kept["cfg_interval"] = tuple(float(v) for v in kept["cfg_interval"])
+        if "output_format" in kept:
+            kept["output_format"] = normalise_format(kept["output_format"])
+        return dc_replace(self, **kept)
+
+
+def normalise_format(fmt: str) -> str:
+    fmt = str(fmt).lower()
+    return "jpeg" if fmt == "jpg" else fmt
+
+
+@dataclass(frozen=True)
+class ModeConfig:
+    """One deployable mode: model version, parallel layout, weight options, sampling defaults."""
+
+    name: str = "neopp_dense"
+    version: str = "dense"
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    cfg_p_size: int = 1
+    seq_p_size: int = 1
+    seq_p_attn_type: str = "ulysses"
+    dit_quantized: bool = False
+    dit_quant_scheme: str | None = None
+    lora_configs: tuple[dict, ...] = ()
+    default_size: tuple[int, int] = (1024, 1024)
+
+    @property
+    def world_size(self) -> int:
+        return self.cfg_p_size * self.seq_p_size
+
+    def check(self) -> None:
+        if self.version not in ("dense", "moe"):
+            raise ConfigError(f"mode {self.name}: 'version' must be 'dense' or 'moe', got {self.version!r}")
+        if self.cfg_p_size not in (1, 2):
+            raise ConfigError(f"mode {self.name}: 'parallel.cfg_p_size' must be 1 or 2, got {self.cfg_p_size}")
+        if self.seq_p_size < 1:
+            raise ConfigError(f"mode {self.name}: 'parallel.seq_p_size' must be >= 1, got {self.seq_p_size}")
+        if self.seq_p_size > 1 and self.seq_p_attn_type != "ulysses":
+            raise ConfigError(f"mode {self.name}: 'seq_p_attn_type' {self.seq_p_attn_type!r} unsupported; only 'ulysses'")
+        if self.dit_quantized and self.dit_quant_scheme not in ("fp8-sgl", "fp8"):
+            raise ConfigError(f"mode {self.name}: 'dit_quant_scheme' {self.dit_quant_scheme!r} unsupported; use 'fp8-sgl'")
+        for entry in self.lora_configs:
+            if "path" not in entry:
+                raise ConfigError(f"mode {self.name}: every 'lora_configs' entry needs a 'path'")
+
+
+def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None) -> ModeConfig:
+    """Build a ModeConfig from the seed's JSON layout; LoRA paths resolve against the file."""
+    parallel = raw.get("parallel") or {}
+    sampling_keys = {f.name for f in fields(SamplingParams)}
+    try:
+        sampling = SamplingParams(**{k: (tuple(v) if k == "cfg_interval" else v)
+                                     for k, v in raw.items() if k in sampling_keys})
+    except InputError as exc:
+        raise ConfigError(f"mode {name}: {exc}") from exc
+    loras = []
+    for entry in raw.get("lora_configs") or []:
+        entry = dict(entry)
+        if base_dir is not None and "path" in entry and not Path(entry["path"]).is_absolute():
+            entry["path"] = str((base_dir / entry["path"]).resolve())
+        loras.append(entry)
+    size = raw.get("target_shape") or raw.get("default_size") or [1024, 1024]
+    mode = ModeConfig(
+        name=name, version=raw.get("version", "dense"), sampling=sampling,
+        cfg_p_size=int(parallel.get("cfg_p_size", 1)), seq_p_size=int(parallel.get("seq_p_size", 1)),
+        seq_p_attn_type=parallel.get("seq_p_attn_type", "ulysses"),
+        dit_quantized=bool(raw.get("dit_quantized", False)), dit_quant_scheme=raw.get("dit_quant_scheme"),
+        lora_configs=tuple(loras), default_size=(int(size[0]), int(size[1])),
+    )
+    mode.check()
+    return mode
+
+
+def load_mode(path: str | Path) -> ModeConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"mode file {path} does not exist")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"mode file {path}: not valid JSON ({exc})") from exc
+    return mode_from_dict(raw, name=path.stem, base_dir=path.parent)

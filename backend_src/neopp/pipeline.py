@@ -1,0 +1,204 @@
+"""The denoising loop: validate a request, prepare its branches once, step, decode.
+
+`NeoPPPipeline` is what every serving path calls; the parallel engine reuses it per rank
+and overrides only how a step's velocities are computed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .checkpoint import default_dtype, load_checkpoint
+from .config import ModelConfig
+from .embeddings import Grid, patchify, unpatchify
+from .errors import GenerationCancelled, InputError
+from .guidance import combine_guidance, guidance_plan
+from .image_io import to_pixels
+from .kv_cache import validate_kv
+from .limits import Limits
+from .modes import TASKS, ModeConfig, SamplingParams
+from .schedule import initial_noise_scale, shifted_timesteps
+from .transformer import BranchContext, LinearFactory, NeoPPTransformer
+
+StopFn = Callable[[], bool]
+StepFn = Callable[[int, float], None]
+DEFAULT_NAMES = {"cond_kv": "cond_kv", "uncond_kv": "uncond_kv", "index_offset_cond": "index_offset_cond",
+                 "index_offset_uncond": "index_offset_uncond", "size": "size", "task": "task",
+                 "infer_steps": "infer_steps", "noise": "noise"}
+
+
+@dataclass
+class GenerationRequest:
+    cond_kv: torch.Tensor
+    index_offset_cond: int
+    height: int
+    width: int
+    noise: torch.Tensor
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    uncond_kv: torch.Tensor | None = None
+    index_offset_uncond: int | None = None
+    task: str = "t2i"
+
+
+@dataclass
+class Prepared:
+    """Everything about a request that does not change from step to step."""
+
+    grid: Grid
+    times: list[float]
+    plan: list[bool]
+    noise_scale: float
+    cond: BranchContext | None
+    uncond: BranchContext | None
+
+
+class NeoPPPipeline:
+    def __init__(self, cfg: ModelConfig, transformer: NeoPPTransformer, mode: ModeConfig,
+                 device: torch.device, dtype: torch.dtype, limits: Limits | None = None,
+                 support_tasks: tuple[str, ...] = TASKS) -> None:
+        self.config, self.transformer, self.mode = cfg, transformer, mode
+        self.device, self.dtype = device, dtype
+        self.limits = limits or Limits()
+        self.support_tasks = support_tasks
+
+    @classmethod
+    def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeConfig | None = None, device: str | None = None,
+                        dtype: torch.dtype | None = None, limits: Limits | None = None,
+                        layer_linear: LinearFactory | None = None) -> "NeoPPPipeline":
+        dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or default_dtype(dev)
+        cfg, tensors = load_checkpoint(ckpt_dir)
+        transformer = NeoPPTransformer.from_tensors(cfg, tensors, dev, dtype, layer_linear)
+        return cls(cfg, transformer, mode or ModeConfig(), dev, dtype, limits)
+
+    # ---- validation -------------------------------------------------------------------
+    def validate(self, req: GenerationRequest, names: dict[str, str] | None = None) -> None:
+        """Every rule a request can break, checked before any heavy work."""
+        n = {**DEFAULT_NAMES, **(names or {})}
+        lim, cfg = self.limits, self.config
+        if req.task not in self.support_tasks:
+            raise InputError(f"{n['task']}: unsupported task {req.task!r}; supported: {self.support_tasks}")
+        self.check_size(req.height, req.width, n["size"])
+        if req.sampling.infer_steps > lim.max_steps:
+            raise InputError(f"{n['infer_steps']}: {req.sampling.infer_steps} steps exceed the limit of {lim.max_steps}")
+        if tuple(req.noise.shape) != (1, 3, req.height, req.width):
+            raise InputError(f"{n['noise']}: must have shape (1, 3, {req.height}, {req.width})")
+        validate_kv(req.cond_kv, cfg.kv_dims, n["cond_kv"], lim.max_prefix_tokens)
+        self._check_offset(req.index_offset_cond, n["index_offset_cond"])
+        if req.uncond_kv is not None:
+            validate_kv(req.uncond_kv, cfg.kv_dims, n["uncond_kv"], lim.max_prefix_tokens)
+            if req.index_offset_uncond is None:
+                raise InputError(f"{n['index_offset_uncond']}: required when {n['uncond_kv']} is given")
+            self._check_offset(req.index_offset_uncond, n["index_offset_uncond"])
+        if any(self.plan(req)) and req.uncond_kv is None:
+            raise InputError(f"{n['uncond_kv']}: required because guidance is on for some steps "
+                             f"(cfg_scale {req.sampling.cfg_scale} > 1 inside cfg_interval {req.sampling.cfg_interval}); "
+                             "send it, or set cfg_scale <= 1")
+
+    def check_size(self, height: int, width: int, name: str = "size") -> None:
+        lim, t = self.limits, self.config.token_size
+        for what, v in (("height", height), ("width", width)):
+            if not isinstance(v, (int, np.integer)) or v <= 0 or v % t:
+                raise InputError(f"{name}: {what} must be a positive multiple of {t}, got {v}")
+            if v > lim.max_side:
+                raise InputError(f"{name}: {what} {v} exceeds the maximum side of {lim.max_side}")
+        if height * width > lim.max_pixels:
+            raise InputError(f"{name}: {height}x{width} exceeds the maximum of {lim.max_pixels} pixels")
+        max_patches = self.config.max_position_embeddings_vision
+        if max(height, width) // self.config.patch_size > max_patches:
+            raise InputError(f"{name}: {max(height, width)} pixels exceed the vision positions of the checkpoint "
+                             f"({max_patches} patches of {self.config.patch_size})")
+
+    def _check_offset(self, value: int, name: str) -> None:
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
+            raise InputError(f"{name}: must be an integer, got {value!r}")
+        if not 0 <= value <= self.limits.max_index_offset:
+            raise InputError(f"{name}: {value} is out of range 0..{self.limits.max_index_offset}")
+
+    # ---- preparation ------------------------------------------------------------------
+    def plan(self, req: GenerationRequest) -> list[bool]:
+        s = req.sampling
+        return guidance_plan(s, shifted_timesteps(s.infer_steps, s.timestep_shift))
+
+    def grid(self, height: int, width: int) -> Grid:
+        c = self.config
+        return Grid.build(height, width, c.patch_size, c.merge_size, c.vision_hidden_size, c.rope_theta_vision, self.device)
+
+    def branch(self, kv: torch.Tensor, offset: int, grid: Grid) -> BranchContext:
+        return BranchContext(kv, offset, grid, self.config, self.device, self.dtype)
+
+    def prepare(self, req: GenerationRequest, need_cond: bool = True, need_uncond: bool | None = None) -> Prepared:
+        s = req.sampling
+        grid = self.grid(req.height, req.width)
+        times = shifted_timesteps(s.infer_steps, s.timestep_shift)
+        plan = guidance_plan(s, times)
+        if need_uncond is None:
+            need_uncond = any(plan)
+        cond = self.branch(req.cond_kv, req.index_offset_cond, grid) if need_cond else None
+        uncond = self.branch(req.uncond_kv, req.index_offset_uncond, grid) if need_uncond else None
+        return Prepared(grid, times, plan, initial_noise_scale(self.config, grid.num_tokens), cond, uncond)
+
+    # ---- the loop ---------------------------------------------------------------------
+    def velocity(self, hid: torch.Tensor, z: torch.Tensor, t: float, branch: BranchContext, grid: Grid) -> torch.Tensor:
+        x_pred = self.transformer.predict(self.transformer.run_layers(hid, branch), grid).float()
+        return (x_pred - z) / max(1.0 - t, 0.02)
+
+    def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
+                      sampling: SamplingParams) -> torch.Tensor:
+        """The (guided) velocity of step k; the parallel engine overrides this."""
+        t = prep.times[k]
+        hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
+        v = self.velocity(hid, z, t, prep.cond, prep.grid)
+        if prep.plan[k]:
+            v_u = self.velocity(hid, z, t, prep.uncond, prep.grid)
+            v = combine_guidance(v, v_u, sampling.cfg_scale, sampling.cfg_norm)
+        return v
+
+    @torch.inference_mode()
+    def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
+               prep: Prepared | None = None) -> torch.Tensor:
+        """Run every step; the state stays float32 whatever the run dtype."""
+        prep = prep or self.prepare(req)
+        t_size = prep.grid.token_size
+        x = (req.noise.to(torch.float32) * prep.noise_scale).to(self.device)
+        z = patchify(x, t_size)
+        for k in range(len(prep.times) - 1):
+            if should_stop is not None and should_stop():
+                raise GenerationCancelled(f"cancelled before step {k + 1} of {len(prep.times) - 1}")
+            start = time.perf_counter()
+            v = self.step_velocity(prep, x, z, k, req.sampling)
+            z = z + (prep.times[k + 1] - prep.times[k]) * v
+            x = unpatchify(z, req.height, req.width, t_size)
+            if on_step is not None:
+                on_step(k, time.perf_counter() - start)
+        return x
+
+    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
+                 on_step: StepFn | None = None) -> np.ndarray:
+        """Final uint8 pixels [H, W, 3]."""
+        return to_pixels(self.sample(req, should_stop, on_step))
+
+    @torch.inference_mode()
+    def branch_velocity(self, req: GenerationRequest, x: torch.Tensor, t: float, branch: str = "cond") -> torch.Tensor:
+        """One unguided velocity, for tests and debugging (prepares the branch each call)."""
+        grid = self.grid(req.height, req.width)
+        kv, off = (req.cond_kv, req.index_offset_cond) if branch == "cond" else (req.uncond_kv, req.index_offset_uncond)
+        ctx = self.branch(kv, off, grid)
+        ns = initial_noise_scale(self.config, grid.num_tokens)
+        hid = self.transformer.embed(x.to(self.device, self.dtype), t, ns, grid)
+        return self.velocity(hid, patchify(x.to(self.device, torch.float32), grid.token_size), t, ctx, grid)
+
+
+def set_threads(threads: int | None) -> None:
+    """Intra-op threads for this process (a model instance or a rank)."""
+    if threads:
+        torch.set_num_threads(int(threads))
+    elif "OMP_NUM_THREADS" in os.environ:
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))

@@ -1,0 +1,69 @@
+"""Rotary position tables: 2-D interleaved for patches, 3-D rotate-half for image tokens.
+
+Tables are built once per request (they depend on the grid and the branch's offset, not on
+the step) and applied in float32, as the spec requires.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def vision_rope_tables(rows: int, cols: int, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [rows*cols, 2, dim/4]: half 0 turns with the column, half 1 with the row."""
+    quarter = dim // 4
+    freqs = 1.0 / theta ** (torch.arange(quarter, dtype=torch.float64) * 2.0 / (dim // 2))
+    r = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols)
+    c = torch.arange(cols, dtype=torch.float64).repeat(rows)
+    angles = torch.stack([c[:, None] * freqs, r[:, None] * freqs], dim=1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_vision_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved pairs (2j, 2j+1) of each half of x [N, dim]."""
+    n, dim = x.shape
+    pairs = x.float().view(n, 2, dim // 4, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1)
+    return out.view(n, dim).to(x.dtype)
+
+
+class Rope3D:
+    """Temporal / row / column rotate-half segments of one head, for one branch's tokens."""
+
+    def __init__(self, offset: int, rows: int, cols: int, head_dim: int, theta: float, theta_hw: float,
+                 device: torch.device) -> None:
+        hd = head_dim
+        ft = 1.0 / theta ** (torch.arange(hd // 4, dtype=torch.float64) * 4.0 / hd)
+        fs = 1.0 / theta_hw ** (torch.arange(hd // 8, dtype=torch.float64) * 8.0 / hd)
+        r = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols)[:, None]
+        c = torch.arange(cols, dtype=torch.float64).repeat(rows)[:, None]
+        temporal = (float(offset) * ft).expand(rows * cols, -1)
+        segments = [temporal, r * fs, c * fs]
+        angles = torch.cat([torch.cat([s, s], dim=1) for s in segments], dim=1)
+        self.cos = angles.cos().float().to(device)[:, None, :]
+        self.sin = angles.sin().float().to(device)[:, None, :]
+        self.perm, self.sign = _rotate_half_index(hd, device)
+
+    def slice(self, start: int, stop: int) -> "Rope3D":
+        """The tables of a token range (a sequence-parallel shard)."""
+        part = object.__new__(Rope3D)
+        part.cos, part.sin = self.cos[start:stop], self.sin[start:stop]
+        part.perm, part.sign = self.perm, self.sign
+        return part
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim] -> rotated, same dtype."""
+        xf = x.float()
+        return (xf * self.cos + xf[..., self.perm] * self.sign * self.sin).to(x.dtype)
+
+
+def _rotate_half_index(hd: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    perm = torch.empty(hd, dtype=torch.long)
+    sign = torch.empty(hd, dtype=torch.float32)
+    for start, size in ((0, hd // 2), (hd // 2, hd // 4), (3 * hd // 4, hd // 4)):
+        half = size // 2
+        for i in range(half):
+            perm[start + i], sign[start + i] = start + half + i, -1.0
+            perm[start + half + i], sign[start + half + i] = start + i, 1.0
+    return perm.to(device), sign.to(device)

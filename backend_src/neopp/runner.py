@@ -1,0 +1,87 @@
+"""The stateful API LightLLM calls in-process: set KV, set params, generate.
+
+A thin facade over `NeoPPPipeline` plus a `NoiseStream`, so the serving models and this
+class compute the same thing from the same code.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .errors import InputError
+from .image_io import encode_image
+from .kv_cache import load_kv_file
+from .modes import TASKS, ModeConfig, load_mode
+from .pipeline import GenerationRequest, NeoPPPipeline
+from .rng import NoiseStream
+
+_KEEP = object()
+
+
+class NeoPPRunner:
+    def __init__(self, ckpt_dir: str | Path, mode: ModeConfig | str | Path | None = None, device: str | None = None,
+                 dtype: torch.dtype | None = None, default_task: str = "t2i",
+                 support_tasks: Sequence[str] = TASKS, pipeline: NeoPPPipeline | None = None) -> None:
+        mode = load_mode(mode) if isinstance(mode, (str, Path)) else (mode or ModeConfig())
+        self.pipeline = pipeline or NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype)
+        self.pipeline.support_tasks = tuple(support_tasks)
+        self.support_tasks = tuple(support_tasks)
+        if default_task not in self.support_tasks:
+            raise InputError(f"task: default task {default_task!r} is not in support_tasks {self.support_tasks}")
+        self.default_task = default_task
+        self.sampling = mode.sampling
+        self.default_size = mode.default_size
+        self.stream = NoiseStream()
+        self._cond: torch.Tensor | None = None
+        self._uncond: torch.Tensor | None = None
+        self._offsets: tuple[int | None, int | None] = (None, None)
+        self._resize: tuple[int, int] | None = None
+
+    def set_kvcache(self, cond: torch.Tensor, uncond: torch.Tensor | None = None) -> None:
+        """Prefixes in the online layout [layers, 2, seq, kv_heads, head_dim]."""
+        self._cond, self._uncond = cond, uncond
+
+    def load_kvcache(self, cond_path: str | Path, uncond_path: str | Path | None = None) -> None:
+        """Prefixes from replay-layout files (`.pt` or safetensors)."""
+        self.set_kvcache(load_kv_file(cond_path), load_kv_file(uncond_path) if uncond_path else None)
+
+    def set_inference_params(self, index_offset_cond: int, index_offset_uncond: int | None = None,
+                             cfg_interval: Any = _KEEP, cfg_scale: Any = _KEEP, cfg_norm: Any = _KEEP,
+                             timestep_shift: Any = _KEEP, output_format: Any = _KEEP, infer_steps: Any = _KEEP,
+                             enable_cfg: Any = _KEEP, image_guidance_scale: Any = _KEEP,
+                             resize: Any = _KEEP) -> None:
+        """Offsets of this turn; sampling values given here override the mode's, others stay."""
+        overrides = {k: v for k, v in dict(cfg_interval=cfg_interval, cfg_scale=cfg_scale, cfg_norm=cfg_norm,
+                                           timestep_shift=timestep_shift, output_format=output_format,
+                                           infer_steps=infer_steps, enable_cfg=enable_cfg,
+                                           image_guidance_scale=image_guidance_scale).items() if v is not _KEEP}
+        self.sampling = self.sampling.replace(**overrides)
+        self._offsets = (index_offset_cond, index_offset_uncond)
+        if resize is not _KEEP:
+            self._resize = tuple(resize) if resize else None
+
+    def generate(self, seed: int | None = None, size: Sequence[int] | None = None, task: str | None = None,
+                 save_result_path: str = "", target_shape: Sequence[int] | None = None) -> bytes:
+        """Encoded image bytes; also written to `save_result_path` when given.
+
+        An explicit seed starts a fresh stream; `None` continues the previous generation's.
+        """
+        if self._cond is None or self._offsets[0] is None:
+            raise InputError("cond_kv: call set_kvcache and set_inference_params before generate")
+        size = size if size is not None else target_shape
+        height, width = (int(v) for v in (size or self.default_size))
+        if seed is not None:
+            self.stream.reseed(seed)
+        req = GenerationRequest(cond_kv=self._cond, uncond_kv=self._uncond, index_offset_cond=self._offsets[0],
+                                index_offset_uncond=self._offsets[1], height=height, width=width,
+                                noise=torch.zeros(1, 3, 1, 1), sampling=self.sampling, task=task or self.default_task)
+        req.noise = torch.empty(1, 3, height, width)  # shape only, for validation before drawing
+        self.pipeline.validate(req)
+        req.noise = self.stream.draw(height, width)
+        data = encode_image(self.pipeline.generate(req), self.sampling.output_format, self._resize)
+        if save_result_path:
+            Path(save_result_path).write_bytes(data)
+        return data

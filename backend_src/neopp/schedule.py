@@ -1,0 +1,28 @@
+"""Time grid and initial noise scale (spec 3, "Schedule" and "Initial noise")."""
+
+from __future__ import annotations
+
+import math
+
+from .config import ModelConfig
+
+
+def shifted_timesteps(steps: int, shift: float) -> list[float]:
+    """`N + 1` times from 0 (noise) to 1 (clean), warped by the shift; step k goes t[k] -> t[k+1]."""
+    out = []
+    for k in range(steps + 1):
+        sigma = 1.0 - k / steps
+        sigma = shift * sigma / (1.0 + (shift - 1.0) * sigma)
+        out.append(1.0 - sigma)
+    return out
+
+
+def initial_noise_scale(config: ModelConfig, num_tokens: int) -> float:
+    """How loud the starting noise is; larger images start louder, capped."""
+    init, cap = config.noise_scale, config.noise_scale_max_value
+    ratio = num_tokens / config.noise_scale_base_image_seq_len
+    if config.noise_scale_mode == "resolution":
+        return min(init * math.sqrt(ratio), cap)
+    if config.noise_scale_mode == "dynamic_sqrt":
+        return min(math.sqrt(init * math.sqrt(ratio)), cap)
+    return init

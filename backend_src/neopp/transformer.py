@@ -1,0 +1,139 @@
+"""The generation tower: weights assembled from a checkpoint, and one forward per KV branch."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .checkpoint import FM, LM, VISION, layer_prefix
+from .config import ModelConfig
+from .embeddings import Grid, MLPEmbedder, MLPHead, PatchEmbed, PixelHead
+from .layers import MoE, DecoderLayer, Linear, SwiGLU, grouped_attention, rms_norm, split_head_norm
+from .rope import Rope3D
+
+# (checkpoint key of the weight, weight, bias or None, all tensors) -> callable linear
+LinearFactory = Callable[[str, torch.Tensor, "torch.Tensor | None", dict], Linear]
+
+
+class BranchContext:
+    """One KV branch of one request: its prefix laid out for attention once, and its RoPE.
+
+    The buffers hold `S + L` positions per layer; the prefix is copied in once per request
+    and each step only overwrites the image tokens' slots, so the prefix is never re-copied.
+    """
+
+    def __init__(self, kv_online: torch.Tensor, offset: int, grid: Grid, cfg: ModelConfig,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        layers, _, seq, kv_heads, head_dim = kv_online.shape
+        total = seq + grid.num_tokens
+        self.prefix_len = seq
+        self.k = torch.empty(layers, kv_heads, total, head_dim, device=device, dtype=dtype)
+        self.v = torch.empty_like(self.k)
+        self.k[:, :, :seq].copy_(kv_online[:, 0].transpose(1, 2))
+        self.v[:, :, :seq].copy_(kv_online[:, 1].transpose(1, 2))
+        self.rope = Rope3D(offset, grid.rows, grid.cols, head_dim, cfg.rope_theta, cfg.rope_theta_hw, device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [L, NH, HD], k/v [L, NKV, HD] of the image tokens -> [L, NH*HD]."""
+        s = self.prefix_len
+        self.k[layer, :, s:].copy_(k.transpose(0, 1))
+        self.v[layer, :, s:].copy_(v.transpose(0, 1))
+        return grouped_attention(q, self.k[layer], self.v[layer])
+
+
+class NeoPPTransformer:
+    """Pre-infer (embed), the decoder layers (per branch), post-infer (head)."""
+
+    def __init__(self, cfg: ModelConfig, patch: PatchEmbed, t_embed: MLPEmbedder, ns_embed: MLPEmbedder | None,
+                 layers: list[DecoderLayer], final_norm: torch.Tensor, head: MLPHead | PixelHead) -> None:
+        self.cfg, self.patch, self.t_embed, self.ns_embed = cfg, patch, t_embed, ns_embed
+        self.layers, self.final_norm, self.head = layers, final_norm, head
+
+    def embed(self, x: torch.Tensor, t: float, noise_scale: float, grid: Grid) -> torch.Tensor:
+        """Image tokens [L, D] of the current estimate at time t (shared by both branches)."""
+        tokens = self.patch(x, grid)
+        cond = self.t_embed(t, tokens.dtype)
+        if self.ns_embed is not None:
+            cond = cond + self.ns_embed(noise_scale / self.cfg.noise_scale_max_value, tokens.dtype)
+        return tokens + cond
+
+    def run_layers(self, hid: torch.Tensor, branch: BranchContext) -> torch.Tensor:
+        nh, nkv, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        for i, layer in enumerate(self.layers):
+            a = rms_norm(hid, layer.input_norm)
+            n = a.shape[0]
+            q = branch.rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm, layer.q_norm_hw))
+            k = branch.rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm, layer.k_norm_hw))
+            v = layer.v_proj(a).view(n, nkv, hd)
+            hid = hid + layer.o_proj(branch.attend(i, q, k, v))
+            hid = hid + layer.mlp(rms_norm(hid, layer.post_norm))
+        return hid
+
+    def predict(self, hid: torch.Tensor, grid: Grid) -> torch.Tensor:
+        """Final norm and head: the clean-image prediction [L, T*T*3] in the layout of z."""
+        return self.head(rms_norm(hid, self.final_norm), grid)
+
+    def linears(self) -> list[Linear]:
+        return [lin for layer in self.layers for lin in layer.linears()]
+
+    @staticmethod
+    def from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device,
+                     dtype: torch.dtype, layer_linear: LinearFactory | None = None) -> "NeoPPTransformer":
+        """Assemble from checked checkpoint tensors; `layer_linear` builds decoder-layer linears
+        (the FP8 mode passes its own), every other weight is cast to `dtype`."""
+
+        def t(key: str) -> torch.Tensor:
+            return tensors[key].to(device=device, dtype=dtype)
+
+        def lin(key: str, bias: bool = False) -> Linear:
+            return Linear(dequantised(key, tensors, device, dtype), t(key[: -len("weight")] + "bias") if bias else None)
+
+        make = layer_linear or (lambda key, w, b, all_t: Linear(dequantised(key, all_t, device, dtype)))
+
+        def layer_lin(key: str) -> Linear:
+            return make(key, tensors[key], None, tensors)
+
+        def swiglu(prefix: str) -> SwiGLU:
+            return SwiGLU(*(layer_lin(f"{prefix}{name}.weight") for name in ("gate_proj", "up_proj", "down_proj")))
+
+        layers = []
+        for i in range(cfg.num_layers):
+            p, a, m = layer_prefix(i), layer_prefix(i) + "self_attn.", layer_prefix(i) + "mlp_mot_gen."
+            if cfg.is_moe:
+                experts = [swiglu(f"{m}experts.{j}.") for j in range(cfg.num_experts)]
+                mlp = MoE(lin(m + "gate.weight"), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            else:
+                mlp = swiglu(m)
+            layers.append(DecoderLayer(
+                input_norm=t(p + "input_layernorm_mot_gen.weight"),
+                post_norm=t(p + "post_attention_layernorm_mot_gen.weight"),
+                q_proj=layer_lin(a + "q_proj_mot_gen.weight"), k_proj=layer_lin(a + "k_proj_mot_gen.weight"),
+                v_proj=layer_lin(a + "v_proj_mot_gen.weight"), o_proj=layer_lin(a + "o_proj_mot_gen.weight"),
+                q_norm=t(a + "q_norm_mot_gen.weight"), k_norm=t(a + "k_norm_mot_gen.weight"),
+                q_norm_hw=t(a + "q_norm_hw_mot_gen.weight"), k_norm_hw=t(a + "k_norm_hw_mot_gen.weight"),
+                mlp=mlp))
+        patch = PatchEmbed(t(VISION + "patch_embedding.weight"), t(VISION + "patch_embedding.bias"),
+                           t(VISION + "dense_embedding.weight"), t(VISION + "dense_embedding.bias"), cfg.patch_size)
+
+        def embedder(name: str) -> MLPEmbedder:
+            return MLPEmbedder(lin(f"{FM}{name}.mlp.0.weight", True), lin(f"{FM}{name}.mlp.2.weight", True))
+
+        if cfg.use_pixel_head:
+            h = FM + "fm_head."
+            head = PixelHead(t(h + "conv1.weight"), t(h + "conv1.bias"), t(h + "conv2.weight"), t(h + "conv2.bias"))
+        else:
+            head = MLPHead(lin(FM + "fm_head.0.weight", True), lin(FM + "fm_head.2.weight", True))
+        ns = embedder("noise_scale_embedder") if cfg.add_noise_scale_embedding else None
+        return NeoPPTransformer(cfg, patch, embedder("timestep_embedder"), ns, layers,
+                                t(LM + "norm_mot_gen.weight"), head)
+
+
+def dequantised(key: str, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A weight in full precision; an FP8 weight with its per-channel scale is expanded."""
+    weight = tensors[key]
+    scale = tensors.get(key + "_scale")
+    if scale is None:
+        return weight.to(device=device, dtype=dtype)
+    full = weight.to(device=device, dtype=torch.float32) * scale.to(device=device, dtype=torch.float32).view(-1, 1)
+    return full.to(dtype)
