@@ -18,7 +18,7 @@ import torch
 from .checkpoint import default_dtype, load_checkpoint
 from .config import ModelConfig
 from .embeddings import Grid, patchify, unpatchify
-from .errors import GenerationCancelled, InputError
+from .errors import ConfigError, GenerationCancelled, InputError
 from .guidance import combine_guidance, guidance_plan
 from .image_io import to_pixels
 from .kv_cache import validate_kv
@@ -74,9 +74,13 @@ class NeoPPPipeline:
                         layer_linear: LinearFactory | None = None) -> "NeoPPPipeline":
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or default_dtype(dev)
+        mode = mode or ModeConfig()
         cfg, tensors = load_checkpoint(ckpt_dir)
+        if (mode.version == "moe") != cfg.is_moe:
+            raise ConfigError(f"mode {mode.name}: version {mode.version!r} does not match the checkpoint "
+                              f"({'MoE' if cfg.is_moe else 'dense'} weights in {ckpt_dir})")
         transformer = NeoPPTransformer.from_tensors(cfg, tensors, dev, dtype, layer_linear)
-        return cls(cfg, transformer, mode or ModeConfig(), dev, dtype, limits)
+        return cls(cfg, transformer, mode, dev, dtype, limits)
 
     # ---- validation -------------------------------------------------------------------
     def validate(self, req: GenerationRequest, names: dict[str, str] | None = None) -> None:
