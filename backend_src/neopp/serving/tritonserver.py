@@ -1,0 +1,390 @@
+"""Run the real Triton Inference Server bundled in the ``nvidia-pytriton`` wheel.
+
+The wheel ships tritonserver 2.51 plus the Python backend, but the backend only
+starts cleanly with three fixes (see TRITON_LOCAL.md): a backend directory that
+holds the stub for this interpreter next to ``libtriton_python.so``, an
+``LD_LIBRARY_PATH`` that puts the interpreter's own ``LIBDIR`` first, and the
+virtual environment's ``bin`` first on ``PATH``. This module does all three,
+starts the server on chosen (or free) ports, waits for readiness with a bound,
+and stops exactly the processes it started.
+
+CLI::
+
+    python -m neopp.serving.tritonserver serve --model-repository model_repository
+    python -m neopp.serving.tritonserver perf -- -m neopp_dense -i grpc ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Sequence
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+DEFAULT_BACKEND_DIR = REPO_ROOT / "build" / "triton_backends"
+LOOPBACK = "127.0.0.1"
+
+
+class TritonLaunchError(RuntimeError):
+    """The server could not be found, prepared, started or made ready."""
+
+
+@dataclass(frozen=True)
+class TritonInstall:
+    """Where the wheel's server files live in the running environment."""
+
+    site_packages: Path
+    server_bin: Path
+    python_backend: Path  # folder with libtriton_python.so + triton_python_backend_utils.py
+    stub: Path  # triton_python_backend_stub for this interpreter's major.minor
+    libs: Path  # <site-packages>/nvidia_pytriton.libs
+
+
+def python_tag() -> str:
+    """``major.minor`` of the running interpreter: selects the matching stub."""
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def _site_packages_candidates() -> list[Path]:
+    """purelib/platlib first, then every sys.path entry (covers user installs)."""
+    seen: list[Path] = []
+    for p in [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]:
+        if p and Path(p).is_dir() and Path(p) not in seen:
+            seen.append(Path(p))
+    return seen
+
+
+def find_install() -> TritonInstall:
+    """Locate the wheel's tritonserver files; the error says what is missing and why."""
+    for sp in _site_packages_candidates():
+        root = sp / "pytriton" / "tritonserver"
+        if not (root / "bin" / "tritonserver").is_file():
+            continue
+        stub = root / "python_backend_stubs" / python_tag() / "triton_python_backend_stub"
+        install = TritonInstall(site_packages=sp, server_bin=root / "bin" / "tritonserver",
+                                python_backend=root / "backends" / "python", stub=stub,
+                                libs=sp / "nvidia_pytriton.libs")
+        for path in (install.python_backend / "libtriton_python.so", stub, install.libs):
+            if not path.exists():
+                raise TritonLaunchError(f"nvidia-pytriton install at {sp} lacks {path}")
+        return install
+    raise TritonLaunchError(
+        "tritonserver not found: install nvidia-pytriton==0.7.0 into this environment "
+        f"({sys.executable})"
+    )
+
+
+def _copy_if_changed(src: Path, dst: Path) -> None:
+    """Copy keeping the mode; skip when size and mtime already match (cheap reruns)."""
+    if dst.exists():
+        s, d = src.stat(), dst.stat()
+        if s.st_size == d.st_size and int(s.st_mtime) == int(d.st_mtime):
+            return
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+
+
+def prepare_backend_dir(dest: Path | str | None = None, install: TritonInstall | None = None) -> Path:
+    """Assemble ``<dest>/python/`` so the Python backend finds a stub for this interpreter."""
+    install = install or find_install()
+    dest = Path(dest) if dest is not None else DEFAULT_BACKEND_DIR
+    py_dir = dest / "python"
+    py_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
+        _copy_if_changed(install.python_backend / name, py_dir / name)
+    _copy_if_changed(install.stub, py_dir / "triton_python_backend_stub")
+    return dest
+
+
+def _venv_bin() -> Path:
+    """The bin folder of the running interpreter's environment (venv or not)."""
+    return Path(sys.prefix) / "bin"
+
+
+def _prepend(value: str | None, *first: str) -> str:
+    parts = [p for p in first if p] + [p for p in (value or "").split(os.pathsep) if p]
+    return os.pathsep.join(dict.fromkeys(parts))
+
+
+def server_env(install: TritonInstall | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver: interpreter LIBDIR before the wheel's libs, venv bin first."""
+    install = install or find_install()
+    env = dict(os.environ if base is None else base)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = _prepend(env.get("LD_LIBRARY_PATH"), libdir, str(install.libs))
+    env["PATH"] = _prepend(env.get("PATH"), str(_venv_bin()))
+    if sys.prefix != sys.base_prefix:
+        env["VIRTUAL_ENV"] = sys.prefix
+    env.pop("PYTHONHOME", None)
+    return env
+
+
+def pick_free_port(host: str = LOOPBACK) -> int:
+    """A port the OS reports free right now (a tiny race remains; callers retry on failure)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def pick_free_ports(count: int, host: str = LOOPBACK) -> list[int]:
+    """``count`` distinct free ports (sockets held together so they differ)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((host, 0))
+            socks.append(s)
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _process_group_members(pgid: int) -> list[int]:
+    """Live pids in process group ``pgid`` (the server's stubs inherit its group)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields after "(comm)": state, ppid, pgrp, ...; zombies are already gone for our purpose
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(entry.name))
+    return pids
+
+
+class TritonServer:
+    """One tritonserver process: start, wait ready, stop. Usable as a context manager."""
+
+    def __init__(self, model_repository: Path | str, http_port: int | None = None,
+                 grpc_port: int | None = None, metrics_port: int | None = None, host: str = LOOPBACK,
+                 backend_dir: Path | str | None = None, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, log_path: Path | str | None = None) -> None:
+        """Ports left as None are picked free; ``env`` is the base environment (default: ours)."""
+        self.model_repository = Path(model_repository).resolve()
+        free = iter(pick_free_ports(3))
+        self.http_port = http_port or next(free)
+        self.grpc_port = grpc_port or next(free)
+        self.metrics_port = metrics_port or next(free)
+        self.host = host
+        self.install = find_install()
+        self.backend_dir = prepare_backend_dir(backend_dir, self.install)
+        self.extra_args = list(extra_args)
+        self.env = server_env(self.install, env)
+        self.log_path = Path(log_path) if log_path else None
+        self.process: subprocess.Popen | None = None
+        self._log_file: IO[bytes] | None = None
+
+    @property
+    def client_host(self) -> str:
+        """Address a local client dials (a wildcard bind is reached over loopback)."""
+        return LOOPBACK if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.client_host}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.client_host}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        """The full tritonserver argv."""
+        return [str(self.install.server_bin), f"--model-repository={self.model_repository}",
+                f"--backend-directory={self.backend_dir}",
+                f"--http-address={self.host}", f"--http-port={self.http_port}",
+                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+                *self.extra_args]
+
+    def start(self) -> "TritonServer":
+        """Launch in its own process group so its stubs can be found and stopped with it."""
+        if self.process is not None:
+            raise TritonLaunchError("server already started")
+        out: int | IO[bytes] | None = None
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "ab")
+            out = self._log_file
+        self.process = subprocess.Popen(self.command(), env=self.env, stdout=out,
+                                        stderr=subprocess.STDOUT if out is not None else None,
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def is_ready(self) -> bool:
+        """True when GET /v2/health/ready answers 200."""
+        url = f"http://{self.http_url}/v2/health/ready"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def log_tail(self, chars: int = 6000) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return "(server output not captured)"
+        return self.log_path.read_bytes()[-chars:].decode("utf-8", "replace")
+
+    def wait_ready(self, timeout: float = 300.0, poll: float = 0.25) -> None:
+        """Block until ready; fail fast if the process exits, fail after ``timeout`` s."""
+        if self.process is None:
+            raise TritonLaunchError("server not started")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise TritonLaunchError(
+                    f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
+                    + self.log_tail()
+                )
+            if self.is_ready():
+                return
+            time.sleep(poll)
+        raise TritonLaunchError(f"tritonserver not ready after {timeout:.0f}s:\n" + self.log_tail())
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM the server, SIGKILL after ``timeout``; then clear any stub left in its group."""
+        proc = self.process
+        if proc is None:
+            return None
+        pgid = proc.pid  # start_new_session made the server its group leader
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        self._reap_group(pgid, timeout=10.0)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return proc.returncode
+
+    @staticmethod
+    def _reap_group(pgid: int, timeout: float) -> None:
+        """Stubs normally exit with the server; any that linger get SIGTERM, then SIGKILL."""
+        deadline = time.monotonic() + timeout
+        sig = signal.SIGTERM
+        while True:
+            members = _process_group_members(pgid)
+            if not members:
+                return
+            if time.monotonic() > deadline:
+                if sig == signal.SIGKILL:
+                    raise TritonLaunchError(f"processes {members} of tritonserver group survived SIGKILL")
+                sig, deadline = signal.SIGKILL, time.monotonic() + 5.0
+            for pid in members:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.2)
+
+    def __enter__(self) -> "TritonServer":
+        self.start()
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# ---------------------------------------------------------------- CLI
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    extra = ns.extra[1:] if ns.extra[:1] == ["--"] else list(ns.extra)
+    server = TritonServer(ns.model_repository, http_port=ns.http_port, grpc_port=ns.grpc_port,
+                          metrics_port=ns.metrics_port, host=ns.host, backend_dir=ns.backend_dir,
+                          extra_args=extra)
+    stop_requested = False
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        nonlocal stop_requested
+        stop_requested = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    print("starting:", " ".join(server.command()), flush=True)
+    server.start()
+    try:
+        ready_deadline = time.monotonic() + ns.ready_timeout
+        announced = False
+        while not stop_requested:
+            if server.process is not None and server.process.poll() is not None:
+                print(f"tritonserver exited with code {server.process.returncode}", flush=True)
+                return server.process.returncode or 1
+            if not announced and server.is_ready():
+                announced = True
+                print(f"\nNeoPP Triton server ready:\n"
+                      f"  HTTP     http://{server.http_url}  (client_examples/http_t2i.py --url {server.http_url})\n"
+                      f"  gRPC     {server.grpc_url}  (client_examples/grpc_t2i.py --url {server.grpc_url})\n"
+                      f"  metrics  {server.metrics_url}\nCtrl-C stops it.", flush=True)
+            elif not announced and time.monotonic() > ready_deadline:
+                print(f"tritonserver not ready after {ns.ready_timeout:.0f}s; stopping", flush=True)
+                return 1
+            time.sleep(0.5)
+        print("stopping tritonserver ...", flush=True)
+        return 0
+    finally:
+        server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m neopp.serving.tritonserver", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="run tritonserver in the foreground")
+    s.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--host", default=LOOPBACK, help="bind address (0.0.0.0 exposes the server)")
+    s.add_argument("--backend-dir", default=None, help=f"default {DEFAULT_BACKEND_DIR}")
+    s.add_argument("--ready-timeout", type=float, default=600.0)
+    s.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra tritonserver arguments")
+    b = sub.add_parser("prepare-backend", help="only assemble the backend directory and print it")
+    b.add_argument("--backend-dir", default=None)
+    p = sub.add_parser("perf", help="run perf_analyzer with its libraries found; args after --")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    ns = parser.parse_args(argv)
+    try:
+        if ns.cmd == "serve":
+            return _serve(ns)
+        if ns.cmd == "prepare-backend":
+            print(prepare_backend_dir(ns.backend_dir))
+            return 0
+        from .perf_analyzer import run_perf_analyzer
+
+        args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
+        return run_perf_analyzer(args)
+    except TritonLaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
