@@ -1,0 +1,52 @@
+"""Custom Prometheus metrics of the generation models (Triton's metrics port).
+
+Triton's own ``nv_inference_*`` metrics count requests; these add what only the model
+knows: denoising steps (so progress and cancellation are observable while a request
+runs), time per step, and failures by reason. Families are registered by name in the
+server, so every instance and every generation model shares them, told apart by the
+``model`` label.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+FAILURE_REASONS = ("invalid_input", "cancelled", "config", "internal")
+
+_COUNTERS = {
+    "generations": ("neopp_generations_total", "Images generated successfully"),
+    "steps": ("neopp_denoising_steps_total", "Denoising steps run (advances during a request)"),
+    "generation_seconds": ("neopp_generation_seconds_total", "Seconds spent in generation, encoding included"),
+    "step_seconds": ("neopp_step_seconds_total", "Seconds spent inside denoising steps"),
+}
+_FAILURES = ("neopp_failures_total", "Failed requests by reason: " + ", ".join(FAILURE_REASONS))
+
+
+class GenerationMetrics:
+    """Counters for one model; ``pb_utils`` is passed in so this imports outside Triton."""
+
+    def __init__(self, pb_utils: Any, model_name: str) -> None:
+        counter = pb_utils.MetricFamily.COUNTER
+        labels = {"model": model_name}
+        # Keep the families referenced: a family that is garbage-collected unregisters.
+        self._families = {
+            key: pb_utils.MetricFamily(name=name, description=desc, kind=counter)
+            for key, (name, desc) in _COUNTERS.items()
+        }
+        self._metrics = {key: fam.Metric(labels=labels) for key, fam in self._families.items()}
+        self._fail_family = pb_utils.MetricFamily(name=_FAILURES[0], description=_FAILURES[1], kind=counter)
+        self._failures = {
+            reason: self._fail_family.Metric(labels={**labels, "reason": reason}) for reason in FAILURE_REASONS
+        }
+
+    def step(self, seconds: float) -> None:
+        """Called after every denoising step (NeoPPPipeline.generate's on_step)."""
+        self._metrics["steps"].increment(1)
+        self._metrics["step_seconds"].increment(float(seconds))
+
+    def success(self, seconds: float) -> None:
+        self._metrics["generations"].increment(1)
+        self._metrics["generation_seconds"].increment(float(seconds))
+
+    def failure(self, reason: str) -> None:
+        self._failures.get(reason, self._failures["internal"]).increment(1)

@@ -1,0 +1,231 @@
+"""The contract's input table and the checks a request passes before any heavy work.
+
+Pure Python/torch (no Triton import) so the rules are testable without a server and
+identical for every generation model. Every failure is an ``InputError`` whose message
+starts with the input's name and states the rule it broke.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ..errors import InputError
+from ..limits import Limits
+from ..modes import TASKS
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One row of the contract's input table."""
+
+    data_type: str  # Triton config spelling, e.g. "TYPE_INT64"
+    dims: tuple[int, ...]
+    optional: bool = True
+
+
+# The contract (CONTRACT.md "Inputs of every generation model"); auto-complete adds any missing row.
+INPUT_SPECS: dict[str, InputSpec] = {
+    "COND_KV": InputSpec("TYPE_BF16", (-1, 2, -1, -1, -1), optional=False),
+    "UNCOND_KV": InputSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
+    "INDEX_OFFSET_COND": InputSpec("TYPE_INT64", (1,), optional=False),
+    "INDEX_OFFSET_UNCOND": InputSpec("TYPE_INT64", (1,)),
+    "SIZE": InputSpec("TYPE_INT64", (2,)),
+    "SEED": InputSpec("TYPE_INT64", (1,)),
+    "RNG_STATE": InputSpec("TYPE_UINT8", (-1,)),
+    "TASK": InputSpec("TYPE_STRING", (1,)),
+    "CFG_SCALE": InputSpec("TYPE_FP32", (1,)),
+    "CFG_INTERVAL": InputSpec("TYPE_FP32", (2,)),
+    "CFG_NORM": InputSpec("TYPE_STRING", (1,)),
+    "TIMESTEP_SHIFT": InputSpec("TYPE_FP32", (1,)),
+    "STEPS": InputSpec("TYPE_INT64", (1,)),
+    "OUTPUT_FORMAT": InputSpec("TYPE_STRING", (1,)),
+    "RESIZE": InputSpec("TYPE_INT64", (2,)),
+    "IMAGE_GUIDANCE_SCALE": InputSpec("TYPE_FP32", (1,)),
+}
+OUTPUT_SPECS: dict[str, InputSpec] = {
+    "IMAGE": InputSpec("TYPE_STRING", (1,)),
+    "NEXT_RNG_STATE": InputSpec("TYPE_UINT8", (-1,)),
+}
+KV_INPUTS = ("COND_KV", "UNCOND_KV")
+
+_NUMPY_KINDS = {"TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_UINT8": np.uint8}
+
+
+@dataclass
+class ParsedRequest:
+    """A request's inputs, typed and checked against the contract and the limits."""
+
+    cond_kv: torch.Tensor
+    index_offset_cond: int
+    uncond_kv: torch.Tensor | None = None
+    index_offset_uncond: int | None = None
+    size: tuple[int, int] | None = None
+    seed: int | None = None
+    rng_state: np.ndarray | None = None
+    task: str | None = None
+    resize: tuple[int, int] | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams.replace overrides
+
+    @property
+    def prefix_tokens(self) -> int:
+        return int(self.cond_kv.shape[2])
+
+
+def _check_shape(name: str, value: Any, spec: InputSpec) -> None:
+    shape = tuple(value.shape)
+    if len(shape) != len(spec.dims) or any(d not in (-1, s) for d, s in zip(spec.dims, shape)):
+        raise InputError(f"{name}: shape must be {list(spec.dims)} (-1 = any), got {list(shape)}")
+
+
+def _numeric(name: str, value: Any, spec: InputSpec) -> np.ndarray:
+    arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
+    want = _NUMPY_KINDS[spec.data_type]
+    if arr.dtype != want:
+        raise InputError(f"{name}: datatype must be {spec.data_type[5:]}, got {arr.dtype}")
+    _check_shape(name, arr, spec)
+    return arr
+
+
+def _string(name: str, value: Any, spec: InputSpec) -> str:
+    arr = np.asarray(value)
+    _check_shape(name, arr, spec)
+    item = arr.reshape(-1)[0]
+    if isinstance(item, (bytes, np.bytes_)):
+        try:
+            return bytes(item).decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{name}: must be UTF-8 text") from exc
+    if isinstance(item, str):
+        return item.strip()
+    raise InputError(f"{name}: must be a STRING (BYTES) tensor, got {arr.dtype}")
+
+
+def _kv(name: str, value: Any) -> torch.Tensor:
+    """Only the type here; geometry, length and NaN checks are the pipeline's (validate_kv)."""
+    if not isinstance(value, torch.Tensor):
+        raise InputError(f"{name}: must be a BF16 tensor")
+    if value.dtype != torch.bfloat16:
+        raise InputError(f"{name}: datatype must be BF16, got {value.dtype}")
+    if value.dim() != 5:
+        raise InputError(f"{name}: must be 5-D [layers, 2, seq, kv_heads, head_dim], got shape {list(value.shape)}")
+    return value
+
+
+def _int(name: str, value: Any) -> int:
+    return int(_numeric(name, value, INPUT_SPECS[name])[0])
+
+
+def _pair(name: str, value: Any) -> tuple[int, int]:
+    h, w = (int(v) for v in _numeric(name, value, INPUT_SPECS[name]))
+    return h, w
+
+
+def _resize(value: Any, limits: Limits) -> tuple[int, int]:
+    """RESIZE is the serving layer's own: any positive size within the same bounds as SIZE."""
+    name = "RESIZE"
+    h, w = _pair(name, value)
+    if h <= 0 or w <= 0:
+        raise InputError(f"{name}: [height, width] must be positive, got [{h}, {w}]")
+    if max(h, w) > limits.max_side:
+        raise InputError(f"{name}: each side must be at most {limits.max_side} pixels, got [{h}, {w}]")
+    if h * w > limits.max_pixels:
+        raise InputError(f"{name}: {h}x{w} = {h * w} pixels exceeds the limit of {limits.max_pixels}")
+    return h, w
+
+
+def _finite_scalar(name: str, value: Any) -> float:
+    x = float(_numeric(name, value, INPUT_SPECS[name])[0])
+    if not math.isfinite(x):
+        raise InputError(f"{name}: must be a finite number, got {x}")
+    return x
+
+
+def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
+    """Type and shape checks of every contract input, plus the rules the core does not know.
+
+    ``inputs`` maps input names to numpy arrays (torch tensors for BF16 KV); absent optional
+    inputs are simply missing. The checks that need the checkpoint (KV geometry, NaN, size,
+    offsets, guidance needing UNCOND_KV) are ``NeoPPPipeline.validate``'s, still before any
+    denoising.
+    """
+    unknown = sorted(set(inputs) - set(INPUT_SPECS))
+    if unknown:
+        raise InputError(f"{unknown[0]}: unknown input; expected names from {sorted(INPUT_SPECS)}")
+    for name, spec in INPUT_SPECS.items():
+        if not spec.optional and inputs.get(name) is None:
+            raise InputError(f"{name}: required input is missing")
+    req = ParsedRequest(cond_kv=_kv("COND_KV", inputs["COND_KV"]),
+                        index_offset_cond=_int("INDEX_OFFSET_COND", inputs["INDEX_OFFSET_COND"]))
+    has_uncond, has_uoff = inputs.get("UNCOND_KV") is not None, inputs.get("INDEX_OFFSET_UNCOND") is not None
+    if has_uncond != has_uoff:
+        missing = "INDEX_OFFSET_UNCOND" if has_uncond else "UNCOND_KV"
+        other = "UNCOND_KV" if has_uncond else "INDEX_OFFSET_UNCOND"
+        raise InputError(f"{missing}: required together with {other}")
+    if has_uncond:
+        req.uncond_kv = _kv("UNCOND_KV", inputs["UNCOND_KV"])
+        req.index_offset_uncond = _int("INDEX_OFFSET_UNCOND", inputs["INDEX_OFFSET_UNCOND"])
+    kv_bytes = sum(t.numel() * t.element_size() for t in (req.cond_kv, req.uncond_kv) if t is not None)
+    if kv_bytes > limits.max_request_bytes:
+        raise InputError(f"COND_KV/UNCOND_KV: {kv_bytes} bytes of KV exceed the limit of {limits.max_request_bytes}")
+    if inputs.get("SIZE") is not None:
+        req.size = _pair("SIZE", inputs["SIZE"])  # range checked by NeoPPPipeline.check_size
+    if inputs.get("RESIZE") is not None:
+        req.resize = _resize(inputs["RESIZE"], limits)
+    if inputs.get("SEED") is not None and inputs.get("RNG_STATE") is not None:
+        raise InputError("SEED: give SEED or RNG_STATE, not both (SEED starts a stream, RNG_STATE continues one)")
+    if inputs.get("SEED") is not None:
+        req.seed = _int("SEED", inputs["SEED"])
+    if inputs.get("RNG_STATE") is not None:
+        req.rng_state = _numeric("RNG_STATE", inputs["RNG_STATE"], INPUT_SPECS["RNG_STATE"])
+    if inputs.get("TASK") is not None:
+        req.task = _string("TASK", inputs["TASK"], INPUT_SPECS["TASK"]).lower()
+        if req.task not in TASKS:
+            raise InputError(f"TASK: unknown task {req.task!r}; expected one of {list(TASKS)}")
+    _parse_sampling(inputs, req, limits)
+    return req
+
+
+def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limits) -> None:
+    """Sampling overrides, keyed by SamplingParams field; the mode keeps what is absent."""
+    s = req.sampling
+    if inputs.get("STEPS") is not None:
+        steps = _int("STEPS", inputs["STEPS"])
+        if not 1 <= steps <= limits.max_steps:
+            raise InputError(f"STEPS: must be in 1..{limits.max_steps}, got {steps}")
+        s["infer_steps"] = steps
+    if inputs.get("CFG_SCALE") is not None:
+        s["cfg_scale"] = _finite_scalar("CFG_SCALE", inputs["CFG_SCALE"])
+    if inputs.get("TIMESTEP_SHIFT") is not None:
+        shift = _finite_scalar("TIMESTEP_SHIFT", inputs["TIMESTEP_SHIFT"])
+        if shift <= 0:
+            raise InputError(f"TIMESTEP_SHIFT: must be > 0, got {shift}")
+        s["timestep_shift"] = shift
+    if inputs.get("CFG_INTERVAL") is not None:
+        lo, hi = (float(v) for v in _numeric("CFG_INTERVAL", inputs["CFG_INTERVAL"], INPUT_SPECS["CFG_INTERVAL"]))
+        if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
+            raise InputError(f"CFG_INTERVAL: must be finite [low, high] with low <= high, got [{lo}, {hi}]")
+        s["cfg_interval"] = (lo, hi)
+    if inputs.get("CFG_NORM") is not None:
+        s["cfg_norm"] = _string("CFG_NORM", inputs["CFG_NORM"], INPUT_SPECS["CFG_NORM"]).lower()
+    if inputs.get("OUTPUT_FORMAT") is not None:
+        s["output_format"] = _string("OUTPUT_FORMAT", inputs["OUTPUT_FORMAT"], INPUT_SPECS["OUTPUT_FORMAT"]).lower()
+    if inputs.get("IMAGE_GUIDANCE_SCALE") is not None:
+        s["image_guidance_scale"] = _finite_scalar("IMAGE_GUIDANCE_SCALE", inputs["IMAGE_GUIDANCE_SCALE"])
+
+
+# Which input a SamplingParams field comes from, so the core's messages name the input.
+SAMPLING_INPUT_NAMES = {
+    "infer_steps": "STEPS", "cfg_scale": "CFG_SCALE", "timestep_shift": "TIMESTEP_SHIFT",
+    "cfg_interval": "CFG_INTERVAL", "cfg_norm": "CFG_NORM", "output_format": "OUTPUT_FORMAT",
+    "image_guidance_scale": "IMAGE_GUIDANCE_SCALE",
+}
+# GenerationRequest field -> input name, for NeoPPPipeline.validate(names=...).
+REQUEST_INPUT_NAMES = {
+    "cond_kv": "COND_KV", "uncond_kv": "UNCOND_KV", "index_offset_cond": "INDEX_OFFSET_COND",
+    "index_offset_uncond": "INDEX_OFFSET_UNCOND", "size": "SIZE", "noise": "SEED/RNG_STATE",
+    "task": "TASK", **SAMPLING_INPUT_NAMES,
+}

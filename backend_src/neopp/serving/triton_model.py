@@ -1,0 +1,311 @@
+"""What every NeoPP generation model's ``model.py`` does, written once.
+
+A model's ``model.py`` only subclasses :class:`NeoPPTritonModel` and sets ``MODEL_DIR``.
+Settings come from ``parameters`` in ``config.pbtxt`` (see :data:`PARAMETER_DEFAULTS`):
+
+* ``checkpoint``: checkpoint folder; env ``NEOPP_CHECKPOINT_<MODEL NAME UPPER>`` or
+  ``NEOPP_CHECKPOINT`` overrides it (env paths resolve against the working directory);
+* ``mode_file``: e.g. ``configs/neopp/neopp_dense.json``;
+* ``device``: ``auto`` (default) | ``cpu`` | ``cuda`` | ``cuda:N``. ``auto`` picks the
+  instance's GPU for a KIND_GPU instance; otherwise, with CUDA present, GPU
+  ``(instance index * world size) mod device count`` (so the KIND_CPU instances of a group
+  land on disjoint GPUs), and the CPU when there is no CUDA;
+* ``dtype``: ``auto`` (the pipeline's choice: bf16 on GPU, fp32 on CPU) | ``float32`` |
+  ``bfloat16`` | ``float16``; ``num_threads``: torch CPU threads, 0 keeps torch's default;
+* limits: ``max_side``, ``max_pixels``, ``max_prefix_tokens``, ``max_steps``,
+  ``max_index_offset``; ``default_task``.
+
+Relative ``checkpoint``/``mode_file`` parameters resolve against the folder that holds
+the model repository (the project root), so the same repository works when mounted in
+NVIDIA's tritonserver container.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError, GenerationCancelled, InputError
+from ..image_io import encode_image
+from ..modes import TASKS, ModeConfig, SamplingParams, load_mode
+from ..limits import Limits
+from ..pipeline import GenerationRequest, NeoPPPipeline, set_threads
+from ..rng import NoiseStream
+from .metrics import GenerationMetrics
+from .request_parsing import (INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT_NAMES,
+                              SAMPLING_INPUT_NAMES, ParsedRequest, parse_request)
+
+PARAMETER_DEFAULTS: dict[str, str] = {
+    "checkpoint": "checkpoints/neopp",
+    "mode_file": "configs/neopp/neopp_dense.json",
+    "device": "auto",
+    "dtype": "auto",
+    "num_threads": "0",
+    "default_task": "t2i",
+    **{k: str(v) for k, v in Limits().__dict__.items()},
+}
+_DTYPES = {"auto": None, "": None, "float32": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def read_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
+    """config.pbtxt ``parameters`` as plain strings, defaults filled in."""
+    params = dict(PARAMETER_DEFAULTS)
+    for key, value in (model_config.get("parameters") or {}).items():
+        params[key] = str(value.get("string_value", "")) if isinstance(value, dict) else str(value)
+    return params
+
+
+def project_root(model_dir: Path | None) -> Path:
+    """The folder holding ``model_repository/``; relative parameters resolve against it."""
+    if model_dir is not None:
+        return Path(model_dir).resolve().parent.parent
+    return Path(__file__).resolve().parents[3]
+
+
+def resolve_checkpoint(params: Mapping[str, str], model_name: str, root: Path,
+                       env: Mapping[str, str] | None = None) -> Path:
+    """Per-model env override, then NEOPP_CHECKPOINT, then the ``checkpoint`` parameter."""
+    env = os.environ if env is None else env
+    specific = "NEOPP_CHECKPOINT_" + re.sub(r"[^A-Za-z0-9]", "_", model_name).upper()
+    for var in (specific, "NEOPP_CHECKPOINT"):
+        if env.get(var):
+            return Path(env[var]).expanduser().resolve()
+    path = Path(params["checkpoint"]).expanduser()
+    return path if path.is_absolute() else root / path
+
+
+def choose_device(param: str, instance_kind: str, device_id: int, instance_index: int,
+                  world_size: int = 1) -> str:
+    """Map the ``device`` parameter and the instance to a torch device (see module doc)."""
+    param = (param or "auto").strip().lower()
+    if param == "cpu" or param.startswith("cuda:"):
+        return param
+    if param not in ("auto", "cuda"):
+        raise ConfigError(f"parameter device: {param!r} is not auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        if param == "cuda":
+            raise ConfigError("parameter device: 'cuda' requested but CUDA is not available")
+        return "cpu"
+    if instance_kind.upper().endswith("GPU"):
+        return f"cuda:{device_id}"
+    return f"cuda:{(instance_index * world_size) % torch.cuda.device_count()}"
+
+
+def build_generator(mode: ModeConfig, checkpoint: Path, device: str | None,
+                    dtype: torch.dtype | None, limits: Limits) -> NeoPPPipeline:
+    """The object whose ``validate``/``generate``/``guidance_plan`` serve requests.
+
+    One-process modes get a :class:`NeoPPPipeline`. Modes with ``world_size > 1`` need the
+    parallel workers (a later issue extends this function); until then they are refused.
+    """
+    if mode.world_size != 1:
+        raise ConfigError(f"mode {mode.name}: world_size {mode.world_size} needs parallel workers, "
+                          "which this build of the serving layer does not start")
+    return NeoPPPipeline.from_pretrained(checkpoint, mode, device=device, dtype=dtype, limits=limits)
+
+
+def _int_param(params: Mapping[str, str], key: str) -> int:
+    try:
+        return int(params[key])
+    except ValueError as exc:
+        raise ConfigError(f"parameter {key}: {params[key]!r} is not an integer") from exc
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Everything a model instance reads from its config, resolved and checked."""
+
+    model_name: str
+    checkpoint: Path
+    mode_file: Path
+    device_param: str
+    dtype: torch.dtype | None
+    num_threads: int
+    default_task: str
+    limits: Limits
+
+    @staticmethod
+    def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> "ModelSettings":
+        params = read_parameters(model_config)
+        name = str(model_config.get("name", "neopp"))
+        root = project_root(model_dir)
+        mode_file = Path(params["mode_file"]).expanduser()
+        dtype_key = params["dtype"].strip().lower()
+        if dtype_key not in _DTYPES:
+            raise ConfigError(f"parameter dtype: {params['dtype']!r} is not one of {sorted(k for k in _DTYPES if k)}")
+        task = params["default_task"].strip().lower()
+        if task not in TASKS:
+            raise ConfigError(f"parameter default_task: {task!r} is not one of {list(TASKS)}")
+        for key in Limits().__dict__:
+            _int_param(params, key)
+        limits = Limits.from_params(params)
+        return ModelSettings(
+            model_name=name,
+            checkpoint=resolve_checkpoint(params, name, root),
+            mode_file=mode_file if mode_file.is_absolute() else root / mode_file,
+            device_param=params["device"], dtype=_DTYPES[dtype_key],
+            num_threads=_int_param(params, "num_threads"), default_task=task, limits=limits,
+        )
+
+
+class NeoPPTritonModel:
+    """Triton Python-backend model for one NeoPP generation mode (contract inputs/outputs)."""
+
+    MODEL_DIR: Path | None = None  # model.py sets it to its model folder
+
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
+        """Narrow COND_KV/UNCOND_KV to ``[layers, 2, -1, kv_heads, head_dim]`` of the checkpoint.
+
+        Metadata then reports the exact geometry and Triton itself rejects a wrong layout.
+        Inputs/outputs missing from config.pbtxt are added from the contract table.
+        """
+        cfg = auto_complete_model_config.as_dict()
+        settings = ModelSettings.from_config(cfg, cls.MODEL_DIR)
+        layers, kv_heads, head_dim = ModelConfig.from_checkpoint(settings.checkpoint).kv_dims
+        kv_dims = [layers, 2, -1, kv_heads, head_dim]
+        existing = {entry["name"]: entry for entry in cfg.get("input", [])}
+        for name, spec in INPUT_SPECS.items():
+            entry = existing.get(name)
+            if entry is None:
+                auto_complete_model_config.add_input({"name": name, "data_type": spec.data_type,
+                                                      "dims": kv_dims if name in KV_INPUTS else list(spec.dims),
+                                                      "optional": spec.optional})
+            elif name in KV_INPUTS:
+                dims = [int(d) for d in entry.get("dims", [])]
+                if dims and any(d not in (-1, k) for d, k in zip(dims, kv_dims)) or len(dims) not in (0, 5):
+                    raise ValueError(f"{name}: config.pbtxt dims {dims} contradict the checkpoint's {kv_dims}")
+                entry["dims"] = kv_dims  # in place: add_input refuses to change declared dims
+        present = {entry["name"] for entry in cfg.get("output", [])}
+        for name, spec in OUTPUT_SPECS.items():
+            if name not in present:
+                auto_complete_model_config.add_output({"name": name, "data_type": spec.data_type,
+                                                       "dims": list(spec.dims)})
+        return auto_complete_model_config
+
+    def initialize(self, args: dict[str, str]) -> None:
+        """Load the mode and checkpoint once; every request reuses them."""
+        import triton_python_backend_utils as pb_utils
+
+        self.pb = pb_utils
+        self.logger = pb_utils.Logger
+        model_config = json.loads(args["model_config"])
+        model_dir = Path(args["model_repository"]) if args.get("model_repository") else self.MODEL_DIR
+        self.settings = ModelSettings.from_config(model_config, model_dir)
+        self.model_name = args.get("model_name", self.settings.model_name)
+        set_threads(self.settings.num_threads)
+        self.mode = load_mode(self.settings.mode_file)
+        default_size = self.mode.default_size
+        if max(default_size) > self.settings.limits.max_side or \
+                default_size[0] * default_size[1] > self.settings.limits.max_pixels:
+            raise ConfigError(f"mode {self.mode.name}: default size {default_size} exceeds the model's limits")
+        match = re.search(r"_(\d+)$", args.get("model_instance_name", ""))
+        device = choose_device(self.settings.device_param, args.get("model_instance_kind", "CPU"),
+                               int(args.get("model_instance_device_id", 0) or 0),
+                               int(match.group(1)) if match else 0, self.mode.world_size)
+        self.generator = build_generator(self.mode, self.settings.checkpoint, device, self.settings.dtype,
+                                         self.settings.limits)
+        self.kv_dims = self.generator.config.kv_dims
+        self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
+        self.metrics = GenerationMetrics(pb_utils, self.model_name)
+        self.logger.log_info(
+            f"{self.model_name}: loaded {self.settings.checkpoint} mode={self.mode.name} "
+            f"device={self.generator.device} dtype={self.generator.dtype} kv_dims={self.kv_dims} "
+            f"threads={torch.get_num_threads()}")
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        """One response per request; a failing request never affects the next one."""
+        return [self._serve(request) for request in requests]
+
+    def finalize(self) -> None:
+        self.generator = None
+
+    # ------------------------------------------------------------------ one request
+
+    def _serve(self, request: Any) -> Any:
+        pb = self.pb
+        start = time.perf_counter()
+        try:
+            if request.is_cancelled():
+                raise GenerationCancelled("request cancelled before generation started")
+            parsed = parse_request(self._inputs(request), self.settings.limits)
+            gen_req, stream = self._generation_request(parsed)
+            self.generator.validate(gen_req, names=REQUEST_INPUT_NAMES)
+            gen_req.noise = stream.draw(gen_req.height, gen_req.width)  # only once the request is valid
+            pixels = self.generator.generate(gen_req, should_stop=request.is_cancelled,
+                                             on_step=lambda _i, secs: self.metrics.step(secs))
+            image = encode_image(pixels, gen_req.sampling.output_format, parsed.resize)
+        except InputError as exc:
+            return self._fail("invalid_input", str(exc), pb.TritonError.INVALID_ARG, start)
+        except GenerationCancelled as exc:
+            return self._fail("cancelled", f"request cancelled: {exc}", pb.TritonError.CANCELLED, start)
+        except ConfigError as exc:
+            return self._fail("config", f"model configuration error: {exc}", pb.TritonError.INTERNAL, start)
+        except Exception as exc:  # noqa: BLE001 - the model must stay usable
+            self.logger.log_error(f"{self.model_name}: internal error\n{traceback.format_exc()}")
+            return self._fail("internal", f"internal error: {type(exc).__name__}: {exc}",
+                              pb.TritonError.INTERNAL, start)
+        if parsed.seed is None and parsed.rng_state is None:
+            self.stream = stream  # the instance stream advances only when an image is delivered
+        seconds = time.perf_counter() - start
+        self.metrics.success(seconds)
+        self.logger.log_info(
+            f"{self.model_name}: {gen_req.height}x{gen_req.width} task={gen_req.task} "
+            f"prefix={parsed.prefix_tokens}+{0 if parsed.uncond_kv is None else parsed.uncond_kv.shape[2]} tokens "
+            f"steps={gen_req.sampling.infer_steps} {gen_req.sampling.output_format} {len(image)} B "
+            f"in {seconds:.2f}s")
+        state = np.frombuffer(stream.state(), dtype=np.uint8).copy()
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor("IMAGE", np.array([image], dtype=np.object_)),
+            pb.Tensor("NEXT_RNG_STATE", state),
+        ])
+
+    def _fail(self, reason: str, message: str, code: int, start: float) -> Any:
+        self.metrics.failure(reason)
+        self.logger.log_warn(f"{self.model_name}: {reason} after {time.perf_counter() - start:.2f}s: {message}")
+        return self.pb.InferenceResponse(error=self.pb.TritonError(message, code))
+
+    def _inputs(self, request: Any) -> dict[str, Any]:
+        """Input name -> numpy array; BF16 KV through DLPack (``as_numpy`` cannot hold bf16)."""
+        out: dict[str, Any] = {}
+        for tensor in request.inputs():
+            name = tensor.name()
+            if name in KV_INPUTS:
+                out[name] = torch.from_dlpack(tensor.to_dlpack())
+            else:
+                out[name] = tensor.as_numpy()
+        return out
+
+    def _generation_request(self, parsed: ParsedRequest) -> tuple[GenerationRequest, NoiseStream]:
+        """Sampling values and the stream of one request (the instance stream on a copy)."""
+        sampling: SamplingParams = self.mode.sampling
+        for key, value in parsed.sampling.items():
+            try:
+                sampling = sampling.replace(**{key: value})
+            except InputError as exc:
+                raise InputError(f"{SAMPLING_INPUT_NAMES[key]}: {exc}") from exc
+        if parsed.seed is not None:
+            stream = NoiseStream(parsed.seed)
+        elif parsed.rng_state is not None:
+            stream = NoiseStream.from_state(parsed.rng_state)
+        else:
+            stream = NoiseStream.from_state(self.stream.state())
+        height, width = parsed.size or self.mode.default_size
+        return GenerationRequest(
+            cond_kv=parsed.cond_kv, index_offset_cond=parsed.index_offset_cond, height=height, width=width,
+            noise=torch.empty(1, 3, height, width, device="meta"),  # shape only: nothing allocated yet
+            sampling=sampling,
+            uncond_kv=parsed.uncond_kv, index_offset_uncond=parsed.index_offset_uncond,
+            task=parsed.task or self.settings.default_task,
+        ), stream
