@@ -60,7 +60,7 @@ def test_sample_kv_files_of_tiny_checkpoint_agree(tmp_path):
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", variant="dense", seed=0)
     config = ModelConfig.from_checkpoint(ckpt)
-    paths = write_sample_kv(tmp_path / "kv", config)
+    paths = write_sample_kv(tmp_path / "kv", "dense")
     loaded = {key: load_kv_file(p) for key, p in paths.items()}
     assert loaded, paths
     for key, kv in loaded.items():
