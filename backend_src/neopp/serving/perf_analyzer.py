@@ -63,3 +63,101 @@ def run_perf_analyzer(args: Iterable[str], timeout: float | None = None) -> int:
     """Run perf_analyzer in the foreground; returns its exit code."""
     argv, env = perf_analyzer_command(args)
     return subprocess.run(argv, env=env, timeout=timeout).returncode
+
+
+def perf_input_data(kv_dims: tuple[int, int, int], cond_tokens: int, uncond_tokens: int | None = None,
+                    size: tuple[int, int] = (64, 64), steps: int | None = None, seed: int | None = 0,
+                    output_format: str = "png", offsets: tuple[int, int] = (0, 0), kv_seed: int = 0) -> dict:
+    """perf_analyzer ``--input-data`` JSON for one request of the generation models.
+
+    The BF16 KV goes as base64 of its raw little-endian bytes, which perf_analyzer sends
+    unchanged; ``kv_dims`` is (layers, kv_heads, head_dim) as the model metadata reports.
+    """
+    import base64
+
+    import torch
+
+    layers, kv_heads, head_dim = kv_dims
+    gen = torch.Generator().manual_seed(kv_seed)
+
+    def kv(tokens: int) -> dict:
+        shape = [layers, 2, tokens, kv_heads, head_dim]
+        raw = torch.randn(shape, generator=gen).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+        return {"b64": base64.b64encode(raw).decode("ascii"), "shape": shape}
+
+    request: dict = {
+        "COND_KV": kv(cond_tokens),
+        "INDEX_OFFSET_COND": {"content": [offsets[0]], "shape": [1]},
+        "SIZE": {"content": [int(size[0]), int(size[1])], "shape": [2]},
+        "OUTPUT_FORMAT": {"content": [output_format], "shape": [1]},
+    }
+    if uncond_tokens:
+        request["UNCOND_KV"] = kv(uncond_tokens)
+        request["INDEX_OFFSET_UNCOND"] = {"content": [offsets[1]], "shape": [1]}
+    else:
+        request["CFG_SCALE"] = {"content": [1.0], "shape": [1]}  # no guidance without an uncond prefix
+    if steps is not None:
+        request["STEPS"] = {"content": [int(steps)], "shape": [1]}
+    if seed is not None:
+        request["SEED"] = {"content": [int(seed)], "shape": [1]}
+    return {"data": [request]}
+
+
+def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int, size: tuple[int, int],
+          steps: int | None, out_dir: Path, extra: list[str], concurrency: str = "1") -> int:
+    """perf_analyzer against ``model``: on ``grpc_url``, or on a server started here and stopped after.
+
+    The KV geometry comes from the model's metadata, so the same command benchmarks the tiny
+    checkpoint and a real one (env NEOPP_CHECKPOINT).
+    """
+    import json
+    from contextlib import ExitStack
+
+    import tritonclient.grpc as grpcclient
+
+    from .tritonserver import REPO_ROOT, TritonServer
+
+    with ExitStack() as stack:
+        if grpc_url is None:
+            server = TritonServer(REPO_ROOT / "model_repository", log_path=out_dir / "tritonserver.log",
+                                  extra_args=["--model-control-mode=explicit", f"--load-model={model}"])
+            stack.enter_context(server)
+            grpc_url = server.grpc_url
+        meta = grpcclient.InferenceServerClient(grpc_url).get_model_metadata(model, as_json=True)
+        shape = next(i["shape"] for i in meta["inputs"] if i["name"] == "COND_KV")
+        layers, _, _, kv_heads, head_dim = (int(v) for v in shape)
+        data_path = out_dir / f"perf_data_{model}.json"
+        data = perf_input_data((layers, kv_heads, head_dim), cond_tokens, uncond_tokens or None, size, steps,
+                               offsets=(cond_tokens, uncond_tokens))
+        data_path.write_text(json.dumps(data))
+        args = ["-m", model, "-i", "grpc", "-u", grpc_url, "--input-data", str(data_path),
+                "--concurrency-range", concurrency, "--measurement-interval", "5000", *extra]
+        print("perf_analyzer", " ".join(args), flush=True)
+        return run_perf_analyzer(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=bench.__doc__)
+    p.add_argument("--model", default="neopp_dense")
+    p.add_argument("--grpc-url", default=None, help="a running server (default: start one on free ports)")
+    p.add_argument("--cond-tokens", type=int, default=256)
+    p.add_argument("--uncond-tokens", type=int, default=16)
+    p.add_argument("--size", type=int, nargs=2, default=(256, 256), metavar=("H", "W"))
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--concurrency", default="1", help="perf_analyzer --concurrency-range, e.g. 1:4")
+    p.add_argument("--out-dir", type=Path, default=Path("build/bench_serve"))
+    p.add_argument("extra", nargs="*", help="after --: more perf_analyzer arguments")
+    ns = p.parse_args(argv)
+    ns.out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        return bench(ns.model, ns.grpc_url, ns.cond_tokens, ns.uncond_tokens, tuple(ns.size), ns.steps,
+                     ns.out_dir, ns.extra, ns.concurrency)
+    except TritonLaunchError as exc:
+        print(f"error: {exc}")
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

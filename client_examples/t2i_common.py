@@ -1,0 +1,86 @@
+"""Arguments and input tensors shared by grpc_t2i.py and http_t2i.py (one definition, two transports)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from neopp.kv_cache import load_kv_file
+
+
+def build_parser(description: str, default_url: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--url", default=default_url, help=f"server address (default {default_url})")
+    p.add_argument("--model", default="neopp_dense")
+    p.add_argument("--cond", required=True, help="cond KV file (.pt or .safetensors)")
+    p.add_argument("--uncond", help="uncond KV file; needed when guidance is on (else pass --cfg-scale 1)")
+    p.add_argument("--layout", choices=("replay", "online"), default=None,
+                   help="KV layout of the files (default: replay for .pt, the file's tag for safetensors)")
+    p.add_argument("--offset-cond", type=int, required=True, help="INDEX_OFFSET_COND")
+    p.add_argument("--offset-uncond", type=int, help="INDEX_OFFSET_UNCOND (with --uncond)")
+    p.add_argument("--size", type=int, nargs=2, metavar=("H", "W"), help="multiples of 32")
+    p.add_argument("--resize", type=int, nargs=2, metavar=("H", "W"), help="delivered size (Lanczos)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--seed", type=int, help="start a seeded stream (omit to continue the server's)")
+    p.add_argument("--rng-state", type=Path, help="continue a stream saved with --save-rng-state")
+    p.add_argument("--save-rng-state", type=Path, help="write NEXT_RNG_STATE here")
+    p.add_argument("--cfg-scale", type=float)
+    p.add_argument("--cfg-interval", type=float, nargs=2, metavar=("LOW", "HIGH"))
+    p.add_argument("--cfg-norm", choices=("global", "channel", "none"))
+    p.add_argument("--timestep-shift", type=float)
+    p.add_argument("--task", choices=("t2i", "i2i"))
+    p.add_argument("--format", choices=("jpeg", "png", "webp"), default="png")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the client gives up")
+    p.add_argument("--out", type=Path, default=None, help="image path (default: out.<format>)")
+    return p
+
+
+def request_inputs(args: argparse.Namespace) -> list[tuple[str, np.ndarray, str]]:
+    """(name, array, Triton datatype) for every input the arguments set.
+
+    KV tensors travel as float32 arrays tagged BF16: the client converts them, exactly for
+    values that were bfloat16 to begin with.
+    """
+    def kv(path: str) -> np.ndarray:
+        return load_kv_file(path, args.layout).float().contiguous().numpy()
+
+    def i64(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    def f32(*values: float) -> np.ndarray:
+        return np.array(values, dtype=np.float32)
+
+    def text(value: str) -> np.ndarray:
+        return np.array([value.encode()], dtype=np.object_)
+
+    inputs = [("COND_KV", kv(args.cond), "BF16"), ("INDEX_OFFSET_COND", i64(args.offset_cond), "INT64")]
+    if args.uncond:
+        if args.offset_uncond is None:
+            raise SystemExit("--offset-uncond is required with --uncond")
+        inputs += [("UNCOND_KV", kv(args.uncond), "BF16"), ("INDEX_OFFSET_UNCOND", i64(args.offset_uncond), "INT64")]
+    optional = [
+        ("SIZE", args.size and i64(*args.size), "INT64"),
+        ("RESIZE", args.resize and i64(*args.resize), "INT64"),
+        ("STEPS", args.steps is not None and i64(args.steps), "INT64"),
+        ("SEED", args.seed is not None and i64(args.seed), "INT64"),
+        ("RNG_STATE", args.rng_state and np.fromfile(args.rng_state, dtype=np.uint8), "UINT8"),
+        ("CFG_SCALE", args.cfg_scale is not None and f32(args.cfg_scale), "FP32"),
+        ("CFG_INTERVAL", args.cfg_interval and f32(*args.cfg_interval), "FP32"),
+        ("CFG_NORM", args.cfg_norm and text(args.cfg_norm), "BYTES"),
+        ("TIMESTEP_SHIFT", args.timestep_shift is not None and f32(args.timestep_shift), "FP32"),
+        ("TASK", args.task and text(args.task), "BYTES"),
+        ("OUTPUT_FORMAT", text(args.format), "BYTES"),
+    ]
+    return inputs + [(name, arr, dt) for name, arr, dt in optional if arr is not None and arr is not False]
+
+
+def save_outputs(args: argparse.Namespace, image: bytes, rng_state: np.ndarray) -> Path:
+    out = args.out or Path(f"out.{'jpg' if args.format == 'jpeg' else args.format}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(image)
+    if args.save_rng_state:
+        rng_state.astype(np.uint8).tofile(args.save_rng_state)
+    print(f"wrote {out} ({len(image)} bytes)")
+    return out
