@@ -29,3 +29,27 @@ bench: setup
 
 clean:
 	rm -rf build
+
+# ---- Triton serving (issue 3): `make serve` runs the real tritonserver in the foreground.
+# Override: HTTP_PORT GRPC_PORT METRICS_PORT HOST (0.0.0.0 to expose), SERVE_MODELS,
+# NEOPP_CHECKPOINT (a real checkpoint; default: the tiny one in $(TINY_DIR)/dense).
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+HOST ?= 127.0.0.1
+SERVE_MODELS ?= neopp_dense
+NEOPP_CHECKPOINT ?= $(abspath $(TINY_DIR)/dense)
+BENCH_ARGS ?=
+
+.PHONY: serve bench-serve
+
+serve: tiny
+	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m neopp.serving.tritonserver serve \
+	  --model-repository model_repository --host $(HOST) --http-port $(HTTP_PORT) \
+	  --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+	  -- --model-control-mode=explicit $(foreach m,$(SERVE_MODELS),--load-model=$(m))
+
+bench-serve: tiny
+	@ldconfig -p | grep -q 'libb64.so.0d' || (apt-get update -qq && apt-get install -y -qq libb64-0d) \
+	  || { echo "perf_analyzer needs libb64.so.0d: apt-get install -y libb64-0d (as root)"; exit 1; }
+	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m neopp.serving.perf_analyzer --model neopp_dense $(BENCH_ARGS)
