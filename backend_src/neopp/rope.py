@@ -52,6 +52,15 @@ class Rope3D:
         part.perm, part.sign = self.perm, self.sign
         return part
 
+    def padded_slice(self, total: int, start: int, stop: int) -> "Rope3D":
+        """Tables extended to `total` tokens with identity rotations (padding), then sliced."""
+        pad = total - self.cos.shape[0]
+        cos = torch.cat([self.cos, torch.ones_like(self.cos[:1]).expand(pad, -1, -1)])
+        sin = torch.cat([self.sin, torch.zeros_like(self.sin[:1]).expand(pad, -1, -1)])
+        part = self.slice(start, stop)
+        part.cos, part.sin = cos[start:stop], sin[start:stop]
+        return part
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, head_dim] -> rotated, same dtype."""
         xf = x.float()

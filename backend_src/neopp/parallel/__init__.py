@@ -1,0 +1,1 @@
+"""Multi-rank modes: CFG-parallel and Ulysses sequence parallelism over torch.distributed."""

@@ -1,0 +1,200 @@
+"""CFG-parallel and Ulysses sequence-parallel denoising (spec section 5).
+
+Every rank runs the same loop on the same state; ranks differ only in which branch and which
+token shard they compute. The result equals the sequential pipeline's up to float
+reassociation, because each rank runs the very same layer code on its part.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..config import ModelConfig
+from ..embeddings import Grid
+from ..errors import ConfigError
+from ..guidance import combine_guidance
+from ..limits import Limits
+from ..modes import ModeConfig, SamplingParams
+from ..pipeline import GenerationRequest, NeoPPPipeline, Prepared, StepFn, StopFn
+from ..transformer import BranchContext
+from .mesh import Mesh
+
+
+class CommTimer:
+    """Wall time spent inside collectives, to report the price of parallelism."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
+
+
+def check_heads(cfg: ModelConfig, mode: ModeConfig) -> None:
+    sp = mode.seq_p_size
+    if cfg.num_heads % sp or cfg.num_kv_heads % sp:
+        raise ConfigError(f"mode {mode.name}: seq_p_size {sp} must divide num_attention_heads ({cfg.num_heads}) "
+                          f"and num_key_value_heads ({cfg.num_kv_heads}) for Ulysses attention")
+
+
+class UlyssesBranch(BranchContext):
+    """A branch whose rank holds one token shard; attention runs on a head shard over all tokens."""
+
+    def __init__(self, kv_online: torch.Tensor, offset: int, grid: Grid, cfg: ModelConfig,
+                 device: torch.device, dtype: torch.dtype, mesh: Mesh, timer: CommTimer) -> None:
+        sp, r = mesh.seq_p_size, mesh.seq_rank
+        kv_local = cfg.num_kv_heads // sp
+        super().__init__(kv_online[:, :, :, r * kv_local:(r + 1) * kv_local], offset, grid, cfg, device, dtype)
+        self.mesh, self.timer = mesh, timer
+        self.num_tokens = grid.num_tokens
+        self.shard = -(-grid.num_tokens // sp)
+        self.padded = self.shard * sp
+        self.start = r * self.shard
+        self.rope = self.rope.padded_slice(self.padded, self.start, self.start + self.shard)
+
+    def _tokens_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[shard, H, HD] -> [padded, H/sp, HD]: trade the token split for a head split."""
+        sp = self.mesh.seq_p_size
+        send = [c.contiguous() for c in x.chunk(sp, dim=1)]
+        recv = [torch.empty_like(send[0]) for _ in range(sp)]
+        with self.timer():
+            dist.all_to_all(recv, send, group=self.mesh.seq_group)
+        return torch.cat(recv, dim=0)
+
+    def _heads_to_tokens(self, y: torch.Tensor) -> torch.Tensor:
+        """[padded, H/sp, HD] -> [shard, H*HD]: back to this rank's tokens, all heads."""
+        sp = self.mesh.seq_p_size
+        send = [c.contiguous() for c in y.chunk(sp, dim=0)]
+        recv = [torch.empty_like(send[0]) for _ in range(sp)]
+        with self.timer():
+            dist.all_to_all(recv, send, group=self.mesh.seq_group)
+        return torch.cat(recv, dim=1).reshape(self.shard, -1)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = self.num_tokens
+        q, k, v = (self._tokens_to_heads(t)[:n] for t in (q, k, v))
+        out = super().attend(layer, q, k, v).view(n, q.shape[1], q.shape[2])
+        if self.padded > n:
+            out = torch.cat([out, out.new_zeros(self.padded - n, *out.shape[1:])])
+        return self._heads_to_tokens(out)
+
+
+class ParallelPipeline(NeoPPPipeline):
+    """One rank of a `cfg_p x seq_p` mesh; all ranks call `generate` with the same request."""
+
+    mesh: Mesh
+    comm: CommTimer
+
+    @classmethod
+    def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeConfig | None = None, mesh: Mesh | None = None,
+                        device: str | None = None, dtype: torch.dtype | None = None, limits: Limits | None = None,
+                        layer_linear=None) -> "ParallelPipeline":
+        if mesh is None:
+            raise ConfigError("ParallelPipeline needs a mesh (see neopp.parallel.mesh)")
+        pipe = super().from_pretrained(ckpt_dir, mode, device, dtype, limits, layer_linear)
+        check_heads(pipe.config, pipe.mode)
+        pipe.mesh, pipe.comm = mesh, CommTimer()
+        return pipe
+
+    @property
+    def cfg_parallel(self) -> bool:
+        return self.mesh.cfg_p_size > 1
+
+    def branch(self, kv: torch.Tensor, offset: int, grid: Grid) -> BranchContext:
+        if self.mesh.seq_p_size == 1:
+            return super().branch(kv, offset, grid)
+        return UlyssesBranch(kv, offset, grid, self.config, self.device, self.dtype, self.mesh, self.comm)
+
+    def prepare(self, req: GenerationRequest, need_cond: bool = True, need_uncond: bool | None = None) -> Prepared:
+        if not self.cfg_parallel:
+            return super().prepare(req)
+        guided = any(self.plan(req))
+        first = self.mesh.cfg_rank == 0
+        return super().prepare(req, need_cond=first, need_uncond=guided and not first)
+
+    def velocity(self, hid: torch.Tensor, z: torch.Tensor, t: float, branch: BranchContext, grid: Grid) -> torch.Tensor:
+        if not isinstance(branch, UlyssesBranch):
+            return super().velocity(hid, z, t, branch, grid)
+        n = branch.num_tokens
+        if branch.padded > n:
+            hid = torch.cat([hid, hid.new_zeros(branch.padded - n, hid.shape[1])])
+        local = self.transformer.run_layers(hid[branch.start:branch.start + branch.shard], branch)
+        parts = [torch.empty_like(local) for _ in range(self.mesh.seq_p_size)]
+        with self.comm():
+            dist.all_gather(parts, local.contiguous(), group=self.mesh.seq_group)
+        x_pred = self.transformer.predict(torch.cat(parts)[:n], grid).float()
+        return (x_pred - z) / max(1.0 - t, 0.02)
+
+    def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
+                      sampling: SamplingParams) -> torch.Tensor:
+        if not self.cfg_parallel:
+            return super().step_velocity(prep, x, z, k, sampling)
+        t, first = prep.times[k], self.mesh.cfg_rank == 0
+        if not prep.plan[k]:
+            # Outside guidance only the cond branch runs; its velocity is shared.
+            if first:
+                hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
+                v = self.velocity(hid, z, t, prep.cond, prep.grid)
+            else:
+                v = torch.empty_like(z)
+            with self.comm():
+                dist.broadcast(v, src=self.mesh.global_rank(0, self.mesh.seq_rank), group=self.mesh.cfg_group)
+            return v
+        hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
+        mine = self.velocity(hid, z, t, prep.cond if first else prep.uncond, prep.grid)
+        both = [torch.empty_like(mine) for _ in range(self.mesh.cfg_p_size)]
+        with self.comm():
+            dist.all_gather(both, mine.contiguous(), group=self.mesh.cfg_group)
+        return combine_guidance(both[0], both[1], sampling.cfg_scale, sampling.cfg_norm)
+
+    def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
+               prep: Prepared | None = None) -> torch.Tensor:
+        """Rank 0's noise for every rank; a stop is agreed by all ranks before each step."""
+        noise = req.noise.to(self.device, torch.float32).contiguous()
+        with self.comm():
+            dist.broadcast(noise, src=0, group=self.mesh.world_group)
+        req.noise = noise
+
+        def agreed_stop() -> bool:
+            flag = torch.tensor([1.0 if (should_stop is not None and should_stop()) else 0.0], device=self.device)
+            with self.comm():
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.mesh.world_group)
+            return bool(flag.item())
+
+        return super().sample(req, agreed_stop, on_step, prep)
+
+
+def parallel_activity(mode: ModeConfig, req: GenerationRequest, plan: list[bool]) -> str:
+    """One log phrase: was CFG-parallel (and sequence parallelism) active, and if not, why."""
+    guided = sum(plan)
+    s = req.sampling
+    if mode.cfg_p_size < 2:
+        cfg = "cfg-parallel off (mode has cfg_p_size 1)"
+    elif not s.enable_cfg:
+        cfg = "cfg-parallel inactive: guidance disabled (enable_cfg false)"
+    elif s.cfg_scale <= 1.0:
+        cfg = f"cfg-parallel inactive: CFG_SCALE {s.cfg_scale} <= 1"
+    elif req.uncond_kv is None:
+        cfg = "cfg-parallel inactive: no UNCOND_KV"
+    elif guided == 0:
+        cfg = f"cfg-parallel inactive: no step inside cfg_interval {s.cfg_interval}"
+    else:
+        cfg = f"cfg-parallel active on {guided}/{len(plan)} steps"
+        if guided < len(plan):
+            cfg += f" ({len(plan) - guided} outside cfg_interval {s.cfg_interval})"
+    seq = (f"sequence-parallel (ulysses) active on {mode.seq_p_size} ranks per branch" if mode.seq_p_size > 1
+           else "sequence-parallel off")
+    return f"{cfg}; {seq}"

@@ -1,0 +1,97 @@
+"""The `cfg_p x seq_p` layout of ranks and its process groups.
+
+Rank `r` is CFG rank `r // seq_p` and sequence rank `r % seq_p`: the ranks of one CFG branch
+are contiguous, so on GPUs a branch's all-to-alls stay between neighbouring devices.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import ConfigError
+from ..modes import ModeConfig
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
+
+
+@dataclass
+class Mesh:
+    rank: int
+    world_size: int
+    cfg_p_size: int
+    seq_p_size: int
+    world_group: Any = None
+    cfg_group: Any = None     # the ranks holding the same token shard of the two branches
+    seq_group: Any = None     # the ranks of this rank's branch
+
+    @property
+    def cfg_rank(self) -> int:
+        return self.rank // self.seq_p_size
+
+    @property
+    def seq_rank(self) -> int:
+        return self.rank % self.seq_p_size
+
+    def global_rank(self, cfg_rank: int, seq_rank: int) -> int:
+        return cfg_rank * self.seq_p_size + seq_rank
+
+
+def check_world(mode: ModeConfig, world_size: int) -> None:
+    if world_size != mode.world_size:
+        raise ConfigError(
+            f"mode {mode.name}: {world_size} worker processes, but the number of worker processes must equal the "
+            f"product of the parallel sizes (cfg_p_size {mode.cfg_p_size} x seq_p_size {mode.seq_p_size} "
+            f"= {mode.world_size})")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def build_mesh(mode: ModeConfig, rank: int, world_size: int) -> Mesh:
+    """Create the groups; every rank must call this in the same order."""
+    check_world(mode, world_size)
+    mesh = Mesh(rank, world_size, mode.cfg_p_size, mode.seq_p_size, world_group=dist.group.WORLD)
+    for seq_rank in range(mode.seq_p_size):
+        ranks = [mesh.global_rank(c, seq_rank) for c in range(mode.cfg_p_size)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mesh.cfg_group = group
+    for cfg_rank in range(mode.cfg_p_size):
+        ranks = [mesh.global_rank(cfg_rank, s) for s in range(mode.seq_p_size)]
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mesh.seq_group = group
+    return mesh
+
+
+def init_mesh(mode: ModeConfig, rank: int, world_size: int, init_method: str, device: torch.device,
+              timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Mesh:
+    check_world(mode, world_size)
+    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return build_mesh(mode, rank, world_size)
+
+
+def init_mesh_from_env(mode: ModeConfig, device: torch.device | None = None) -> Mesh:
+    """Under `torchrun`: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    check_world(mode, world_size)
+    device = device or torch.device("cpu")
+    if world_size == 1 and "MASTER_ADDR" not in os.environ:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0")
+    return init_mesh(mode, int(os.environ.get("RANK", "0")), world_size, "env://", device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,252 @@
+"""Rank processes inside one model instance: start, hand out requests, survive faults.
+
+The instance (a Triton model or any caller) keeps one `WorkerPool`. Each rank is a spawned
+process holding the weights and a torch.distributed group. A request goes to every rank,
+with only the KV its branch needs; rank 0 answers. A dead rank or a failed collective fails
+the request in flight with a clear error, and the pool is rebuilt for the next one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as tmp
+
+from ..errors import ConfigError, GenerationCancelled, InputError, NeoPPError
+from ..limits import Limits
+from ..modes import ModeConfig
+from ..pipeline import GenerationRequest, StepFn, StopFn
+
+POLL_S = 0.02
+
+
+class WorkerFailure(NeoPPError):
+    """A rank died, a collective failed or timed out; the pool is being rebuilt."""
+
+
+@dataclass(frozen=True)
+class PoolSpec:
+    ckpt_dir: str
+    mode: ModeConfig
+    devices: tuple[str, ...]          # one device per rank, e.g. ("cpu", "cpu") or ("cuda:0", "cuda:1")
+    dtype: torch.dtype | None = None
+    limits: Limits = Limits()
+    threads: int | None = None
+    collective_timeout_s: float = 120.0
+    load_timeout_s: float = 600.0
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this rank if the instance process dies, so no orphan survives."""
+    try:
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _worker_main(rank: int, spec: PoolSpec, port: int, tasks: Any, results: Any, cancel: Any, parent: int) -> None:
+    _die_with_parent()
+    from .engine import ParallelPipeline
+    from .mesh import init_mesh
+
+    try:
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        device = torch.device(spec.devices[rank])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        mesh = init_mesh(spec.mode, rank, spec.mode.world_size, f"tcp://127.0.0.1:{port}", device,
+                         spec.collective_timeout_s)
+        pipe = ParallelPipeline.from_pretrained(spec.ckpt_dir, spec.mode, mesh, str(device), spec.dtype, spec.limits)
+    except Exception as exc:  # noqa: BLE001 - reported to the instance, which refuses to load
+        results.put(("load_error", rank, f"{type(exc).__name__}: {exc}"))
+        return
+    results.put(("ready", rank, None))
+    while True:
+        try:
+            task = tasks.get(timeout=1.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if task is None:
+            return
+        job, req = task
+        on_step = (lambda k, s: results.put(("step", job, (k, s)))) if rank == 0 else None
+        try:
+            comm_before = pipe.comm.seconds
+            pixels = pipe.generate(req, should_stop=lambda: cancel.value == job, on_step=on_step)
+            if rank == 0:
+                results.put(("done", job, (pixels, pipe.comm.seconds - comm_before)))
+        except GenerationCancelled as exc:
+            if rank == 0:
+                results.put(("cancelled", job, str(exc)))
+        except Exception as exc:  # noqa: BLE001 - the group may be broken: report and leave
+            results.put(("error", job, f"rank {rank}: {type(exc).__name__}: {exc}"))
+            return
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerPool:
+    """The multi-rank counterpart of `NeoPPPipeline` (same validate / generate calls)."""
+
+    def __init__(self, spec: PoolSpec, pipeline_for_validation: Any) -> None:
+        self.spec = spec
+        self.mode = spec.mode
+        self._validator = pipeline_for_validation   # a rank-less pipeline view: config + limits only
+        self.config = pipeline_for_validation.config
+        self.limits = spec.limits
+        self.last_comm_seconds = 0.0
+        self._ctx = tmp.get_context("spawn")
+        self._lock = threading.Lock()
+        self._job = 0
+        self._procs: list[Any] = []
+        self._rebuild: threading.Thread | None = None
+        self._start()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def _start(self) -> None:
+        world = self.spec.mode.world_size
+        port = _free_port()
+        self._results = self._ctx.Queue()
+        self._cancel = self._ctx.Value("q", 0)
+        self._tasks = [self._ctx.Queue() for _ in range(world)]
+        self._procs = [self._ctx.Process(target=_worker_main, daemon=True, name=f"neopp-rank{r}",
+                                         args=(r, self.spec, port, self._tasks[r], self._results, self._cancel,
+                                               os.getpid()))
+                       for r in range(world)]
+        for p in self._procs:
+            p.start()
+        ready, deadline = set(), time.monotonic() + self.spec.load_timeout_s
+        while len(ready) < world:
+            try:
+                kind, rank, info = self._results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [p for p in self._procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self._kill()
+                    raise ConfigError(f"mode {self.mode.name}: rank workers failed to start "
+                                      f"({'exit code ' + str(dead[0].exitcode) if dead else 'timeout'})")
+                continue
+            if kind == "load_error":
+                self._kill()
+                raise ConfigError(f"mode {self.mode.name}: rank {rank} could not load: {info}")
+            ready.add(rank)
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._procs = []
+
+    def _fail_and_rebuild(self, message: str) -> WorkerFailure:
+        self._kill()
+        self._rebuild = threading.Thread(target=self._start, name="neopp-rebuild", daemon=True)
+        self._rebuild.start()
+        return WorkerFailure(f"{message}; the rank workers are being restarted, retry the request")
+
+    def _ensure_healthy(self) -> None:
+        if self._rebuild is not None:
+            self._rebuild.join()
+            self._rebuild = None
+        if not self._procs or any(not p.is_alive() for p in self._procs):
+            self._kill()
+            self._start()
+
+    def close(self) -> None:
+        if self._rebuild is not None:
+            self._rebuild.join()
+        for q in getattr(self, "_tasks", []):
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + 5
+        for p in self._procs:
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+        self._kill()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---- requests -----------------------------------------------------------------------
+    def validate(self, req: GenerationRequest, names: dict[str, str] | None = None) -> None:
+        self._validator.validate(req, names)
+
+    def plan(self, req: GenerationRequest) -> list[bool]:
+        return self._validator.plan(req)
+
+    def _rank_request(self, req: GenerationRequest, rank: int) -> GenerationRequest:
+        """Each rank gets only the KV its branch needs."""
+        if self.mode.cfg_p_size < 2:
+            return req
+        if rank // self.mode.seq_p_size == 0:
+            return replace(req, uncond_kv=None)
+        return replace(req, cond_kv=None)
+
+    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
+                 on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:
+        with self._lock:
+            self._ensure_healthy()
+            self._job += 1
+            job = self._job
+            self._cancel.value = 0
+            for rank, q in enumerate(self._tasks):
+                q.put((job, self._rank_request(req, rank)))
+            return self._await(job, should_stop, on_step, timeout_s)
+
+    def _await(self, job: int, should_stop: StopFn | None, on_step: StepFn | None,
+               timeout_s: float | None) -> np.ndarray:
+        deadline = time.monotonic() + (timeout_s or 10 * self.spec.collective_timeout_s)
+        while True:
+            try:
+                kind, got_job, info = self._results.get(timeout=POLL_S)
+            except queue.Empty:
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead:
+                    raise self._fail_and_rebuild(f"rank {dead[0][0]} died (exit code {dead[0][1]}) during the request")
+                if time.monotonic() > deadline:
+                    raise self._fail_and_rebuild("the request exceeded its time limit")
+                if should_stop is not None and self._cancel.value != job and should_stop():
+                    self._cancel.value = job
+                continue
+            if got_job != job:
+                continue  # a late message of an earlier, failed request
+            if kind == "step" and on_step is not None:
+                on_step(*info)
+            elif kind == "done":
+                pixels, self.last_comm_seconds = info
+                return pixels
+            elif kind == "cancelled":
+                raise GenerationCancelled(info)
+            elif kind == "error":
+                raise self._fail_and_rebuild(f"generation failed in {info}")
+
+
+def instance_devices(world_size: int, instance_index: int = 0, gpus: list[int] | None = None) -> tuple[str, ...]:
+    """Devices of one instance's ranks: disjoint GPU sets per instance, else the CPU."""
+    if not torch.cuda.is_available():
+        return ("cpu",) * world_size
+    gpus = gpus if gpus is not None else list(range(torch.cuda.device_count()))
+    first = instance_index * world_size
+    if first + world_size > len(gpus):
+        raise ConfigError(f"instance {instance_index} needs GPUs {first}..{first + world_size - 1} "
+                          f"but only {len(gpus)} are available ({gpus}); lower the instance count")
+    return tuple(f"cuda:{g}" for g in gpus[first:first + world_size])
