@@ -23,7 +23,9 @@ from .guidance import combine_guidance, guidance_plan
 from .image_io import to_pixels
 from .kv_cache import validate_kv
 from .limits import Limits
+from .lora import apply_loras_
 from .modes import TASKS, ModeConfig, SamplingParams
+from .quant import fp8_layer_linear, quantize_layer_linears_
 from .schedule import initial_noise_scale, shifted_timesteps
 from .transformer import BranchContext, LinearFactory, NeoPPTransformer
 
@@ -79,6 +81,11 @@ class NeoPPPipeline:
         if (mode.version == "moe") != cfg.is_moe:
             raise ConfigError(f"mode {mode.name}: version {mode.version!r} does not match the checkpoint "
                               f"({'MoE' if cfg.is_moe else 'dense'} weights in {ckpt_dir})")
+        if mode.lora_configs:  # merged into the weights, before any quantisation
+            apply_loras_(tensors, mode.lora_configs)
+        if mode.dit_quantized:  # FP8 layer linears; quantise in place so originals are freed early
+            quantize_layer_linears_(tensors)
+            layer_linear = layer_linear or fp8_layer_linear(dev)
         transformer = NeoPPTransformer.from_tensors(cfg, tensors, dev, dtype, layer_linear)
         return cls(cfg, transformer, mode, dev, dtype, limits)
 

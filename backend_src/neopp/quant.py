@@ -1,12 +1,25 @@
-"""FP8 (e4m3) weights with one float32 scale per output channel (the `fp8-sgl` scheme)."""
+"""FP8 (e4m3) weights with one float32 scale per output channel (the `fp8-sgl` scheme).
+
+Decoder-layer linears (attention projections, dense and expert MLPs; not the router, not
+the embedders or the head) are held as float8_e4m3fn plus a float32 scale per output row,
+about half the bytes of bf16. On GPUs with FP8 tensor cores (sm90+) a layer runs one
+`torch._scaled_mm` with per-token activation scales; everywhere else it dequantises only
+its own weight for the duration of the call, so no full-precision copy of all weights lives.
+"""
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+import torch.nn.functional as F
 
 from .checkpoint import FP8_DTYPE, LM
+from .errors import ConfigError
+from .layers import Linear
 
-FP8_MAX = 448.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+KERNELS = ("auto", "scaled_mm", "dequant")
 
 
 def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -15,6 +28,11 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
     q = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
+
+
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 `weight * scale[:, None]` (the value the FP8 weight stands for)."""
+    return weight.to(torch.float32) * scale.to(device=weight.device, dtype=torch.float32).view(-1, 1)
 
 
 def is_layer_linear(key: str) -> bool:
@@ -30,3 +48,97 @@ def quantize_checkpoint_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, t
         if is_layer_linear(key) and "mot_gen" in key:
             out[key], out[key + "_scale"] = quantize_fp8(w)
     return out
+
+
+def quantize_layer_linears_(tensors: dict[str, torch.Tensor]) -> int:
+    """In place: every layer linear without a scale becomes FP8 + `_scale`; returns how many.
+
+    Done key by key so each full-precision original can be freed as soon as it is replaced:
+    peak memory stays near the checkpoint's own size instead of original + quantised.
+    """
+    done = 0
+    for key in [k for k in tensors if is_layer_linear(k) and "mot_gen" in k]:
+        if key + "_scale" in tensors and tensors[key].dtype == FP8_DTYPE:
+            continue
+        full = tensors[key].float()
+        if key + "_scale" in tensors:  # a scaled weight not stored as FP8: expand, then requantise
+            full = full * tensors.pop(key + "_scale").float().view(-1, 1)
+        tensors[key], tensors[key + "_scale"] = quantize_fp8(full)
+        done += 1
+    return done
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """Row-wise scaled FP8 matmul needs CUDA compute capability 9.0+ (Hopper and later)."""
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm") and FP8_DTYPE is not None
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+class FP8Linear(Linear):
+    """`y = x (scale * W_fp8)^T + b`, same call as `layers.Linear`.
+
+    `weight` is float8_e4m3fn [out, in]; `scale` float32 [out].
+    """
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel: str = "auto") -> None:
+        if weight.dtype != FP8_DTYPE or weight.dim() != 2:
+            raise ConfigError(f"FP8Linear: weight must be a 2-D {FP8_DTYPE} tensor, got {weight.dtype} {tuple(weight.shape)}")
+        if scale.numel() != weight.shape[0]:
+            raise ConfigError(f"FP8Linear: {scale.numel()} scales for {weight.shape[0]} output channels")
+        if kernel not in KERNELS:
+            raise ConfigError(f"FP8Linear: kernel {kernel!r} is not one of {KERNELS}")
+        super().__init__(weight, bias)
+        self.scale = scale.to(device=weight.device, dtype=torch.float32).contiguous()
+        out_f, in_f = weight.shape
+        fits = out_f % 16 == 0 and in_f % 16 == 0  # _scaled_mm's shape rule
+        if kernel == "scaled_mm" and not (fits and scaled_mm_supported(weight.device)):
+            raise ConfigError(f"FP8Linear: scaled_mm unavailable on {weight.device} for shape {(out_f, in_f)}")
+        self.use_scaled_mm = kernel != "dequant" and fits and scaled_mm_supported(weight.device)
+        self._scale_row = self.scale.view(1, -1)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_scaled_mm:
+            return self._scaled(x)
+        w = dequantize_fp8(self.weight, self.scale).to(x.dtype)  # this layer only, freed on return
+        return F.linear(x, w, self.bias)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-token activation scale (absmax/448 of each row of x), one FP8 GEMM, bf16 out."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1]).float()
+        x_scale = (x2.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+        xq = (x2 / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_row,
+                             out_dtype=torch.bfloat16)
+        y = y.to(x.dtype).view(*shape[:-1], -1)
+        return y if self.bias is None else y + self.bias
+
+    def nbytes(self) -> int:
+        return super().nbytes() + self.scale.numel() * self.scale.element_size()
+
+
+LinearFactory = Callable[[str, torch.Tensor, "torch.Tensor | None", dict], Linear]
+
+
+def fp8_layer_linear(device: torch.device | str, kernel: str = "auto") -> LinearFactory:
+    """The `layer_linear` factory for `NeoPPTransformer.from_tensors` in the FP8 mode.
+
+    Uses the checkpoint's `<name>.weight_scale` when present, else quantises at load.
+    """
+    dev = torch.device(device)
+
+    def make(key: str, weight: torch.Tensor, bias: torch.Tensor | None, tensors: dict) -> Linear:
+        scale = tensors.get(key + "_scale")
+        if scale is None or weight.dtype != FP8_DTYPE:
+            full = weight.float() if scale is None else dequantize_fp8(weight, scale)
+            weight, scale = quantize_fp8(full)
+        b = None if bias is None else bias.to(dev)
+        return FP8Linear(weight.to(dev), scale.to(dev), b, kernel)
+
+    return make
+
+
+def weight_bytes(linears: list[Linear]) -> int:
+    """Resident bytes of the given linears' tensors (weights, scales, biases)."""
+    return sum(lin.nbytes() for lin in linears)

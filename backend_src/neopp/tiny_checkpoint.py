@@ -150,6 +150,10 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = write_tiny_checkpoint(Path(args.out) / variant, variant, args.seed)
         write_sample_kv(ckpt / "sample_kv", variant, cond_tokens=args.kv_tokens)
         print(f"wrote {ckpt}")
+    from .lora import write_tiny_loras  # LoRA files fit the dense/fp8/sharded variants of this seed
+
+    for path in write_tiny_loras(Path(args.out) / "lora", tiny_tensors(tiny_config("dense"), args.seed)).values():
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":
