@@ -44,6 +44,15 @@ X_RTOL = 2e-5
 NL, NKV, HD = 2, 2, 32  # tiny checkpoint geometry (checked in the fixture)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread is fastest, and avoids spin-wait slowdowns on a loaded 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class Model:
     def __init__(self, ckpt):
         self.ckpt = ckpt
@@ -239,3 +248,13 @@ def test_pipeline_guidance_plan_is_the_documented_api(models):
     """api.md: NeoPPPipeline.guidance_plan(req) -> list[bool], per step: does it use guidance."""
     req = request(64, 64, kv(3, seed=0), 3, kv(3, seed=1), 2, infer_steps=4, cfg_interval=(0.2, 0.6))
     assert models["dense"].pipe.guidance_plan(req) == [False, False, True, True]
+
+
+def test_bf16_prefix_as_the_server_receives_it(models):
+    """COND_KV arrives as BF16: the runner must use exactly those values (the reference widens them)."""
+    m = models["pixel"]
+    cond = kv(40, seed=4).to(torch.bfloat16)
+    req = request(96, 64, cond, 50)
+    x = NoiseStream(8).draw(96, 64)
+    v_ref = ref.reference_velocity(m.ref, cond, 50, x, 0.6, 96, 64)
+    assert vel_err(m.pipe.branch_velocity(req, x, 0.6, "cond"), v_ref) <= VEL_RTOL

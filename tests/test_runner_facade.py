@@ -22,6 +22,15 @@ STEPS = 2
 DEFAULT_SIZE = (64, 96)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny tensors: one thread is fastest, and avoids spin-wait slowdowns on a loaded 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return write_tiny_checkpoint(tmp_path_factory.mktemp("runner") / "dense", "dense", seed=0)
@@ -191,3 +200,9 @@ def test_generate_before_kv_is_refused(ckpt):
     runner = NeoPPRunner(ckpt, mode, device="cpu", dtype=torch.float32)
     with pytest.raises(InputError):
         runner.generate(seed=1)
+
+
+def test_unknown_cfg_norm_is_an_input_error(ckpt):
+    runner = make_runner(ckpt)
+    with pytest.raises(InputError, match="cfg_norm"):
+        runner.set_inference_params(OFF_C, OFF_U, cfg_norm="l2")
