@@ -258,3 +258,19 @@ def test_bf16_prefix_as_the_server_receives_it(models):
     x = NoiseStream(8).draw(96, 64)
     v_ref = ref.reference_velocity(m.ref, cond, 50, x, 0.6, 96, 64)
     assert vel_err(m.pipe.branch_velocity(req, x, 0.6, "cond"), v_ref) <= VEL_RTOL
+
+
+def test_fp8_checkpoint_velocity(tmp_path):
+    """FP8 checkpoint (float8_e4m3fn weights + per-output-channel `weight_scale`) in the fp8-sgl mode:
+    on CPU float32 the runner must compute with the dequantised weights, which the reference also
+    uses (weight * scale[:, None]).  The quantisation itself is real: the same velocity differs from
+    the unquantised dense checkpoint's by ~2%, far above VEL_RTOL."""
+    dense, fp8 = write_tiny_checkpoint(tmp_path / "dense", "dense"), write_tiny_checkpoint(tmp_path / "fp8", "fp8")
+    mode = ModeConfig(name="fp8", version="dense", dit_quantized=True, dit_quant_scheme="fp8-sgl")
+    pipe = NeoPPPipeline.from_pretrained(fp8, mode, device="cpu", dtype=torch.float32)
+    cond = kv(30, seed=3)
+    req = request(64, 160, cond, 31)
+    x = NoiseStream(11).draw(64, 160)
+    v_run = pipe.branch_velocity(req, x, 0.43, "cond")
+    assert vel_err(v_run, ref.reference_velocity(ref.RefModel(fp8), cond, 31, x, 0.43, 64, 160)) <= VEL_RTOL
+    assert vel_err(v_run, ref.reference_velocity(ref.RefModel(dense), cond, 31, x, 0.43, 64, 160)) > 1e-3
