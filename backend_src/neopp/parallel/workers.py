@@ -8,10 +8,8 @@ the request in flight with a clear error, and the pool is rebuilt for the next o
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
-import signal
 import socket
 import threading
 import time
@@ -46,16 +44,7 @@ class PoolSpec:
     load_timeout_s: float = 600.0
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this rank if the instance process dies, so no orphan survives."""
-    try:
-        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def _worker_main(rank: int, spec: PoolSpec, port: int, tasks: Any, results: Any, cancel: Any, parent: int) -> None:
-    _die_with_parent()
     from .engine import ParallelPipeline
     from .mesh import init_mesh
 
@@ -76,6 +65,8 @@ def _worker_main(rank: int, spec: PoolSpec, port: int, tasks: Any, results: Any,
         try:
             task = tasks.get(timeout=1.0)
         except queue.Empty:
+            # No PR_SET_PDEATHSIG: it fires when the *thread* that spawned us ends, and the
+            # pool is rebuilt from a helper thread. An orphaned rank notices its new parent.
             if os.getppid() != parent:
                 return
             continue
@@ -216,6 +207,8 @@ class WorkerPool:
                timeout_s: float | None) -> np.ndarray:
         deadline = time.monotonic() + (timeout_s or 10 * self.spec.collective_timeout_s)
         while True:
+            if should_stop is not None and self._cancel.value != job and should_stop():
+                self._cancel.value = job
             try:
                 kind, got_job, info = self._results.get(timeout=POLL_S)
             except queue.Empty:
@@ -224,8 +217,6 @@ class WorkerPool:
                     raise self._fail_and_rebuild(f"rank {dead[0][0]} died (exit code {dead[0][1]}) during the request")
                 if time.monotonic() > deadline:
                     raise self._fail_and_rebuild("the request exceeded its time limit")
-                if should_stop is not None and self._cancel.value != job and should_stop():
-                    self._cancel.value = job
                 continue
             if got_job != job:
                 continue  # a late message of an earlier, failed request
