@@ -1,0 +1,204 @@
+"""What ``model_repository/neopp_session/1/model.py`` does: multi-turn sessions over BLS.
+
+Each turn is forwarded, through Python-backend BLS, to a generation model (``MODEL`` input,
+else the ``default_model`` parameter) with every generation input except ``SEED``, plus the
+session's stream: ``SEED`` on a seeded turn, else ``RNG_STATE`` (the last turn's
+``NEXT_RNG_STATE``). The generation model holds no session state, so any instance of any
+generation model can serve any turn; the state table lives here (``sessions.py``).
+
+Parameters (``config.pbtxt``):
+
+* ``default_model``: generation model of a turn without ``MODEL`` (``neopp_dense``);
+* ``allowed_models``: comma-separated models a turn may name (default: the contract's);
+* ``default_seed``: seed of a first turn without ``SEED`` (``0``);
+* ``max_sessions``: sessions held by one instance at most (``1024``);
+* ``session_idle_timeout_s``: seconds a session may stay unused (``600``). Keep
+  ``sequence_batching.max_sequence_idle_microseconds`` at least as long, so that Triton does
+  not release the sequence first (its own refusal then says the START flag is missing).
+
+Errors of the generation model are returned unchanged (same message, same status).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, InputError
+from .sessions import SessionTable, TurnPlan, UnknownSession
+
+GENERATION_MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq",
+                     "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg")
+SESSION_PARAMETERS = {
+    "default_model": "neopp_dense",
+    "allowed_models": ",".join(GENERATION_MODELS),
+    "default_seed": "0",
+    "max_sessions": "1024",
+    "session_idle_timeout_s": "600",
+}
+CONTROL_INPUTS = ("START", "END", "CORRID")
+NOT_FORWARDED = ("MODEL", "SEED", *CONTROL_INPUTS)
+
+
+_INPUT_NAMED = re.compile(r"^[A-Z][A-Z0-9_/]*: ")  # "COND_KV: ..." (triton_model's InputError form)
+_CORE_INPUT_ERRORS = ("for input '", "unexpected inference input", "expected input", "inference input")
+
+
+def bls_error_status(message: str) -> str:
+    """Name of the TritonError status a generation model's error message was sent with."""
+    text = re.sub(r"^\[request id: [^\]]*\] ", "", message.strip())
+    if text.startswith("request cancelled"):
+        return "CANCELLED"
+    if text.startswith(("internal error", "model configuration error")):
+        return "INTERNAL"
+    if "unknown model" in text or " is not found" in text:
+        return "NOT_FOUND"
+    if "is not ready" in text:
+        return "UNAVAILABLE"
+    if _INPUT_NAMED.match(text) or any(part in text for part in _CORE_INPUT_ERRORS):
+        return "INVALID_ARG"
+    return "INTERNAL"
+
+
+def session_parameters(model_config: dict[str, Any]) -> dict[str, str]:
+    """``parameters`` of config.pbtxt as strings, defaults filled in."""
+    params = dict(SESSION_PARAMETERS)
+    for key, value in (model_config.get("parameters") or {}).items():
+        params[key] = str(value.get("string_value", "")) if isinstance(value, dict) else str(value)
+    return params
+
+
+def build_table(params: dict[str, str]) -> SessionTable:
+    try:
+        return SessionTable(max_sessions=int(params["max_sessions"]),
+                            idle_timeout_s=float(params["session_idle_timeout_s"]),
+                            default_seed=int(params["default_seed"]))
+    except ValueError as exc:
+        raise ConfigError(f"neopp_session parameters: {exc}") from exc
+
+
+def _scalar(tensor: Any) -> Any:
+    return np.asarray(tensor.as_numpy()).reshape(-1)[0]
+
+
+def _text(tensor: Any) -> str:
+    item = _scalar(tensor)
+    return item.decode("utf-8").strip() if isinstance(item, (bytes, np.bytes_)) else str(item).strip()
+
+
+class SessionTritonModel:
+    """Triton Python-backend model ``neopp_session`` (sequence batching + BLS)."""
+
+    def initialize(self, args: dict[str, str]) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        self.pb = pb_utils
+        self.logger = pb_utils.Logger
+        config = json.loads(args["model_config"])
+        self.model_name = args.get("model_name", config.get("name", "neopp_session"))
+        params = session_parameters(config)
+        self.table = build_table(params)
+        self.allowed = tuple(m.strip() for m in params["allowed_models"].split(",") if m.strip())
+        self.default_model = params["default_model"].strip()
+        if self.default_model not in self.allowed:
+            raise ConfigError(f"parameter default_model: {self.default_model!r} is not in allowed_models {self.allowed}")
+        idle_us = int((config.get("sequence_batching") or {}).get("max_sequence_idle_microseconds") or 1_000_000)
+        if idle_us < self.table.idle_timeout_s * 1e6:
+            self.logger.log_warn(
+                f"{self.model_name}: sequence_batching.max_sequence_idle_microseconds ({idle_us}) is shorter than "
+                f"session_idle_timeout_s ({self.table.idle_timeout_s:g} s): Triton releases idle sequences first")
+        gauge = pb_utils.MetricFamily(name="neopp_sessions_active", kind=pb_utils.MetricFamily.GAUGE,
+                                      description="Sessions held by neopp_session (per instance, summed)")
+        turns = pb_utils.MetricFamily(name="neopp_session_turns_total", kind=pb_utils.MetricFamily.COUNTER,
+                                      description="Images delivered by neopp_session")
+        self._families = (gauge, turns)  # a family that is garbage-collected unregisters
+        labels = {"model": self.model_name, "instance": args.get("model_instance_name", "")}
+        self.active_metric, self.turns_metric = gauge.Metric(labels=labels), turns.Metric(labels=labels)
+        self.logger.log_info(f"{self.model_name}: sessions max={self.table.max_sessions} idle timeout="
+                             f"{self.table.idle_timeout_s:g}s default model={self.default_model} "
+                             f"default seed={self.table.default_seed}")
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        responses = [self._turn(request) for request in requests]
+        self.active_metric.set(float(len(self.table)))
+        return responses
+
+    def finalize(self) -> None:
+        self.table = None
+
+    # ------------------------------------------------------------------ one turn
+
+    def _turn(self, request: Any) -> Any:
+        pb = self.pb
+        inputs = {tensor.name(): tensor for tensor in request.inputs()}
+        session_id: Any = request.correlation_id()
+        end = False
+        try:
+            missing = [name for name in CONTROL_INPUTS if name not in inputs]
+            if missing:
+                raise ConfigError(f"control inputs {missing} missing: config.pbtxt must declare START, END, CORRID")
+            start, end = bool(_scalar(inputs["START"])), bool(_scalar(inputs["END"]))
+            session_id = int(_scalar(inputs["CORRID"]))
+            seed = int(_scalar(inputs["SEED"])) if "SEED" in inputs else None
+            session = self.table.start(session_id, seed) if start else self.table.get(session_id)
+            model = _text(inputs["MODEL"]) if "MODEL" in inputs else (session.model or self.default_model)
+            if model not in self.allowed:
+                raise InputError(f"MODEL: {model!r} is not a generation model this server offers; "
+                                 f"expected one of {list(self.allowed)}")
+            plan = self.table.plan(session, seed)
+            result = self._generate(model, inputs, plan)
+            if result.has_error():
+                self.logger.log_warn(f"{self.model_name}: session {session_id}: {model} refused the turn: "
+                                     f"{result.error().message()}")
+                return pb.InferenceResponse(error=self._same_error(result.error()))
+            image = pb.get_output_tensor_by_name(result, "IMAGE").as_numpy()
+            state = pb.get_output_tensor_by_name(result, "NEXT_RNG_STATE").as_numpy()
+            turn = self.table.commit(session, state.tobytes(), model)
+        except UnknownSession as exc:
+            return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.NOT_FOUND))
+        except InputError as exc:
+            return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
+        except Exception as exc:  # noqa: BLE001 - the model must stay usable
+            self.logger.log_error(f"{self.model_name}: internal error\n{traceback.format_exc()}")
+            return pb.InferenceResponse(error=pb.TritonError(f"internal error: {type(exc).__name__}: {exc}",
+                                                             pb.TritonError.INTERNAL))
+        finally:
+            if end:
+                self.table.end(session_id)  # freed whether or not the last turn succeeded
+        self.turns_metric.increment(1)
+        self.logger.log_info(f"{self.model_name}: session {session_id} turn {turn} by {model} "
+                             f"({'seed ' + str(plan.seed) if plan.seed is not None else 'continued'})"
+                             f"{' end' if end else ''}")
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor("IMAGE", image),
+            pb.Tensor("TURN", np.array([turn], dtype=np.int64)),
+            pb.Tensor("NEXT_RNG_STATE", state),
+        ])
+
+    def _same_error(self, error: Any) -> Any:
+        """The generation model's error with its message and, as far as it can be told, its status.
+
+        BLS hands every error over as INTERNAL (triton-inference-server/server#7804), so the
+        status is recovered from the message, whose forms the serving layer fixes.
+        """
+        message = error.message()
+        return self.pb.TritonError(message, getattr(self.pb.TritonError, bls_error_status(message)))
+
+    def _generate(self, model: str, inputs: dict[str, Any], plan: TurnPlan) -> Any:
+        """One BLS call; the request's tensors are passed through without a copy here."""
+        pb = self.pb
+        forward = [tensor for name, tensor in inputs.items() if name not in NOT_FORWARDED]
+        if plan.seed is not None:
+            forward.append(pb.Tensor("SEED", np.array([plan.seed], dtype=np.int64)))
+        else:
+            forward.append(pb.Tensor("RNG_STATE", np.frombuffer(plan.rng_state, dtype=np.uint8).copy()))
+        started = time.perf_counter()
+        result = pb.InferenceRequest(model_name=model, inputs=forward,
+                                     requested_output_names=["IMAGE", "NEXT_RNG_STATE"]).exec()
+        self.logger.log_verbose(f"{self.model_name}: {model} answered in {time.perf_counter() - started:.2f}s")
+        return result

@@ -1,0 +1,156 @@
+"""Per-session noise streams of ``neopp_session``: the table, its bounds and expiry.
+
+A session holds no tensors and no model: only the random stream where its last image left
+it (the generation model's ``NEXT_RNG_STATE``), or the seed its next turn starts from. The
+generation model receives that state as ``RNG_STATE``, so any instance of any generation
+model can serve any turn (spec section 6).
+
+Bounds, so that clients that vanish without ``sequence_end`` cannot grow memory:
+
+* ``idle_timeout_s``: a session unused for longer is dropped at the next request;
+* ``max_sessions``: starting one more session first drops expired ones, then the least
+  recently used one. A dropped session's later turn is refused with a message that says
+  why (a bounded record of recently dropped ids is kept for that).
+
+Pure Python (no Triton import), so the rules are testable without a server.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Hashable
+
+from ..errors import ConfigError, InputError
+
+SessionId = Hashable
+REMEMBERED_DROPPED = 4096  # ids of dropped sessions kept (id and reason only) to explain a refusal
+
+
+class UnknownSession(InputError):
+    """A turn of a session the table does not hold (never started, ended, expired, evicted)."""
+
+
+@dataclass
+class Session:
+    """What one chat session remembers between turns."""
+
+    session_id: SessionId
+    next_seed: int | None  # the next turn starts a stream from this seed (set at start / by SEED)
+    rng_state: bytes | None = None  # else it continues this stream (the last NEXT_RNG_STATE)
+    turn: int = 0  # TURN of the next delivered image
+    model: str | None = None  # generation model of the last turn
+    last_used: float = 0.0
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """How the generation model is asked to draw this turn's noise: exactly one is set."""
+
+    seed: int | None
+    rng_state: bytes | None
+
+
+class SessionTable:
+    """Sessions by id with an idle timeout and a maximum count; not thread-safe by design
+    (a Python-backend instance runs one ``execute`` at a time)."""
+
+    def __init__(self, max_sessions: int, idle_timeout_s: float, default_seed: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if max_sessions < 1:
+            raise ConfigError(f"parameter max_sessions: must be >= 1, got {max_sessions}")
+        if not idle_timeout_s > 0:
+            raise ConfigError(f"parameter session_idle_timeout_s: must be > 0, got {idle_timeout_s}")
+        self.max_sessions = int(max_sessions)
+        self.idle_timeout_s = float(idle_timeout_s)
+        self.default_seed = int(default_seed)
+        self._clock = clock
+        self._sessions: OrderedDict[SessionId, Session] = OrderedDict()  # least recently used first
+        self._dropped: OrderedDict[SessionId, str] = OrderedDict()  # id -> why, bounded
+        self.evicted_total = 0
+        self.expired_total = 0
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __contains__(self, session_id: SessionId) -> bool:
+        return session_id in self._sessions
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, session_id: SessionId, seed: int | None = None) -> Session:
+        """A fresh session (a restarted id starts over), seeded by ``seed`` or the default."""
+        now = self._clock()
+        self.expire(now)
+        self._sessions.pop(session_id, None)
+        while len(self._sessions) >= self.max_sessions:
+            victim, _ = self._sessions.popitem(last=False)
+            self.evicted_total += 1
+            self._remember(victim, f"evicted to make room (more than max_sessions={self.max_sessions} sessions)")
+        self._dropped.pop(session_id, None)
+        session = Session(session_id, next_seed=self.default_seed if seed is None else int(seed), last_used=now)
+        self._sessions[session_id] = session
+        return session
+
+    def get(self, session_id: SessionId) -> Session:
+        """The session of a later turn, or UnknownSession saying why it is not there."""
+        now = self._clock()
+        self.expire(now)
+        session = self._sessions.get(session_id)
+        if session is None:
+            why = self._dropped.get(session_id, "never started or already ended")
+            raise UnknownSession(f"sequence_id {session_id}: unknown session ({why}); "
+                                 "start a new session with sequence_start=True")
+        self._sessions.move_to_end(session_id)
+        session.last_used = now
+        return session
+
+    def end(self, session_id: SessionId) -> None:
+        """Free a session's state (``sequence_end``); ending an absent id is not an error."""
+        if self._sessions.pop(session_id, None) is not None:
+            self._remember(session_id, "ended with sequence_end")
+
+    def expire(self, now: float | None = None) -> list[SessionId]:
+        """Drop every session idle for longer than the timeout; returns their ids."""
+        now = self._clock() if now is None else now
+        gone = []
+        for sid, session in list(self._sessions.items()):  # LRU order: stop at the first fresh one
+            if now - session.last_used <= self.idle_timeout_s:
+                break
+            del self._sessions[sid]
+            gone.append(sid)
+            self.expired_total += 1
+            self._remember(sid, f"expired after {self.idle_timeout_s:g} s idle")
+        return gone
+
+    def _remember(self, session_id: SessionId, why: str) -> None:
+        self._dropped[session_id] = why
+        self._dropped.move_to_end(session_id)
+        while len(self._dropped) > max(REMEMBERED_DROPPED, self.max_sessions):
+            self._dropped.popitem(last=False)
+
+    # ------------------------------------------------------------------ turns
+
+    @staticmethod
+    def plan(session: Session, seed: int | None) -> TurnPlan:
+        """A turn's SEED restarts the stream; without one the session's stream continues."""
+        if seed is not None:
+            return TurnPlan(seed=int(seed), rng_state=None)
+        if session.rng_state is not None:
+            return TurnPlan(seed=None, rng_state=session.rng_state)
+        return TurnPlan(seed=session.next_seed, rng_state=None)
+
+    def commit(self, session: Session, next_rng_state: bytes, model: str) -> int:
+        """Record a delivered image: the stream moves on, the turn counter too.
+
+        Returns the TURN of that image. A failed turn is never committed, so it leaves the
+        session exactly as it was (the next attempt draws the same noise).
+        """
+        turn = session.turn
+        session.rng_state = bytes(next_rng_state)
+        session.next_seed = None
+        session.turn += 1
+        session.model = model
+        session.last_used = self._clock()
+        return turn

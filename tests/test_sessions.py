@@ -1,0 +1,109 @@
+"""The session table of neopp_session without a server: seeding, continuation, bounds, expiry."""
+
+from __future__ import annotations
+
+import pytest
+
+from neopp.errors import ConfigError
+from neopp.serving.session_model import bls_error_status
+from neopp.serving.sessions import SessionTable, UnknownSession
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def table(max_sessions: int = 4, idle: float = 10.0, clock: Clock | None = None) -> SessionTable:
+    return SessionTable(max_sessions, idle, default_seed=7, clock=clock or Clock())
+
+
+def test_first_turn_seeded_then_continues_then_restarts_on_seed() -> None:
+    t = table()
+    s = t.start(1, seed=200)
+    assert t.plan(s, None).seed == 200
+    assert t.commit(s, b"state-a", "neopp_dense") == 0
+    p = t.plan(t.get(1), None)
+    assert (p.seed, p.rng_state) == (None, b"state-a")
+    assert t.commit(s, b"state-b", "neopp_dense") == 1
+    assert t.plan(s, 201).seed == 201 and t.plan(s, 201).rng_state is None
+
+
+def test_first_turn_without_seed_uses_default_and_failed_turn_changes_nothing() -> None:
+    t = table()
+    s = t.start(5)
+    assert t.plan(s, None).seed == 7
+    assert t.plan(t.get(5), None).seed == 7  # nothing committed: the retry draws the same noise
+    assert s.turn == 0
+
+
+def test_unknown_and_ended_sessions_are_refused_with_the_reason() -> None:
+    t = table()
+    with pytest.raises(UnknownSession, match="sequence_id 9: unknown session .*never started"):
+        t.get(9)
+    t.start(9)
+    t.end(9)
+    assert 9 not in t and len(t) == 0
+    with pytest.raises(UnknownSession, match="ended with sequence_end"):
+        t.get(9)
+
+
+def test_idle_sessions_expire() -> None:
+    clock = Clock()
+    t = table(idle=10.0, clock=clock)
+    t.start(1)
+    clock.now = 5.0
+    t.start(2)
+    clock.now = 12.0
+    t.get(2)  # 7 s idle: kept; session 1 (12 s idle) goes
+    assert 1 not in t and 2 in t
+    with pytest.raises(UnknownSession, match="expired after 10 s idle"):
+        t.get(1)
+
+
+def test_count_never_exceeds_maximum_and_evicts_least_recently_used() -> None:
+    clock = Clock()
+    t = table(max_sessions=3, clock=clock)
+    for sid in range(3):
+        clock.now += 1
+        t.start(sid)
+    clock.now += 1
+    t.get(0)  # 0 is now the most recently used; 1 is the oldest
+    for sid in range(3, 50):
+        clock.now += 0.1
+        t.start(sid)
+        assert len(t) <= 3
+    with pytest.raises(UnknownSession, match="evicted to make room"):
+        t.get(1)
+    assert t.evicted_total == 47
+
+
+def test_restarting_an_id_starts_over() -> None:
+    t = table()
+    s = t.start(3, seed=1)
+    t.commit(s, b"x", "m")
+    s2 = t.start(3, seed=2)
+    assert s2.turn == 0 and t.plan(s2, None).seed == 2 and len(t) == 1
+
+
+def test_bad_bounds_are_configuration_errors() -> None:
+    with pytest.raises(ConfigError, match="max_sessions"):
+        SessionTable(0, 1.0, 0)
+    with pytest.raises(ConfigError, match="session_idle_timeout_s"):
+        SessionTable(1, 0.0, 0)
+
+
+@pytest.mark.parametrize("message,status", [
+    ("INDEX_OFFSET_COND: -1 is out of range 0..1000000", "INVALID_ARG"),
+    ("SEED/RNG_STATE: must have shape", "INVALID_ARG"),
+    ("[request id: <id_unknown>] unexpected shape for input 'COND_KV' for model 'neopp_dense'", "INVALID_ARG"),
+    ("request cancelled: cancelled before step 2 of 3", "CANCELLED"),
+    ("internal error: RuntimeError: boom", "INTERNAL"),
+    ("model configuration error: mode x", "INTERNAL"),
+    ("Request for unknown model: 'nope' is not found", "NOT_FOUND"),
+])
+def test_bls_error_status_recovers_the_generation_models_status(message: str, status: str) -> None:
+    assert bls_error_status(message) == status
