@@ -152,7 +152,7 @@ def pick_free_ports(count: int, host: str = LOOPBACK) -> list[int]:
             s.close()
 
 
-def _process_group_members(pgid: int) -> list[int]:
+def process_group_members(pgid: int) -> list[int]:
     """Live pids in process group ``pgid`` (the server's stubs inherit its group)."""
     pids = []
     for entry in Path("/proc").iterdir():
@@ -285,7 +285,7 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         sig = signal.SIGTERM
         while True:
-            members = _process_group_members(pgid)
+            members = process_group_members(pgid)
             if not members:
                 return
             if time.monotonic() > deadline:

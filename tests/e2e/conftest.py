@@ -1,0 +1,153 @@
+"""One real tritonserver for the whole e2e session, serving the tiny checkpoint.
+
+The server runs from the nvidia-pytriton wheel (neopp.serving.tritonserver) on free
+loopback ports, loads only the models this suite needs (explicit model control), and
+is stopped at the end with a check that neither it nor a Python stub is left behind.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from PIL import Image
+
+from neopp.kv_cache import load_kv_file
+from neopp.serving.tritonserver import REPO_ROOT, TritonServer, process_group_members
+from neopp.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+
+E2E_MODELS = ("neopp_dense",)
+MODEL = "neopp_dense"
+COND_TOKENS, UNCOND_TOKENS = 24, 7  # write_sample_kv defaults; also used as the offsets
+DEFAULT_SIZE, DEFAULT_STEPS = (64, 64), 4
+
+
+@dataclass
+class TritonHandle:
+    """The running server plus what tests need to build requests against it."""
+
+    server: TritonServer
+    checkpoint: Path
+    cond: torch.Tensor  # online layout, bfloat16
+    uncond: torch.Tensor
+    log_path: Path
+    grpc: grpcclient.InferenceServerClient = field(init=False)
+    http: httpclient.InferenceServerClient = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grpc = grpcclient.InferenceServerClient(self.server.grpc_url)
+        self.http = httpclient.InferenceServerClient(self.server.http_url, network_timeout=120.0)
+
+    def inputs(self, **overrides: Any) -> dict[str, tuple[np.ndarray, str]]:
+        """A valid guided request (64x64, 4 steps, PNG); ``NAME=None`` drops an input,
+        ``NAME=(array, datatype)`` or ``NAME=array`` replaces one."""
+        req: dict[str, Any] = {
+            "COND_KV": (self.cond.float().numpy(), "BF16"),
+            "UNCOND_KV": (self.uncond.float().numpy(), "BF16"),
+            "INDEX_OFFSET_COND": np.array([COND_TOKENS], np.int64),
+            "INDEX_OFFSET_UNCOND": np.array([UNCOND_TOKENS], np.int64),
+            "SIZE": np.array(DEFAULT_SIZE, np.int64),
+            "STEPS": np.array([DEFAULT_STEPS], np.int64),
+            "OUTPUT_FORMAT": np.array([b"png"], np.object_),
+        }
+        req.update(overrides)
+        out = {}
+        for name, value in req.items():
+            if value is None:
+                continue
+            arr, dtype = value if isinstance(value, tuple) else (value, _datatype(value))
+            out[name] = (arr, dtype)
+        return out
+
+    def infer_grpc(self, timeout: float | None = 120.0, **overrides: Any) -> grpcclient.InferResult:
+        return self.grpc.infer(MODEL, self.grpc_tensors(**overrides), client_timeout=timeout)
+
+    def infer_http(self, **overrides: Any) -> httpclient.InferResult:
+        tensors = []
+        for name, (arr, dtype) in self.inputs(**overrides).items():
+            t = httpclient.InferInput(name, list(arr.shape), dtype)
+            t.set_data_from_numpy(arr, binary_data=True)
+            tensors.append(t)
+        return self.http.infer(MODEL, tensors)
+
+    def grpc_tensors(self, **overrides: Any) -> list[grpcclient.InferInput]:
+        tensors = []
+        for name, (arr, dtype) in self.inputs(**overrides).items():
+            t = grpcclient.InferInput(name, list(arr.shape), dtype)
+            t.set_data_from_numpy(arr)
+            tensors.append(t)
+        return tensors
+
+    @staticmethod
+    def image(result: Any) -> Image.Image:
+        """The IMAGE output of a gRPC or HTTP result, decoded."""
+        return Image.open(io.BytesIO(result.as_numpy("IMAGE")[0]))
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Current value of one series on the metrics port (0 when it does not exist yet)."""
+        text = urllib.request.urlopen(self.server.metrics_url, timeout=10).read().decode()
+        want = {"model": MODEL, **labels}
+        for line in text.splitlines():
+            m = re.match(r"^(\w+)\{(.*)\} (\S+)$", line)
+            if m and m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2))) == want:
+                return float(m.group(3))
+        return 0.0
+
+    def wait_metric(self, name: str, at_least: float, timeout: float = 60.0, **labels: str) -> float:
+        """Poll (bounded) until a counter reaches ``at_least``; returns its value."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.metric(name, **labels)
+            if value >= at_least or time.monotonic() > deadline:
+                return value
+            time.sleep(0.05)
+
+
+def _datatype(arr: np.ndarray) -> str:
+    return {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8",
+            np.dtype(np.object_): "BYTES"}[arr.dtype]
+
+
+@pytest.fixture(scope="session")
+def tiny_dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny dense checkpoint and its sample KV, written once per session."""
+    ckpt = write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "dense", "dense")
+    write_sample_kv(ckpt / "sample_kv", "dense", cond_tokens=COND_TOKENS, uncond_tokens=UNCOND_TOKENS)
+    return ckpt
+
+
+@pytest.fixture(scope="session")
+def triton(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonHandle:
+    """The real server; models point to the tiny checkpoint through NEOPP_CHECKPOINT."""
+    log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
+    env = dict(os.environ, NEOPP_CHECKPOINT=str(tiny_dense))
+    for key in [k for k in env if k.startswith("NEOPP_CHECKPOINT_")]:
+        env.pop(key)  # a developer's per-model override must not leak into the suite
+    server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=log_path,
+                          extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
+                                      *(f"--load-model={m}" for m in E2E_MODELS)])
+    server.start()
+    pgid = server.process.pid
+    try:
+        server.wait_ready(timeout=300)
+        kv = tiny_dense / "sample_kv"
+        handle = TritonHandle(server, tiny_dense, load_kv_file(kv / "cond_kv.pt"),
+                              load_kv_file(kv / "uncond_kv.pt"), log_path)
+        yield handle
+        handle.grpc.close()
+        handle.http.close()  # an open keep-alive connection would hold a graceful stop
+    finally:
+        server.stop(timeout=30)
+        left = process_group_members(pgid)
+        assert not left, f"tritonserver left processes behind: {left}"

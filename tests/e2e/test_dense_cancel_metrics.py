@@ -1,0 +1,66 @@
+"""Cancellation and custom metrics, observed on the metrics port (no sleeping on guesses)."""
+
+from __future__ import annotations
+
+import queue
+
+import numpy as np
+import pytest
+from tritonclient.utils import InferenceServerException
+
+I64 = np.int64
+STEPS = "neopp_denoising_steps_total"
+CANCELLED = {"reason": "cancelled"}
+# Big enough that the whole request takes many seconds on a small CPU; it never runs to the end.
+LONG = dict(SIZE=np.array([1024, 1024], I64), STEPS=np.array([200], I64), SEED=np.array([4], I64))
+
+
+def _cancelled_early(triton, start_steps: float, cancelled_before: float) -> float:
+    """Wait (bounded) until the model reports the cancellation; return the steps it ran."""
+    cancelled = triton.wait_metric("neopp_failures_total", cancelled_before + 1, **CANCELLED)
+    assert cancelled == cancelled_before + 1, "the model never observed the cancellation"
+    ran = triton.metric(STEPS) - start_steps
+    assert 1 <= ran < 200, f"cancelled request ran {ran} of 200 steps"
+    assert triton.metric(STEPS) - start_steps == ran  # nothing keeps stepping afterwards
+    return ran
+
+
+def test_client_cancel_stops_generation_between_steps(triton):
+    start, cancelled_before = triton.metric(STEPS), triton.metric("neopp_failures_total", **CANCELLED)
+    answers: queue.Queue = queue.Queue()
+    call = triton.grpc.async_infer("neopp_dense", triton.grpc_tensors(**LONG),
+                                   callback=lambda result, error: answers.put((result, error)))
+    assert triton.wait_metric(STEPS, start + 2) >= start + 2, "generation did not start"
+    call.cancel()
+    result, error = answers.get(timeout=60)
+    assert result is None and "CANCELLED" in str(error.status())
+    _cancelled_early(triton, start, cancelled_before)
+    assert triton.image(triton.infer_grpc(SEED=np.array([1], I64))).size == (64, 64)
+
+
+def test_client_timeout_stops_generation(triton):
+    start, cancelled_before = triton.metric(STEPS), triton.metric("neopp_failures_total", **CANCELLED)
+    with pytest.raises(InferenceServerException) as info:
+        triton.infer_grpc(timeout=1.5, **LONG)
+    assert "DEADLINE_EXCEEDED" in str(info.value.status())
+    _cancelled_early(triton, start, cancelled_before)
+    assert triton.image(triton.infer_grpc(SEED=np.array([1], I64))).size == (64, 64)
+
+
+def test_custom_metrics_appear_and_move(triton):
+    names = ("neopp_generations_total", STEPS, "neopp_generation_seconds_total", "neopp_step_seconds_total")
+    before = {n: triton.metric(n) for n in names}
+    triton.infer_grpc(STEPS=np.array([3], I64), SEED=np.array([2], I64))
+    after = {n: triton.metric(n) for n in names}
+    assert after["neopp_generations_total"] == before["neopp_generations_total"] + 1
+    assert after[STEPS] == before[STEPS] + 3
+    assert after["neopp_generation_seconds_total"] > before["neopp_generation_seconds_total"]
+    assert after["neopp_step_seconds_total"] > before["neopp_step_seconds_total"]
+    assert after["neopp_generation_seconds_total"] - before["neopp_generation_seconds_total"] >= \
+        after["neopp_step_seconds_total"] - before["neopp_step_seconds_total"]
+
+    invalid = triton.metric("neopp_failures_total", reason="invalid_input")
+    with pytest.raises(InferenceServerException):
+        triton.infer_grpc(SIZE=np.array([33, 64], I64))
+    assert triton.metric("neopp_failures_total", reason="invalid_input") == invalid + 1
+    assert triton.metric("neopp_generations_total") == after["neopp_generations_total"]
