@@ -1,0 +1,1 @@
+"""Command-line tools that run without a server (KV replay)."""

@@ -1,0 +1,170 @@
+"""What both replay tools share: flags, the runner (one process or a torchrun mesh), turns.
+
+Replay means regenerating images offline from KV prefixes saved by LightLLM (or by the
+server's clients), with the same code that serves requests: `NeoPPRunner` over a
+`NeoPPPipeline`, or over a `ParallelPipeline` rank when the mode file has parallel sizes.
+A parallel mode must be started as `torchrun --standalone --nproc_per_node=N` with N the
+product of its parallel sizes; any other count is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..errors import ConfigError, InputError
+from ..kv_cache import load_kv_file
+from ..modes import CFG_NORMS, TASKS, ModeConfig, load_mode
+from ..rng import NoiseStream
+from ..runner import NeoPPRunner
+
+FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One image: its prefixes, their offsets, and its seed (None: continue the stream)."""
+
+    cond: Path
+    offset_cond: int
+    uncond: Path | None = None
+    offset_uncond: int | None = None
+    seed: int | None = None
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """Checkpoint, mode, device and the sampling values a flag may override."""
+    parser.add_argument("--checkpoint", required=True, help="checkpoint folder (config.json + safetensors)")
+    parser.add_argument("--mode", required=True, help="mode file, e.g. configs/neopp/neopp_dense.json")
+    parser.add_argument("--task", choices=TASKS, default="t2i")
+    parser.add_argument("--size", type=int, nargs=2, metavar=("HEIGHT", "WIDTH"),
+                        help="image size, multiples of 32 (default: the mode's)")
+    parser.add_argument("--kv-layout", choices=("auto", "replay", "online"), default="auto",
+                        help="layout of the KV files; auto: .pt is replay, safetensors say so in metadata")
+    parser.add_argument("--device", default="auto", help="auto (cuda if present) | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+                        help="auto: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--state-in", type=Path, help="continue the stream saved by --state-out (no seed needed)")
+    parser.add_argument("--state-out", type=Path, help="save the stream after the last image (NEXT_RNG_STATE bytes)")
+    over = parser.add_argument_group("sampling overrides (default: the mode file's values)")
+    over.add_argument("--steps", type=int, dest="infer_steps")
+    over.add_argument("--cfg-scale", type=float)
+    over.add_argument("--cfg-interval", type=float, nargs=2, metavar=("LOW", "HIGH"))
+    over.add_argument("--cfg-norm", choices=CFG_NORMS)
+    over.add_argument("--timestep-shift", type=float)
+    over.add_argument("--enable-cfg", dest="enable_cfg", action="store_true", default=None)
+    over.add_argument("--no-cfg", dest="enable_cfg", action="store_false")
+
+
+def parse_optional_int(text: str | None, what: str) -> int | None:
+    if text is None or str(text).strip().lower() in ("", "none", "null", "-"):
+        return None
+    try:
+        return int(text)
+    except ValueError as exc:
+        raise InputError(f"{what}: expected an integer or 'none', got {text!r}") from exc
+
+
+def overrides(args: argparse.Namespace) -> dict:
+    """Only the sampling flags that were given."""
+    keys = ("infer_steps", "cfg_scale", "cfg_interval", "cfg_norm", "timestep_shift", "enable_cfg")
+    return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+
+
+def output_format(path: Path) -> str:
+    fmt = FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise InputError(f"output {path}: extension must be one of {sorted(FORMATS)}")
+    return fmt
+
+
+class Replayer:
+    """A runner plus what a rank needs to know: only rank 0 writes files and prints."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.mode: ModeConfig = load_mode(args.mode)
+        self.rank, self.world_size = 0, self.mode.world_size
+        dtype = DTYPES[args.dtype]
+        device = None if args.device == "auto" else args.device
+        pipeline = None
+        if self.mode.world_size > 1:
+            pipeline = self._parallel_pipeline(args.checkpoint, device, dtype)
+        self.runner = NeoPPRunner(args.checkpoint, self.mode, device=device, dtype=dtype,
+                                  default_task=args.task, pipeline=pipeline)
+        self.runner.set_inference_params(0, **overrides(args))  # offsets are set per turn
+        if args.state_in is not None:
+            self.runner.stream = NoiseStream.from_state(args.state_in.read_bytes())
+        self.seeded = args.state_in is not None  # is there a stream to continue yet?
+        self.size = tuple(args.size) if args.size else self.mode.default_size
+        self.task, self.layout = args.task, None if args.kv_layout == "auto" else args.kv_layout
+
+    def _parallel_pipeline(self, checkpoint: str, device: str | None, dtype: torch.dtype | None):
+        from ..parallel.engine import ParallelPipeline
+        from ..parallel.mesh import check_world, init_mesh_from_env
+
+        n = self.mode.world_size
+        if "WORLD_SIZE" not in os.environ:
+            raise ConfigError(f"mode {self.mode.name} runs on {n} processes (cfg_p_size {self.mode.cfg_p_size} x "
+                              f"seq_p_size {self.mode.seq_p_size}): start it with "
+                              f"torchrun --standalone --nproc_per_node={n} ...")
+        check_world(self.mode, int(os.environ["WORLD_SIZE"]))
+        if device in (None, "cuda") and torch.cuda.is_available():
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+        mesh = init_mesh_from_env(self.mode, torch.device(device or "cpu"))
+        self.rank = mesh.rank
+        return ParallelPipeline.from_pretrained(checkpoint, self.mode, mesh, device=device or "cpu", dtype=dtype)
+
+    @property
+    def is_writer(self) -> bool:
+        return self.rank == 0
+
+    def generate(self, turn: Turn, out_path: Path) -> bytes:
+        """One image written to `out_path` (by rank 0); the stream moves on as on the server."""
+        start = time.perf_counter()
+        self._load(turn)
+        if turn.seed is None and not self.seeded and self.is_writer:
+            print("warning: no seed and no --state-in: this image starts from a random stream and will not "
+                  "reproduce", file=sys.stderr)
+        self.seeded = True
+        self.runner.set_inference_params(turn.offset_cond, turn.offset_uncond, output_format=output_format(out_path))
+        if self.is_writer:
+            out_path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.runner.generate(seed=turn.seed, size=self.size, task=self.task,
+                                    save_result_path=str(out_path) if self.is_writer else "")
+        if self.is_writer:
+            how = f"seed {turn.seed}" if turn.seed is not None else "continued stream"
+            print(f"{out_path}  {self.size[0]}x{self.size[1]} {how} offsets {turn.offset_cond}/"
+                  f"{turn.offset_uncond} in {time.perf_counter() - start:.1f}s", flush=True)
+        return data
+
+    def _load(self, turn: Turn) -> None:
+        cond = load_kv_file(turn.cond, self.layout)
+        uncond = load_kv_file(turn.uncond, self.layout) if turn.uncond is not None else None
+        self.runner.set_kvcache(cond, uncond)
+
+    def save_state(self, path: Path | None) -> None:
+        if path is not None and self.is_writer:
+            path.write_bytes(self.runner.stream.state())
+
+    def close(self) -> None:
+        if self.world_size > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_main(run, argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
+    """Parse, run, and turn the package's errors into one clear line and exit code 2."""
+    args = parser.parse_args(argv)
+    try:
+        run(args)
+    except (InputError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
