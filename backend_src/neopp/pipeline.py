@@ -108,7 +108,7 @@ class NeoPPPipeline:
             if req.index_offset_uncond is None:
                 raise InputError(f"{n['index_offset_uncond']}: required when {n['uncond_kv']} is given")
             self._check_offset(req.index_offset_uncond, n["index_offset_uncond"])
-        if any(self.plan(req)) and req.uncond_kv is None:
+        if any(self.guidance_plan(req)) and req.uncond_kv is None:
             raise InputError(f"{n['uncond_kv']}: required because guidance is on for some steps "
                              f"(cfg_scale {req.sampling.cfg_scale} > 1 inside cfg_interval {req.sampling.cfg_interval}); "
                              "send it, or set cfg_scale <= 1")
@@ -134,7 +134,7 @@ class NeoPPPipeline:
             raise InputError(f"{name}: {value} is out of range 0..{self.limits.max_index_offset}")
 
     # ---- preparation ------------------------------------------------------------------
-    def plan(self, req: GenerationRequest) -> list[bool]:
+    def guidance_plan(self, req: GenerationRequest) -> list[bool]:
         s = req.sampling
         return guidance_plan(s, shifted_timesteps(s.infer_steps, s.timestep_shift))
 

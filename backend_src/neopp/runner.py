@@ -32,6 +32,7 @@ class NeoPPRunner:
         if default_task not in self.support_tasks:
             raise InputError(f"task: default task {default_task!r} is not in support_tasks {self.support_tasks}")
         self.default_task = default_task
+        self.mode_sampling = mode.sampling
         self.sampling = mode.sampling
         self.default_size = mode.default_size
         self.stream = NoiseStream()
@@ -53,12 +54,12 @@ class NeoPPRunner:
                              timestep_shift: Any = _KEEP, output_format: Any = _KEEP, infer_steps: Any = _KEEP,
                              enable_cfg: Any = _KEEP, image_guidance_scale: Any = _KEEP,
                              resize: Any = _KEEP) -> None:
-        """Offsets of this turn; sampling values given here override the mode's, others stay."""
+        """Offsets of this turn; values given here override the mode's for this turn only."""
         overrides = {k: v for k, v in dict(cfg_interval=cfg_interval, cfg_scale=cfg_scale, cfg_norm=cfg_norm,
                                            timestep_shift=timestep_shift, output_format=output_format,
                                            infer_steps=infer_steps, enable_cfg=enable_cfg,
                                            image_guidance_scale=image_guidance_scale).items() if v is not _KEEP}
-        self.sampling = self.sampling.replace(**overrides)
+        self.sampling = self.mode_sampling.replace(**overrides)
         self._offsets = (index_offset_cond, index_offset_uncond)
         if resize is not _KEEP:
             self._resize = tuple(resize) if resize else None

@@ -121,7 +121,7 @@ class ParallelPipeline(NeoPPPipeline):
     def prepare(self, req: GenerationRequest, need_cond: bool = True, need_uncond: bool | None = None) -> Prepared:
         if not self.cfg_parallel:
             return super().prepare(req)
-        guided = any(self.plan(req))
+        guided = any(self.guidance_plan(req))
         first = self.mesh.cfg_rank == 0
         return super().prepare(req, need_cond=first, need_uncond=guided and not first)
 

@@ -181,8 +181,8 @@ class WorkerPool:
     def validate(self, req: GenerationRequest, names: dict[str, str] | None = None) -> None:
         self._validator.validate(req, names)
 
-    def plan(self, req: GenerationRequest) -> list[bool]:
-        return self._validator.plan(req)
+    def guidance_plan(self, req: GenerationRequest) -> list[bool]:
+        return self._validator.guidance_plan(req)
 
     def _rank_request(self, req: GenerationRequest, rank: int) -> GenerationRequest:
         """Each rank gets only the KV its branch needs."""
