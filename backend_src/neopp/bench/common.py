@@ -1,0 +1,63 @@
+"""What every benchmark shares: the machine line, medians, and writing a results file."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+def machine() -> str:
+    cpu = platform.processor() or "cpu"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"{gpu}, Python {platform.python_version()}")
+
+
+def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
+    """Wall seconds of `repeats` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def stats(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max)."""
+    return statistics.median(values), min(values), max(values)
+
+
+def command_line() -> str:
+    return "python -m " + Path(sys.argv[0]).with_suffix("").as_posix().split("backend_src/")[-1].replace("/", ".") + \
+        ("" if len(sys.argv) == 1 else " " + " ".join(sys.argv[1:]))
+
+
+def write_report(path: Path, title: str, body: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = f"# {title}\n\nCommand: `{command_line()}`\n\nMachine: {machine()}\n\n{body}\n"
+    path.write_text(text)
+    print(text)
+    return path

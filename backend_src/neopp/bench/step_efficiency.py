@@ -1,0 +1,123 @@
+"""Denoising-step efficiency: achieved GFLOP/s of one step against plain matmuls of its shapes.
+
+    python -m neopp.bench.step_efficiency [--out bench] [--layers 8] [--size 512] [--prefix 300]
+
+The step's FLOPs are counted analytically (every GEMM, conv-as-GEMM and attention product);
+the matmul anchor times `torch.matmul` on exactly those GEMM shapes in the same run, so the
+ratio says how close the step is to this machine's limit for its work.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import ModelConfig
+from ..modes import ModeConfig, SamplingParams
+from ..pipeline import GenerationRequest, NeoPPPipeline
+from ..rng import NoiseStream
+from ..tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
+from ..transformer import NeoPPTransformer
+from .common import REPO, stats, timed, write_report
+
+
+@dataclass(frozen=True)
+class BenchGeometry:
+    layers: int = 8
+    hidden: int = 1024
+    heads: int = 16
+    kv_heads: int = 4
+    head_dim: int = 64
+    mlp: int = 2816
+    head_width: int = 1024
+    vision: int = 256
+
+    def config(self) -> dict:
+        llm = {"num_hidden_layers": self.layers, "hidden_size": self.hidden, "num_attention_heads": self.heads,
+               "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "rope_theta": 1e6,
+               "rope_theta_hw": 1e4}
+        return {"llm_config": llm, "vision_config": {**TINY_VISION, "hidden_size": self.vision}, "patch_size": 16}
+
+
+def build_pipeline(geo: BenchGeometry, dtype: torch.dtype, device: str = "cpu") -> NeoPPPipeline:
+    """A random tower of this geometry built in memory (no checkpoint file needed)."""
+    raw = geo.config()
+    cfg = ModelConfig.from_dict(raw)
+    tensors = tiny_tensors(raw, seed=1, mlp_width=geo.mlp, head_width=geo.head_width)
+    dev = torch.device(device)
+    return NeoPPPipeline(cfg, NeoPPTransformer.from_tensors(cfg, tensors, dev, dtype), ModeConfig(), dev, dtype)
+
+
+def gemm_shapes(geo: BenchGeometry, tokens: int, prefix: int) -> list[tuple[int, int, int, int]]:
+    """(count, M, K, N) of every product in one branch's step."""
+    d, q, kv = geo.hidden, geo.heads * geo.head_dim, geo.kv_heads * geo.head_dim
+    patches = tokens * 4
+    per_layer = [(1, tokens, d, q), (2, tokens, d, kv), (1, tokens, q, d), (2, tokens, d, geo.mlp),
+                 (1, tokens, geo.mlp, d),
+                 (geo.heads, tokens, geo.head_dim, prefix + tokens), (geo.heads, tokens, prefix + tokens, geo.head_dim)]
+    shapes = [(c * geo.layers, m, k, n) for c, m, k, n in per_layer]
+    shapes += [(1, patches, 3 * 256, geo.vision), (1, tokens, geo.vision * 4, d),
+               (1, tokens, d, geo.head_width), (1, tokens, geo.head_width, 32 * 32 * 3)]
+    return shapes
+
+
+def flops(shapes: list[tuple[int, int, int, int]]) -> float:
+    return float(sum(2 * c * m * k * n for c, m, k, n in shapes))
+
+
+def matmul_seconds(shapes, dtype: torch.dtype, repeats: int) -> float:
+    """Median time of plain matmuls over the same shapes (attention products batched per head)."""
+    total = 0.0
+    for count, m, k, n in shapes:
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        total += count * stats(timed(lambda: torch.matmul(a, b), repeats))[0]
+    return total
+
+
+def step_seconds(pipe: NeoPPPipeline, size: int, prefix: int, repeats: int) -> list[float]:
+    raw_kv = random_kv({"llm_config": {"num_hidden_layers": pipe.config.num_layers,
+                                       "num_key_value_heads": pipe.config.num_kv_heads,
+                                       "head_dim": pipe.config.head_dim}}, prefix, 0, torch.float32)
+    req = GenerationRequest(cond_kv=raw_kv, index_offset_cond=prefix, height=size, width=size,
+                            noise=NoiseStream(0).draw(size, size),
+                            sampling=SamplingParams(infer_steps=repeats + 1, enable_cfg=False))
+    per_step: list[float] = []
+    pipe.sample(req, on_step=lambda k, s: per_step.append(s))
+    return per_step[1:]  # the first step warms caches up
+
+
+def run(geo: BenchGeometry, size: int, prefix: int, repeats: int) -> str:
+    tokens = (size // 32) ** 2
+    shapes = gemm_shapes(geo, tokens, prefix)
+    work = flops(shapes)
+    rows = []
+    for dtype in (torch.float32, torch.bfloat16):
+        pipe = build_pipeline(geo, dtype)
+        med, lo, hi = stats(step_seconds(pipe, size, prefix, repeats))
+        mm = matmul_seconds(shapes, dtype, repeats)
+        rows.append(f"| {str(dtype).split('.')[-1]} | {med * 1e3:.1f} ({lo * 1e3:.1f}-{hi * 1e3:.1f}) | "
+                    f"{work / med / 1e9:.0f} | {work / mm / 1e9:.0f} | {mm / med:.2f} |")
+        del pipe
+    return (f"Geometry: {geo}, image {size}x{size} ({tokens} tokens), prefix {prefix} tokens, one branch "
+            f"(CFG off), {work / 1e9:.1f} GFLOP per step (analytic). Step time: median (min-max) of "
+            f"{repeats} steps.\n\n| dtype | step ms | step GFLOP/s | matmul GFLOP/s (same shapes) | ratio |\n"
+            "|---|---|---|---|---|\n" + "\n".join(rows))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "bench"))
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--prefix", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    body = run(BenchGeometry(layers=args.layers), args.size, args.prefix, args.repeats)
+    write_report(Path(args.out) / "step_efficiency.md", "Denoising-step efficiency", body)
+
+
+if __name__ == "__main__":
+    main()
