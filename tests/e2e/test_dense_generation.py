@@ -73,8 +73,10 @@ def test_seeded_png_is_identical_across_calls_transports_and_in_process(triton, 
 def test_rng_state_continues_the_stream_like_the_runner(triton, tiny_dense):
     runner = NeoPPRunner(tiny_dense, MODE_FILE)
     runner.set_kvcache(triton.cond, triton.uncond)
-    runner.set_inference_params(24, 7, infer_steps=4, output_format="png")
-    expected = [runner.generate(seed=200, size=(64, 64))] + [runner.generate(seed=None, size=(64, 64)) for _ in range(2)]
+    expected = []
+    for seed in (200, None, None):  # LightLLM's turns: params, then generate
+        runner.set_inference_params(24, 7, infer_steps=4, output_format="png")
+        expected.append(runner.generate(seed=seed, size=(64, 64)))
 
     first = triton.infer_grpc(SEED=np.array([200], np.int64))
     second = triton.infer_http(RNG_STATE=first.as_numpy("NEXT_RNG_STATE"))

@@ -38,8 +38,9 @@ from ..config import ModelConfig
 from ..errors import ConfigError, GenerationCancelled, InputError
 from ..image_io import encode_image
 from ..modes import TASKS, ModeConfig, SamplingParams, load_mode
+from ..generator import build_generator as core_build_generator
 from ..limits import Limits
-from ..pipeline import GenerationRequest, NeoPPPipeline, set_threads
+from ..pipeline import GenerationRequest, NeoPPPipeline
 from ..rng import NoiseStream
 from .metrics import GenerationMetrics
 from .request_parsing import (INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT_NAMES,
@@ -102,17 +103,18 @@ def choose_device(param: str, instance_kind: str, device_id: int, instance_index
     return f"cuda:{(instance_index * world_size) % torch.cuda.device_count()}"
 
 
-def build_generator(mode: ModeConfig, checkpoint: Path, device: str | None,
-                    dtype: torch.dtype | None, limits: Limits) -> NeoPPPipeline:
-    """The object whose ``validate``/``generate``/``guidance_plan`` serve requests.
+def build_generator(mode: ModeConfig, checkpoint: Path, device: str | None, dtype: torch.dtype | None,
+                    limits: Limits, threads: int | None = None, instance_index: int = 0) -> NeoPPPipeline:
+    """The object whose ``validate``/``generate`` serve this model's requests.
 
-    One-process modes get a :class:`NeoPPPipeline`. Modes with ``world_size > 1`` need the
-    parallel workers (a later issue extends this function); until then they are refused.
+    One-process modes get a :class:`NeoPPPipeline` from the core factory
+    (``neopp.generator.build_generator``). Modes with ``world_size > 1`` are refused here
+    until the parallel-workers issue wires the core's worker pool into this function.
     """
     if mode.world_size != 1:
         raise ConfigError(f"mode {mode.name}: world_size {mode.world_size} needs parallel workers, "
                           "which this build of the serving layer does not start")
-    return NeoPPPipeline.from_pretrained(checkpoint, mode, device=device, dtype=dtype, limits=limits)
+    return core_build_generator(checkpoint, mode, device, dtype, limits, threads, instance_index)
 
 
 def _int_param(params: Mapping[str, str], key: str) -> int:
@@ -204,18 +206,18 @@ class NeoPPTritonModel:
         model_dir = Path(args["model_repository"]) if args.get("model_repository") else self.MODEL_DIR
         self.settings = ModelSettings.from_config(model_config, model_dir)
         self.model_name = args.get("model_name", self.settings.model_name)
-        set_threads(self.settings.num_threads)
         self.mode = load_mode(self.settings.mode_file)
         default_size = self.mode.default_size
         if max(default_size) > self.settings.limits.max_side or \
                 default_size[0] * default_size[1] > self.settings.limits.max_pixels:
             raise ConfigError(f"mode {self.mode.name}: default size {default_size} exceeds the model's limits")
         match = re.search(r"_(\d+)$", args.get("model_instance_name", ""))
+        instance_index = int(match.group(1)) if match else 0
         device = choose_device(self.settings.device_param, args.get("model_instance_kind", "CPU"),
-                               int(args.get("model_instance_device_id", 0) or 0),
-                               int(match.group(1)) if match else 0, self.mode.world_size)
+                               int(args.get("model_instance_device_id", 0) or 0), instance_index,
+                               self.mode.world_size)
         self.generator = build_generator(self.mode, self.settings.checkpoint, device, self.settings.dtype,
-                                         self.settings.limits)
+                                         self.settings.limits, self.settings.num_threads or None, instance_index)
         self.kv_dims = self.generator.config.kv_dims
         self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
