@@ -1,0 +1,108 @@
+"""Serving helpers that need no running server: launcher plumbing and request parsing rules."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from neopp.errors import ConfigError, InputError
+from neopp.limits import Limits
+from neopp.serving.request_parsing import INPUT_SPECS, parse_request
+from neopp.serving.triton_model import choose_device, read_parameters, resolve_checkpoint
+from neopp.serving.tritonserver import (find_install, pick_free_ports, prepare_backend_dir, python_tag,
+                                        server_env)
+
+
+def test_backend_dir_holds_the_stub_for_this_python(tmp_path):
+    install = find_install()
+    out = prepare_backend_dir(tmp_path / "backends", install)
+    py = out / "python"
+    assert sorted(p.name for p in py.iterdir()) == [
+        "libtriton_python.so", "triton_python_backend_stub", "triton_python_backend_utils.py"]
+    stub = install.site_packages / "pytriton/tritonserver/python_backend_stubs" / python_tag()
+    assert (py / "triton_python_backend_stub").read_bytes() == (stub / "triton_python_backend_stub").read_bytes()
+    assert os.access(py / "triton_python_backend_stub", os.X_OK)
+    prepare_backend_dir(tmp_path / "backends", install)  # rerun is a no-op, not an error
+
+
+def test_server_env_puts_interpreter_libdir_first_and_venv_bin_first():
+    env = server_env(base={"LD_LIBRARY_PATH": "/elsewhere", "PATH": "/usr/bin"})
+    libs = env["LD_LIBRARY_PATH"].split(os.pathsep)
+    assert libs[0] == sysconfig.get_config_var("LIBDIR")
+    assert libs[1].endswith("nvidia_pytriton.libs") and libs[-1] == "/elsewhere"
+    assert Path(env["PATH"].split(os.pathsep)[0], "python").exists()
+
+
+def test_free_ports_are_distinct_and_bindable():
+    ports = pick_free_ports(3)
+    assert len(set(ports)) == 3
+    for port in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_checkpoint_env_precedence(tmp_path):
+    params = read_parameters({"parameters": {"checkpoint": {"string_value": "checkpoints/x"}}})
+    root = tmp_path
+    assert resolve_checkpoint(params, "neopp_moe", root, env={}) == root / "checkpoints/x"
+    env = {"NEOPP_CHECKPOINT": "/a", "NEOPP_CHECKPOINT_NEOPP_MOE": "/b"}
+    assert resolve_checkpoint(params, "neopp_moe", root, env=env) == Path("/b")
+    assert resolve_checkpoint(params, "neopp_dense", root, env=env) == Path("/a")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="mapping without CUDA")
+def test_device_mapping_without_cuda():
+    assert choose_device("auto", "CPU", 0, 3) == "cpu"
+    assert choose_device("cuda:1", "CPU", 0, 0) == "cuda:1"
+    with pytest.raises(ConfigError, match="CUDA is not available"):
+        choose_device("cuda", "CPU", 0, 0)
+    with pytest.raises(ConfigError, match="parameter device"):
+        choose_device("tpu", "CPU", 0, 0)
+
+
+def _inputs(**overrides):
+    base = {"COND_KV": torch.zeros(2, 2, 3, 2, 32, dtype=torch.bfloat16),
+            "INDEX_OFFSET_COND": np.array([5], np.int64)}
+    base.update(overrides)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def test_parse_request_types_values():
+    req = parse_request(_inputs(SIZE=np.array([64, 96], np.int64), SEED=np.array([7], np.int64),
+                                CFG_NORM=np.array([b"Channel"], np.object_), STEPS=np.array([3], np.int64),
+                                CFG_INTERVAL=np.array([0.0, 0.5], np.float32)), Limits())
+    assert (req.size, req.seed, req.index_offset_cond, req.prefix_tokens) == ((64, 96), 7, 5, 3)
+    assert req.sampling == {"cfg_norm": "channel", "infer_steps": 3, "cfg_interval": (0.0, 0.5)}
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"COND_KV": None}, "COND_KV: required"),
+    ({"COND_KV": torch.zeros(2, 2, 3, 2, 32)}, "COND_KV: datatype must be BF16"),
+    ({"UNCOND_KV": torch.zeros(2, 2, 3, 2, 32, dtype=torch.bfloat16)}, "INDEX_OFFSET_UNCOND: required together"),
+    ({"SEED": np.array([1], np.int64), "RNG_STATE": np.zeros(4, np.uint8)}, "not both"),
+    ({"STEPS": np.array([201], np.int64)}, "STEPS: must be in 1..200"),
+    ({"RESIZE": np.array([-1, 8], np.int64)}, "RESIZE: [height, width] must be positive"),
+    ({"RESIZE": np.array([8, 5000], np.int64)}, "RESIZE: each side must be at most"),
+    ({"TASK": np.array([b"edit"], np.object_)}, "TASK: unknown task"),
+    ({"CFG_SCALE": np.array([np.inf], np.float32)}, "CFG_SCALE: must be a finite number"),
+    ({"SIZE": np.array([64.0, 64.0], np.float32)}, "SIZE: datatype must be INT64"),
+    ({"BOGUS": np.array([1], np.int64)}, "BOGUS: unknown input"),
+])
+def test_parse_request_errors_name_input_and_rule(overrides, message):
+    with pytest.raises(InputError) as info:
+        parse_request(_inputs(**overrides), Limits(max_side=2048))
+    assert message in str(info.value)
+
+
+def test_contract_table_is_complete():
+    assert set(INPUT_SPECS) == {
+        "COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND", "SIZE", "SEED", "RNG_STATE", "TASK",
+        "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT", "STEPS", "OUTPUT_FORMAT", "RESIZE",
+        "IMAGE_GUIDANCE_SCALE"}
+    assert [n for n, s in INPUT_SPECS.items() if not s.optional] == ["COND_KV", "INDEX_OFFSET_COND"]
