@@ -27,7 +27,7 @@ from neopp.kv_cache import load_kv_file
 from neopp.serving.tritonserver import REPO_ROOT, TritonServer, process_group_members
 from neopp.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
-E2E_MODELS = ("neopp_dense",)
+E2E_MODELS = ("neopp_dense", "neopp_session")
 MODEL = "neopp_dense"
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # write_sample_kv defaults; also used as the offsets
 DEFAULT_SIZE, DEFAULT_STEPS = (64, 64), 4

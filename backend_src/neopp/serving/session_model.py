@@ -16,6 +16,9 @@ Parameters (``config.pbtxt``):
   ``sequence_batching.max_sequence_idle_microseconds`` at least as long, so that Triton does
   not release the sequence first (its own refusal then says the START flag is missing).
 
+A request with ``sequence_end`` and no ``COND_KV`` only closes the session: it answers an
+empty ``IMAGE`` and ``TURN`` -1, so a chat can end without generating one more image.
+
 Errors of the generation model are returned unchanged (same message, same status).
 """
 
@@ -145,6 +148,11 @@ class SessionTritonModel:
             start, end = bool(_scalar(inputs["START"])), bool(_scalar(inputs["END"]))
             session_id = int(_scalar(inputs["CORRID"]))
             seed = int(_scalar(inputs["SEED"])) if "SEED" in inputs else None
+            if "COND_KV" not in inputs:
+                if not end:
+                    raise InputError("COND_KV: required input is missing (only a sequence_end request may leave "
+                                     "it out, to close the session without an image)")
+                return self._closed(session_id)
             session = self.table.start(session_id, seed) if start else self.table.get(session_id)
             model = _text(inputs["MODEL"]) if "MODEL" in inputs else (session.model or self.default_model)
             if model not in self.allowed:
@@ -178,6 +186,16 @@ class SessionTritonModel:
             pb.Tensor("IMAGE", image),
             pb.Tensor("TURN", np.array([turn], dtype=np.int64)),
             pb.Tensor("NEXT_RNG_STATE", state),
+        ])
+
+    def _closed(self, session_id: Any) -> Any:
+        """Answer of a request that only closes a session: no image (empty IMAGE, TURN -1)."""
+        pb = self.pb
+        self.logger.log_info(f"{self.model_name}: session {session_id} closed without an image")
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor("IMAGE", np.array([b""], dtype=np.object_)),
+            pb.Tensor("TURN", np.array([-1], dtype=np.int64)),
+            pb.Tensor("NEXT_RNG_STATE", np.zeros(0, dtype=np.uint8)),
         ])
 
     def _same_error(self, error: Any) -> Any:

@@ -99,7 +99,8 @@ class Replayer:
             pipeline = self._parallel_pipeline(args.checkpoint, device, dtype)
         self.runner = NeoPPRunner(args.checkpoint, self.mode, device=device, dtype=dtype,
                                   default_task=args.task, pipeline=pipeline)
-        self.runner.set_inference_params(0, **overrides(args))  # offsets are set per turn
+        self.overrides = overrides(args)  # applied on every turn (the runner resets them per call)
+        self.runner.set_inference_params(0, **self.overrides)  # checks the flags before any turn
         if args.state_in is not None:
             self.runner.stream = NoiseStream.from_state(args.state_in.read_bytes())
         self.seeded = args.state_in is not None  # is there a stream to continue yet?
@@ -134,7 +135,8 @@ class Replayer:
             print("warning: no seed and no --state-in: this image starts from a random stream and will not "
                   "reproduce", file=sys.stderr)
         self.seeded = True
-        self.runner.set_inference_params(turn.offset_cond, turn.offset_uncond, output_format=output_format(out_path))
+        self.runner.set_inference_params(turn.offset_cond, turn.offset_uncond, output_format=output_format(out_path),
+                                         **self.overrides)
         if self.is_writer:
             out_path.parent.mkdir(parents=True, exist_ok=True)
         data = self.runner.generate(seed=turn.seed, size=self.size, task=self.task,

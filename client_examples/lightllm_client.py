@@ -1,0 +1,258 @@
+"""A drop-in for the in-process NeoPP runner that LightLLM's image server calls, over Triton gRPC.
+
+LightLLM calls ``set_kvcache(cond, uncond)``, ``set_inference_params(...)`` and
+``generate(seed=None, save_result_path="", target_shape=[h, w])`` (base64 image back).
+This class offers the same calls against the Triton server, in one of two ways:
+
+* ``NeoPPTritonClient(url)`` (default): through ``neopp_session``. One client object is one
+  chat session = one Triton ``sequence_id``; its first image starts the sequence, and the
+  server keeps the session's random stream. ``end_session()`` frees it on the server.
+* ``NeoPPTritonClient(url, stateless=True, model="neopp_dense")``: straight to a generation
+  model. The client keeps the stream itself (the last ``NEXT_RNG_STATE``, sent back as
+  ``RNG_STATE``), so any server replica can take any turn.
+
+KV tensors (tens of MB) go through system shared memory when the server is on this host
+(a loopback URL; ``shared_memory=True/False`` forces a choice), over the wire otherwise.
+Both ways, and both transports, give the same image bytes. The shared memory segment is
+POSIX shm created with the standard library (``tritonclient.utils.shared_memory`` needs
+``pkg_resources``, which recent setuptools no longer ships); Triton opens it by key.
+
+Run ``python client_examples/lightllm_client.py --help`` for a three-turn demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import uuid
+from multiprocessing import shared_memory
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import tritonclient.grpc as grpcclient
+
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+SAMPLING_INPUTS = {"cfg_scale": ("CFG_SCALE", np.float32), "timestep_shift": ("TIMESTEP_SHIFT", np.float32),
+                   "infer_steps": ("STEPS", np.int64), "cfg_interval": ("CFG_INTERVAL", np.float32),
+                   "resize": ("RESIZE", np.int64)}
+STRING_INPUTS = {"cfg_norm": "CFG_NORM", "output_format": "OUTPUT_FORMAT", "task": "TASK"}
+
+
+def _bf16(kv: Any) -> torch.Tensor:
+    """Online-layout KV as contiguous bfloat16 on the CPU (rounded once, here, for both transports)."""
+    t = kv if isinstance(kv, torch.Tensor) else torch.from_numpy(np.asarray(kv))
+    return t.detach().to("cpu", torch.bfloat16).contiguous()
+
+
+class _KVSharedMemory:
+    """One POSIX shared-memory segment holding cond and uncond, registered with the server."""
+
+    def __init__(self, client: grpcclient.InferenceServerClient, tensors: list[torch.Tensor]) -> None:
+        self.client = client
+        raw = [t.view(torch.int16).numpy().tobytes() for t in tensors]  # bf16 bits, exactly
+        self.spans, offset = [], 0
+        for blob in raw:
+            self.spans.append((offset, len(blob)))
+            offset += (len(blob) + 63) // 64 * 64
+        self.name = f"neopp_kv_{uuid.uuid4().hex[:16]}"
+        self.segment = shared_memory.SharedMemory(name=self.name, create=True, size=max(offset, 64))
+        for (start, size), blob in zip(self.spans, raw):
+            self.segment.buf[start:start + size] = blob
+        client.register_system_shared_memory(self.name, "/" + self.name, self.segment.size)
+
+    def attach(self, infer_input: grpcclient.InferInput, index: int) -> None:
+        start, size = self.spans[index]
+        infer_input.set_shared_memory(self.name, size, offset=start)
+
+    def close(self) -> None:
+        try:
+            self.client.unregister_system_shared_memory(self.name)
+        finally:
+            self.segment.close()
+            self.segment.unlink()
+
+
+class NeoPPTritonClient:
+    """LightLLM's runner calls, served by Triton (see the module docstring)."""
+
+    def __init__(self, url: str = "localhost:8001", model: str | None = None, stateless: bool = False,
+                 sequence_id: int | None = None, shared_memory: bool | None = None, default_seed: int = 0,
+                 generation_model: str | None = None, timeout_s: float = 600.0) -> None:
+        self.url, self.stateless = url, stateless
+        self.model = model or ("neopp_dense" if stateless else "neopp_session")
+        self.generation_model = generation_model  # session mode: MODEL input (None: the server's default)
+        self.client = grpcclient.InferenceServerClient(url)
+        host = url.rsplit(":", 1)[0]
+        self.use_shm = host in LOCAL_HOSTS or host.startswith("127.") if shared_memory is None else shared_memory
+        self.sequence_id = sequence_id if sequence_id is not None else uuid.uuid4().int % (2**63 - 1) + 1
+        self.default_seed, self.timeout_s = default_seed, timeout_s
+        self.started = False  # session mode: has the sequence been started on the server?
+        self.rng_state: np.ndarray | None = None  # stateless mode: the stream to continue
+        self.last_turn: int | None = None
+        self._kv: list[torch.Tensor] = []
+        self._shm: _KVSharedMemory | None = None
+        self._params: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ LightLLM's calls
+
+    def set_kvcache(self, cond: Any, uncond: Any = None) -> None:
+        """Prefixes in the online layout [layers, 2, seq, kv_heads, head_dim] (torch or numpy)."""
+        self._release_shm()
+        self._kv = [_bf16(cond)] + ([_bf16(uncond)] if uncond is not None else [])
+        if self.use_shm:
+            self._shm = _KVSharedMemory(self.client, self._kv)
+
+    def set_inference_params(self, index_offset_cond: int, index_offset_uncond: int | None = None,
+                             cfg_interval: Sequence[float] | None = None, cfg_scale: float | None = None,
+                             cfg_norm: str | None = None, timestep_shift: float | None = None,
+                             infer_steps: int | None = None, output_format: str | None = None,
+                             enable_cfg: bool | None = None, resize: Sequence[int] | None = None,
+                             task: str | None = None, **_unused: Any) -> None:
+        """Offsets and overrides of the following turns; what is left out keeps the server's mode values."""
+        if enable_cfg is False:
+            cfg_scale = 1.0  # no step uses guidance; the uncond prefix is then not needed
+        given = dict(cfg_interval=cfg_interval, cfg_scale=cfg_scale, cfg_norm=cfg_norm, timestep_shift=timestep_shift,
+                     infer_steps=infer_steps, output_format=output_format, resize=resize, task=task)
+        self._params = {"index_offset_cond": int(index_offset_cond),
+                        "index_offset_uncond": None if index_offset_uncond is None else int(index_offset_uncond),
+                        **{k: v for k, v in given.items() if v is not None}}
+
+    def generate(self, seed: int | None = None, save_result_path: str = "", target_shape: Sequence[int] | None = None,
+                 size: Sequence[int] | None = None) -> str:
+        """One image, base64-encoded. A seed restarts the stream; None continues it."""
+        if not self._kv or "index_offset_cond" not in self._params:
+            raise ValueError("call set_kvcache and set_inference_params before generate")
+        size = size if size is not None else target_shape
+        inputs = self._inputs(size)
+        if self.stateless:
+            data = self._generate_stateless(inputs, seed)
+        else:
+            data = self._generate_session(inputs, seed)
+        if save_result_path:
+            Path(save_result_path).write_bytes(data)
+        return base64.b64encode(data).decode("ascii")
+
+    # ------------------------------------------------------------------ sessions
+
+    def end_session(self) -> None:
+        """Free the session on the server (a sequence_end request without an image)."""
+        if self.stateless or not self.started:
+            return
+        self.client.infer(self.model, [], sequence_id=self.sequence_id, sequence_end=True,
+                          client_timeout=self.timeout_s)
+        self.started = False
+
+    def new_session(self, sequence_id: int | None = None) -> None:
+        """Start over as a new chat (the next image starts a new sequence / stream)."""
+        self.end_session()
+        self.sequence_id = sequence_id if sequence_id is not None else uuid.uuid4().int % (2**63 - 1) + 1
+        self.rng_state, self.last_turn = None, None
+
+    def close(self) -> None:
+        try:
+            self.end_session()
+        finally:
+            self._release_shm()
+            self.client.close()
+
+    def __enter__(self) -> "NeoPPTritonClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+
+    def _generate_session(self, inputs: list[grpcclient.InferInput], seed: int | None) -> bytes:
+        if seed is not None:
+            inputs.append(_tensor("SEED", np.array([seed], np.int64)))
+        if self.generation_model:
+            inputs.append(_tensor("MODEL", np.array([self.generation_model.encode()], np.object_)))
+        result = self.client.infer(self.model, inputs, sequence_id=self.sequence_id,
+                                   sequence_start=not self.started, client_timeout=self.timeout_s)
+        self.started = True
+        self.last_turn = int(result.as_numpy("TURN")[0])
+        self.rng_state = result.as_numpy("NEXT_RNG_STATE")
+        return bytes(result.as_numpy("IMAGE")[0])
+
+    def _generate_stateless(self, inputs: list[grpcclient.InferInput], seed: int | None) -> bytes:
+        if seed is None and self.rng_state is None:
+            seed = self.default_seed  # as neopp_session does for a first turn without a seed
+        if seed is not None:
+            inputs.append(_tensor("SEED", np.array([seed], np.int64)))
+        else:
+            inputs.append(_tensor("RNG_STATE", self.rng_state))
+        result = self.client.infer(self.model, inputs, client_timeout=self.timeout_s)
+        self.rng_state = result.as_numpy("NEXT_RNG_STATE")  # kept only once an image came back
+        self.last_turn = 0 if self.last_turn is None or seed is not None else self.last_turn + 1
+        return bytes(result.as_numpy("IMAGE")[0])
+
+    def _inputs(self, size: Sequence[int] | None) -> list[grpcclient.InferInput]:
+        p = self._params
+        inputs = []
+        for i, (name, kv) in enumerate(zip(("COND_KV", "UNCOND_KV"), self._kv)):
+            tensor = grpcclient.InferInput(name, list(kv.shape), "BF16")
+            if self._shm is not None:
+                self._shm.attach(tensor, i)
+            else:
+                tensor.set_data_from_numpy(kv.float().numpy())  # exact: the values are bf16 already
+            inputs.append(tensor)
+        inputs.append(_tensor("INDEX_OFFSET_COND", np.array([p["index_offset_cond"]], np.int64)))
+        if len(self._kv) > 1:
+            if p["index_offset_uncond"] is None:
+                raise ValueError("index_offset_uncond is required with an uncond KV")
+            inputs.append(_tensor("INDEX_OFFSET_UNCOND", np.array([p["index_offset_uncond"]], np.int64)))
+        if size is not None:
+            inputs.append(_tensor("SIZE", np.array([int(v) for v in size], np.int64)))
+        for key, (name, dtype) in SAMPLING_INPUTS.items():
+            if key in p:
+                inputs.append(_tensor(name, np.array(p[key] if key in ("cfg_interval", "resize") else [p[key]], dtype)))
+        for key, name in STRING_INPUTS.items():
+            if key in p:
+                inputs.append(_tensor(name, np.array([str(p[key]).encode()], np.object_)))
+        return inputs
+
+    def _release_shm(self) -> None:
+        if self._shm is not None:
+            shm, self._shm = self._shm, None
+            shm.close()
+
+
+def _tensor(name: str, arr: np.ndarray) -> grpcclient.InferInput:
+    dtype = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8",
+             np.dtype(np.object_): "BYTES"}[arr.dtype]
+    tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
+    tensor.set_data_from_numpy(arr)
+    return tensor
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Three turns (seed, then continued) from KV files, as LightLLM would drive them."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="localhost:8001")
+    parser.add_argument("--stateless", action="store_true", help="call a generation model directly")
+    parser.add_argument("--model", help="neopp_session (default) or, with --stateless, a generation model")
+    parser.add_argument("--cond-kv", required=True, help="replay-layout KV file (.pt/.safetensors)")
+    parser.add_argument("--uncond-kv")
+    parser.add_argument("--offsets", type=int, nargs=2, required=True, metavar=("COND", "UNCOND"))
+    parser.add_argument("--seeds", nargs="+", default=["200", "none", "none"], help="one per turn; none continues")
+    parser.add_argument("--size", type=int, nargs=2, default=[1024, 1024])
+    parser.add_argument("--out-prefix", default="lightllm_turn")
+    args = parser.parse_args(argv)
+    from neopp.kv_cache import load_kv_file  # the project's loader: weights_only, either layout
+
+    with NeoPPTritonClient(args.url, model=args.model, stateless=args.stateless) as client:
+        client.set_kvcache(load_kv_file(args.cond_kv), load_kv_file(args.uncond_kv) if args.uncond_kv else None)
+        client.set_inference_params(args.offsets[0], args.offsets[1], output_format="png")
+        for turn, seed in enumerate(args.seeds):
+            path = f"{args.out_prefix}_{turn}.png"
+            client.generate(seed=None if seed.lower() == "none" else int(seed), save_result_path=path,
+                            target_shape=args.size)
+            print(f"{path} turn {client.last_turn}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
