@@ -91,7 +91,7 @@ def _copy_if_changed(src: Path, dst: Path) -> None:
         s, d = src.stat(), dst.stat()
         if s.st_size == d.st_size and int(s.st_mtime) == int(d.st_mtime):
             return
-    tmp = dst.with_name(dst.name + ".tmp")
+    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")  # concurrent preparers do not collide
     shutil.copy2(src, tmp)
     os.replace(tmp, dst)
 
