@@ -54,10 +54,14 @@ def quantize_layer_linears_(tensors: dict[str, torch.Tensor]) -> int:
     """In place: every layer linear without a scale becomes FP8 + `_scale`; returns how many.
 
     Done key by key so each full-precision original can be freed as soon as it is replaced:
-    peak memory stays near the checkpoint's own size instead of original + quantised.
+    peak memory stays near the checkpoint's own size instead of original + quantised. The
+    tensors left as they are get copied out of the checkpoint's memory map: safetensors backs
+    them all with one mapping of the file, and while any of them lives, every page of the
+    full-precision originals read here would stay resident.
     """
     done = 0
-    for key in [k for k in tensors if is_layer_linear(k) and "mot_gen" in k]:
+    linears = {k for k in tensors if is_layer_linear(k) and "mot_gen" in k}
+    for key in linears:
         if key + "_scale" in tensors and tensors[key].dtype == FP8_DTYPE:
             continue
         full = tensors[key].float()
@@ -65,6 +69,8 @@ def quantize_layer_linears_(tensors: dict[str, torch.Tensor]) -> int:
             full = full * tensors.pop(key + "_scale").float().view(-1, 1)
         tensors[key], tensors[key + "_scale"] = quantize_fp8(full)
         done += 1
+    for key in [k for k in tensors if k not in linears and not k.endswith("_scale")]:
+        tensors[key] = tensors[key].clone()
     return done
 
 
@@ -100,8 +106,10 @@ class FP8Linear(Linear):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_scaled_mm:
             return self._scaled(x)
-        w = dequantize_fp8(self.weight, self.scale).to(x.dtype)  # this layer only, freed on return
-        return F.linear(x, w, self.bias)
+        # FP8 values are exact in bf16/fp32; the per-row scale applies to the output columns, so
+        # only this layer's converted weight exists, for the duration of the call.
+        y = (F.linear(x, self.weight.to(x.dtype)).float() * self._scale_row).to(x.dtype)
+        return y if self.bias is None else y + self.bias
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:
         """Per-token activation scale (absmax/448 of each row of x), one FP8 GEMM, bf16 out."""

@@ -49,7 +49,9 @@ class _Init:
         return base + std * torch.randn(n, generator=self.gen)
 
 
-def tiny_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+def tiny_tensors(cfg: dict, seed: int = 0, mlp_width: int = MLP_WIDTH,
+                 head_width: int = HEAD_WIDTH) -> dict[str, torch.Tensor]:
+    """Random weights for `cfg`; the widths are free (the benchmarks build mid-size towers)."""
     llm, vis = cfg["llm_config"], cfg["vision_config"]
     D, DV, HD = llm["hidden_size"], vis["hidden_size"], llm["head_dim"]
     NH, NKV, T = llm["num_attention_heads"], llm["num_key_value_heads"], 32
@@ -68,8 +70,8 @@ def tiny_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         w.update({h + "conv1.weight": g.conv(PIXEL_CONV1, D // 4, 3), h + "conv1.bias": g.vec(PIXEL_CONV1),
                   h + "conv2.weight": g.conv(192, PIXEL_CONV1 // 4, 3), h + "conv2.bias": g.vec(192)})
     else:
-        w.update({FM + "fm_head.0.weight": g.linear(HEAD_WIDTH, D), FM + "fm_head.0.bias": g.vec(HEAD_WIDTH),
-                  FM + "fm_head.2.weight": g.linear(T * T * 3, HEAD_WIDTH), FM + "fm_head.2.bias": g.vec(T * T * 3)})
+        w.update({FM + "fm_head.0.weight": g.linear(head_width, D), FM + "fm_head.0.bias": g.vec(head_width),
+                  FM + "fm_head.2.weight": g.linear(T * T * 3, head_width), FM + "fm_head.2.bias": g.vec(T * T * 3)})
     for i in range(llm["num_hidden_layers"]):
         p, a, m = layer_prefix(i), layer_prefix(i) + "self_attn.", layer_prefix(i) + "mlp_mot_gen."
         w.update({p + "input_layernorm_mot_gen.weight": g.vec(D, 1.0),
@@ -82,8 +84,8 @@ def tiny_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
         if llm.get("gen_num_experts"):
             w[m + "gate.weight"] = g.linear(llm["gen_num_experts"], D, 4.0)
         for e in experts:
-            w.update({e + "gate_proj.weight": g.linear(MLP_WIDTH, D), e + "up_proj.weight": g.linear(MLP_WIDTH, D),
-                      e + "down_proj.weight": g.linear(D, MLP_WIDTH)})
+            w.update({e + "gate_proj.weight": g.linear(mlp_width, D), e + "up_proj.weight": g.linear(mlp_width, D),
+                      e + "down_proj.weight": g.linear(D, mlp_width)})
         # Keys of the understanding tower: present in real checkpoints, never loaded.
         w[a + "q_proj.weight"] = g.linear(NH * HD, D)
     w["vision_model.embeddings.patch_embedding.weight"] = g.conv(8, 3, 16)
