@@ -186,7 +186,7 @@ class NeoPPTritonModel:
                                                       "optional": spec.optional})
             elif name in KV_INPUTS:
                 dims = [int(d) for d in entry.get("dims", [])]
-                if dims and any(d not in (-1, k) for d, k in zip(dims, kv_dims)) or len(dims) not in (0, 5):
+                if len(dims) not in (0, 5) or any(d not in (-1, k) for d, k in zip(dims, kv_dims)):
                     raise ValueError(f"{name}: config.pbtxt dims {dims} contradict the checkpoint's {kv_dims}")
                 entry["dims"] = kv_dims  # in place: add_input refuses to change declared dims
         present = {entry["name"] for entry in cfg.get("output", [])}
