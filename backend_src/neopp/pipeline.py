@@ -27,10 +27,12 @@ from .lora import apply_loras_
 from .modes import TASKS, ModeConfig, SamplingParams
 from .quant import fp8_layer_linear, quantize_layer_linears_
 from .schedule import initial_noise_scale, shifted_timesteps
-from .transformer import BranchContext, LinearFactory, NeoPPTransformer
+from .transformer import BatchedBranches, BranchContext, LinearFactory, NeoPPTransformer
 
 StopFn = Callable[[], bool]
 StepFn = Callable[[int, float], None]
+# Batched CFG wins where matmuls are short (few tokens); see bench/RESULTS.md.
+BATCH_CFG_MAX_TOKENS = 4096
 DEFAULT_NAMES = {"cond_kv": "cond_kv", "uncond_kv": "uncond_kv", "index_offset_cond": "index_offset_cond",
                  "index_offset_uncond": "index_offset_uncond", "size": "size", "task": "task",
                  "infer_steps": "infer_steps", "noise": "noise"}
@@ -69,6 +71,7 @@ class NeoPPPipeline:
         self.device, self.dtype = device, dtype
         self.limits = limits or Limits()
         self.support_tasks = support_tasks
+        self.cfg_batching = "auto"
 
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeConfig | None = None, device: str | None = None,
@@ -158,7 +161,11 @@ class NeoPPPipeline:
 
     # ---- the loop ---------------------------------------------------------------------
     def velocity(self, hid: torch.Tensor, z: torch.Tensor, t: float, branch: BranchContext, grid: Grid) -> torch.Tensor:
-        x_pred = self.transformer.predict(self.transformer.run_layers(hid, branch), grid).float()
+        return self._velocity_from(self.transformer.run_layers(hid, branch), z, t, grid)
+
+    def _velocity_from(self, hid: torch.Tensor, z: torch.Tensor, t: float, grid: Grid) -> torch.Tensor:
+        """Head on the final hidden states, then `(x_pred - z) / max(1 - t, 0.02)`."""
+        x_pred = self.transformer.predict(hid, grid).float()
         return (x_pred - z) / max(1.0 - t, 0.02)
 
     def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
@@ -166,11 +173,21 @@ class NeoPPPipeline:
         """The (guided) velocity of step k; the parallel engine overrides this."""
         t = prep.times[k]
         hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
-        v = self.velocity(hid, z, t, prep.cond, prep.grid)
-        if prep.plan[k]:
+        if not prep.plan[k]:
+            return self.velocity(hid, z, t, prep.cond, prep.grid)
+        if self.batch_cfg(prep.grid.num_tokens):
+            both = self.transformer.run_layers(torch.cat([hid, hid]), BatchedBranches([prep.cond, prep.uncond]))
+            v_c, v_u = (self._velocity_from(h, z, t, prep.grid) for h in both.split(hid.shape[0]))
+        else:
+            v_c = self.velocity(hid, z, t, prep.cond, prep.grid)
             v_u = self.velocity(hid, z, t, prep.uncond, prep.grid)
-            v = combine_guidance(v, v_u, sampling.cfg_scale, sampling.cfg_norm)
-        return v
+        return combine_guidance(v_c, v_u, sampling.cfg_scale, sampling.cfg_norm)
+
+    def batch_cfg(self, num_tokens: int) -> bool:
+        """Run both branches as one batch? `cfg_batching` is on, off, or auto (by token count)."""
+        if self.cfg_batching == "auto":
+            return num_tokens <= BATCH_CFG_MAX_TOKENS
+        return self.cfg_batching == "on"
 
     @torch.inference_mode()
     def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,

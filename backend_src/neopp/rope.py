@@ -41,30 +41,37 @@ class Rope3D:
         temporal = (float(offset) * ft).expand(rows * cols, -1)
         segments = [temporal, r * fs, c * fs]
         angles = torch.cat([torch.cat([s, s], dim=1) for s in segments], dim=1)
+        self.perm, sign = _rotate_half_index(hd, device)
         self.cos = angles.cos().float().to(device)[:, None, :]
-        self.sin = angles.sin().float().to(device)[:, None, :]
-        self.perm, self.sign = _rotate_half_index(hd, device)
+        self.sin = angles.sin().float().to(device)[:, None, :] * sign  # rotate-half signs folded in
+
+    @classmethod
+    def _from_tables(cls, cos: torch.Tensor, sin: torch.Tensor, perm: torch.Tensor) -> "Rope3D":
+        rope = object.__new__(cls)
+        rope.cos, rope.sin, rope.perm = cos, sin, perm
+        return rope
 
     def slice(self, start: int, stop: int) -> "Rope3D":
         """The tables of a token range (a sequence-parallel shard)."""
-        part = object.__new__(Rope3D)
-        part.cos, part.sin = self.cos[start:stop], self.sin[start:stop]
-        part.perm, part.sign = self.perm, self.sign
-        return part
+        return self._from_tables(self.cos[start:stop], self.sin[start:stop], self.perm)
 
     def padded_slice(self, total: int, start: int, stop: int) -> "Rope3D":
         """Tables extended to `total` tokens with identity rotations (padding), then sliced."""
         pad = total - self.cos.shape[0]
         cos = torch.cat([self.cos, torch.ones_like(self.cos[:1]).expand(pad, -1, -1)])
         sin = torch.cat([self.sin, torch.zeros_like(self.sin[:1]).expand(pad, -1, -1)])
-        part = self.slice(start, stop)
-        part.cos, part.sin = cos[start:stop], sin[start:stop]
-        return part
+        return self._from_tables(cos[start:stop], sin[start:stop], self.perm)
+
+    @classmethod
+    def concat(cls, ropes: list["Rope3D"]) -> "Rope3D":
+        """Several branches' tokens one after the other (batched CFG)."""
+        return cls._from_tables(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]),
+                                ropes[0].perm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, head_dim] -> rotated, same dtype."""
         xf = x.float()
-        return (xf * self.cos + xf[..., self.perm] * self.sign * self.sin).to(x.dtype)
+        return (xf * self.cos + xf[..., self.perm] * self.sin).to(x.dtype)
 
 
 def _rotate_half_index(hd: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,20 @@ class BranchContext:
         return grouped_attention(q, self.k[layer], self.v[layer])
 
 
+class BatchedBranches:
+    """Several branches' tokens in one batch: projections and MLPs run once over all of them,
+    attention runs per branch over its own prefix (batched CFG on one device)."""
+
+    def __init__(self, branches: list[BranchContext]) -> None:
+        self.branches = branches
+        self.sizes = [b.rope.cos.shape[0] for b in branches]
+        self.rope = Rope3D.concat([b.rope for b in branches])
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        parts = zip(self.branches, q.split(self.sizes), k.split(self.sizes), v.split(self.sizes))
+        return torch.cat([b.attend(layer, qi, ki, vi) for b, qi, ki, vi in parts])
+
+
 class NeoPPTransformer:
     """Pre-infer (embed), the decoder layers (per branch), post-infer (head)."""
 
