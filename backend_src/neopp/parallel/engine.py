@@ -113,6 +113,10 @@ class ParallelPipeline(NeoPPPipeline):
     def cfg_parallel(self) -> bool:
         return self.mesh.cfg_p_size > 1
 
+    def batch_cfg(self, num_tokens: int) -> bool:
+        """Sharded branches shard their own tokens; they are never batched together."""
+        return self.mesh.seq_p_size == 1 and super().batch_cfg(num_tokens)
+
     def branch(self, kv: torch.Tensor, offset: int, grid: Grid) -> BranchContext:
         if self.mesh.seq_p_size == 1:
             return super().branch(kv, offset, grid)
