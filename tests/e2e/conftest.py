@@ -25,9 +25,11 @@ from PIL import Image
 
 from neopp.kv_cache import load_kv_file
 from neopp.serving.tritonserver import REPO_ROOT, TritonServer, process_group_members
-from neopp.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+from neopp.lora import write_tiny_loras
+from neopp.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 
-E2E_MODELS = ("neopp_dense", "neopp_session")
+E2E_MODELS = ("neopp_dense", "neopp_session", "neopp_dense_fp8", "neopp_dense_8steps", "neopp_moe")
+MOE_MODELS = ("neopp_moe", "neopp_moe_cfg")  # served from the tiny MoE checkpoint
 MODEL = "neopp_dense"
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # write_sample_kv defaults; also used as the offsets
 DEFAULT_SIZE, DEFAULT_STEPS = (64, 64), 4
@@ -128,12 +130,28 @@ def tiny_dense(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def triton(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonHandle:
+def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny MoE checkpoint (same KV geometry as the dense one)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "moe", "moe")
+
+
+def ensure_8steps_lora() -> Path:
+    """The LoRA file configs/neopp/neopp_dense_8steps.json names (what `make tiny` writes, seed 0)."""
+    path = REPO_ROOT / "build" / "tiny" / "lora" / "neopp_8steps_lora.safetensors"
+    if not path.is_file():
+        write_tiny_loras(path.parent, tiny_tensors(tiny_config("dense"), 0))
+    return path
+
+
+@pytest.fixture(scope="session")
+def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFactory) -> TritonHandle:
     """The real server; models point to the tiny checkpoint through NEOPP_CHECKPOINT."""
     log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     env = dict(os.environ, NEOPP_CHECKPOINT=str(tiny_dense))
     for key in [k for k in env if k.startswith("NEOPP_CHECKPOINT_")]:
         env.pop(key)  # a developer's per-model override must not leak into the suite
+    env.update({"NEOPP_CHECKPOINT_" + m.upper(): str(tiny_moe) for m in MOE_MODELS})
+    ensure_8steps_lora()
     server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=log_path,
                           extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
                                       *(f"--load-model={m}" for m in E2E_MODELS)])
