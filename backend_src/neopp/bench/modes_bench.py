@@ -43,7 +43,8 @@ PREFIX_TOKENS = 256
 MODES = [  # (label, mode file, checkpoint)
     ("neopp_dense (fp32)", "neopp_dense", "dense"),
     ("neopp_dense (bf16)", "neopp_dense", "dense"),
-    ("neopp_dense_fp8", "neopp_dense_fp8", "dense"),
+    ("neopp_dense_fp8 (fp32)", "neopp_dense_fp8", "dense"),
+    ("neopp_dense_fp8 (bf16)", "neopp_dense_fp8", "dense"),
     ("neopp_dense_8steps", "neopp_dense_8steps", "dense"),
     ("neopp_moe", "neopp_moe", "moe"),
     ("neopp_moe_cfg", "neopp_moe_parallel_cfg", "moe"),
@@ -171,14 +172,16 @@ def naive_moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def timed(fn: Callable[[], torch.Tensor], repeats: int = 5) -> float:
-    fn()
-    samples = []
+def timed_pair(a: Callable[[], torch.Tensor], b: Callable[[], torch.Tensor], repeats: int = 7) -> tuple[float, float]:
+    """Median seconds of a and b, run alternately so load on a shared box hits both alike."""
+    a(), b()
+    samples: tuple[list[float], list[float]] = ([], [])
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        for fn, out in ((a, samples[0]), (b, samples[1])):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return statistics.median(samples[0]), statistics.median(samples[1])
 
 
 @torch.inference_mode()
@@ -193,8 +196,9 @@ def bench_moe_dispatch(tokens: int, device: str) -> dict:
     x = torch.randn(tokens, D, generator=gen).to(device)
     grouped, naive = moe(x), naive_moe(moe, x)
     err = ((grouped - naive).norm() / naive.norm()).item()
-    return {"tokens": tokens, "experts": E, "top_k": MID_TOP_K, "grouped s": timed(lambda: moe(x)),
-            "naive s": timed(lambda: naive_moe(moe, x)), "relative difference": err}
+    grouped_s, naive_s = timed_pair(lambda: moe(x), lambda: naive_moe(moe, x))
+    return {"tokens": tokens, "experts": E, "top_k": MID_TOP_K, "grouped s": grouped_s, "naive s": naive_s,
+            "relative difference": err}
 
 
 def table(rows: list[dict]) -> str:
@@ -211,7 +215,8 @@ def report(args: argparse.Namespace, command: str, mem: dict, rss: dict, modes: 
     lines = [
         "# NeoPP modes benchmark", "", f"Command: `{command}`", "",
         f"Machine: {platform.machine()} {os.cpu_count()} CPUs, torch {torch.__version__}, device {args.device}, "
-        f"{args.threads} threads; {time.strftime('%Y-%m-%d %H:%M')}.",
+        f"{args.threads} threads; {time.strftime('%Y-%m-%d %H:%M')}; load average at the start "
+        f"{args.load:.1f} (a shared box: other jobs ran alongside, so treat step times as +-20%).",
         f"Mid-size tower (random weights, real key layout, stored bf16): {MID_LLM['num_hidden_layers']} layers, "
         f"D {MID_LLM['hidden_size']}, {MID_LLM['num_attention_heads']} heads / {MID_LLM['num_key_value_heads']} KV "
         f"heads x {MID_LLM['head_dim']}, dense MLP {MID_MLP}, MoE {MID_EXPERTS} experts top-{MID_TOP_K} of width "
@@ -231,10 +236,12 @@ def report(args: argparse.Namespace, command: str, mem: dict, rss: dict, modes: 
               "1 byte per weight + a 4-byte scale per output row, vs 2 bytes).", "",
               f"## Step time per mode ({args.steps} timed steps after one warm-up step; median)", "",
               table(modes), "",
-              "On CPU the FP8 mode dequantises one layer's weight per call (no FP8 matmul there), so it "
-              "trades time for memory; on sm90+ GPUs it runs torch._scaled_mm instead. The 8-step LoRA mode "
-              "runs one branch per step (CFG off); neopp_moe_cfg splits the two branches over two ranks, each "
-              "with half the threads.", "",
+              "(fp32)/(bf16): the compute dtype (on CPU the runner's default is fp32). Without an FP8 matmul "
+              "(CPUs, GPUs before sm90) an FP8 layer converts its own weight to the compute dtype for the call "
+              "and scales the output columns, so it trades time for memory; on sm90+ GPUs it runs "
+              "torch._scaled_mm instead. The 8-step LoRA mode runs one branch per step (CFG off); the CFG modes "
+              "on one device batch both branches; neopp_moe_cfg splits the two branches over two rank "
+              "processes (so it uses twice the cores of the 1-rank rows).", "",
               "## MoE expert dispatch: grouped (one matmul per expert over its tokens) vs naive loop", "",
               table([moe]), "",
               f"Speed-up of grouped dispatch: {moe['naive s'] / moe['grouped s']:.2f}x (naive runs every expert "
@@ -254,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     command = "python -m neopp.bench.modes_bench " + " ".join(argv if argv is not None else sys.argv[1:])
     torch.set_num_threads(args.threads)
+    args.load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     with tempfile.TemporaryDirectory(prefix="neopp_modes_bench_") as tmp:
         print("writing mid-size checkpoints ...", flush=True)
         ckpts = write_mid_checkpoints(Path(tmp))
