@@ -130,8 +130,11 @@ def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int
         data = perf_input_data((layers, kv_heads, head_dim), cond_tokens, uncond_tokens or None, size, steps,
                                offsets=(cond_tokens, uncond_tokens))
         data_path.write_text(json.dumps(data))
+        # Count windows: one generation can take seconds, so fixed time windows may see none.
+        window = [] if any(a.startswith("--measurement") for a in extra) else \
+            ["--measurement-mode", "count_windows", "--measurement-request-count", "20"]
         args = ["-m", model, "-i", "grpc", "-u", grpc_url, "--input-data", str(data_path),
-                "--concurrency-range", concurrency, "--measurement-interval", "5000", *extra]
+                "--concurrency-range", concurrency, *window, *extra]
         print("perf_analyzer", " ".join(args), flush=True)
         return run_perf_analyzer(args)
 
