@@ -12,7 +12,8 @@ This class offers the same calls against the Triton server, in one of two ways:
   ``RNG_STATE``), so any server replica can take any turn.
 
 KV tensors (tens of MB) go through system shared memory when the server is on this host
-(a loopback URL; ``shared_memory=True/False`` forces a choice), over the wire otherwise.
+(a loopback URL; ``shared_memory=True/False`` forces a choice), over the wire otherwise,
+as raw bf16 bytes (``raw_bf16=False`` uses tritonclient's own, much slower, BF16 encoder).
 Both ways, and both transports, give the same image bytes. The shared memory segment is
 POSIX shm created with the standard library (``tritonclient.utils.shared_memory`` needs
 ``pkg_resources``, which recent setuptools no longer ships); Triton opens it by key.
@@ -51,16 +52,34 @@ class _KVSharedMemory:
 
     def __init__(self, client: grpcclient.InferenceServerClient, tensors: list[torch.Tensor]) -> None:
         self.client = client
-        raw = [t.view(torch.int16).numpy().tobytes() for t in tensors]  # bf16 bits, exactly
-        self.spans, offset = [], 0
-        for blob in raw:
-            self.spans.append((offset, len(blob)))
-            offset += (len(blob) + 63) // 64 * 64
         self.name = f"neopp_kv_{uuid.uuid4().hex[:16]}"
-        self.segment = shared_memory.SharedMemory(name=self.name, create=True, size=max(offset, 64))
-        for (start, size), blob in zip(self.spans, raw):
-            self.segment.buf[start:start + size] = blob
+        self.segment = shared_memory.SharedMemory(name=self.name, create=True, size=max(self._layout(tensors), 64))
         client.register_system_shared_memory(self.name, "/" + self.name, self.segment.size)
+        self.write(tensors)
+
+    @staticmethod
+    def _spans(tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+        spans, offset = [], 0
+        for t in tensors:
+            size = t.numel() * 2
+            spans.append((offset, size))
+            offset += (size + 63) // 64 * 64
+        return spans
+
+    def _layout(self, tensors: list[torch.Tensor]) -> int:
+        start, size = self._spans(tensors)[-1]
+        return start + size
+
+    def fits(self, tensors: list[torch.Tensor]) -> bool:
+        return self._layout(tensors) <= self.segment.size
+
+    def write(self, tensors: list[torch.Tensor]) -> None:
+        """Copy the bf16 bits in place; the registration stays (a new turn costs one copy)."""
+        self.spans = self._spans(tensors)
+        view = np.frombuffer(self.segment.buf, dtype=np.int16)
+        for (start, size), t in zip(self.spans, tensors):
+            view[start // 2:(start + size) // 2] = t.view(torch.int16).numpy().reshape(-1)
+        del view  # the segment cannot close while a numpy view holds its buffer
 
     def attach(self, infer_input: grpcclient.InferInput, index: int) -> None:
         start, size = self.spans[index]
@@ -79,7 +98,7 @@ class NeoPPTritonClient:
 
     def __init__(self, url: str = "localhost:8001", model: str | None = None, stateless: bool = False,
                  sequence_id: int | None = None, shared_memory: bool | None = None, default_seed: int = 0,
-                 generation_model: str | None = None, timeout_s: float = 600.0) -> None:
+                 generation_model: str | None = None, timeout_s: float = 600.0, raw_bf16: bool = True) -> None:
         self.url, self.stateless = url, stateless
         self.model = model or ("neopp_dense" if stateless else "neopp_session")
         self.generation_model = generation_model  # session mode: MODEL input (None: the server's default)
@@ -87,7 +106,7 @@ class NeoPPTritonClient:
         host = url.rsplit(":", 1)[0]
         self.use_shm = host in LOCAL_HOSTS or host.startswith("127.") if shared_memory is None else shared_memory
         self.sequence_id = sequence_id if sequence_id is not None else uuid.uuid4().int % (2**63 - 1) + 1
-        self.default_seed, self.timeout_s = default_seed, timeout_s
+        self.default_seed, self.timeout_s, self.raw_bf16 = default_seed, timeout_s, raw_bf16
         self.started = False  # session mode: has the sequence been started on the server?
         self.rng_state: np.ndarray | None = None  # stateless mode: the stream to continue
         self.last_turn: int | None = None
@@ -99,9 +118,13 @@ class NeoPPTritonClient:
 
     def set_kvcache(self, cond: Any, uncond: Any = None) -> None:
         """Prefixes in the online layout [layers, 2, seq, kv_heads, head_dim] (torch or numpy)."""
-        self._release_shm()
         self._kv = [_bf16(cond)] + ([_bf16(uncond)] if uncond is not None else [])
-        if self.use_shm:
+        if not self.use_shm:
+            return
+        if self._shm is not None and self._shm.fits(self._kv):
+            self._shm.write(self._kv)  # reuse the registered segment
+        else:
+            self._release_shm()
             self._shm = _KVSharedMemory(self.client, self._kv)
 
     def set_inference_params(self, index_offset_cond: int, index_offset_uncond: int | None = None,
@@ -197,7 +220,7 @@ class NeoPPTritonClient:
             if self._shm is not None:
                 self._shm.attach(tensor, i)
             else:
-                tensor.set_data_from_numpy(kv.float().numpy())  # exact: the values are bf16 already
+                _set_bf16(tensor, kv, self.raw_bf16)
             inputs.append(tensor)
         inputs.append(_tensor("INDEX_OFFSET_COND", np.array([p["index_offset_cond"]], np.int64)))
         if len(self._kv) > 1:
@@ -218,6 +241,19 @@ class NeoPPTritonClient:
         if self._shm is not None:
             shm, self._shm = self._shm, None
             shm.close()
+
+
+def _set_bf16(tensor: grpcclient.InferInput, kv: torch.Tensor, raw: bool) -> None:
+    """Put bf16 data in a request.
+
+    tritonclient 2.51 serializes BF16 one element at a time in Python (seconds for a 44 MB
+    prefix); the raw path hands over the same bytes directly (``_raw_content``, the field
+    ``set_data_from_numpy`` fills). Both send identical bytes: the values are bf16 already.
+    """
+    if raw and hasattr(tensor, "_raw_content"):
+        tensor._raw_content = kv.view(torch.int16).numpy().tobytes()
+    else:
+        tensor.set_data_from_numpy(kv.float().numpy())
 
 
 def _tensor(name: str, arr: np.ndarray) -> grpcclient.InferInput:

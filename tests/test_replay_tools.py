@@ -1,0 +1,159 @@
+"""replay_kv / replay_kv_multiturn without a server: stream rules, KV layouts, flags, torchrun, launchers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from neopp.runner import NeoPPRunner
+from neopp.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+from neopp.tools import replay_kv, replay_kv_multiturn
+
+REPO = Path(__file__).resolve().parents[1]
+DENSE_MODE = REPO / "configs" / "neopp" / "neopp_dense.json"
+CFG_MODE = REPO / "configs" / "neopp" / "neopp_dense_parallel_cfg.json"
+FAST = ["--size", "64", "64", "--steps", "2"]
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("replay") / "dense", "dense")
+    write_sample_kv(path / "kv", "dense")
+    return path
+
+
+def common(ckpt: Path, mode: Path = DENSE_MODE) -> list[str]:
+    return ["--checkpoint", str(ckpt), "--mode", str(mode), *FAST]
+
+
+def turn_spec(ckpt: Path, seed: str, cond: str = "cond_kv.pt", uncond: str = "uncond_kv.pt") -> str:
+    return f"{ckpt / 'kv' / cond},{ckpt / 'kv' / uncond},24,7,{seed}"
+
+
+def test_multiturn_equals_runner_and_chained_single_replays(ckpt, tmp_path):
+    argv = common(ckpt) + ["--output-dir", str(tmp_path / "multi")]
+    for seed in ("200", "none", "none"):
+        argv += ["--turn", turn_spec(ckpt, seed)]
+    assert replay_kv_multiturn.main(argv) == 0
+    multi = [(tmp_path / "multi" / f"turn_{i}.png").read_bytes() for i in range(3)]
+    assert len(set(multi)) == 3
+
+    runner = NeoPPRunner(ckpt, DENSE_MODE)
+    runner.load_kvcache(ckpt / "kv" / "cond_kv.pt", ckpt / "kv" / "uncond_kv.pt")
+    direct = []
+    for seed in (200, None, None):
+        runner.set_inference_params(24, 7, infer_steps=2, output_format="png")
+        direct.append(runner.generate(seed=seed, size=(64, 64)))
+    assert direct == multi
+
+    state = tmp_path / "stream.bin"
+    single = []
+    for i, seed in enumerate(("200", None, None)):
+        out = tmp_path / f"single_{i}.png"
+        argv = common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--uncond-kv", str(ckpt / "kv" / "uncond_kv.pt"),
+                               "--offset-cond", "24", "--offset-uncond", "7", "--output", str(out), "--state-out", str(state)]
+        argv += ["--seed", seed] if seed else ["--state-in", str(state)]
+        assert replay_kv.main(argv) == 0
+        single.append(out.read_bytes())
+    assert single == multi
+
+
+def test_turns_from_json_equal_turns_from_flags_and_layouts_agree(ckpt, tmp_path):
+    kv = ckpt / "kv"
+    spec = {"turns": [{"cond": str(kv / "cond_kv.replay.safetensors"), "uncond": str(kv / "uncond_kv.replay.safetensors"),
+                       "offset_cond": 24, "offset_uncond": 7, "seed": 5},
+                      {"cond": "kv/cond_kv.online.safetensors", "uncond": "kv/uncond_kv.online.safetensors",
+                       "offset_cond": 24, "offset_uncond": 7}]}
+    (ckpt / "turns.json").write_text(json.dumps(spec))  # relative paths resolve against the JSON file
+    assert replay_kv_multiturn.main(common(ckpt) + ["--turns", str(ckpt / "turns.json"),
+                                                    "--output-dir", str(tmp_path / "json")]) == 0
+    flags = common(ckpt) + ["--output-dir", str(tmp_path / "flags"), "--turn", turn_spec(ckpt, "5"),
+                            "--turn", turn_spec(ckpt, "none")]
+    assert replay_kv_multiturn.main(flags) == 0
+    for i in range(2):
+        assert (tmp_path / "json" / f"turn_{i}.png").read_bytes() == (tmp_path / "flags" / f"turn_{i}.png").read_bytes()
+
+
+def test_a_flag_overrides_the_mode_value(ckpt, tmp_path):
+    base = common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--uncond-kv", str(ckpt / "kv" / "uncond_kv.pt"),
+                           "--offset-cond", "24", "--offset-uncond", "7", "--seed", "3"]
+    outs = {}
+    for name, extra in (("mode", []), ("norm", ["--cfg-norm", "none"]), ("scale", ["--cfg-scale", "2.0"])):
+        outs[name] = tmp_path / f"{name}.png"
+        assert replay_kv.main(base + extra + ["--output", str(outs[name])]) == 0
+    data = {k: v.read_bytes() for k, v in outs.items()}
+    assert len(set(data.values())) == 3
+    # CFG off needs no uncond prefix at all
+    assert replay_kv.main(common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--offset-cond", "24",
+                                          "--seed", "3", "--no-cfg", "--output", str(tmp_path / "nocfg.png")]) == 0
+
+
+def test_errors_are_one_clear_line(ckpt, tmp_path, capsys):
+    assert replay_kv_multiturn.main(common(ckpt) + ["--output-dir", str(tmp_path), "--turn", "only-a-path"]) == 2
+    assert "OFFSET_COND" in capsys.readouterr().err
+    assert replay_kv.main(common(ckpt) + ["--cond-kv", str(tmp_path / "missing.pt"), "--offset-cond", "1",
+                                          "--seed", "1", "--output", str(tmp_path / "x.png")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    argv = common(ckpt, CFG_MODE) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--offset-cond", "1",
+                                     "--output", str(tmp_path / "x.png")]
+    env_world = os.environ.pop("WORLD_SIZE", None)
+    try:
+        assert replay_kv.main(argv) == 2
+    finally:
+        if env_world is not None:
+            os.environ["WORLD_SIZE"] = env_world
+    assert "torchrun --standalone --nproc_per_node=2" in capsys.readouterr().err
+
+
+def assert_close_images(a: Path, b: Path, levels: int = 2) -> None:
+    """CFG-parallel equals sequential up to floating-point reassociation (spec 5): a level or two."""
+    pa, pb = (np.asarray(Image.open(p), dtype=np.int16) for p in (a, b))
+    assert pa.shape == pb.shape
+    diff = np.abs(pa - pb)
+    assert diff.max() <= levels and diff.mean() < 0.05, (diff.max(), diff.mean())
+
+
+def _torchrun(n: int, args: list[str]) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={n}", "-m",
+                           "neopp.tools.replay_kv_multiturn", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
+
+
+def test_cfg_parallel_replay_under_torchrun_equals_one_process_and_checks_the_count(ckpt, tmp_path):
+    turns = ["--turn", turn_spec(ckpt, "200"), "--turn", turn_spec(ckpt, "none")]
+    assert replay_kv_multiturn.main(common(ckpt) + ["--output-dir", str(tmp_path / "one"), *turns]) == 0
+    ok = _torchrun(2, common(ckpt, CFG_MODE) + ["--output-dir", str(tmp_path / "two"), *turns])
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    for i in range(2):
+        assert_close_images(tmp_path / "two" / f"turn_{i}.png", tmp_path / "one" / f"turn_{i}.png")
+    bad = _torchrun(3, common(ckpt, CFG_MODE) + ["--output-dir", str(tmp_path / "three"), *turns])
+    assert bad.returncode != 0
+    assert "must equal the product of the parallel sizes" in bad.stdout + bad.stderr
+
+
+def test_launchers_run_and_cfg_parallel_matches_sequential(ckpt, tmp_path):
+    kv_dir = tmp_path / "kv"
+    kv_dir.mkdir()
+    for i in range(3):
+        shutil.copy(ckpt / "kv" / "cond_kv.pt", kv_dir / f"turn{i}_cond.pt")
+        shutil.copy(ckpt / "kv" / "uncond_kv.pt", kv_dir / f"turn{i}_uncond.pt")
+    env = dict(os.environ, CKPT=str(ckpt), KV_DIR=str(kv_dir), OUT_DIR=str(tmp_path / "out"), SIZE="64 64",
+               STEPS="2", OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
+    for script in ("dense_t2i_1k.sh", "dense_cfg_parallel_1k.sh", "dense_3turn_2k.sh"):
+        run = subprocess.run(["bash", str(REPO / "scripts" / "replay" / script)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+    out = tmp_path / "out"
+    for i in range(3):
+        assert_close_images(out / f"dense_t2i_1k_{i}.png", out / f"dense_cfg_parallel_1k_{i}.png")
+    assert len({(out / f"dense_3turn_2k_{i}.png").read_bytes() for i in range(3)}) == 3
