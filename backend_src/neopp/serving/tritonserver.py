@@ -17,6 +17,7 @@ CLI::
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import signal
@@ -168,6 +169,14 @@ def process_group_members(pgid: int) -> list[int]:
     return pids
 
 
+def _terminate_with_parent() -> None:
+    """In the child before exec: ask Linux for SIGTERM when the launching thread exits."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: stop() remains the way out
+
+
 class TritonServer:
     """One tritonserver process: start, wait ready, stop. Usable as a context manager."""
 
@@ -217,7 +226,11 @@ class TritonServer:
                 *self.extra_args]
 
     def start(self) -> "TritonServer":
-        """Launch in its own process group so its stubs can be found and stopped with it."""
+        """Launch in its own process group so its stubs can be found and stopped with it.
+
+        The server also gets SIGTERM if the thread that started it dies (Linux parent-death
+        signal), so a launcher killed hard does not leave a server behind.
+        """
         if self.process is not None:
             raise TritonLaunchError("server already started")
         out: int | IO[bytes] | None = None
@@ -227,7 +240,8 @@ class TritonServer:
             out = self._log_file
         self.process = subprocess.Popen(self.command(), env=self.env, stdout=out,
                                         stderr=subprocess.STDOUT if out is not None else None,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_terminate_with_parent)
         return self
 
     def is_ready(self) -> bool:
@@ -282,12 +296,8 @@ class TritonServer:
     @staticmethod
     def _reap_group(pgid: int, timeout: float) -> None:
         """Stubs normally exit with the server; any that linger get SIGTERM, then SIGKILL."""
-        deadline = time.monotonic() + timeout
-        sig = signal.SIGTERM
-        while True:
-            members = process_group_members(pgid)
-            if not members:
-                return
+        deadline, sig = time.monotonic() + timeout, signal.SIGTERM
+        while members := process_group_members(pgid):
             if time.monotonic() > deadline:
                 if sig == signal.SIGKILL:
                     raise TritonLaunchError(f"processes {members} of tritonserver group survived SIGKILL")
