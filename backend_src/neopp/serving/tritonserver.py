@@ -59,11 +59,8 @@ def python_tag() -> str:
 
 def _site_packages_candidates() -> list[Path]:
     """purelib/platlib first, then every sys.path entry (covers user installs)."""
-    seen: list[Path] = []
-    for p in [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]:
-        if p and Path(p).is_dir() and Path(p) not in seen:
-            seen.append(Path(p))
-    return seen
+    paths = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]
+    return [Path(p) for p in dict.fromkeys(paths) if p and Path(p).is_dir()]
 
 
 def find_install() -> TritonInstall:
@@ -80,10 +77,7 @@ def find_install() -> TritonInstall:
             if not path.exists():
                 raise TritonLaunchError(f"nvidia-pytriton install at {sp} lacks {path}")
         return install
-    raise TritonLaunchError(
-        "tritonserver not found: install nvidia-pytriton==0.7.0 into this environment "
-        f"({sys.executable})"
-    )
+    raise TritonLaunchError(f"tritonserver not found: install nvidia-pytriton==0.7.0 into {sys.prefix}")
 
 
 def _copy_if_changed(src: Path, dst: Path) -> None:
@@ -169,12 +163,16 @@ def process_group_members(pgid: int) -> list[int]:
     return pids
 
 
+try:  # resolved here, not in the forked child, where dlopen's lock could be held by another thread
+    _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: stop() remains the way out
+    _PRCTL = None
+
+
 def _terminate_with_parent() -> None:
     """In the child before exec: ask Linux for SIGTERM when the launching thread exits."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass  # not Linux: stop() remains the way out
+    if _PRCTL is not None:
+        _PRCTL(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
 class TritonServer:
