@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import time
 import uuid
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -85,9 +86,20 @@ class _KVSharedMemory:
         start, size = self.spans[index]
         infer_input.set_shared_memory(self.name, size, offset=start)
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 10.0) -> None:
+        """Unregister (the server may still hold the region for a moment after a response), then unlink."""
+        from tritonclient.utils import InferenceServerException
+
+        deadline = time.monotonic() + wait_s
         try:
-            self.client.unregister_system_shared_memory(self.name)
+            while True:
+                try:
+                    self.client.unregister_system_shared_memory(self.name)
+                    break
+                except InferenceServerException as exc:
+                    if "in use" not in str(exc) or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
         finally:
             self.segment.close()
             self.segment.unlink()

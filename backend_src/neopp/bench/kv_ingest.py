@@ -99,6 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               "request, and the server's KV checks (finite values) run on both paths. The last row is "
               "tritonclient 2.51's own BF16 path (a Python loop per element), which the client avoids by "
               "handing over the bf16 bytes directly."]
+    load = os.getloadavg()
+    lines += ["", f"Load average while it ran: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min); the "
+              "machine is shared, so compare the rows of one run, not runs across machines."]
     write_report(args.out, "KV ingest: gRPC vs system shared memory", "\n".join(lines))
     return 0
 
