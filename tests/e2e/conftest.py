@@ -28,7 +28,8 @@ from neopp.serving.tritonserver import REPO_ROOT, TritonServer, process_group_me
 from neopp.lora import write_tiny_loras
 from neopp.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 
-E2E_MODELS = ("neopp_dense", "neopp_session", "neopp_dense_fp8", "neopp_dense_8steps", "neopp_moe")
+E2E_MODELS = ("neopp_dense", "neopp_session", "neopp_dense_fp8", "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg",
+              "neopp_dense_cfg", "neopp_dense_cfg_seq")
 MOE_MODELS = ("neopp_moe", "neopp_moe_cfg")  # served from the tiny MoE checkpoint
 MODEL = "neopp_dense"
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # write_sample_kv defaults; also used as the offsets

@@ -102,6 +102,8 @@ class WorkerPool:
         self._validator = pipeline_for_validation   # a rank-less pipeline view: config + limits only
         self.config = pipeline_for_validation.config
         self.limits = spec.limits
+        self.device = ",".join(spec.devices)
+        self.dtype = spec.dtype
         self.last_comm_seconds = 0.0
         self._ctx = tmp.get_context("spawn")
         self._lock = threading.Lock()
@@ -195,13 +197,27 @@ class WorkerPool:
     def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
                  on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:
         with self._lock:
-            self._ensure_healthy()
-            self._job += 1
-            job = self._job
-            self._cancel.value = 0
-            for rank, q in enumerate(self._tasks):
-                q.put((job, self._rank_request(req, rank)))
-            return self._await(job, should_stop, on_step, timeout_s)
+            for attempt in range(2):
+                self._ensure_healthy()
+                self._job += 1
+                job = self._job
+                self._cancel.value = 0
+                for rank, q in enumerate(self._tasks):
+                    q.put((job, self._rank_request(req, rank)))
+                progress = [0]
+
+                def counted(k: int, seconds: float) -> None:
+                    progress[0] += 1
+                    if on_step is not None:
+                        on_step(k, seconds)
+                try:
+                    return self._await(job, should_stop, counted, timeout_s)
+                except WorkerFailure:
+                    # A rank that died just before the request (not yet reaped) fails it at its
+                    # first collective; nothing was computed, so it is safe to run it once more.
+                    if attempt or progress[0]:
+                        raise
+            raise AssertionError("unreachable")
 
     def _await(self, job: int, should_stop: StopFn | None, on_step: StepFn | None,
                timeout_s: float | None) -> np.ndarray:

@@ -38,7 +38,10 @@ from ..config import ModelConfig
 from ..errors import ConfigError, GenerationCancelled, InputError
 from ..image_io import encode_image
 from ..modes import TASKS, ModeConfig, SamplingParams, load_mode
-from ..generator import build_generator as core_build_generator
+from ..generator import build_generator
+from ..parallel.engine import parallel_activity
+from ..parallel.mesh import check_world
+from ..parallel.workers import WorkerFailure
 from ..limits import Limits
 from ..pipeline import GenerationRequest, NeoPPPipeline
 from ..rng import NoiseStream
@@ -52,6 +55,8 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "device": "auto",
     "dtype": "auto",
     "num_threads": "0",
+    "worker_processes": "0",
+    "collective_timeout_s": "120",
     "default_task": "t2i",
     **{k: str(v) for k, v in Limits().__dict__.items()},
 }
@@ -103,20 +108,6 @@ def choose_device(param: str, instance_kind: str, device_id: int, instance_index
     return f"cuda:{(instance_index * world_size) % torch.cuda.device_count()}"
 
 
-def build_generator(mode: ModeConfig, checkpoint: Path, device: str | None, dtype: torch.dtype | None,
-                    limits: Limits, threads: int | None = None, instance_index: int = 0) -> NeoPPPipeline:
-    """The object whose ``validate``/``generate`` serve this model's requests.
-
-    One-process modes get a :class:`NeoPPPipeline` from the core factory
-    (``neopp.generator.build_generator``). Modes with ``world_size > 1`` are refused here
-    until the parallel-workers issue wires the core's worker pool into this function.
-    """
-    if mode.world_size != 1:
-        raise ConfigError(f"mode {mode.name}: world_size {mode.world_size} needs parallel workers, "
-                          "which this build of the serving layer does not start")
-    return core_build_generator(checkpoint, mode, device, dtype, limits, threads, instance_index)
-
-
 def _int_param(params: Mapping[str, str], key: str) -> int:
     try:
         return int(params[key])
@@ -134,6 +125,8 @@ class ModelSettings:
     device_param: str
     dtype: torch.dtype | None
     num_threads: int
+    worker_processes: int
+    collective_timeout_s: float
     default_task: str
     limits: Limits
 
@@ -158,6 +151,8 @@ class ModelSettings:
             mode_file=mode_file if mode_file.is_absolute() else root / mode_file,
             device_param=params["device"], dtype=_DTYPES[dtype_key],
             num_threads=_int_param(params, "num_threads"), default_task=task, limits=limits,
+            worker_processes=_int_param(params, "worker_processes"),
+            collective_timeout_s=float(_int_param(params, "collective_timeout_s")),
         )
 
 
@@ -216,8 +211,11 @@ class NeoPPTritonModel:
         device = choose_device(self.settings.device_param, args.get("model_instance_kind", "CPU"),
                                int(args.get("model_instance_device_id", 0) or 0), instance_index,
                                self.mode.world_size)
-        self.generator = build_generator(self.mode, self.settings.checkpoint, device, self.settings.dtype,
-                                         self.settings.limits, self.settings.num_threads or None, instance_index)
+        if self.settings.worker_processes:
+            check_world(self.mode, self.settings.worker_processes)
+        self.generator = build_generator(self.settings.checkpoint, self.mode, device, self.settings.dtype,
+                                         self.settings.limits, self.settings.num_threads or None, instance_index,
+                                         collective_timeout_s=self.settings.collective_timeout_s)
         self.kv_dims = self.generator.config.kv_dims
         self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
@@ -231,6 +229,10 @@ class NeoPPTritonModel:
         return [self._serve(request) for request in requests]
 
     def finalize(self) -> None:
+        """Unloading stops the rank workers of a multi-process mode; none is left behind."""
+        close = getattr(self.generator, "close", None)
+        if close is not None:
+            close()
         self.generator = None
 
     # ------------------------------------------------------------------ one request
@@ -252,6 +254,8 @@ class NeoPPTritonModel:
             return self._fail("invalid_input", str(exc), pb.TritonError.INVALID_ARG, start)
         except GenerationCancelled as exc:
             return self._fail("cancelled", f"request cancelled: {exc}", pb.TritonError.CANCELLED, start)
+        except WorkerFailure as exc:
+            return self._fail("worker_failure", str(exc), pb.TritonError.UNAVAILABLE, start)
         except ConfigError as exc:
             return self._fail("config", f"model configuration error: {exc}", pb.TritonError.INTERNAL, start)
         except Exception as exc:  # noqa: BLE001 - the model must stay usable
@@ -266,7 +270,8 @@ class NeoPPTritonModel:
             f"{self.model_name}: {gen_req.height}x{gen_req.width} task={gen_req.task} "
             f"prefix={parsed.prefix_tokens}+{0 if parsed.uncond_kv is None else parsed.uncond_kv.shape[2]} tokens "
             f"steps={gen_req.sampling.infer_steps} {gen_req.sampling.output_format} {len(image)} B "
-            f"in {seconds:.2f}s")
+            f"in {seconds * 1e3:.0f} ms end-to-end; "
+            f"{parallel_activity(self.mode, gen_req, self.generator.guidance_plan(gen_req))}")
         state = np.frombuffer(stream.state(), dtype=np.uint8).copy()
         return pb.InferenceResponse(output_tensors=[
             pb.Tensor("IMAGE", np.array([image], dtype=np.object_)),

@@ -1,0 +1,143 @@
+"""CFG-parallel (2 ranks) and CFG + Ulysses (4 ranks) models through the real server.
+
+Tolerance for images: every rank runs the sequential pipeline's float32 layer code; the
+only differences are reassociations (thread count, head/token split), a few float32 ulps
+of the final state, which can move a pixel across a rounding boundary: decoded PNG pixels
+may differ by at most 1 level of 255, and almost all must be identical.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from PIL import Image
+from tritonclient.utils import InferenceServerException
+
+STEPS_METRIC = "neopp_denoising_steps_total"
+PARALLEL = ("neopp_dense_cfg", "neopp_dense_cfg_seq")
+
+
+def infer(triton, model: str, timeout: float = 180.0, **overrides):
+    return triton.grpc.infer(model, triton.grpc_tensors(**overrides), client_timeout=timeout)
+
+
+def pixels(result) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(result.as_numpy("IMAGE")[0])).convert("RGB")).astype(int)
+
+
+CASES = {  # name -> request overrides
+    "cfg-on": {},
+    "cfg-off": {"CFG_SCALE": np.array([1.0], np.float32)},
+    "partial-interval": {"CFG_INTERVAL": np.array([0.3, 0.8], np.float32), "STEPS": np.array([5], np.int64)},
+    "odd-tokens-96x160": {"SIZE": np.array([96, 160], np.int64)},
+}
+
+
+@pytest.mark.parametrize("model", PARALLEL)
+@pytest.mark.parametrize("case", list(CASES))
+def test_parallel_model_equals_single_device(triton, model, case):
+    seed = np.array([77], np.int64)
+    expected = pixels(infer(triton, "neopp_dense", SEED=seed, **CASES[case]))
+    got = pixels(infer(triton, model, SEED=seed, **CASES[case]))
+    assert got.shape == expected.shape
+    diff = np.abs(got - expected)
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+
+
+def test_log_states_whether_cfg_parallel_was_active(triton):
+    infer(triton, "neopp_dense_cfg", SEED=np.array([1], np.int64))
+    infer(triton, "neopp_dense_cfg", SEED=np.array([1], np.int64), CFG_SCALE=np.array([1.0], np.float32))
+    infer(triton, "neopp_dense_cfg", SEED=np.array([1], np.int64), UNCOND_KV=None, INDEX_OFFSET_UNCOND=None,
+          CFG_SCALE=np.array([0.5], np.float32))
+    infer(triton, "neopp_dense_cfg_seq", SEED=np.array([1], np.int64))
+    deadline = time.monotonic() + 10
+    want = ["cfg-parallel active on 4/4 steps", "cfg-parallel inactive: CFG_SCALE 1.0 <= 1",
+            "cfg-parallel inactive: CFG_SCALE 0.5 <= 1", "sequence-parallel (ulysses) active on 2 ranks"]
+    while time.monotonic() < deadline:
+        log = triton.log_path.read_text(errors="replace")
+        if all(w in log for w in want):
+            break
+        time.sleep(0.2)
+    for phrase in want:
+        assert phrase in log
+    assert " ms end-to-end; cfg-parallel" in log
+
+
+def _rank_pids(model: str) -> list[int]:
+    """Rank workers of a model: spawned children of the Python stub that runs its model.py."""
+    marker = f"/{model}/1/model.py"
+    stubs, children = [], {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if "triton_python_backend_stub" in cmd and marker in cmd:
+            stubs.append(int(entry.name))
+        if "spawn_main" in cmd:
+            children.setdefault(ppid, []).append(int(entry.name))
+    assert len(stubs) == 1, f"expected one stub for {model}, found {stubs}"
+    return sorted(children.get(stubs[0], []))
+
+
+def test_rank_killed_between_requests_is_rebuilt(triton):
+    seed = np.array([9], np.int64)
+    expected = infer(triton, "neopp_dense_cfg", SEED=seed).as_numpy("IMAGE")[0]
+    ranks = _rank_pids("neopp_dense_cfg")
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)
+    assert infer(triton, "neopp_dense_cfg", SEED=seed).as_numpy("IMAGE")[0] == expected
+    assert ranks[1] not in _rank_pids("neopp_dense_cfg")
+
+
+def test_rank_killed_during_request_fails_cleanly_then_recovers(triton):
+    model, seed = "neopp_dense_cfg_seq", np.array([9], np.int64)
+    expected = infer(triton, model, SEED=seed).as_numpy("IMAGE")[0]
+    ranks = _rank_pids(model)
+    assert len(ranks) == 4
+    outcome: dict = {}
+
+    def long_request() -> None:
+        try:
+            infer(triton, model, SEED=seed, STEPS=np.array([200], np.int64), SIZE=np.array([256, 256], np.int64))
+            outcome["result"] = "ok"
+        except InferenceServerException as exc:
+            outcome["error"] = exc
+
+    before = triton.metric(STEPS_METRIC, model=model)
+    worker = threading.Thread(target=long_request)
+    worker.start()
+    triton.wait_metric(STEPS_METRIC, before + 2, model=model)
+    started = time.monotonic()
+    os.kill(ranks[2], signal.SIGKILL)
+    worker.join(timeout=120)
+    assert not worker.is_alive()
+    assert "error" in outcome, "the request should fail when a rank dies"
+    assert "died" in str(outcome["error"]) and "restarted" in str(outcome["error"])
+    assert time.monotonic() - started < 60
+    assert infer(triton, model, SEED=seed).as_numpy("IMAGE")[0] == expected
+    assert triton.grpc.is_server_ready()
+
+
+def test_worker_count_must_match_mode_file(triton):
+    """A config whose worker_processes disagrees with the mode's parallel sizes is refused at load."""
+    client: grpcclient.InferenceServerClient = triton.grpc
+    config = client.get_model_config("neopp_dense_cfg_seq", as_json=True)["config"]
+    config["parameters"]["worker_processes"] = {"string_value": "2"}
+    import json
+
+    with pytest.raises(InferenceServerException, match="must equal the product of the parallel sizes"):
+        client.load_model("neopp_dense_cfg_seq", config=json.dumps(config))
+    client.load_model("neopp_dense_cfg_seq")  # restore from the repository
+    assert client.is_model_ready("neopp_dense_cfg_seq")
