@@ -20,13 +20,13 @@ def guidance_plan(sampling: SamplingParams, times: list[float]) -> list[bool]:
 
 def combine_guidance(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, norm: str) -> torch.Tensor:
     """`v_u + s (v_c - v_u)`, then the norm-ratio clamp; inputs are [tokens, channels]."""
-    v = v_uncond + scale * (v_cond - v_uncond)
+    v = torch.lerp(v_uncond, v_cond, scale)  # v_u + s (v_c - v_u), one allocation
     if norm == "global":
         ratio = v_cond.norm() / (v.norm() + 1e-8)
-        return v * ratio.clamp(0.0, 1.0)
+        return v.mul_(ratio.clamp(0.0, 1.0))
     if norm == "channel":
         ratio = v_cond.norm(dim=-1, keepdim=True) / (v.norm(dim=-1, keepdim=True) + 1e-8)
-        return v * ratio.clamp(0.0, 1.0)
+        return v.mul_(ratio.clamp(0.0, 1.0))
     if norm == "none":
         return v
     raise InputError(f"cfg_norm: unknown normalisation {norm!r}")

@@ -166,7 +166,7 @@ class NeoPPPipeline:
     def _velocity_from(self, hid: torch.Tensor, z: torch.Tensor, t: float, grid: Grid) -> torch.Tensor:
         """Head on the final hidden states, then `(x_pred - z) / max(1 - t, 0.02)`."""
         x_pred = self.transformer.predict(hid, grid).float()
-        return (x_pred - z) / max(1.0 - t, 0.02)
+        return x_pred.sub_(z).div_(max(1.0 - t, 0.02))  # x_pred is a fresh tensor: no temporaries
 
     def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
                       sampling: SamplingParams) -> torch.Tensor:
@@ -202,7 +202,7 @@ class NeoPPPipeline:
                 raise GenerationCancelled(f"cancelled before step {k + 1} of {len(prep.times) - 1}")
             start = time.perf_counter()
             v = self.step_velocity(prep, x, z, k, req.sampling)
-            z = z + (prep.times[k + 1] - prep.times[k]) * v
+            z.add_(v, alpha=prep.times[k + 1] - prep.times[k])
             x = unpatchify(z, req.height, req.width, t_size)
             if on_step is not None:
                 on_step(k, time.perf_counter() - start)

@@ -139,8 +139,7 @@ class ParallelPipeline(NeoPPPipeline):
         parts = [torch.empty_like(local) for _ in range(self.mesh.seq_p_size)]
         with self.comm():
             dist.all_gather(parts, local.contiguous(), group=self.mesh.seq_group)
-        x_pred = self.transformer.predict(torch.cat(parts)[:n], grid).float()
-        return (x_pred - z) / max(1.0 - t, 0.02)
+        return self._velocity_from(torch.cat(parts)[:n], z, t, grid)
 
     def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
                       sampling: SamplingParams) -> torch.Tensor:
