@@ -25,7 +25,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m neopp.bench.step_efficiency --out bench
+	$(PY) -m neopp.bench.report --out bench
 
 clean:
 	rm -rf build
@@ -53,3 +53,8 @@ bench-serve: tiny
 	@ldconfig -p | grep -q 'libb64.so.0d' || (apt-get update -qq && apt-get install -y -qq libb64-0d) \
 	  || { echo "perf_analyzer needs libb64.so.0d: apt-get install -y libb64-0d (as root)"; exit 1; }
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m neopp.serving.perf_analyzer --model neopp_dense $(BENCH_ARGS)
+
+# ---- GPU check (needs a CUDA device): one 1024px, 50-step CFG image on the real 8B dense shapes.
+.PHONY: gpu-check
+gpu-check: setup
+	$(PY) -m neopp.bench.gpu_check

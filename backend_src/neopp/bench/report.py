@@ -1,0 +1,71 @@
+"""`make bench`: run every benchmark one after the other and collect them in bench/RESULTS.md.
+
+    python -m neopp.bench.report [--out bench] [--only step_efficiency,cfg]
+
+Each section is its own module (runnable alone, writing its own file with its exact command);
+they run sequentially in child processes so no two measurements share the machine, and this
+report stitches their files together under one header with the machine and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .common import REPO, command_line, machine
+
+# (key, module, arguments given the output folder, file it writes, title)
+SECTIONS = [
+    ("step_efficiency", "step_efficiency", lambda out: ["--out", out], "step_efficiency.md",
+     "Denoising-step efficiency against the machine's matmul rate"),
+    ("scaling", "scaling", lambda out: ["--out", out], "scaling.md", "Growth with image and prefix length; memory"),
+    ("cfg", "cfg_bench", lambda out: ["--out", out], "cfg.md", "Sequential vs batched vs CFG-parallel guidance"),
+    ("modes", "modes_bench", lambda out: ["--out", out], "modes.md", "Modes: FP8 memory, step time, MoE dispatch"),
+    ("kv_ingest", "kv_ingest", lambda out: ["--out", str(Path(out) / "kv_ingest.md")], "kv_ingest.md",
+     "KV ingest: gRPC vs system shared memory"),
+    ("serving", "serving_bench", lambda out: ["--out", out], "serving.md",
+     "Triton end to end vs in-process; throughput per instance count"),
+]
+
+
+def body_of(path: Path) -> str:
+    """A section file without its own title (its command and machine lines stay)."""
+    lines = path.read_text().splitlines()
+    return "\n".join(lines[1:] if lines and lines[0].startswith("# ") else lines).strip()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "bench"))
+    parser.add_argument("--only", default="", help="comma-separated section keys to (re)run; others are reused")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = {k for k in args.only.split(",") if k}
+    timings = []
+    for key, module, make_args, _, _ in SECTIONS:
+        if wanted and key not in wanted:
+            continue
+        start = time.monotonic()
+        subprocess.run([sys.executable, "-m", f"neopp.bench.{module}", *make_args(str(out))], check=True, cwd=REPO)
+        timings.append(f"{key} {time.monotonic() - start:.0f} s")
+    parts = [f"# NeoPP benchmark report\n\nMade by `make bench` (`{command_line()}`) on "
+             f"{datetime.date.today().isoformat()}.\n\nMachine: {machine()}\n\nEvery comparison below was "
+             "measured side by side in one run of its section; sections ran one after the other. Each section "
+             "names the command that reproduces it alone."]
+    for key, _, _, filename, title in SECTIONS:
+        path = out / filename
+        if path.is_file():
+            parts.append(f"## {title}\n\n{body_of(path)}")
+    if timings:
+        parts.append("Section run times of this report: " + ", ".join(timings) + ".")
+    (out / "RESULTS.md").write_text("\n\n".join(parts) + "\n")
+    print(f"wrote {out / 'RESULTS.md'}")
+
+
+if __name__ == "__main__":
+    main()
