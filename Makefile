@@ -37,14 +37,17 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 HOST ?= 127.0.0.1
-SERVE_MODELS ?= neopp_dense
+SERVE_MODELS ?= neopp_dense neopp_dense_fp8 neopp_dense_cfg neopp_dense_cfg_seq neopp_dense_8steps \
+                neopp_moe neopp_moe_cfg neopp_session
 NEOPP_CHECKPOINT ?= $(abspath $(TINY_DIR)/dense)
+NEOPP_MOE_CHECKPOINT ?= $(abspath $(TINY_DIR)/moe)
 BENCH_ARGS ?=
 
 .PHONY: serve bench-serve
 
 serve: tiny
-	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m neopp.serving.tritonserver serve \
+	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) NEOPP_CHECKPOINT_NEOPP_MOE=$(NEOPP_MOE_CHECKPOINT) \
+	NEOPP_CHECKPOINT_NEOPP_MOE_CFG=$(NEOPP_MOE_CHECKPOINT) $(PY) -m neopp.serving.tritonserver serve \
 	  --model-repository model_repository --host $(HOST) --http-port $(HTTP_PORT) \
 	  --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
 	  -- --model-control-mode=explicit $(foreach m,$(SERVE_MODELS),--load-model=$(m))
