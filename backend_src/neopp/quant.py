@@ -9,14 +9,13 @@ its own weight for the duration of the call, so no full-precision copy of all we
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
 from .checkpoint import FP8_DTYPE, LM
 from .errors import ConfigError
 from .layers import Linear
+from .transformer import LinearFactory
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KERNELS = ("auto", "scaled_mm", "dequant")
@@ -124,9 +123,6 @@ class FP8Linear(Linear):
 
     def nbytes(self) -> int:
         return super().nbytes() + self.scale.numel() * self.scale.element_size()
-
-
-LinearFactory = Callable[[str, torch.Tensor, "torch.Tensor | None", dict], Linear]
 
 
 def fp8_layer_linear(device: torch.device | str, kernel: str = "auto") -> LinearFactory:
