@@ -144,6 +144,30 @@ def _finite_scalar(name: str, value: Any) -> float:
     return x
 
 
+def _nbytes(value: Any) -> int:
+    """Bytes an input holds, read from its header (no copy); strings count their payload."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    arr = np.asarray(value)
+    if arr.dtype == np.object_:
+        return sum(len(item) if isinstance(item, (bytes, str)) else 8 for item in arr.reshape(-1))
+    return int(arr.nbytes)
+
+
+def _check_request_bytes(inputs: Mapping[str, Any], limits: Limits) -> None:
+    """``max_request_bytes`` over every input, before the request leads to any allocation here.
+
+    Triton has already received the tensors by then: over the wire its own transport bound
+    applies first (gRPC: 2 GiB per message); through shared memory this is the bound.
+    """
+    sizes = {name: _nbytes(value) for name, value in inputs.items() if value is not None}
+    total = sum(sizes.values())
+    if total > limits.max_request_bytes:
+        biggest = max(sizes, key=sizes.__getitem__)
+        raise InputError(f"{biggest}: the request's inputs hold {total} bytes ({biggest}: {sizes[biggest]}), "
+                         f"over the limit max_request_bytes={limits.max_request_bytes}")
+
+
 def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
     """Type and shape checks of every contract input, plus the rules the core does not know.
 
@@ -158,6 +182,7 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
     for name, spec in INPUT_SPECS.items():
         if not spec.optional and inputs.get(name) is None:
             raise InputError(f"{name}: required input is missing")
+    _check_request_bytes(inputs, limits)
     req = ParsedRequest(cond_kv=_kv("COND_KV", inputs["COND_KV"]),
                         index_offset_cond=_int("INDEX_OFFSET_COND", inputs["INDEX_OFFSET_COND"]))
     has_uncond, has_uoff = inputs.get("UNCOND_KV") is not None, inputs.get("INDEX_OFFSET_UNCOND") is not None
@@ -168,11 +193,10 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
     if has_uncond:
         req.uncond_kv = _kv("UNCOND_KV", inputs["UNCOND_KV"])
         req.index_offset_uncond = _int("INDEX_OFFSET_UNCOND", inputs["INDEX_OFFSET_UNCOND"])
-    kv_bytes = sum(t.numel() * t.element_size() for t in (req.cond_kv, req.uncond_kv) if t is not None)
-    if kv_bytes > limits.max_request_bytes:
-        raise InputError(f"COND_KV/UNCOND_KV: {kv_bytes} bytes of KV exceed the limit of {limits.max_request_bytes}")
     if inputs.get("SIZE") is not None:
-        req.size = _pair("SIZE", inputs["SIZE"])  # range checked by NeoPPPipeline.check_size
+        req.size = _pair("SIZE", inputs["SIZE"])  # the rest of the range: NeoPPPipeline.check_size
+        if min(req.size) <= 0:  # before anything is shaped by it (even a meta tensor refuses these)
+            raise InputError(f"SIZE: height and width must be positive multiples of 32, got {list(req.size)}")
     if inputs.get("RESIZE") is not None:
         req.resize = _resize(inputs["RESIZE"], limits)
     if inputs.get("SEED") is not None and inputs.get("RNG_STATE") is not None:
