@@ -19,7 +19,8 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 tiny: setup
-	test -f $(TINY_DIR)/dense/config.json || $(PY) -m neopp.tiny_checkpoint --out $(TINY_DIR)
+	test -f $(TINY_DIR)/dense/config.json -a -f $(TINY_DIR)/lora/neopp_8steps_lora.safetensors \
+	  || $(PY) -m neopp.tiny_checkpoint --out $(TINY_DIR)
 
 test: setup
 	$(PY) -m pytest -q
