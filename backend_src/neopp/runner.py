@@ -78,9 +78,9 @@ class NeoPPRunner:
             self.stream.reseed(seed)
         req = GenerationRequest(cond_kv=self._cond, uncond_kv=self._uncond, index_offset_cond=self._offsets[0],
                                 index_offset_uncond=self._offsets[1], height=height, width=width,
-                                noise=torch.zeros(1, 3, 1, 1), sampling=self.sampling, task=task or self.default_task)
-        req.noise = torch.empty(1, 3, height, width)  # shape only, for validation before drawing
-        self.pipeline.validate(req)
+                                noise=torch.empty(1, 3, height, width, device="meta"),  # shape only
+                                sampling=self.sampling, task=task or self.default_task)
+        self.pipeline.validate(req)  # before drawing, so a refused request does not advance the stream
         req.noise = self.stream.draw(height, width)
         data = encode_image(self.pipeline.generate(req), self.sampling.output_format, self._resize)
         if save_result_path:
