@@ -329,6 +329,7 @@ def _serve(ns: argparse.Namespace) -> int:
                           metrics_port=ns.metrics_port, host=ns.host, backend_dir=ns.backend_dir,
                           extra_args=extra)
     stop_requested = False
+    watchdog = None
 
     def _on_signal(signum: int, _frame: object) -> None:
         nonlocal stop_requested
@@ -347,6 +348,7 @@ def _serve(ns: argparse.Namespace) -> int:
                 return server.process.returncode or 1
             if not announced and server.is_ready():
                 announced = True
+                watchdog = _start_watchdog(server, extra, ns.no_watchdog)
                 print(f"\nNeoPP Triton server ready:\n"
                       f"  HTTP     http://{server.http_url}  (client_examples/http_t2i.py --url {server.http_url})\n"
                       f"  gRPC     {server.grpc_url}  (client_examples/grpc_t2i.py --url {server.grpc_url})\n"
@@ -358,7 +360,21 @@ def _serve(ns: argparse.Namespace) -> int:
         print("stopping tritonserver ...", flush=True)
         return 0
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         server.stop()
+
+
+def _start_watchdog(server: TritonServer, extra: Sequence[str], disabled: bool):
+    """Reload a model whose Python stub died (Triton 2.51 does not); needs explicit model control."""
+    if disabled or "--model-control-mode=explicit" not in extra or server.process is None:
+        return None
+    import tritonclient.grpc as grpcclient
+
+    from .watchdog import StubWatchdog
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    return StubWatchdog(client, server.process.pid, log=lambda m: print(m, flush=True)).start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -373,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     s.add_argument("--host", default=LOOPBACK, help="bind address (0.0.0.0 exposes the server)")
     s.add_argument("--backend-dir", default=None, help=f"default {DEFAULT_BACKEND_DIR}")
     s.add_argument("--ready-timeout", type=float, default=600.0)
+    s.add_argument("--no-watchdog", action="store_true",
+                   help="do not reload a model whose Python stub died (see neopp.serving.watchdog)")
     s.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra tritonserver arguments")
     b = sub.add_parser("prepare-backend", help="only assemble the backend directory and print it")
     b.add_argument("--backend-dir", default=None)

@@ -1,0 +1,192 @@
+"""Bring a model back when its Python stub dies: Triton 2.51 itself does not.
+
+Seen with the server this project runs (the nvidia-pytriton wheel's 2.51): after a model's
+``triton_python_backend_stub`` is killed, the model stays READY in the repository index, a
+request in flight fails with INTERNAL "Stub process '<instance>' is not healthy." and so does
+every later request (each after a 1 s health check); the stub is never restarted. A plain
+``load_model`` of an unchanged model is a no-op, so this watchdog forces a reload with a config
+override that differs only in a ``neopp_reload`` parameter (ignored by the models).
+
+The watchdog runs next to the server (it reads ``/proc``), talks to it over loopback, and needs
+``--model-control-mode=explicit``. ``neopp.serving.tritonserver serve`` runs one by default.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+STUB_NAME = "triton_python_backend_stub"
+RELOAD_PARAMETER = "neopp_reload"
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def all_pids() -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
+
+
+def descendants(root: int) -> list[int]:
+    """Every live process below ``root`` (stubs, their rank workers), found through ppids."""
+    children: dict[int, list[int]] = {}
+    for pid in all_pids():
+        ppid = _ppid(pid)
+        if ppid is not None:
+            children.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def rss_bytes(pids: list[int]) -> int:
+    """Sum of VmRSS of ``pids`` (a process that is gone counts 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+                    break
+        except OSError:
+            continue
+    return total
+
+
+def server_stubs(server_pid: int) -> dict[str, int]:
+    """Instance name -> pid of every Python stub the server started (its argv names the instance)."""
+    stubs = {}
+    for pid in all_pids():
+        argv = _cmdline(pid)
+        if argv and argv[0].endswith(STUB_NAME) and _ppid(pid) == server_pid and len(argv) >= 9:
+            stubs[argv[8]] = pid  # argv: stub, model.py, shm name, sizes x2, parent pid, lib dir, ipc key, instance
+    return stubs
+
+
+def model_stub_pids(server_pid: int, model: str) -> list[int]:
+    """Stub pids of one model's instances (``<model>_<group>_<index>``)."""
+    return sorted(pid for name, pid in server_stubs(server_pid).items() if name.rsplit("_", 2)[0] == model)
+
+
+def expected_instances(config: dict[str, Any]) -> list[str]:
+    """Instance names Triton gives a model's instance groups (``<group name>_<i>``)."""
+    names = []
+    for index, group in enumerate(config.get("instance_group") or [{"count": 1}]):
+        base = group.get("name") or f"{config['name']}_{index}"
+        count = int(group.get("count", 1)) * max(1, len(group.get("gpus") or []))
+        names += [f"{base}_{i}" for i in range(count)]
+    return names
+
+
+def force_reload(client: Any, model: str) -> float:
+    """Reload ``model`` with its current config (plus a fresh marker); returns the seconds it took."""
+    config = client.get_model_config(model, as_json=True)["config"]
+    config.setdefault("parameters", {})[RELOAD_PARAMETER] = {"string_value": f"{time.time():.6f}"}
+    started = time.monotonic()
+    client.load_model(model, config=json.dumps(config))
+    return time.monotonic() - started
+
+
+@dataclass
+class Recovery:
+    """One reload the watchdog did: which model, which instances were dead, how long it took."""
+
+    model: str
+    dead: list[str]
+    reload_s: float
+    error: str | None = None
+
+
+@dataclass
+class StubWatchdog:
+    """Poll the server's stubs; reload a READY model whose instance has no live stub.
+
+    A missing stub must stay missing for ``grace_s`` (a load in progress replaces stubs) before
+    the model is reloaded. ``client`` is a ``tritonclient`` gRPC or HTTP client of the server.
+    """
+
+    client: Any
+    server_pid: int
+    interval_s: float = 0.5
+    grace_s: float = 1.0
+    log: Callable[[str], None] = print
+    recoveries: list[Recovery] = field(default_factory=list)
+    _missing_since: dict[str, float] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def check_once(self) -> list[Recovery]:
+        """One poll; returns the reloads it did."""
+        done = []
+        stubs = server_stubs(self.server_pid)
+        now = time.monotonic()
+        for entry in self.client.get_model_repository_index(as_json=True).get("models", []):
+            model = entry["name"]
+            if entry.get("state") != "READY":
+                self._missing_since.pop(model, None)
+                continue
+            config = self.client.get_model_config(model, as_json=True)["config"]
+            if config.get("backend") != "python":
+                continue
+            dead = [name for name in expected_instances(config) if name not in stubs]
+            if not dead:
+                self._missing_since.pop(model, None)
+                continue
+            first = self._missing_since.setdefault(model, now)
+            if now - first < self.grace_s:
+                continue
+            self.log(f"neopp watchdog: {model}: no live stub for {dead}; reloading the model")
+            try:
+                recovery = Recovery(model, dead, force_reload(self.client, model))
+            except Exception as exc:  # noqa: BLE001 - reported, retried at the next poll
+                recovery = Recovery(model, dead, 0.0, f"{type(exc).__name__}: {exc}")
+            self.log(f"neopp watchdog: {model}: reload "
+                     + (f"failed: {recovery.error}" if recovery.error else f"done in {recovery.reload_s:.2f}s"))
+            self._missing_since.pop(model, None)
+            self.recoveries.append(recovery)
+            done.append(recovery)
+        return done
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.check_once()
+            except Exception as exc:  # noqa: BLE001 - server busy or stopping: try again later
+                self.log(f"neopp watchdog: poll failed: {type(exc).__name__}: {exc}")
+
+    def start(self) -> "StubWatchdog":
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="neopp-stub-watchdog", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def __enter__(self) -> "StubWatchdog":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,167 @@
+"""Faults against the real server: a model's Python stub killed (between requests and during
+one), the session model restarted, and (on a separate short-lived server) configured limits
+and SIGTERM with requests in flight.
+
+Triton 2.51 does not restart a dead stub (the model stays READY and every request fails with
+"Stub process ... is not healthy."), so recovery is neopp.serving.watchdog's job; these tests
+run it against the shared server only while they need it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from neopp.serving.faults import STEPS_METRIC, kill_stub, metric, restart_session_model, sigterm_in_flight
+from neopp.serving.loadgen import image_bytes, infer, valid_inputs
+from neopp.serving.tritonserver import REPO_ROOT, TritonServer
+from neopp.serving.watchdog import StubWatchdog, force_reload, model_stub_pids
+
+MODEL = "neopp_dense"
+
+
+def _valid(triton, seed: int | None = 3, **change):
+    inputs = valid_inputs(triton.cond.float().numpy(), triton.uncond.float().numpy(), (24, 7), seed)
+    inputs.update(change)
+    return inputs
+
+
+@pytest.fixture()
+def watchdog(triton):
+    with StubWatchdog(grpcclient.InferenceServerClient(triton.server.grpc_url), triton.server.process.pid,
+                      interval_s=0.25, grace_s=0.5) as dog:
+        yield dog
+
+
+def test_stub_killed_between_requests_is_reloaded(triton, watchdog):
+    valid = _valid(triton)
+    expected = image_bytes(infer(triton.grpc, MODEL, valid))
+    outcome = kill_stub(triton.grpc, triton.server.process.pid, MODEL, valid, expected, timeout=90)
+    print(outcome)
+    assert outcome.recovery_s is not None and outcome.same_bytes, outcome
+    assert all("is not healthy" in e or "not ready" in e or "unavailable" in e.lower()
+               for e in outcome.seen_errors), outcome.seen_errors
+    assert [r.model for r in watchdog.recoveries] == [MODEL]
+    assert model_stub_pids(triton.server.process.pid, MODEL) not in ([], [outcome.killed_pid])
+    assert triton.grpc.is_server_ready() and triton.grpc.is_model_ready(MODEL)
+
+
+def test_stub_killed_during_request_fails_cleanly_then_recovers(triton, watchdog):
+    valid = _valid(triton)
+    expected = image_bytes(infer(triton.grpc, MODEL, valid))
+    long = _valid(triton, SIZE=(np.array([512, 512], np.int64), "INT64"), STEPS=(np.array([200], np.int64), "INT64"))
+    outcome = kill_stub(triton.grpc, triton.server.process.pid, MODEL, valid, expected, during=long,
+                        metrics_url=triton.server.metrics_url, timeout=90)
+    print(outcome)
+    assert outcome.in_flight is not None and "is not healthy" in outcome.in_flight, outcome
+    assert outcome.recovery_s is not None and outcome.recovery_s < 60 and outcome.same_bytes, outcome
+
+
+def test_session_model_restart_refuses_held_sessions(triton):
+    """Sessions live in the session model's instance; a restart forgets them, and the next turn
+    is refused (Triton's sequence batcher asks for a new START), never continued on a fresh stream."""
+    inputs = _valid(triton, seed=200)
+    server_pid = triton.server.process.pid
+
+    def kill_and_reload() -> None:
+        os.kill(model_stub_pids(server_pid, "neopp_session")[0], 9)
+        force_reload(triton.grpc, "neopp_session")
+
+    for how, restart in (("reload", lambda: force_reload(triton.grpc, "neopp_session")),
+                         ("stub killed, then reloaded", kill_and_reload)):
+        outcome = restart_session_model(triton.grpc, server_pid, inputs, 4242, restart, how)
+        print(outcome)
+        assert outcome.first_turn_ok and outcome.restart_ok, outcome
+        assert outcome.continued_error is not None, f"{how}: the session was continued after a restart"
+        assert "INVALID_ARGUMENT" in outcome.continued_error and "START" in outcome.continued_error, outcome
+    triton.grpc.load_model("neopp_session")  # back to config.pbtxt
+
+
+@pytest.fixture()
+def own_server(triton, tmp_path):
+    """A short-lived server with only neopp_dense (same tiny checkpoint), for what stops a server."""
+    env = dict(os.environ, NEOPP_CHECKPOINT=str(triton.checkpoint))
+    env = {k: v for k, v in env.items() if not k.startswith("NEOPP_CHECKPOINT_")}
+    server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=tmp_path / "server.log",
+                          extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}",
+                                      "--exit-timeout-secs=5"])
+    server.start()
+    try:
+        server.wait_ready(timeout=300)
+        yield server
+    finally:
+        server.stop(timeout=30)
+
+
+# The mode's default size (1024x1024) must stay within max_side and max_pixels, or loading fails.
+LOW_LIMITS = {"max_side": 1536, "max_pixels": 1024 * 1024, "max_prefix_tokens": 30, "max_steps": 6,
+              "max_index_offset": 100, "max_request_bytes": 25_000}
+
+
+def _limit_cases(triton):
+    big_kv = np.repeat(triton.cond.float().numpy()[:, :, :1], 31, axis=2)
+    return [  # (input changed, value, input named, limit value in the message)
+        ("SIZE", (np.array([1568, 32], np.int64), "INT64"), "SIZE", "1536"),
+        ("SIZE", (np.array([1056, 1056], np.int64), "INT64"), "SIZE", str(1024 * 1024)),
+        ("RESIZE", (np.array([96, 1537], np.int64), "INT64"), "RESIZE", "1536"),
+        ("STEPS", (np.array([7], np.int64), "INT64"), "STEPS", "6"),
+        ("INDEX_OFFSET_COND", (np.array([101], np.int64), "INT64"), "INDEX_OFFSET_COND", "100"),
+        ("COND_KV", (big_kv, "BF16"), "COND_KV", "30"),
+        ("UNCOND_KV", (np.repeat(big_kv[:, :, :1], 30, axis=2), "BF16"), "UNCOND_KV", "25000"),
+    ]
+
+
+def test_limits_from_config_are_enforced(triton, own_server):
+    """Every limit is a config.pbtxt parameter: lowered ones are refused naming input and limit,
+    values at the limits pass."""
+    client = grpcclient.InferenceServerClient(own_server.grpc_url)
+    http = httpclient.InferenceServerClient(own_server.http_url)
+    try:
+        config = client.get_model_config(MODEL, as_json=True)["config"]
+        config["parameters"].update({k: {"string_value": str(v)} for k, v in LOW_LIMITS.items()})
+        client.load_model(MODEL, config=json.dumps(config))
+        at_limit = _valid(triton, SIZE=(np.array([32, 1536], np.int64), "INT64"),
+                          STEPS=(np.array([6], np.int64), "INT64"),
+                          INDEX_OFFSET_COND=(np.array([100], np.int64), "INT64"))
+        assert image_bytes(infer(client, MODEL, at_limit))
+        for name, value, named, limit in _limit_cases(triton):
+            for c in (client, http):
+                with pytest.raises(InferenceServerException) as info:
+                    infer(c, MODEL, {**at_limit, name: value})
+                message = info.value.message()
+                assert info.value.status() in ("StatusCode.INVALID_ARGUMENT", "400"), message
+                assert named in message and limit in message, message
+                if name == "UNCOND_KV":  # 24 + 30 tokens of 512 B: within max_prefix_tokens, over the bytes
+                    assert "max_request_bytes" in message, message
+    finally:
+        client.close()
+        http.close()
+
+
+def test_sigterm_with_requests_in_flight(triton, own_server):
+    """Each in-flight request gets an image or a clean error, the server exits within its
+    --exit-timeout-secs (5) plus unloading, and none of its processes is left behind."""
+    url = own_server.metrics_url
+    # one instance, so they run in turn: the last long ones are still queued when the 5 s end
+    long = _valid(triton, SIZE=(np.array([384, 384], np.int64), "INT64"), STEPS=(np.array([100], np.int64), "INT64"))
+    requests = [_valid(triton, seed=s) for s in range(3)] + [long] * 3
+    make = [lambda: grpcclient.InferenceServerClient(own_server.grpc_url),
+            lambda: httpclient.InferenceServerClient(own_server.http_url, network_timeout=120.0)]
+    clients = itertools.cycle(make)  # gRPC and HTTP in turn
+    outcome = sigterm_in_flight(own_server, lambda: next(clients)(), MODEL, requests,
+                                started=lambda: metric(url, STEPS_METRIC, model=MODEL) >= 1)
+    print(outcome)
+    assert outcome.unanswered == 0 and "no answer" not in [*outcome.answers, outcome.late], outcome
+    clean = ("error: InferenceServerException", "error: ConnectionRefusedError", "error: ConnectionResetError")
+    # Triton 2.51 still serves during --exit-timeout-secs, even a request sent after SIGTERM;
+    # what is not done by then fails on the client (connection refused or reset), never hangs
+    assert all(a == "ok" or a.startswith(clean) for a in [*outcome.answers, outcome.late]), outcome
+    assert outcome.exit_code is not None and outcome.stop_s < 60, outcome
+    assert outcome.left_behind == [], outcome
