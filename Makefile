@@ -62,3 +62,9 @@ bench-serve: tiny
 .PHONY: gpu-check
 gpu-check: setup
 	$(PY) -m neopp.bench.gpu_check
+
+# ---- Reliability (issue 8): bad input, 8-client load for SOAK_SECONDS, stub kills, SIGTERM; prints the figures.
+SOAK_SECONDS ?= 600
+.PHONY: soak
+soak: setup
+	$(PY) -m neopp.serving.soak --seconds $(SOAK_SECONDS)

@@ -145,23 +145,29 @@ def test_limits_from_config_are_enforced(triton, own_server):
         http.close()
 
 
-def test_sigterm_with_requests_in_flight(triton, own_server):
-    """Each in-flight request gets an image or a clean error, the server exits within its
-    --exit-timeout-secs (5) plus unloading, and none of its processes is left behind."""
+@pytest.mark.parametrize("target", ["server", "group"])
+def test_sigterm_with_requests_in_flight(triton, own_server, target):
+    """Each in-flight request gets an image or a clean error, the server exits, and none of its
+    processes is left behind. SIGTERM to the server alone: Triton serves on for
+    --exit-timeout-secs (5), then unloads once running generations return. SIGTERM to the
+    process group (as a service manager sends it): the stubs stop generations between steps."""
     url = own_server.metrics_url
-    # one instance, so they run in turn: the last long ones are still queued when the 5 s end
-    long = _valid(triton, SIZE=(np.array([384, 384], np.int64), "INT64"), STEPS=(np.array([100], np.int64), "INT64"))
+    side, steps = (256, 40) if target == "server" else (512, 400)  # "group": far longer than the timeout
+    long = _valid(triton, SIZE=(np.array([side, side], np.int64), "INT64"),
+                  STEPS=(np.array([steps], np.int64), "INT64"))
     requests = [_valid(triton, seed=s) for s in range(3)] + [long] * 3
     make = [lambda: grpcclient.InferenceServerClient(own_server.grpc_url),
             lambda: httpclient.InferenceServerClient(own_server.http_url, network_timeout=120.0)]
     clients = itertools.cycle(make)  # gRPC and HTTP in turn
     outcome = sigterm_in_flight(own_server, lambda: next(clients)(), MODEL, requests,
-                                started=lambda: metric(url, STEPS_METRIC, model=MODEL) >= 1)
+                                started=lambda: metric(url, STEPS_METRIC, model=MODEL) >= 1, group=target == "group")
     print(outcome)
     assert outcome.unanswered == 0 and "no answer" not in [*outcome.answers, outcome.late], outcome
     clean = ("error: InferenceServerException", "error: ConnectionRefusedError", "error: ConnectionResetError")
     # Triton 2.51 still serves during --exit-timeout-secs, even a request sent after SIGTERM;
     # what is not done by then fails on the client (connection refused or reset), never hangs
     assert all(a == "ok" or a.startswith(clean) for a in [*outcome.answers, outcome.late]), outcome
-    assert outcome.exit_code is not None and outcome.stop_s < 60, outcome
+    assert outcome.exit_code is not None and outcome.stop_s < (60 if target == "server" else 20), outcome
     assert outcome.left_behind == [], outcome
+    if target == "group":
+        assert any("CANCELLED" in a and "shutting down" in a for a in outcome.answers), outcome

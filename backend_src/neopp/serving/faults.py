@@ -141,10 +141,11 @@ class Shutdown:
 
 
 def sigterm_in_flight(server: Any, make_client: Callable[[], Any], model: str, requests: list[Inputs],
-                      started: Callable[[], bool], answer_timeout: float = 120.0) -> Shutdown:
+                      started: Callable[[], bool], answer_timeout: float = 120.0, group: bool = False) -> Shutdown:
     """Send ``requests`` concurrently, SIGTERM the server once ``started()``, collect every answer.
 
     ``server`` is a started ``TritonServer``; its process group is checked for leftovers.
+    ``group``: SIGTERM the whole process group (server and stubs), as a service manager does.
     """
     from .tritonserver import process_group_members
 
@@ -166,7 +167,10 @@ def sigterm_in_flight(server: Any, make_client: Callable[[], Any], model: str, r
     wait_for(started, 60)
     pgid = server.process.pid
     t0 = time.monotonic()
-    server.process.send_signal(signal.SIGTERM)
+    if group:
+        os.killpg(pgid, signal.SIGTERM)
+    else:
+        server.process.send_signal(signal.SIGTERM)
     late = threading.Thread(target=send, args=(len(requests),))
     requests = [*requests, requests[0]]
     answers.append(None)

@@ -25,6 +25,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -156,6 +158,27 @@ class ModelSettings:
         )
 
 
+def stop_on_sigterm(logger: Any, model_name: str) -> threading.Event:
+    """An event SIGTERM sets in this stub, so a generation in flight stops between two steps.
+
+    Triton (2.51) does not cancel running requests when it is stopped: a SIGTERM to the server
+    alone waits for them (past --exit-timeout-secs, its unload waits for execute to return).
+    A SIGTERM to the server's process group (``TritonServer.stop``, systemd's control group,
+    ``kill -TERM -<pgid>``) reaches the stubs too; each in-flight request then ends with a
+    CANCELLED error instead of holding the shutdown.
+    """
+    event = threading.Event()
+
+    def _handler(_signum: int, _frame: Any) -> None:
+        event.set()
+
+    try:
+        signal.signal(signal.SIGTERM, _handler)
+    except ValueError:  # not the stub's main thread: keep the default
+        logger.log_warn(f"{model_name}: SIGTERM handler not installed (not in the main thread)")
+    return event
+
+
 class NeoPPTritonModel:
     """Triton Python-backend model for one NeoPP generation mode (contract inputs/outputs)."""
 
@@ -219,6 +242,7 @@ class NeoPPTritonModel:
         self.kv_dims = self.generator.config.kv_dims
         self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
+        self._stopping = stop_on_sigterm(self.logger, self.model_name)
         self.logger.log_info(
             f"{self.model_name}: loaded {self.settings.checkpoint} mode={self.mode.name} "
             f"device={self.generator.device} dtype={self.generator.dtype} kv_dims={self.kv_dims} "
@@ -241,19 +265,21 @@ class NeoPPTritonModel:
         pb = self.pb
         start = time.perf_counter()
         try:
-            if request.is_cancelled():
+            if request.is_cancelled() or self._stopping.is_set():
                 raise GenerationCancelled("request cancelled before generation started")
             parsed = parse_request(self._inputs(request), self.settings.limits)
             gen_req, stream = self._generation_request(parsed)
             self.generator.validate(gen_req, names=REQUEST_INPUT_NAMES)
             gen_req.noise = stream.draw(gen_req.height, gen_req.width)  # only once the request is valid
-            pixels = self.generator.generate(gen_req, should_stop=request.is_cancelled,
+            stop = lambda: request.is_cancelled() or self._stopping.is_set()  # noqa: E731
+            pixels = self.generator.generate(gen_req, should_stop=stop,
                                              on_step=lambda _i, secs: self.metrics.step(secs))
             image = encode_image(pixels, gen_req.sampling.output_format, parsed.resize)
         except InputError as exc:
             return self._fail("invalid_input", str(exc), pb.TritonError.INVALID_ARG, start)
         except GenerationCancelled as exc:
-            return self._fail("cancelled", f"request cancelled: {exc}", pb.TritonError.CANCELLED, start)
+            why = " (server shutting down)" if self._stopping.is_set() else ""
+            return self._fail("cancelled", f"request cancelled{why}: {exc}", pb.TritonError.CANCELLED, start)
         except WorkerFailure as exc:
             return self._fail("worker_failure", str(exc), pb.TritonError.UNAVAILABLE, start)
         except ConfigError as exc:

@@ -272,19 +272,31 @@ class TritonServer:
             time.sleep(poll)
         raise TritonLaunchError(f"tritonserver not ready after {timeout:.0f}s:\n" + self.log_tail())
 
-    def stop(self, timeout: float = 30.0) -> int | None:
-        """SIGTERM the server, SIGKILL after ``timeout``; then clear any stub left in its group."""
+    def stop(self, timeout: float = 30.0, drain_s: float | None = None) -> int | None:
+        """SIGTERM the server; after ``drain_s`` (default a third of ``timeout``) also its stubs,
+        so generations still running stop between steps (Triton does not cancel them); SIGKILL
+        after ``timeout``; then clear anything left in its group."""
         proc = self.process
         if proc is None:
             return None
         pgid = proc.pid  # start_new_session made the server its group leader
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
+            drain = timeout / 3 if drain_s is None else min(drain_s, timeout)
             try:
-                proc.wait(timeout=timeout)
+                proc.wait(timeout=drain)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
+                for pid in process_group_members(pgid):
+                    if pid != proc.pid:
+                        try:
+                            os.kill(pid, signal.SIGTERM)
+                        except ProcessLookupError:
+                            pass
+                try:
+                    proc.wait(timeout=timeout - drain)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(timeout=10)
         self._reap_group(pgid, timeout=10.0)
         if self._log_file is not None:
             self._log_file.close()
