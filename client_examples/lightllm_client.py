@@ -13,7 +13,9 @@ This class offers the same calls against the Triton server, in one of two ways:
 
 KV tensors (tens of MB) go through system shared memory when the server is on this host
 (a loopback URL; ``shared_memory=True/False`` forces a choice), over the wire otherwise,
-as raw bf16 bytes (``raw_bf16=False`` uses tritonclient's own, much slower, BF16 encoder).
+as raw bf16 bytes spliced into the serialized request (one copy of the KV on the client, where
+tritonclient copies it three times; ``raw_bf16=False`` uses tritonclient's own, much slower,
+BF16 encoder).
 Both ways, and both transports, give the same image bytes. The shared memory segment is
 POSIX shm created with the standard library (``tritonclient.utils.shared_memory`` needs
 ``pkg_resources``, which recent setuptools no longer ships); Triton opens it by key.
@@ -31,9 +33,13 @@ from multiprocessing import shared_memory
 from pathlib import Path
 from typing import Any, Sequence
 
+import grpc
 import numpy as np
 import torch
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2
+from tritonclient.grpc._utils import _get_inference_request
+from tritonclient.utils import InferenceServerException
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 SAMPLING_INPUTS = {"cfg_scale": ("CFG_SCALE", np.float32), "timestep_shift": ("TIMESTEP_SHIFT", np.float32),
@@ -110,15 +116,18 @@ class NeoPPTritonClient:
 
     def __init__(self, url: str = "localhost:8001", model: str | None = None, stateless: bool = False,
                  sequence_id: int | None = None, shared_memory: bool | None = None, default_seed: int = 0,
-                 generation_model: str | None = None, timeout_s: float = 600.0, raw_bf16: bool = True) -> None:
+                 generation_model: str | None = None, timeout_s: float = 600.0, raw_bf16: bool = True,
+                 splice_kv: bool = True) -> None:
         self.url, self.stateless = url, stateless
         self.model = model or ("neopp_dense" if stateless else "neopp_session")
         self.generation_model = generation_model  # session mode: MODEL input (None: the server's default)
         self.client = grpcclient.InferenceServerClient(url)
+        self._wire: _SplicedInfer | None = None  # opened on the first wire request with raw bf16
         host = url.rsplit(":", 1)[0]
         self.use_shm = host in LOCAL_HOSTS or host.startswith("127.") if shared_memory is None else shared_memory
         self.sequence_id = sequence_id if sequence_id is not None else uuid.uuid4().int % (2**63 - 1) + 1
         self.default_seed, self.timeout_s, self.raw_bf16 = default_seed, timeout_s, raw_bf16
+        self.splice_kv = splice_kv  # False: tritonclient builds the wire request (kept for comparison)
         self.started = False  # session mode: has the sequence been started on the server?
         self.rng_state: np.ndarray | None = None  # stateless mode: the stream to continue
         self.last_turn: int | None = None
@@ -190,6 +199,8 @@ class NeoPPTritonClient:
             self.end_session()
         finally:
             self._release_shm()
+            if self._wire is not None:
+                self._wire.close()
             self.client.close()
 
     def __enter__(self) -> "NeoPPTritonClient":
@@ -205,8 +216,7 @@ class NeoPPTritonClient:
             inputs.append(_tensor("SEED", np.array([seed], np.int64)))
         if self.generation_model:
             inputs.append(_tensor("MODEL", np.array([self.generation_model.encode()], np.object_)))
-        result = self.client.infer(self.model, inputs, sequence_id=self.sequence_id,
-                                   sequence_start=not self.started, client_timeout=self.timeout_s)
+        result = self._infer(inputs, sequence_id=self.sequence_id, sequence_start=not self.started)
         self.started = True
         self.last_turn = int(result.as_numpy("TURN")[0])
         self.rng_state = result.as_numpy("NEXT_RNG_STATE")
@@ -219,10 +229,23 @@ class NeoPPTritonClient:
             inputs.append(_tensor("SEED", np.array([seed], np.int64)))
         else:
             inputs.append(_tensor("RNG_STATE", self.rng_state))
-        result = self.client.infer(self.model, inputs, client_timeout=self.timeout_s)
+        result = self._infer(inputs)
         self.rng_state = result.as_numpy("NEXT_RNG_STATE")  # kept only once an image came back
         self.last_turn = 0 if self.last_turn is None or seed is not None else self.last_turn + 1
         return bytes(result.as_numpy("IMAGE")[0])
+
+    def _spliced(self) -> bool:
+        """KV over the wire as raw bf16: spliced into the serialized request by _SplicedInfer."""
+        return self._shm is None and self.raw_bf16 and self.splice_kv
+
+    def _infer(self, inputs: list[grpcclient.InferInput], sequence_id: int = 0,
+               sequence_start: bool = False) -> grpcclient.InferResult:
+        if not self._spliced():
+            return self.client.infer(self.model, inputs, sequence_id=sequence_id, sequence_start=sequence_start,
+                                     client_timeout=self.timeout_s)
+        if self._wire is None:
+            self._wire = _SplicedInfer(self.url)
+        return self._wire.infer(self.model, inputs, self._kv, sequence_id, sequence_start, self.timeout_s)
 
     def _inputs(self, size: Sequence[int] | None) -> list[grpcclient.InferInput]:
         p = self._params
@@ -231,7 +254,7 @@ class NeoPPTritonClient:
             tensor = grpcclient.InferInput(name, list(kv.shape), "BF16")
             if self._shm is not None:
                 self._shm.attach(tensor, i)
-            else:
+            elif not self._spliced():
                 _set_bf16(tensor, kv, self.raw_bf16)
             inputs.append(tensor)
         inputs.append(_tensor("INDEX_OFFSET_COND", np.array([p["index_offset_cond"]], np.int64)))
@@ -255,8 +278,56 @@ class NeoPPTritonClient:
             shm.close()
 
 
+class _SplicedInfer:
+    """ModelInfer with the KV bytes appended to the serialized request.
+
+    tritonclient copies a 44 MB prefix three times per request (``tobytes``, into the protobuf
+    message, serialization), which costs more than the server's whole ingest. Here the request
+    is serialized without the KV (the KV inputs last, with no content) and the KV bytes follow
+    as ``raw_input_contents`` entries: repeated fields may be appended to a serialized message,
+    and Triton pairs raw contents with inputs in order, so the server reads exactly the request
+    tritonclient would have built. The KV is copied once, by ``bytes.join``.
+    """
+
+    FIELD = service_pb2.ModelInferRequest.DESCRIPTOR.fields_by_name["raw_input_contents"].number
+
+    def __init__(self, url: str) -> None:
+        options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+        self.channel = grpc.insecure_channel(url, options=options)
+        self.call = self.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                             request_serializer=None,  # the request is bytes already
+                                             response_deserializer=service_pb2.ModelInferResponse.FromString)
+
+    def infer(self, model: str, inputs: list[grpcclient.InferInput], kv: list[torch.Tensor], sequence_id: int,
+              sequence_start: bool, timeout_s: float) -> grpcclient.InferResult:
+        kv_inputs, others = inputs[:len(kv)], inputs[len(kv):]
+        request = _get_inference_request(model, others + kv_inputs, "", "", None, sequence_id, sequence_start,
+                                         False, 0, None, None)
+        parts = [request.SerializeToString()]
+        for t in kv:
+            raw = memoryview(t.view(torch.int16).numpy()).cast("B")
+            parts += [_varint(self.FIELD << 3 | 2) + _varint(raw.nbytes), raw]
+        try:
+            return grpcclient.InferResult(self.call(b"".join(parts), timeout=timeout_s))
+        except grpc.RpcError as exc:
+            raise InferenceServerException(msg=exc.details(), status=str(exc.code())) from None
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def _varint(value: int) -> bytes:
+    """Protobuf's base-128 varint (field tags and lengths of the appended entries)."""
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
 def _set_bf16(tensor: grpcclient.InferInput, kv: torch.Tensor, raw: bool) -> None:
-    """Put bf16 data in a request.
+    """Put bf16 data in a request through tritonclient (the path _SplicedInfer replaces).
 
     tritonclient 2.51 serializes BF16 one element at a time in Python (seconds for a 44 MB
     prefix); the raw path hands over the same bytes directly (``_raw_content``, the field
