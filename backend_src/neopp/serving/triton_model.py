@@ -13,7 +13,7 @@ Settings come from ``parameters`` in ``config.pbtxt`` (see :data:`PARAMETER_DEFA
 * ``dtype``: ``auto`` (the pipeline's choice: bf16 on GPU, fp32 on CPU) | ``float32`` |
   ``bfloat16`` | ``float16``; ``num_threads``: torch CPU threads, 0 keeps torch's default;
 * limits: ``max_side``, ``max_pixels``, ``max_prefix_tokens``, ``max_steps``,
-  ``max_index_offset``; ``default_task``.
+  ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``.
 
 Relative ``checkpoint``/``mode_file`` parameters resolve against the folder that holds
 the model repository (the project root), so the same repository works when mounted in
