@@ -155,6 +155,17 @@ class WorkerPool:
         self._rebuild.start()
         return WorkerFailure(f"{message}; the rank workers are being restarted, retry the request")
 
+    def _death_notice(self, wait_s: float = 1.0) -> str | None:
+        """A rank's death shows first as a peer's collective error; name the dead rank instead."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead:
+                return f"rank {dead[0][0]} died (exit code {dead[0][1]}) during the request"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(POLL_S)
+
     def _ensure_healthy(self) -> None:
         if self._rebuild is not None:
             self._rebuild.join()
@@ -228,9 +239,9 @@ class WorkerPool:
             try:
                 kind, got_job, info = self._results.get(timeout=POLL_S)
             except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
-                if dead:
-                    raise self._fail_and_rebuild(f"rank {dead[0][0]} died (exit code {dead[0][1]}) during the request")
+                notice = self._death_notice(wait_s=0)
+                if notice:
+                    raise self._fail_and_rebuild(notice)
                 if time.monotonic() > deadline:
                     raise self._fail_and_rebuild("the request exceeded its time limit")
                 continue
@@ -244,7 +255,7 @@ class WorkerPool:
             elif kind == "cancelled":
                 raise GenerationCancelled(info)
             elif kind == "error":
-                raise self._fail_and_rebuild(f"generation failed in {info}")
+                raise self._fail_and_rebuild(self._death_notice() or f"generation failed in {info}")
 
 
 def instance_devices(world_size: int, instance_index: int = 0, gpus: list[int] | None = None) -> tuple[str, ...]:
