@@ -28,7 +28,7 @@ def test_request_bytes_count_every_input():
 
 @pytest.mark.parametrize("size", [(-32, 64), (64, 0), (-(2**63), 32)])
 def test_non_positive_size_is_an_input_error(size):
-    with pytest.raises(InputError, match=r"^SIZE: .*positive multiples of 32"):
+    with pytest.raises(InputError, match=r"^SIZE: .*positive multiple of 32"):
         parse_request(_inputs(SIZE=np.array(size, np.int64)), Limits())
 
 

@@ -196,7 +196,7 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
     if inputs.get("SIZE") is not None:
         req.size = _pair("SIZE", inputs["SIZE"])  # the rest of the range: NeoPPPipeline.check_size
         if min(req.size) <= 0:  # before anything is shaped by it (even a meta tensor refuses these)
-            raise InputError(f"SIZE: height and width must be positive multiples of 32, got {list(req.size)}")
+            raise InputError(f"SIZE: height and width must each be a positive multiple of 32, got {list(req.size)}")
     if inputs.get("RESIZE") is not None:
         req.resize = _resize(inputs["RESIZE"], limits)
     if inputs.get("SEED") is not None and inputs.get("RNG_STATE") is not None:
