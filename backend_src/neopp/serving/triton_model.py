@@ -11,7 +11,8 @@ Settings come from ``parameters`` in ``config.pbtxt`` (see :data:`PARAMETER_DEFA
   ``(instance index * world size) mod device count`` (so the KIND_CPU instances of a group
   land on disjoint GPUs), and the CPU when there is no CUDA;
 * ``dtype``: ``auto`` (the pipeline's choice: bf16 on GPU, fp32 on CPU) | ``float32`` |
-  ``bfloat16`` | ``float16``; ``num_threads``: torch CPU threads, 0 keeps torch's default;
+  ``bfloat16`` | ``float16``; ``num_threads``: torch CPU threads per process, 0 shares the cores out over the
+  model's instances and ranks (on CPUs);
 * limits: ``max_side``, ``max_pixels``, ``max_prefix_tokens``, ``max_steps``,
   ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``.
 
@@ -237,7 +238,7 @@ class NeoPPTritonModel:
         if self.settings.worker_processes:
             check_world(self.mode, self.settings.worker_processes)
         self.generator = build_generator(self.settings.checkpoint, self.mode, device, self.settings.dtype,
-                                         self.settings.limits, self.settings.num_threads or None, instance_index,
+                                         self.settings.limits, self._threads(model_config), instance_index,
                                          collective_timeout_s=self.settings.collective_timeout_s)
         self.kv_dims = self.generator.config.kv_dims
         self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
@@ -247,6 +248,14 @@ class NeoPPTritonModel:
             f"{self.model_name}: loaded {self.settings.checkpoint} mode={self.mode.name} "
             f"device={self.generator.device} dtype={self.generator.dtype} kv_dims={self.kv_dims} "
             f"threads={torch.get_num_threads()}")
+
+    def _threads(self, model_config: Mapping[str, Any]) -> int | None:
+        """`num_threads`, or with 0 on a CPU: the cores shared out over every instance's ranks,
+        so that raising the instance count does not oversubscribe the machine."""
+        if self.settings.num_threads or torch.cuda.is_available():
+            return self.settings.num_threads or None
+        instances = sum(int(g.get("count", 1)) for g in model_config.get("instance_group", [])) or 1
+        return max(1, (os.cpu_count() or 1) // (instances * self.mode.world_size))
 
     def execute(self, requests: list[Any]) -> list[Any]:
         """One response per request; a failing request never affects the next one."""
