@@ -117,7 +117,9 @@ class WorkerPool:
         world = self.spec.mode.world_size
         port = _free_port()
         self._results = self._ctx.Queue()
-        self._cancel = self._ctx.Value("q", 0)
+        # No lock: a rank stopped while holding one would block its peers outside any collective,
+        # beyond the reach of the collective timeout. One writer, aligned 64-bit reads.
+        self._cancel = self._ctx.Value("q", 0, lock=False)
         self._tasks = [self._ctx.Queue() for _ in range(world)]
         self._procs = [self._ctx.Process(target=_worker_main, daemon=True, name=f"neopp-rank{r}",
                                          args=(r, self.spec, port, self._tasks[r], self._results, self._cancel,
