@@ -90,20 +90,21 @@ class DecoderLayer:
     k_proj: Linear
     v_proj: Linear
     o_proj: Linear
-    q_norm: torch.Tensor
+    q_norm: torch.Tensor      # [2, HD/2]: temporal-half weight, spatial-half weight
     k_norm: torch.Tensor
-    q_norm_hw: torch.Tensor
-    k_norm_hw: torch.Tensor
     mlp: SwiGLU | MoE
 
     def linears(self) -> list[Linear]:
         return [self.q_proj, self.k_proj, self.v_proj, self.o_proj] + self.mlp.linears()
 
 
-def split_head_norm(x: torch.Tensor, temporal_w: torch.Tensor, spatial_w: torch.Tensor) -> torch.Tensor:
-    """RMSNorm the temporal half and the spatial half of each head separately."""
-    half = x.shape[-1] // 2
-    return torch.cat([rms_norm(x[..., :half], temporal_w), rms_norm(x[..., half:], spatial_w)], dim=-1)
+def split_head_norm(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """RMSNorm the temporal half and the spatial half of each head separately.
+
+    `weights` is [2, HD/2] (temporal, spatial); one norm over a [..., 2, HD/2] view does both.
+    """
+    halves = x.view(*x.shape[:-1], 2, x.shape[-1] // 2)
+    return rms_norm(halves, weights).view_as(x)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

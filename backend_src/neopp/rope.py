@@ -71,7 +71,7 @@ class Rope3D:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, head_dim] -> rotated, same dtype."""
         xf = x.float()
-        return (xf * self.cos + xf[..., self.perm] * self.sin).to(x.dtype)
+        return (xf * self.cos + xf.index_select(-1, self.perm) * self.sin).to(x.dtype)
 
 
 def _rotate_half_index(hd: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

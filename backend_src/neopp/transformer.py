@@ -77,8 +77,8 @@ class NeoPPTransformer:
         for i, layer in enumerate(self.layers):
             a = rms_norm(hid, layer.input_norm)
             n = a.shape[0]
-            q = branch.rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm, layer.q_norm_hw))
-            k = branch.rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm, layer.k_norm_hw))
+            q = branch.rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm))
+            k = branch.rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm))
             v = layer.v_proj(a).view(n, nkv, hd)
             hid = hid + layer.o_proj(branch.attend(i, q, k, v))
             hid = hid + layer.mlp(rms_norm(hid, layer.post_norm))
@@ -124,8 +124,8 @@ class NeoPPTransformer:
                 post_norm=t(p + "post_attention_layernorm_mot_gen.weight"),
                 q_proj=layer_lin(a + "q_proj_mot_gen.weight"), k_proj=layer_lin(a + "k_proj_mot_gen.weight"),
                 v_proj=layer_lin(a + "v_proj_mot_gen.weight"), o_proj=layer_lin(a + "o_proj_mot_gen.weight"),
-                q_norm=t(a + "q_norm_mot_gen.weight"), k_norm=t(a + "k_norm_mot_gen.weight"),
-                q_norm_hw=t(a + "q_norm_hw_mot_gen.weight"), k_norm_hw=t(a + "k_norm_hw_mot_gen.weight"),
+                q_norm=torch.stack([t(a + "q_norm_mot_gen.weight"), t(a + "q_norm_hw_mot_gen.weight")]),
+                k_norm=torch.stack([t(a + "k_norm_mot_gen.weight"), t(a + "k_norm_hw_mot_gen.weight")]),
                 mlp=mlp))
         patch = PatchEmbed(t(VISION + "patch_embedding.weight"), t(VISION + "patch_embedding.bias"),
                            t(VISION + "dense_embedding.weight"), t(VISION + "dense_embedding.bias"), cfg.patch_size)

@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> None:
         start = time.monotonic()
         subprocess.run([sys.executable, "-m", f"neopp.bench.{module}", *make_args(str(out))], check=True, cwd=REPO)
         timings.append(f"{key} {time.monotonic() - start:.0f} s")
-    parts = [f"# NeoPP benchmark report\n\nMade by `make bench` (`{command_line()}`) on "
-             f"{datetime.date.today().isoformat()}.\n\nMachine: {machine()}\n\nEvery comparison below was "
+    parts = [f"# NeoPP benchmark report\n\nMade by `make bench` (`python -m neopp.bench.report --out bench`); "
+             f"last assembled on {datetime.date.today().isoformat()} by `{command_line()}`.\n\n"
+             f"Machine: {machine()}\n\nEvery comparison below was "
              "measured side by side in one run of its section; sections ran one after the other. Each section "
              "names the command that reproduces it alone."]
     for key, _, _, filename, title in SECTIONS:
