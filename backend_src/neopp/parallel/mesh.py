@@ -54,18 +54,24 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def build_mesh(mode: ModeConfig, rank: int, world_size: int) -> Mesh:
-    """Create the groups; every rank must call this in the same order."""
+def build_mesh(mode: ModeConfig, rank: int, world_size: int,
+               timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Mesh:
+    """Create the groups; every rank must call this in the same order.
+
+    Sub-groups get the same collective timeout as the world group: without it they would
+    fall back to torch's 30-minute default and a hung rank would stall its branch peers.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
     check_world(mode, world_size)
     mesh = Mesh(rank, world_size, mode.cfg_p_size, mode.seq_p_size, world_group=dist.group.WORLD)
     for seq_rank in range(mode.seq_p_size):
         ranks = [mesh.global_rank(c, seq_rank) for c in range(mode.cfg_p_size)]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mesh.cfg_group = group
     for cfg_rank in range(mode.cfg_p_size):
         ranks = [mesh.global_rank(cfg_rank, s) for s in range(mode.seq_p_size)]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mesh.seq_group = group
     return mesh
@@ -76,7 +82,7 @@ def init_mesh(mode: ModeConfig, rank: int, world_size: int, init_method: str, de
     check_world(mode, world_size)
     dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    return build_mesh(mode, rank, world_size)
+    return build_mesh(mode, rank, world_size, timeout_s)
 
 
 def init_mesh_from_env(mode: ModeConfig, device: torch.device | None = None) -> Mesh:
