@@ -381,12 +381,9 @@ def _start_watchdog(server: TritonServer, extra: Sequence[str], disabled: bool):
     """Reload a model whose Python stub died (Triton 2.51 does not); needs explicit model control."""
     if disabled or "--model-control-mode=explicit" not in extra or server.process is None:
         return None
-    import tritonclient.grpc as grpcclient
+    from .watchdog import start_watchdog
 
-    from .watchdog import StubWatchdog
-
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    return StubWatchdog(client, server.process.pid, log=lambda m: print(m, flush=True)).start()
+    return start_watchdog(server.grpc_url, server.process.pid, log=lambda m: print(m, flush=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

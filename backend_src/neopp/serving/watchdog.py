@@ -8,11 +8,15 @@ every later request (each after a 1 s health check); the stub is never restarted
 override that differs only in a ``neopp_reload`` parameter (ignored by the models).
 
 The watchdog runs next to the server (it reads ``/proc``), talks to it over loopback, and needs
-``--model-control-mode=explicit``. ``neopp.serving.tritonserver serve`` runs one by default.
+``--model-control-mode=explicit``. ``neopp.serving.tritonserver serve`` runs one by default; next
+to a tritonserver started otherwise (NVIDIA's container), run it alone:
+
+    python -m neopp.serving.watchdog --url localhost:8001 [--server-pid PID]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
@@ -190,3 +194,38 @@ class StubWatchdog:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def start_watchdog(grpc_url: str, server_pid: int, log: Callable[[str], None] = print) -> StubWatchdog:
+    import tritonclient.grpc as grpcclient
+
+    return StubWatchdog(grpcclient.InferenceServerClient(grpc_url), server_pid, log=log).start()
+
+
+def find_server_pid() -> int:
+    """The one tritonserver process on this host (else ask for --server-pid)."""
+    pids = [pid for pid in all_pids() if (_cmdline(pid)[:1] or [""])[0].endswith("tritonserver")]
+    if len(pids) != 1:
+        raise SystemExit(f"found {len(pids)} tritonserver processes {pids}; pass --server-pid")
+    return pids[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m neopp.serving.watchdog", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
+    parser.add_argument("--server-pid", type=int, help="tritonserver's pid (default: the only one found)")
+    args = parser.parse_args(argv)
+    watchdog = start_watchdog(args.url, args.server_pid or find_server_pid(), log=lambda m: print(m, flush=True))
+    try:
+        while watchdog._thread is not None and watchdog._thread.is_alive():
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        watchdog.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
