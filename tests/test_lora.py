@@ -19,7 +19,7 @@ from neopp.modes import ModeConfig, SamplingParams, load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.quant import FP8Linear
 from neopp.rng import NoiseStream
-from neopp.tiny_checkpoint import main as tiny_main, random_kv, tiny_config, write_tiny_checkpoint
+from neopp.tiny_checkpoint import main as tiny_main, random_kv, tiny_config
 from tests.reference import neopp_reference as ref
 
 Q0 = "language_model.model.layers.0.self_attn.q_proj_mot_gen"

@@ -24,7 +24,8 @@ import tritonclient.http as httpclient
 from PIL import Image
 
 from neopp.kv_cache import load_kv_file
-from neopp.serving.tritonserver import REPO_ROOT, TritonServer, process_group_members
+from neopp.serving.procs import process_group_members
+from neopp.serving.tritonserver import REPO_ROOT, TritonServer
 from neopp.lora import write_tiny_loras
 from neopp.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 

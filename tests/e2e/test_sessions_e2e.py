@@ -8,7 +8,6 @@ import json
 import re
 import time
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ..checkpoint import FM, LM, expected_shapes, layer_prefix
+from ..checkpoint import FM, expected_shapes, layer_prefix
 from ..config import ModelConfig
 from ..modes import ModeConfig, SamplingParams
 from ..pipeline import GenerationRequest, NeoPPPipeline

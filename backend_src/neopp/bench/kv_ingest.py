@@ -20,7 +20,6 @@ import tempfile
 from pathlib import Path
 from typing import Sequence
 
-import torch
 from safetensors.torch import save_file
 
 from ..serving.tritonserver import TritonServer

@@ -25,7 +25,6 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from ..checkpoint import default_dtype
 from ..generator import build_generator
 from ..layers import Linear, MoE, SwiGLU
 from ..lora import write_tiny_loras

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
-from ..errors import ConfigError, GenerationCancelled, InputError, NeoPPError
+from ..errors import ConfigError, GenerationCancelled, NeoPPError
 from ..limits import Limits
 from ..modes import ModeConfig
 from ..pipeline import GenerationRequest, StepFn, StopFn
@@ -210,27 +210,31 @@ class WorkerPool:
     def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
                  on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:
         with self._lock:
-            for attempt in range(2):
-                self._ensure_healthy()
-                self._job += 1
-                job = self._job
-                self._cancel.value = 0
-                for rank, q in enumerate(self._tasks):
-                    q.put((job, self._rank_request(req, rank)))
-                progress = [0]
+            steps: list[int] = []
 
-                def counted(k: int, seconds: float) -> None:
-                    progress[0] += 1
-                    if on_step is not None:
-                        on_step(k, seconds)
-                try:
-                    return self._await(job, should_stop, counted, timeout_s)
-                except WorkerFailure:
-                    # A rank that died just before the request (not yet reaped) fails it at its
-                    # first collective; nothing was computed, so it is safe to run it once more.
-                    if attempt or progress[0]:
-                        raise
-            raise AssertionError("unreachable")
+            def counted(k: int, seconds: float) -> None:
+                steps.append(k)
+                if on_step is not None:
+                    on_step(k, seconds)
+
+            try:
+                return self._dispatch(req, should_stop, counted, timeout_s)
+            except WorkerFailure:
+                # A rank that died just before the request (not yet reaped) fails it at its
+                # first collective; nothing was computed, so it is safe to run it once more.
+                if steps:
+                    raise
+            return self._dispatch(req, should_stop, counted, timeout_s)
+
+    def _dispatch(self, req: GenerationRequest, should_stop: StopFn | None, on_step: StepFn,
+                  timeout_s: float | None) -> np.ndarray:
+        """Hand the request to every rank (on a healthy pool) and wait for rank 0's answer."""
+        self._ensure_healthy()
+        self._job += 1
+        self._cancel.value = 0
+        for rank, q in enumerate(self._tasks):
+            q.put((self._job, self._rank_request(req, rank)))
+        return self._await(self._job, should_stop, on_step, timeout_s)
 
     def _await(self, job: int, should_stop: StopFn | None, on_step: StepFn | None,
                timeout_s: float | None) -> np.ndarray:

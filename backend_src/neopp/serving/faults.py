@@ -147,7 +147,7 @@ def sigterm_in_flight(server: Any, make_client: Callable[[], Any], model: str, r
     ``server`` is a started ``TritonServer``; its process group is checked for leftovers.
     ``group``: SIGTERM the whole process group (server and stubs), as a service manager does.
     """
-    from .tritonserver import process_group_members
+    from .procs import process_group_members
 
     answers: list[str | None] = [None] * len(requests)
 

@@ -19,7 +19,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 from .fuzz import Inputs, tensor, text
-from .watchdog import descendants, rss_bytes
+from .procs import descendants, rss_bytes
 
 
 def grpc_inputs(inputs: Inputs) -> list[grpcclient.InferInput]:

@@ -40,13 +40,13 @@ import torch
 from ..config import ModelConfig
 from ..errors import ConfigError, GenerationCancelled, InputError
 from ..image_io import encode_image
-from ..modes import TASKS, ModeConfig, SamplingParams, load_mode
+from ..modes import TASKS, SamplingParams, load_mode
 from ..generator import build_generator
 from ..parallel.engine import parallel_activity
 from ..parallel.mesh import check_world
 from ..parallel.workers import WorkerFailure
 from ..limits import Limits
-from ..pipeline import GenerationRequest, NeoPPPipeline
+from ..pipeline import GenerationRequest
 from ..rng import NoiseStream
 from .metrics import GenerationMetrics
 from .request_parsing import (INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT_NAMES,

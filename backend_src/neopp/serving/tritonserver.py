@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Sequence
 
+from .procs import process_group_members
+
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_BACKEND_DIR = REPO_ROOT / "build" / "triton_backends"
 LOOPBACK = "127.0.0.1"
@@ -145,22 +147,6 @@ def pick_free_ports(count: int, host: str = LOOPBACK) -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def process_group_members(pgid: int) -> list[int]:
-    """Live pids in process group ``pgid`` (the server's stubs inherit its group)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # fields after "(comm)": state, ppid, pgrp, ...; zombies are already gone for our purpose
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            pids.append(int(entry.name))
-    return pids
 
 
 try:  # resolved here, not in the forked child, where dlopen's lock could be held by another thread

@@ -21,67 +21,20 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
+
+from .procs import all_pids, cmdline, ppid
 
 STUB_NAME = "triton_python_backend_stub"
 RELOAD_PARAMETER = "neopp_reload"
-
-
-def _cmdline(pid: int) -> list[str]:
-    try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return []
-    return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
-
-
-def _ppid(pid: int) -> int | None:
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def all_pids() -> list[int]:
-    return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process below ``root`` (stubs, their rank workers), found through ppids."""
-    children: dict[int, list[int]] = {}
-    for pid in all_pids():
-        ppid = _ppid(pid)
-        if ppid is not None:
-            children.setdefault(ppid, []).append(pid)
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def rss_bytes(pids: list[int]) -> int:
-    """Sum of VmRSS of ``pids`` (a process that is gone counts 0)."""
-    total = 0
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1]) * 1024
-                    break
-        except OSError:
-            continue
-    return total
 
 
 def server_stubs(server_pid: int) -> dict[str, int]:
     """Instance name -> pid of every Python stub the server started (its argv names the instance)."""
     stubs = {}
     for pid in all_pids():
-        argv = _cmdline(pid)
-        if argv and argv[0].endswith(STUB_NAME) and _ppid(pid) == server_pid and len(argv) >= 9:
+        argv = cmdline(pid)
+        if argv and argv[0].endswith(STUB_NAME) and ppid(pid) == server_pid and len(argv) >= 9:
             stubs[argv[8]] = pid  # argv: stub, model.py, shm name, sizes x2, parent pid, lib dir, ipc key, instance
     return stubs
 
@@ -204,7 +157,7 @@ def start_watchdog(grpc_url: str, server_pid: int, log: Callable[[str], None] = 
 
 def find_server_pid() -> int:
     """The one tritonserver process on this host (else ask for --server-pid)."""
-    pids = [pid for pid in all_pids() if (_cmdline(pid)[:1] or [""])[0].endswith("tritonserver")]
+    pids = [pid for pid in all_pids() if (cmdline(pid)[:1] or [""])[0].endswith("tritonserver")]
     if len(pids) != 1:
         raise SystemExit(f"found {len(pids)} tritonserver processes {pids}; pass --server-pid")
     return pids[0]
