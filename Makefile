@@ -20,13 +20,13 @@ $(STAMP): requirements.txt pyproject.toml
 
 tiny: setup
 	test -f $(TINY_DIR)/dense/config.json -a -f $(TINY_DIR)/lora/neopp_8steps_lora.safetensors \
-	  || $(PY) -m neopp.tiny_checkpoint --out $(TINY_DIR)
+	  || $(PY) -m testing.tiny_checkpoint --out $(TINY_DIR)
 
 test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) -m neopp.bench.report --out bench
+	$(PY) -m bench.report --out bench
 
 clean:
 	rm -rf build
@@ -56,15 +56,15 @@ serve: tiny
 bench-serve: tiny
 	@ldconfig -p | grep -q 'libb64.so.0d' || (apt-get update -qq && apt-get install -y -qq libb64-0d) \
 	  || { echo "perf_analyzer needs libb64.so.0d: apt-get install -y libb64-0d (as root)"; exit 1; }
-	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m neopp.serving.perf_analyzer --model neopp_dense $(BENCH_ARGS)
+	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m bench.perf_analyzer --model neopp_dense $(BENCH_ARGS)
 
 # ---- GPU check (needs a CUDA device): one 1024px, 50-step CFG image on the real 8B dense shapes.
 .PHONY: gpu-check
 gpu-check: setup
-	$(PY) -m neopp.bench.gpu_check
+	$(PY) -m bench.gpu_check
 
 # ---- Reliability (issue 8): bad input, 8-client load for SOAK_SECONDS, stub kills, SIGTERM; prints the figures.
 SOAK_SECONDS ?= 600
 .PHONY: soak
 soak: setup
-	$(PY) -m neopp.serving.soak --seconds $(SOAK_SECONDS)
+	$(PY) -m testing.soak --seconds $(SOAK_SECONDS)

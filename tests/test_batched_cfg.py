@@ -12,7 +12,7 @@ from neopp.kv_cache import load_kv_file
 from neopp.modes import SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
-from neopp.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
 
 def test_batched_and_sequential_cfg_agree(tmp_path):

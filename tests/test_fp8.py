@@ -32,7 +32,8 @@ from neopp.modes import ModeConfig, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.quant import FP8Linear, dequantize_fp8, is_layer_linear, quantize_fp8, weight_bytes
 from neopp.rng import NoiseStream
-from neopp.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
+from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
+from testing.probes import branch_velocity
 from tests.reference import neopp_reference as ref
 
 SAMPLING = SamplingParams(infer_steps=4)
@@ -166,7 +167,7 @@ def test_fp8_dequant_path_equals_reference_of_the_stored_weights(ckpts, pipes):
     """On CPU the FP8 mode computes exactly with `w_fp8 * scale` (the reference reads it so)."""
     req = request(2)
     x = req.noise * 1.3
-    got = pipes["fp8_pre"].branch_velocity(req, x, 0.25).double()
+    got = branch_velocity(pipes["fp8_pre"], req, x, 0.25).double()
     want = ref.reference_velocity(ckpts["fp8"], req.cond_kv, req.index_offset_cond, x, 0.25, H, W)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 

@@ -56,7 +56,7 @@ def test_file_round_trips(tmp_path, dtype):
 
 def test_sample_kv_files_of_tiny_checkpoint_agree(tmp_path):
     from neopp.config import ModelConfig
-    from neopp.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+    from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", variant="dense", seed=0)
     config = ModelConfig.from_checkpoint(ckpt)

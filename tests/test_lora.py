@@ -19,7 +19,8 @@ from neopp.modes import ModeConfig, SamplingParams, load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.quant import FP8Linear
 from neopp.rng import NoiseStream
-from neopp.tiny_checkpoint import main as tiny_main, random_kv, tiny_config
+from testing.tiny_checkpoint import main as tiny_main, random_kv, tiny_config
+from testing.probes import branch_velocity
 from tests.reference import neopp_reference as ref
 
 Q0 = "language_model.model.layers.0.self_attn.q_proj_mot_gen"
@@ -119,7 +120,7 @@ def test_merged_model_matches_reference_of_merged_checkpoint(tiny, tmp_path):
     cfg = tiny_config("dense")
     req = GenerationRequest(cond_kv=random_kv(cfg, 10, 3), index_offset_cond=11, height=H, width=W,
                             noise=NoiseStream(4).draw(H, W))
-    got = pipe.branch_velocity(req, req.noise, 0.4).double()
+    got = branch_velocity(pipe, req, req.noise, 0.4).double()
     want = ref.reference_velocity(merged_dir, req.cond_kv, 11, req.noise, 0.4, H, W)
     plain = ref.reference_velocity(tiny / "dense", req.cond_kv, 11, req.noise, 0.4, H, W)
     assert ((got - want).norm() / want.norm()).item() < 1e-5

@@ -13,7 +13,8 @@ from neopp.layers import MoE, Linear, SwiGLU
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
-from neopp.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
+from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
+from testing.probes import branch_velocity
 from tests.reference import neopp_reference as ref
 
 D, FF, E = 32, 48, 6
@@ -137,7 +138,7 @@ def test_moe_tower_velocity_against_float64_reference(moe_ckpts, norm_topk_prob)
     cfg = tiny_config("moe")
     req = GenerationRequest(cond_kv=random_kv(cfg, 9, 5), index_offset_cond=10, height=64, width=96,
                             noise=NoiseStream(8).draw(64, 96))
-    got = pipe.branch_velocity(req, req.noise, 0.3).double()
+    got = branch_velocity(pipe, req, req.noise, 0.3).double()
     want = ref.reference_velocity(moe_ckpts[norm_topk_prob], req.cond_kv, 10, req.noise, 0.3, 64, 96)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
 

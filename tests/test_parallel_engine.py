@@ -20,7 +20,7 @@ from neopp.kv_cache import load_kv_file
 from neopp.modes import load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
-from neopp.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
 MODES = {"cfg": "configs/neopp/neopp_dense_parallel_cfg.json",
          "cfg_seq": "configs/neopp/neopp_dense_parallel_cfg_seq.json"}

@@ -36,7 +36,8 @@ from neopp.guidance import combine_guidance, guidance_plan
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
-from neopp.tiny_checkpoint import write_tiny_checkpoint
+from testing.tiny_checkpoint import write_tiny_checkpoint
+from testing.probes import branch_velocity
 from reference import neopp_reference as ref
 
 VEL_RTOL = 5e-6
@@ -121,7 +122,7 @@ def test_branch_velocity_matches_reference(models, variant, H, W, S, off, t):
     req = request(H, W, cond, off, uncond, off + 13)
     x = NoiseStream(11).draw(H, W) * 1.7
     for branch, prefix, offset in (("cond", cond, off), ("uncond", uncond, off + 13)):
-        v_run = m.pipe.branch_velocity(req, x, t, branch)
+        v_run = branch_velocity(m.pipe, req, x, t, branch)
         assert v_run.shape == ((H // 32) * (W // 32), 32 * 32 * 3) and v_run.dtype == torch.float32
         v_ref = ref.reference_velocity(m.ref, prefix, offset, x, t, H, W)
         assert vel_err(v_run, v_ref) <= VEL_RTOL, (branch, vel_err(v_run, v_ref))
@@ -134,7 +135,7 @@ def test_branch_velocity_other_noise_settings(models, variant):
     req = request(64, 96, cond, 20)
     x = NoiseStream(3).draw(64, 96)
     v_ref = ref.reference_velocity(m.ref, cond, 20, x, 0.3, 64, 96)
-    assert vel_err(m.pipe.branch_velocity(req, x, 0.3, "cond"), v_ref) <= VEL_RTOL
+    assert vel_err(branch_velocity(m.pipe, req, x, 0.3, "cond"), v_ref) <= VEL_RTOL
 
 
 def test_the_tests_can_fail(models):
@@ -144,7 +145,7 @@ def test_the_tests_can_fail(models):
     H, W = 64, 160
     req = request(H, W, cond, 311)
     x = NoiseStream(11).draw(H, W)
-    v_run = m.pipe.branch_velocity(req, x, 0.43, "cond")
+    v_run = branch_velocity(m.pipe, req, x, 0.43, "cond")
     wrong = {
         "offset + 1": ref.reference_velocity(m.ref, cond, 312, x, 0.43, H, W),
         "offset = S": ref.reference_velocity(m.ref, cond, 300, x, 0.43, H, W),
@@ -156,7 +157,7 @@ def test_the_tests_can_fail(models):
         assert vel_err(v_run, v_bad) > 100 * VEL_RTOL, what
     # and the runner itself sees the offset
     req2 = request(H, W, cond, 312)
-    assert vel_err(m.pipe.branch_velocity(req2, x, 0.43, "cond"), wrong["offset + 1"]) <= VEL_RTOL
+    assert vel_err(branch_velocity(m.pipe, req2, x, 0.43, "cond"), wrong["offset + 1"]) <= VEL_RTOL
 
 
 def test_guidance_combination_matches_reference():
@@ -257,7 +258,7 @@ def test_bf16_prefix_as_the_server_receives_it(models):
     req = request(96, 64, cond, 50)
     x = NoiseStream(8).draw(96, 64)
     v_ref = ref.reference_velocity(m.ref, cond, 50, x, 0.6, 96, 64)
-    assert vel_err(m.pipe.branch_velocity(req, x, 0.6, "cond"), v_ref) <= VEL_RTOL
+    assert vel_err(branch_velocity(m.pipe, req, x, 0.6, "cond"), v_ref) <= VEL_RTOL
 
 
 def test_fp8_checkpoint_velocity(tmp_path):
@@ -271,6 +272,6 @@ def test_fp8_checkpoint_velocity(tmp_path):
     cond = kv(30, seed=3)
     req = request(64, 160, cond, 31)
     x = NoiseStream(11).draw(64, 160)
-    v_run = pipe.branch_velocity(req, x, 0.43, "cond")
+    v_run = branch_velocity(pipe, req, x, 0.43, "cond")
     assert vel_err(v_run, ref.reference_velocity(ref.RefModel(fp8), cond, 31, x, 0.43, 64, 160)) <= VEL_RTOL
     assert vel_err(v_run, ref.reference_velocity(ref.RefModel(dense), cond, 31, x, 0.43, 64, 160)) > 1e-3

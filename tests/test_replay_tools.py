@@ -14,7 +14,7 @@ import pytest
 from PIL import Image
 
 from neopp.runner import NeoPPRunner
-from neopp.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 from neopp.tools import replay_kv, replay_kv_multiturn
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,7 +14,7 @@ from neopp.kv_cache import save_kv_file
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.rng import NoiseStream
 from neopp.runner import NeoPPRunner
-from neopp.tiny_checkpoint import write_tiny_checkpoint
+from testing.tiny_checkpoint import write_tiny_checkpoint
 from reference import neopp_reference as ref
 
 NL, NKV, HD = 2, 2, 32

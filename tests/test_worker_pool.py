@@ -16,7 +16,7 @@ from neopp.parallel.mesh import check_world
 from neopp.parallel.workers import WorkerFailure
 from neopp.pipeline import GenerationRequest
 from neopp.rng import NoiseStream
-from neopp.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
 CFG_MODE = "configs/neopp/neopp_dense_parallel_cfg.json"
 

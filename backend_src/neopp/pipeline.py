@@ -213,16 +213,6 @@ class NeoPPPipeline:
         """Final uint8 pixels [H, W, 3]."""
         return to_pixels(self.sample(req, should_stop, on_step))
 
-    @torch.inference_mode()
-    def branch_velocity(self, req: GenerationRequest, x: torch.Tensor, t: float, branch: str = "cond") -> torch.Tensor:
-        """One unguided velocity, for tests and debugging (prepares the branch each call)."""
-        grid = self.grid(req.height, req.width)
-        kv, off = (req.cond_kv, req.index_offset_cond) if branch == "cond" else (req.uncond_kv, req.index_offset_uncond)
-        ctx = self.branch(kv, off, grid)
-        ns = initial_noise_scale(self.config, grid.num_tokens)
-        hid = self.transformer.embed(x.to(self.device, self.dtype), t, ns, grid)
-        return self.velocity(hid, patchify(x.to(self.device, torch.float32), grid.token_size), t, ctx, grid)
-
 
 def set_threads(threads: int | None) -> None:
     """Intra-op threads for this process (a model instance or a rank)."""

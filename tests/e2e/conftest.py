@@ -26,8 +26,8 @@ from PIL import Image
 from neopp.kv_cache import load_kv_file
 from neopp.serving.procs import process_group_members
 from neopp.serving.tritonserver import REPO_ROOT, TritonServer
-from neopp.lora import write_tiny_loras
-from neopp.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
+from testing.tiny_lora import write_tiny_loras
+from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 
 E2E_MODELS = ("neopp_dense", "neopp_session", "neopp_dense_fp8", "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg",
               "neopp_dense_cfg", "neopp_dense_cfg_seq")

@@ -19,8 +19,8 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.serving.faults import STEPS_METRIC, kill_stub, metric, restart_session_model, sigterm_in_flight
-from neopp.serving.loadgen import image_bytes, infer, valid_inputs
+from testing.faults import STEPS_METRIC, kill_stub, metric, restart_session_model, sigterm_in_flight
+from testing.loadgen import image_bytes, infer, valid_inputs
 from neopp.serving.tritonserver import REPO_ROOT, TritonServer
 from neopp.serving.watchdog import StubWatchdog, force_reload, model_stub_pids
 

@@ -11,8 +11,8 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from neopp.limits import Limits
-from neopp.serving.fuzz import generate_cases
-from neopp.serving.loadgen import image_bytes, infer, valid_inputs
+from testing.fuzz import generate_cases
+from testing.loadgen import image_bytes, infer, valid_inputs
 
 MODEL = "neopp_dense"
 PER_PROTOCOL, BATCH = 300, 50

@@ -1,12 +1,12 @@
 """8 concurrent clients (gRPC and HTTP) send valid requests to several models and sessions for a
 bounded time: no errors, every image the bytes its seed gave alone, server memory flat.
-``make soak`` runs the same load for longer (neopp.serving.soak)."""
+``make soak`` runs the same load for longer (testing.soak)."""
 
 from __future__ import annotations
 
 import os
 
-from neopp.serving.loadgen import LoadRun, LoadSpec
+from testing.loadgen import LoadRun, LoadSpec
 
 SECONDS = float(os.environ.get("NEOPP_LOAD_SECONDS", "25"))
 

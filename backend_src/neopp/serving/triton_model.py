@@ -16,9 +16,9 @@ Settings come from ``parameters`` in ``config.pbtxt`` (see :data:`PARAMETER_DEFA
 * limits: ``max_side``, ``max_pixels``, ``max_prefix_tokens``, ``max_steps``,
   ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``.
 
-Relative ``checkpoint``/``mode_file`` parameters resolve against the folder that holds
-the model repository (the project root), so the same repository works when mounted in
-NVIDIA's tritonserver container.
+Relative ``checkpoint``/``mode_file`` parameters resolve against ``NEOPP_BASE_DIR`` when set,
+else the folder that holds the model repository (the project root), so the same repository
+works from a checkout, from a wheel install and when mounted in NVIDIA's tritonserver container.
 """
 
 from __future__ import annotations
@@ -75,11 +75,15 @@ def read_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
     return params
 
 
-def project_root(model_dir: Path | None) -> Path:
-    """The folder holding ``model_repository/``; relative parameters resolve against it."""
-    if model_dir is not None:
-        return Path(model_dir).resolve().parent.parent
-    return Path(__file__).resolve().parents[3]
+def project_root(model_dir: Path | str | None, env: Mapping[str, str] | None = None) -> Path:
+    """Where relative parameters resolve: env ``NEOPP_BASE_DIR``, else the folder that holds the
+    model repository (Triton hands each model its own folder), never the installed package."""
+    env = os.environ if env is None else env
+    if env.get("NEOPP_BASE_DIR"):
+        return Path(env["NEOPP_BASE_DIR"]).expanduser().resolve()
+    if model_dir is None:
+        raise ConfigError("the model's folder is unknown: set NEOPP_BASE_DIR or MODEL_DIR in model.py")
+    return Path(model_dir).resolve().parent.parent
 
 
 def resolve_checkpoint(params: Mapping[str, str], model_name: str, root: Path,

@@ -1,6 +1,6 @@
 """`make bench`: run every benchmark one after the other and collect them in bench/RESULTS.md.
 
-    python -m neopp.bench.report [--out bench] [--only step_efficiency,cfg]
+    python -m bench.report [--out bench] [--only step_efficiency,cfg]
 
 Each section is its own module (runnable alone, writing its own file with its exact command);
 they run sequentially in child processes so no two measurements share the machine, and this
@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from .common import REPO, command_line, machine
+from bench.common import REPO, command_line, machine
 
 # (key, module, arguments given the output folder, file it writes, title)
 SECTIONS = [
@@ -51,9 +51,9 @@ def main(argv: list[str] | None = None) -> None:
         if wanted and key not in wanted:
             continue
         start = time.monotonic()
-        subprocess.run([sys.executable, "-m", f"neopp.bench.{module}", *make_args(str(out))], check=True, cwd=REPO)
+        subprocess.run([sys.executable, "-m", f"bench.{module}", *make_args(str(out))], check=True, cwd=REPO)
         timings.append(f"{key} {time.monotonic() - start:.0f} s")
-    parts = [f"# NeoPP benchmark report\n\nMade by `make bench` (`python -m neopp.bench.report --out bench`); "
+    parts = [f"# NeoPP benchmark report\n\nMade by `make bench` (`python -m bench.report --out bench`); "
              f"last assembled on {datetime.date.today().isoformat()} by `{command_line()}`.\n\n"
              f"Machine: {machine()}\n\nEvery comparison below was "
              "measured side by side in one run of its section; sections ran one after the other. Each section "

@@ -4,7 +4,7 @@ Prints the figures docs/reliability.md records: malformed requests tried and ref
 expected, load requests and wrong images, crashes, resident memory after warm-up and after the
 run, stub-kill recovery times, the SIGTERM outcome. Exit status 0 only when all hold.
 
-    python -m neopp.serving.soak --seconds 600
+    python -m testing.soak --seconds 600
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from ..kv_cache import load_kv_file
-from ..limits import Limits
-from ..lora import write_tiny_loras
-from ..tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
-from .faults import STEPS_METRIC, kill_stub, metric, sigterm_in_flight
-from .fuzz import generate_cases
-from .loadgen import LoadRun, LoadSpec, image_bytes, infer, valid_inputs
-from .tritonserver import REPO_ROOT, TritonServer
-from .watchdog import StubWatchdog
+from neopp.kv_cache import load_kv_file
+from neopp.limits import Limits
+from testing.tiny_lora import write_tiny_loras
+from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
+from testing.faults import STEPS_METRIC, kill_stub, metric, sigterm_in_flight
+from testing.fuzz import generate_cases
+from testing.loadgen import LoadRun, LoadSpec, image_bytes, infer, valid_inputs
+from neopp.serving.tritonserver import TritonServer
+from testing import REPO as REPO_ROOT
+from neopp.serving.watchdog import StubWatchdog
 
 MODELS = ("neopp_dense", "neopp_session", "neopp_dense_fp8", "neopp_dense_8steps", "neopp_moe")
 OFFSETS = (24, 7)
@@ -69,7 +70,7 @@ def _fuzz(server: TritonServer, cond: np.ndarray, n: int, seed: int) -> tuple[in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m neopp.serving.soak", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m testing.soak", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=float(os.environ.get("SOAK_SECONDS", "600")))
     parser.add_argument("--clients", type=int, default=8)

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import FM, LM, VISION, layer_prefix
-from .kv_cache import REPLAY, ONLINE, save_kv_file
+from neopp.checkpoint import FM, LM, VISION, layer_prefix
+from neopp.kv_cache import REPLAY, ONLINE, save_kv_file
 
 VARIANTS = ("dense", "pixel", "moe", "fp8", "sharded")
 TINY_LLM = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -94,7 +94,7 @@ def tiny_tensors(cfg: dict, seed: int = 0, mlp_width: int = MLP_WIDTH,
 
 def write_tiny_checkpoint(out_dir: str | Path, variant: str = "dense", seed: int = 0) -> Path:
     """A checkpoint folder; `fp8` stores pre-quantised decoder linears, `sharded` uses an index."""
-    from .quant import quantize_checkpoint_tensors
+    from neopp.quant import quantize_checkpoint_tensors
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}")
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = write_tiny_checkpoint(Path(args.out) / variant, variant, args.seed)
         write_sample_kv(ckpt / "sample_kv", variant, cond_tokens=args.kv_tokens)
         print(f"wrote {ckpt}")
-    from .lora import write_tiny_loras  # LoRA files fit the dense/fp8/sharded variants of this seed
+    from testing.tiny_lora import write_tiny_loras  # LoRA files fit the dense/fp8/sharded variants of this seed
 
     for path in write_tiny_loras(Path(args.out) / "lora", tiny_tensors(tiny_config("dense"), args.seed)).values():
         print(f"wrote {path}")

@@ -1,6 +1,6 @@
 """How a step grows with image tokens L and prefix length S, and what a generation keeps resident.
 
-    python -m neopp.bench.scaling [--out bench] [--layers 4]
+    python -m bench.scaling [--out bench] [--layers 4]
 
 Writes `scaling.md` and `scaling.png`. Growth is fitted as a power law (log-log slope) over the
 measured points. Peak memory is measured in a fresh child process per dtype (ru_maxrss above
@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from ..modes import SamplingParams
-from ..pipeline import GenerationRequest, NeoPPPipeline
-from ..rng import NoiseStream
-from ..tiny_checkpoint import random_kv
-from .common import REPO, PeakRSS, rss_bytes, stats, write_report
-from .cfg_bench import write_checkpoint
-from .step_efficiency import BenchGeometry, build_pipeline
+from neopp.modes import SamplingParams
+from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.rng import NoiseStream
+from testing.tiny_checkpoint import random_kv
+from bench.common import REPO, PeakRSS, rss_bytes, stats, write_report
+from bench.cfg_bench import write_checkpoint
+from bench.step_efficiency import BenchGeometry, build_pipeline
 
 SIZES = (256, 512, 768, 1024)        # L = 64, 256, 576, 1024 tokens
 PREFIXES = (1, 300, 1000, 3000)
@@ -141,9 +141,9 @@ def memory_section(layers: int, size: int, prefix: int) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in ("float32", "bfloat16"):
             ckpt = write_checkpoint(geo, Path(tmp) / dtype, getattr(torch, dtype))
-            code = (f"import json; from neopp.bench.scaling import memory_child; "
+            code = (f"import json; from bench.scaling import memory_child; "
                     f"print(json.dumps(memory_child({str(ckpt)!r}, {layers}, '{dtype}', {size}, {prefix})))")
-            res = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+            res = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, cwd=REPO,
                                             text=True).stdout.strip().splitlines()[-1])
             used = res["peak"] - res["baseline"]
             budget = res["weights"] + res["kv"] + res["activations"] + res["state"]

@@ -1,6 +1,6 @@
 """Fault scenarios against a real server, measured: what the client sees, how long recovery takes.
 
-Used by the e2e tests (which assert on the outcome) and by ``neopp.serving.soak`` (which prints
+Used by the e2e tests (which assert on the outcome) and by ``testing.soak`` (which prints
 it). Every wait is bounded; only processes of the server under test are signalled, by pid.
 """
 
@@ -15,9 +15,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .fuzz import Inputs
-from .loadgen import image_bytes, infer
-from .watchdog import model_stub_pids
+from testing.fuzz import Inputs
+from testing.loadgen import image_bytes, infer
+from neopp.serving.watchdog import model_stub_pids
 
 STEPS_METRIC = "neopp_denoising_steps_total"
 
@@ -147,7 +147,7 @@ def sigterm_in_flight(server: Any, make_client: Callable[[], Any], model: str, r
     ``server`` is a started ``TritonServer``; its process group is checked for leftovers.
     ``group``: SIGTERM the whole process group (server and stubs), as a service manager does.
     """
-    from .procs import process_group_members
+    from neopp.serving.procs import process_group_members
 
     answers: list[str | None] = [None] * len(requests)
 

@@ -1,6 +1,6 @@
 """Guidance cost: sequential CFG vs batched CFG on one device vs CFG-parallel on two ranks.
 
-    python -m neopp.bench.cfg_bench [--out bench] [--layers 4] [--size 512] [--steps 4]
+    python -m bench.cfg_bench [--out bench] [--layers 4] [--size 512] [--steps 4]
 
 Same request, same weights (a random mid-size tower written once as a checkpoint, since the
 ranks load it from disk), measured in one run: one process with 1 thread (sequential and
@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from ..generator import build_generator
-from ..modes import ModeConfig, SamplingParams
-from ..pipeline import GenerationRequest, NeoPPPipeline
-from ..rng import NoiseStream
-from ..tiny_checkpoint import random_kv, tiny_tensors
-from .common import REPO, stats, write_report
-from .step_efficiency import BenchGeometry
+from neopp.generator import build_generator
+from neopp.modes import ModeConfig, SamplingParams
+from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.rng import NoiseStream
+from testing.tiny_checkpoint import random_kv, tiny_tensors
+from bench.common import REPO, stats, write_report
+from bench.step_efficiency import BenchGeometry
 
 PREFIX, UNCOND_PREFIX = 300, 12
 

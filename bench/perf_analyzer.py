@@ -13,7 +13,8 @@ import subprocess
 from pathlib import Path
 from typing import Iterable
 
-from .tritonserver import TritonLaunchError, _prepend, _site_packages_candidates, _venv_bin
+from client_examples.make_perf_data import perf_input_data
+from neopp.serving.tritonserver import TritonLaunchError, _prepend, _site_packages_candidates, _venv_bin
 
 
 
@@ -65,44 +66,6 @@ def run_perf_analyzer(args: Iterable[str], timeout: float | None = None) -> int:
     return subprocess.run(argv, env=env, timeout=timeout).returncode
 
 
-def perf_input_data(kv_dims: tuple[int, int, int], cond_tokens: int, uncond_tokens: int | None = None,
-                    size: tuple[int, int] = (64, 64), steps: int | None = None, seed: int | None = 0,
-                    output_format: str = "png", offsets: tuple[int, int] = (0, 0), kv_seed: int = 0) -> dict:
-    """perf_analyzer ``--input-data`` JSON for one request of the generation models.
-
-    The BF16 KV goes as base64 of its raw little-endian bytes, which perf_analyzer sends
-    unchanged; ``kv_dims`` is (layers, kv_heads, head_dim) as the model metadata reports.
-    """
-    import base64
-
-    import torch
-
-    layers, kv_heads, head_dim = kv_dims
-    gen = torch.Generator().manual_seed(kv_seed)
-
-    def kv(tokens: int) -> dict:
-        shape = [layers, 2, tokens, kv_heads, head_dim]
-        raw = torch.randn(shape, generator=gen).to(torch.bfloat16).view(torch.int16).numpy().tobytes()
-        return {"b64": base64.b64encode(raw).decode("ascii"), "shape": shape}
-
-    request: dict = {
-        "COND_KV": kv(cond_tokens),
-        "INDEX_OFFSET_COND": {"content": [offsets[0]], "shape": [1]},
-        "SIZE": {"content": [int(size[0]), int(size[1])], "shape": [2]},
-        "OUTPUT_FORMAT": {"content": [output_format], "shape": [1]},
-    }
-    if uncond_tokens:
-        request["UNCOND_KV"] = kv(uncond_tokens)
-        request["INDEX_OFFSET_UNCOND"] = {"content": [offsets[1]], "shape": [1]}
-    else:
-        request["CFG_SCALE"] = {"content": [1.0], "shape": [1]}  # no guidance without an uncond prefix
-    if steps is not None:
-        request["STEPS"] = {"content": [int(steps)], "shape": [1]}
-    if seed is not None:
-        request["SEED"] = {"content": [int(seed)], "shape": [1]}
-    return {"data": [request]}
-
-
 def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int, size: tuple[int, int],
           steps: int | None, out_dir: Path, extra: list[str], concurrency: str = "1") -> int:
     """perf_analyzer against ``model``: on ``grpc_url``, or on a server started here and stopped after.
@@ -115,7 +78,8 @@ def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int
 
     import tritonclient.grpc as grpcclient
 
-    from .tritonserver import REPO_ROOT, TritonServer
+    from bench.common import REPO as REPO_ROOT
+    from neopp.serving.tritonserver import TritonServer
 
     with ExitStack() as stack:
         if grpc_url is None:

@@ -1,6 +1,6 @@
 """Denoising-step efficiency: achieved GFLOP/s of one step against plain matmuls of its shapes.
 
-    python -m neopp.bench.step_efficiency [--out bench] [--layers 8] [--size 512] [--prefix 300]
+    python -m bench.step_efficiency [--out bench] [--layers 8] [--size 512] [--prefix 300]
 
 The step's FLOPs are counted analytically (every GEMM, conv-as-GEMM and attention product);
 the matmul anchor times `torch.matmul` on exactly those GEMM shapes in the same run, so the
@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import ModelConfig
-from ..modes import ModeConfig, SamplingParams
-from ..pipeline import GenerationRequest, NeoPPPipeline
-from ..rng import NoiseStream
-from ..tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
-from ..transformer import NeoPPTransformer
-from .common import REPO, stats, timed, write_report
+from neopp.config import ModelConfig
+from neopp.modes import ModeConfig, SamplingParams
+from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.rng import NoiseStream
+from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
+from neopp.transformer import NeoPPTransformer
+from bench.common import REPO, stats, timed, write_report
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[1]
 
 
 def machine() -> str:

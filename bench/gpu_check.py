@@ -1,6 +1,6 @@
 """GPU check: one 1024x1024 image with 50 CFG steps on the real 8B dense shapes.
 
-    python -m neopp.bench.gpu_check [--steps 50] [--size 1024] [--layers 36]
+    python -m bench.gpu_check [--steps 50] [--size 1024] [--layers 36]
 
 Builds a random tower with SenseNova-U1 8B's generation geometry (36 layers, hidden 4096,
 32 heads, 8 KV heads, head dim 128) directly on the GPU in bf16 (no checkpoint file),
@@ -16,12 +16,12 @@ import time
 
 import torch
 
-from ..checkpoint import FM, expected_shapes, layer_prefix
-from ..config import ModelConfig
-from ..modes import ModeConfig, SamplingParams
-from ..pipeline import GenerationRequest, NeoPPPipeline
-from ..rng import NoiseStream
-from ..transformer import NeoPPTransformer
+from neopp.checkpoint import FM, expected_shapes, layer_prefix
+from neopp.config import ModelConfig
+from neopp.modes import ModeConfig, SamplingParams
+from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.rng import NoiseStream
+from neopp.transformer import NeoPPTransformer
 
 REAL_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
            "head_dim": 128, "rope_theta": 5_000_000.0, "rope_theta_hw": 10_000.0}

@@ -1,6 +1,6 @@
 """Triton end to end vs the in-process runner, and throughput per instance count (issue 7).
 
-    python -m neopp.bench.serving_bench [--out bench] [--size 256] [--steps 8] [--rounds 7]
+    python -m bench.serving_bench [--out bench] [--size 256] [--steps 8] [--rounds 7]
 
 (a) One seeded request (CFG off, PNG) is timed three ways, interleaved round by round so the
 shared machine's load hits all of them alike: ``NeoPPPipeline`` called in this process
@@ -34,15 +34,15 @@ from typing import Callable, Sequence
 import torch
 import tritonclient.grpc as grpcclient
 
-from ..image_io import encode_image
-from ..modes import load_mode
-from ..pipeline import GenerationRequest, NeoPPPipeline
-from ..rng import NoiseStream
-from ..serving.perf_analyzer import perf_input_data, run_perf_analyzer
-from ..serving.tritonserver import TritonServer
-from ..tiny_checkpoint import random_kv
-from .common import REPO, stats, write_report
-from .kv_ingest import lightllm_client_class, write_geometry_checkpoint
+from neopp.image_io import encode_image
+from neopp.modes import load_mode
+from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.rng import NoiseStream
+from bench.perf_analyzer import perf_input_data, run_perf_analyzer
+from neopp.serving.tritonserver import TritonServer
+from testing.tiny_checkpoint import random_kv
+from bench.common import REPO, stats, write_report
+from bench.kv_ingest import lightllm_client_class, write_geometry_checkpoint
 
 MODEL = "neopp_dense"
 PATHS = ("in-process", "Triton gRPC", "Triton shared memory", "Triton gRPC, tritonclient-built request")

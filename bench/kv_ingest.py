@@ -7,7 +7,7 @@ on a real tritonserver through ``client_examples/lightllm_client.py`` (stateless
 with one step and CFG off, so the time is dominated by moving and checking the KV. A
 baseline with a one-token prefix gives the compute floor; ingest = request - baseline.
 
-    python -m neopp.bench.kv_ingest [--repeats 10] [--tokens 300] [--out bench/kv_ingest.md]
+    python -m bench.kv_ingest [--repeats 10] [--tokens 300] [--out bench/kv_ingest.md]
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Sequence
 
 from safetensors.torch import save_file
 
-from ..serving.tritonserver import TritonServer
-from ..tiny_checkpoint import random_kv, tiny_config, tiny_tensors
-from .common import REPO, stats, timed, write_report
+from neopp.serving.tritonserver import TritonServer
+from testing.tiny_checkpoint import random_kv, tiny_config, tiny_tensors
+from bench.common import REPO, stats, timed, write_report
 
 WIRE, SHM = "gRPC, KV bytes in the request", "system shared memory"
 GEOMETRY = {"num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128, "num_attention_heads": 8,

@@ -18,8 +18,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from .fuzz import Inputs, tensor, text
-from .procs import descendants, rss_bytes
+from testing.fuzz import Inputs, tensor, text
+from neopp.serving.procs import descendants, rss_bytes
 
 
 def grpc_inputs(inputs: Inputs) -> list[grpcclient.InferInput]:

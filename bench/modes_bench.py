@@ -1,6 +1,6 @@
 """Modes benchmark: FP8 weight memory vs bf16, step time of every mode, MoE dispatch vs naive.
 
-    python -m neopp.bench.modes_bench [--out bench] [--size 512] [--steps 3] [--device cpu]
+    python -m bench.modes_bench [--out bench] [--size 512] [--steps 3] [--device cpu]
 
 Writes `<out>/modes.md` (with the exact command) and prints it. Weights are random, in the
 real key layout, at a stated mid-size geometry, so the figures are about the runner, not
@@ -25,16 +25,16 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from ..generator import build_generator
-from ..layers import Linear, MoE, SwiGLU
-from ..lora import write_tiny_loras
-from ..modes import load_mode
-from ..pipeline import GenerationRequest, NeoPPPipeline
-from ..quant import weight_bytes
-from ..rng import NoiseStream
-from ..tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
+from neopp.generator import build_generator
+from neopp.layers import Linear, MoE, SwiGLU
+from testing.tiny_lora import write_tiny_loras
+from neopp.modes import load_mode
+from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.quant import weight_bytes
+from neopp.rng import NoiseStream
+from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
 
-REPO = Path(__file__).resolve().parents[3]
+from bench.common import REPO
 MID_LLM = {"num_hidden_layers": 4, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4,
            "head_dim": 64, "rope_theta": 1_000_000.0, "rope_theta_hw": 10_000.0}
 MID_MLP, MID_HEAD, MID_EXPERTS, MID_TOP_K, MID_EXPERT_MLP = 2816, 1024, 8, 2, 704
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (split over the ranks of a multi-rank mode); 1 keeps a shared box stable")
     args = parser.parse_args(argv)
-    command = "python -m neopp.bench.modes_bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.modes_bench " + " ".join(argv if argv is not None else sys.argv[1:])
     torch.set_num_threads(args.threads)
     args.load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     with tempfile.TemporaryDirectory(prefix="neopp_modes_bench_") as tmp:

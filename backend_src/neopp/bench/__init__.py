@@ -1,1 +1,0 @@
-"""Benchmarks runnable with `python -m neopp.bench.<name>`; each writes its report under bench/."""

@@ -1,0 +1,1 @@
+"""Benchmarks runnable with `python -m bench.<name>`; each writes its report under bench/."""

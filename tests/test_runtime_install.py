@@ -1,0 +1,51 @@
+"""The installed runtime stands alone: a fresh venv holding only the package and its declared
+dependencies imports every module of it, and carries none of the test or benchmark harness."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNTIME = ("torch", "numpy", "safetensors", "pillow")
+
+PROBE = r"""
+import importlib, json, pkgutil, sys
+import neopp
+names = sorted(m.name for m in pkgutil.walk_packages(neopp.__path__, "neopp."))
+for name in names:
+    importlib.import_module(name)
+foreign = sorted({m.split(".")[0] for m in sys.modules} & {"tritonclient", "pytriton", "matplotlib", "pytest"})
+missing = [n for n in ("testing", "bench") if importlib.util.find_spec(n) is not None]
+print(json.dumps({"modules": names, "file": neopp.__file__, "foreign": foreign, "harness": missing}))
+"""
+
+
+def runtime_pins() -> list[str]:
+    """The pinned versions of the declared runtime dependencies (the same as the dev venv's)."""
+    pins = []
+    for line in (ROOT / "requirements.txt").read_text().splitlines():
+        name = re.split(r"[=<>\[ ]", line.strip(), maxsplit=1)[0].lower()
+        if name in RUNTIME:
+            pins.append(line.strip())
+    assert len(pins) == len(RUNTIME), pins
+    return pins
+
+
+def test_fresh_runtime_venv_imports_every_module(tmp_path):
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=True)
+    py = env_dir / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                    str(ROOT), *runtime_pins()], check=True, timeout=900, cwd=tmp_path)
+    out = subprocess.run([str(py), "-c", PROBE], check=True, timeout=300, cwd=tmp_path,
+                         capture_output=True, text=True).stdout
+    report = __import__("json").loads(out.strip().splitlines()[-1])
+    assert str(env_dir) in report["file"], "the package was imported from the checkout, not the venv"
+    assert report["foreign"] == [], f"runtime modules import {report['foreign']}"
+    assert report["harness"] == [], f"installed alongside the runtime: {report['harness']}"
+    assert {"neopp.pipeline", "neopp.serving.triton_model", "neopp.parallel.workers",
+            "neopp.tools.replay_kv"} <= set(report["modules"])
+    assert not any(m.startswith(("neopp.bench", "neopp.tiny_checkpoint")) for m in report["modules"])
