@@ -1,0 +1,75 @@
+"""Every shipped config.pbtxt agrees with the contract's one table (request_parsing.INPUT_SPECS).
+
+The configs are parsed with Triton's own ModelConfig protobuf, so a field Triton would read
+differently (a typo, a missing ``optional``) fails here, not at a user's first request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as mc
+
+from neopp.modes import load_mode
+from neopp.serving.request_parsing import INPUT_SPECS, OUTPUT_SPECS, InputSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO = ROOT / "model_repository"
+GENERATION_MODELS = sorted(p.parent.name for p in REPO.glob("*/config.pbtxt") if p.parent.name != "neopp_session")
+
+# The session model takes the generation inputs except RNG_STATE (it owns the stream), with the
+# prefix inputs optional (a closing sequence_end carries none), plus MODEL; it also returns TURN.
+SESSION_INPUTS = {
+    **{n: InputSpec(s.data_type, s.dims, optional=True) for n, s in INPUT_SPECS.items() if n != "RNG_STATE"},
+    "MODEL": InputSpec("TYPE_STRING", (1,)),
+}
+SESSION_OUTPUTS = {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": InputSpec("TYPE_INT64", (1,)),
+                   "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"]}
+
+
+def parse(model: str) -> mc.ModelConfig:
+    return text_format.Parse((REPO / model / "config.pbtxt").read_text(), mc.ModelConfig())
+
+
+def table(entries) -> dict[str, InputSpec]:
+    return {e.name: InputSpec(mc.DataType.Name(e.data_type), tuple(e.dims), bool(getattr(e, "optional", False)))
+            for e in entries}
+
+
+def outputs_table(entries) -> dict[str, InputSpec]:
+    return {e.name: InputSpec(mc.DataType.Name(e.data_type), tuple(e.dims)) for e in entries}
+
+
+def params(cfg: mc.ModelConfig) -> dict[str, str]:
+    return {k: v.string_value for k, v in cfg.parameters.items()}
+
+
+def test_every_contract_model_is_shipped():
+    assert GENERATION_MODELS == ["neopp_dense", "neopp_dense_8steps", "neopp_dense_cfg", "neopp_dense_cfg_seq",
+                                 "neopp_dense_fp8", "neopp_moe", "neopp_moe_cfg"]
+
+
+@pytest.mark.parametrize("model", GENERATION_MODELS)
+def test_generation_config_matches_contract(model):
+    cfg = parse(model)
+    assert cfg.name == model and cfg.backend == "python"
+    assert table(cfg.input) == INPUT_SPECS
+    assert [e.name for e in cfg.input] == list(INPUT_SPECS), "inputs listed in the table's order"
+    assert outputs_table(cfg.output) == {n: InputSpec(s.data_type, s.dims) for n, s in OUTPUT_SPECS.items()}
+
+
+@pytest.mark.parametrize("model", GENERATION_MODELS)
+def test_worker_processes_match_mode(model):
+    p = params(parse(model))
+    mode = load_mode(ROOT / p["mode_file"])
+    assert int(p["worker_processes"]) == mode.world_size
+
+
+def test_session_config_matches_contract():
+    cfg = parse("neopp_session")
+    assert table(cfg.input) == SESSION_INPUTS
+    assert outputs_table(cfg.output) == SESSION_OUTPUTS
+    allowed = params(cfg)["allowed_models"].split(",")
+    assert sorted(allowed) == GENERATION_MODELS
