@@ -53,7 +53,7 @@ EXTREMES = [
 ]
 
 
-@pytest.mark.parametrize("name,value,rule", EXTREMES, ids=[f"{n}-{i}" for i, (n, _, _) in enumerate(EXTREMES)])
+@pytest.mark.parametrize("name,value,rule", EXTREMES, ids=[f"{n}-{i}" for i, (n, *_) in enumerate(EXTREMES)])
 def test_extreme_values_are_refused_naming_the_input(name, value, rule):
     with pytest.raises(InputError) as info:
         parse_request(_inputs(**{name: value}), Limits(max_side=2048, max_pixels=2048 * 2048))

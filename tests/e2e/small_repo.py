@@ -27,7 +27,8 @@ def write_repo(root: Path, session_params: dict[str, str], candidates: int) -> P
     mode = REPO_ROOT / "configs" / "neopp" / "neopp_dense.json"
     dense.write_text(dense.read_text().replace('"configs/neopp/neopp_dense.json"', f'"{mode}"'))
     session = repo / "neopp_session" / "config.pbtxt"
-    text = re.sub(r"max_candidate_sequences: \d+", f"max_candidate_sequences: {candidates}", session.read_text())
+    text = re.sub(r"max_candidate_sequences: \d+", f"max_candidate_sequences: {candidates}",
+                  session.read_text())
     for key, value in session_params.items():
         text = re.sub(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
     session.write_text(text)
@@ -64,7 +65,8 @@ class SmallServer:
 
     def tensors(self, **overrides) -> list[grpcclient.InferInput]:
         """A valid 64x64, 1-step guided request; ``NAME=None`` drops an input."""
-        req = {"COND_KV": (self.cond.float().numpy(), "BF16"), "UNCOND_KV": (self.uncond.float().numpy(), "BF16"),
+        req = {"COND_KV": (self.cond.float().numpy(), "BF16"),
+               "UNCOND_KV": (self.uncond.float().numpy(), "BF16"),
                "INDEX_OFFSET_COND": (np.array([COND_TOKENS], np.int64), "INT64"),
                "INDEX_OFFSET_UNCOND": (np.array([UNCOND_TOKENS], np.int64), "INT64"),
                "SIZE": (np.array([64, 64], np.int64), "INT64"), "STEPS": (np.array([1], np.int64), "INT64"),

@@ -43,7 +43,8 @@ CASES = [
     ("format-non-utf8", lambda s: {"OUTPUT_FORMAT": (np.array([b"\xff\xfe"], np.object_), "BYTES")},
      "OUTPUT_FORMAT"),
     ("kv-absurd", lambda s: {"COND_KV": _absurd_kv(s), "UNCOND_KV": None, "INDEX_OFFSET_UNCOND": None,
-                             "CFG_SCALE": (np.array([1.0], F32), "FP32"), "STEPS": (np.array([2], I64), "INT64")},
+                             "CFG_SCALE": (np.array([1.0], F32), "FP32"),
+                             "STEPS": (np.array([2], I64), "INT64")},
      "COND_KV"),
 ]
 
@@ -62,8 +63,9 @@ def _check(err: InferenceServerException, name: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_values_are_invalid_arg_naming_the_input(small, case):
     _, build, name = case
-    _check(_refused(lambda: small.grpc.infer("neopp_dense", small.tensors(**build(small)), client_timeout=120)),
-           name)
+    direct = _refused(lambda: small.grpc.infer("neopp_dense", small.tensors(**build(small)),
+                                               client_timeout=120))
+    _check(direct, name)
     via_session = _refused(lambda: small.grpc.infer("neopp_session", small.tensors(**build(small)),
                                                     sequence_id=77, sequence_start=True, sequence_end=True,
                                                     client_timeout=120))
@@ -81,5 +83,6 @@ def test_a_bad_model_name_is_invalid_arg_naming_model(small, model):
 
 
 def test_the_server_still_generates_afterwards(small):
-    result = small.grpc.infer("neopp_dense", small.tensors(SEED=(np.array([1], I64), "INT64")), client_timeout=120)
+    seed = (np.array([1], I64), "INT64")
+    result = small.grpc.infer("neopp_dense", small.tensors(SEED=seed), client_timeout=120)
     assert bytes(result.as_numpy("IMAGE")[0])[:8] == b"\x89PNG\r\n\x1a\n"

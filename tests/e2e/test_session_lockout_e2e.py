@@ -68,7 +68,8 @@ def test_failed_first_turns_hold_no_session_and_no_slot(small):
         assert "INDEX_OFFSET_COND" in err.value.message() and "INVALID_ARG" in str(err.value.status())
         assert active_sessions(small) == 0  # a failed first turn leaves no open session
     with pytest.raises(InferenceServerException) as err:  # its next turn must start again
-        small.grpc.infer(SESSION, small.tensors(), sequence_id=2000 + 3 * CANDIDATES - 1, client_timeout=LIMIT_S)
+        small.grpc.infer(SESSION, small.tensors(), sequence_id=2000 + 3 * CANDIDATES - 1,
+                         client_timeout=LIMIT_S)
     assert "unknown session" in err.value.message() and "sequence_start" in err.value.message()
     assert int(start(small, 3000).as_numpy("TURN")[0]) == 0  # the failed starts hold no slot either
     assert active_sessions(small) == 1

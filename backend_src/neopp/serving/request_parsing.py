@@ -184,7 +184,8 @@ def _cfg_scale(value: Any) -> float:
     """Finite is not enough: a huge scale overflows the guided velocity to inf."""
     scale = _finite_scalar("CFG_SCALE", value)
     if abs(scale) > CFG_SCALE_MAX_ABS:
-        raise InputError(f"CFG_SCALE: must be within -{CFG_SCALE_MAX_ABS:g}..{CFG_SCALE_MAX_ABS:g}, got {scale:g}")
+        bound = f"{CFG_SCALE_MAX_ABS:g}"
+        raise InputError(f"CFG_SCALE: must be within -{bound}..{bound}, got {scale:g}")
     return scale
 
 
@@ -285,7 +286,8 @@ def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limit
     if inputs.get("CFG_NORM") is not None:
         s["cfg_norm"] = _choice("CFG_NORM", inputs["CFG_NORM"], CFG_NORMS, "normalisation")
     if inputs.get("OUTPUT_FORMAT") is not None:
-        s["output_format"] = _choice("OUTPUT_FORMAT", inputs["OUTPUT_FORMAT"], (*OUTPUT_FORMATS, "jpg"), "format")
+        formats = (*OUTPUT_FORMATS, "jpg")
+        s["output_format"] = _choice("OUTPUT_FORMAT", inputs["OUTPUT_FORMAT"], formats, "format")
     if inputs.get("IMAGE_GUIDANCE_SCALE") is not None:
         s["image_guidance_scale"] = _finite_scalar("IMAGE_GUIDANCE_SCALE", inputs["IMAGE_GUIDANCE_SCALE"])
 

@@ -15,6 +15,9 @@ Parameters (``config.pbtxt``):
 * ``session_idle_timeout_s``: seconds a session may stay unused (``600``). Keep
   ``sequence_batching.max_sequence_idle_microseconds`` at least as long, so that Triton does
   not release the sequence first (its own refusal then says the START flag is missing).
+* ``sequence_batching.oldest.max_candidate_sequences``: Triton's slots; at least
+  ``max_sessions`` plus an eighth. Once fewer than that eighth are free, the model ends the
+  dropped sessions that still hold one (``SequenceSlots``, ``SlotReleaser``).
 
 A request with ``sequence_end`` and no ``COND_KV`` only closes the session: it answers an
 empty ``IMAGE`` and ``TURN`` -1, so a chat can end without generating one more image.
@@ -217,7 +220,8 @@ class SessionTritonModel:
                                      "it out, to close the session without an image)")
                 return self._closed(session_id, request.request_id() == RELEASE_REQUEST_ID)
             session = self.table.open(session_id, seed) if start else self.table.get(session_id)
-            model = _text("MODEL", inputs["MODEL"]) if "MODEL" in inputs else (session.model or self.default_model)
+            model = session.model or self.default_model
+            model = _text("MODEL", inputs["MODEL"]) if "MODEL" in inputs else model
             if model not in self.allowed:
                 raise InputError(f"MODEL: {shown(model)} is not a generation model this server offers; "
                                  f"expected one of {list(self.allowed)}")
