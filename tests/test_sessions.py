@@ -107,3 +107,30 @@ def test_bad_bounds_are_configuration_errors() -> None:
 ])
 def test_bls_error_status_recovers_the_generation_models_status(message: str, status: str) -> None:
     assert bls_error_status(message) == status
+
+
+def test_a_first_turn_is_held_only_once_it_delivers() -> None:
+    t = table(max_sessions=2)
+    t.start(1), t.start(2)
+    fresh = t.open(3, seed=5)  # its first turn is running: nobody evicted, nothing counted
+    assert len(t) == 2 and 1 in t and 3 not in t
+    assert t.commit(fresh, b"s", "neopp_dense") == 0  # delivered: held, the oldest goes
+    assert 3 in t and 1 not in t and len(t) == 2
+
+
+def test_slots_release_dropped_sequences_only_under_pressure() -> None:
+    from neopp.serving.sessions import SequenceSlots
+
+    clock = Clock()
+    slots = SequenceSlots(capacity=4, reserve=1, idle_s=100.0, clock=clock)
+    for sid in (1, 2, 3):
+        slots.seen(sid, end=False)
+    assert slots.to_release(live={3}) == []  # 3 held, threshold 3: a dropped session keeps its slot
+    slots.seen(4, end=False)
+    assert slots.to_release(live={3, 4}) == [1]  # the least recently used dropped one
+    slots.seen(2, end=True)  # ended by its client: Triton freed it
+    assert len(slots) == 2 and slots.to_release(live=set()) == []
+    clock.now += 101  # Triton's idle bound freed the rest
+    assert slots.to_release(live=set()) == [] and len(slots) == 0
+    with pytest.raises(ConfigError, match="max_candidate_sequences"):
+        SequenceSlots(capacity=1, reserve=1, idle_s=1.0)

@@ -15,3 +15,30 @@ class ConfigError(NeoPPError):
 
 class GenerationCancelled(NeoPPError):
     """The caller asked to stop between two denoising steps."""
+
+
+class NonFiniteState(InputError):
+    """The denoising state stopped being finite (inf or NaN).
+
+    The weights are checked at load and every input is finite, so only request values far
+    outside what the model was trained on (a KV prefix of huge magnitude, say) get here. The
+    same request fails the same way every time, so it is the request's fault (INVALID_ARG),
+    not a server fault worth retrying; the message names the step.
+    """
+
+
+SHOWN_CHARS = 40
+
+
+def shown(value: object, limit: int = SHOWN_CHARS) -> str:
+    """A client value as it may appear in an error or a log line: its repr, cut to ``limit``.
+
+    A request may carry megabytes in a string; echoed in full it floods the log and can make
+    the error response itself too large to send.
+    """
+    if isinstance(value, (str, bytes, bytearray)):
+        text = repr(value[:limit] if not isinstance(value, bytearray) else bytes(value[:limit]))
+        unit = "characters" if isinstance(value, str) else "bytes"
+        return text if len(value) <= limit else f"{text}... ({len(value)} {unit})"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"

@@ -24,3 +24,11 @@ class Limits:
             if f.name in params and str(params[f.name]).strip():
                 values[f.name] = int(params[f.name])
         return cls(**values)
+
+
+# Fixed bounds of sampling values (not per model): beyond them the arithmetic itself breaks
+# (a shift near 0 divides by a rounded 0, a huge guidance scale overflows to inf), far outside
+# any useful setting. Strings are table words, so a few dozen bytes is plenty.
+CFG_SCALE_MAX_ABS = 100.0
+TIMESTEP_SHIFT_RANGE = (1e-3, 1e3)
+MAX_TEXT_BYTES = 64

@@ -18,7 +18,7 @@ import torch
 from .checkpoint import default_dtype, load_checkpoint
 from .config import ModelConfig
 from .embeddings import Grid, patchify, unpatchify
-from .errors import ConfigError, GenerationCancelled, InputError
+from .errors import ConfigError, GenerationCancelled, InputError, NonFiniteState
 from .guidance import combine_guidance, guidance_plan
 from .image_io import to_pixels
 from .kv_cache import validate_kv
@@ -203,6 +203,7 @@ class NeoPPPipeline:
             start = time.perf_counter()
             v = self.step_velocity(prep, x, z, k, req.sampling)
             z.add_(v, alpha=prep.times[k + 1] - prep.times[k])
+            check_finite(z, k + 1, len(prep.times) - 1)
             x = unpatchify(z, req.height, req.width, t_size)
             if on_step is not None:
                 on_step(k, time.perf_counter() - start)
@@ -212,6 +213,19 @@ class NeoPPPipeline:
                  on_step: StepFn | None = None) -> np.ndarray:
         """Final uint8 pixels [H, W, 3]."""
         return to_pixels(self.sample(req, should_stop, on_step))
+
+
+def check_finite(state: torch.Tensor, step: int, steps: int) -> None:
+    """Refuse to go on once the state holds inf or NaN (it would decode to a flat image).
+
+    One reduction per step: the sum is finite only if every element is (a finite sum can
+    overflow only for values no sane state reaches, which is just as wrong).
+    """
+    if not bool(torch.isfinite(state.sum())):
+        raise NonFiniteState(
+            f"COND_KV: the denoising state stopped being finite (inf or NaN) at step {step} of {steps}; "
+            "the request's values (KV prefix magnitudes, CFG_SCALE) drive the model out of range, "
+            "so no image is returned")
 
 
 def set_threads(threads: int | None) -> None:

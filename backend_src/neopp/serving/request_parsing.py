@@ -14,9 +14,9 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..errors import InputError
-from ..limits import Limits
-from ..modes import TASKS
+from ..errors import SHOWN_CHARS, InputError, shown
+from ..limits import CFG_SCALE_MAX_ABS, MAX_TEXT_BYTES, TIMESTEP_SHIFT_RANGE, Limits
+from ..modes import CFG_NORMS, OUTPUT_FORMATS, TASKS
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -90,18 +90,32 @@ def _numeric(name: str, value: Any, spec: InputSpec) -> np.ndarray:
     return arr
 
 
-def _string(name: str, value: Any, spec: InputSpec) -> str:
-    arr = np.asarray(value)
-    _check_shape(name, arr, spec)
-    item = arr.reshape(-1)[0]
+def text_value(name: str, item: Any) -> str:
+    """One client string, bounded and decoded; a refusal names the input and shows only a prefix."""
+    if isinstance(item, (bytes, np.bytes_, str)) and len(item) > MAX_TEXT_BYTES:
+        raise InputError(f"{name}: at most {MAX_TEXT_BYTES} bytes, got {len(item)} ({shown(item)})")
     if isinstance(item, (bytes, np.bytes_)):
         try:
             return bytes(item).decode("utf-8").strip()
         except UnicodeDecodeError as exc:
-            raise InputError(f"{name}: must be UTF-8 text") from exc
+            raise InputError(f"{name}: must be UTF-8 text, got {shown(bytes(item))}") from exc
     if isinstance(item, str):
         return item.strip()
-    raise InputError(f"{name}: must be a STRING (BYTES) tensor, got {arr.dtype}")
+    raise InputError(f"{name}: must be a STRING (BYTES) tensor, got {type(item).__name__}")
+
+
+def _string(name: str, value: Any, spec: InputSpec) -> str:
+    arr = np.asarray(value)
+    _check_shape(name, arr, spec)
+    return text_value(name, arr.reshape(-1)[0])
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...], what: str) -> str:
+    """A string input looked up in a fixed table (lower-cased), before the core sees it."""
+    word = _string(name, value, INPUT_SPECS[name]).lower()
+    if word not in choices:
+        raise InputError(f"{name}: unknown {what} {shown(word)}; expected one of {list(choices)}")
+    return word
 
 
 def _kv(name: str, value: Any) -> torch.Tensor:
@@ -124,17 +138,39 @@ def _pair(name: str, value: Any) -> tuple[int, int]:
     return h, w
 
 
+def _bounded_pair(name: str, h: int, w: int, limits: Limits) -> None:
+    """Side and pixel bounds on Python ints, so no size reaches a tensor (even a meta one) unchecked."""
+    if max(h, w) > limits.max_side:
+        raise InputError(f"{name}: each side must be at most {limits.max_side} pixels (the maximum side), "
+                         f"got [{h}, {w}]")
+    if h * w > limits.max_pixels:
+        raise InputError(f"{name}: {h}x{w} = {h * w} pixels exceeds the maximum of {limits.max_pixels}")
+
+
+def _size(value: Any, limits: Limits) -> tuple[int, int]:
+    """SIZE's range; the multiple-of-token rule needs the checkpoint (NeoPPPipeline.check_size)."""
+    h, w = _pair("SIZE", value)
+    if min(h, w) <= 0:
+        raise InputError(f"SIZE: height and width must each be a positive multiple of 32, got [{h}, {w}]")
+    _bounded_pair("SIZE", h, w, limits)
+    return h, w
+
+
 def _resize(value: Any, limits: Limits) -> tuple[int, int]:
     """RESIZE is the serving layer's own: any positive size within the same bounds as SIZE."""
     name = "RESIZE"
     h, w = _pair(name, value)
     if h <= 0 or w <= 0:
         raise InputError(f"{name}: [height, width] must be positive, got [{h}, {w}]")
-    if max(h, w) > limits.max_side:
-        raise InputError(f"{name}: each side must be at most {limits.max_side} pixels, got [{h}, {w}]")
-    if h * w > limits.max_pixels:
-        raise InputError(f"{name}: {h}x{w} = {h * w} pixels exceeds the limit of {limits.max_pixels}")
+    _bounded_pair(name, h, w, limits)
     return h, w
+
+
+def _offset(name: str, value: Any, limits: Limits) -> int:
+    offset = _int(name, value)
+    if not 0 <= offset <= limits.max_index_offset:
+        raise InputError(f"{name}: {offset} is out of range 0..{limits.max_index_offset}")
+    return offset
 
 
 def _finite_scalar(name: str, value: Any) -> float:
@@ -142,6 +178,26 @@ def _finite_scalar(name: str, value: Any) -> float:
     if not math.isfinite(x):
         raise InputError(f"{name}: must be a finite number, got {x}")
     return x
+
+
+def _cfg_scale(value: Any) -> float:
+    """Finite is not enough: a huge scale overflows the guided velocity to inf."""
+    scale = _finite_scalar("CFG_SCALE", value)
+    if abs(scale) > CFG_SCALE_MAX_ABS:
+        bound = f"{CFG_SCALE_MAX_ABS:g}"
+        raise InputError(f"CFG_SCALE: must be within -{bound}..{bound}, got {scale:g}")
+    return scale
+
+
+def _timestep_shift(value: Any) -> float:
+    """A tiny shift makes the schedule's denominator round to 0; a huge one has no use."""
+    shift = _finite_scalar("TIMESTEP_SHIFT", value)
+    if shift <= 0:
+        raise InputError(f"TIMESTEP_SHIFT: must be > 0, got {shift:g}")
+    low, high = TIMESTEP_SHIFT_RANGE
+    if not low <= shift <= high:
+        raise InputError(f"TIMESTEP_SHIFT: must be in {low:g}..{high:g}, got {shift:g}")
+    return shift
 
 
 def _nbytes(value: Any) -> int:
@@ -178,13 +234,14 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
     """
     unknown = sorted(set(inputs) - set(INPUT_SPECS))
     if unknown:
-        raise InputError(f"{unknown[0]}: unknown input; expected names from {sorted(INPUT_SPECS)}")
+        name = unknown[0] if len(unknown[0]) <= SHOWN_CHARS else shown(unknown[0])
+        raise InputError(f"{name}: unknown input; expected names from {sorted(INPUT_SPECS)}")
     for name, spec in INPUT_SPECS.items():
         if not spec.optional and inputs.get(name) is None:
             raise InputError(f"{name}: required input is missing")
     _check_request_bytes(inputs, limits)
     req = ParsedRequest(cond_kv=_kv("COND_KV", inputs["COND_KV"]),
-                        index_offset_cond=_int("INDEX_OFFSET_COND", inputs["INDEX_OFFSET_COND"]))
+                        index_offset_cond=_offset("INDEX_OFFSET_COND", inputs["INDEX_OFFSET_COND"], limits))
     has_uncond, has_uoff = inputs.get("UNCOND_KV") is not None, inputs.get("INDEX_OFFSET_UNCOND") is not None
     if has_uncond != has_uoff:
         missing = "INDEX_OFFSET_UNCOND" if has_uncond else "UNCOND_KV"
@@ -192,11 +249,9 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
         raise InputError(f"{missing}: required together with {other}")
     if has_uncond:
         req.uncond_kv = _kv("UNCOND_KV", inputs["UNCOND_KV"])
-        req.index_offset_uncond = _int("INDEX_OFFSET_UNCOND", inputs["INDEX_OFFSET_UNCOND"])
+        req.index_offset_uncond = _offset("INDEX_OFFSET_UNCOND", inputs["INDEX_OFFSET_UNCOND"], limits)
     if inputs.get("SIZE") is not None:
-        req.size = _pair("SIZE", inputs["SIZE"])  # the rest of the range: NeoPPPipeline.check_size
-        if min(req.size) <= 0:  # before anything is shaped by it (even a meta tensor refuses these)
-            raise InputError(f"SIZE: height and width must each be a positive multiple of 32, got {list(req.size)}")
+        req.size = _size(inputs["SIZE"], limits)
     if inputs.get("RESIZE") is not None:
         req.resize = _resize(inputs["RESIZE"], limits)
     if inputs.get("SEED") is not None and inputs.get("RNG_STATE") is not None:
@@ -206,9 +261,7 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
     if inputs.get("RNG_STATE") is not None:
         req.rng_state = _numeric("RNG_STATE", inputs["RNG_STATE"], INPUT_SPECS["RNG_STATE"])
     if inputs.get("TASK") is not None:
-        req.task = _string("TASK", inputs["TASK"], INPUT_SPECS["TASK"]).lower()
-        if req.task not in TASKS:
-            raise InputError(f"TASK: unknown task {req.task!r}; expected one of {list(TASKS)}")
+        req.task = _choice("TASK", inputs["TASK"], TASKS, "task")
     _parse_sampling(inputs, req, limits)
     return req
 
@@ -222,21 +275,19 @@ def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limit
             raise InputError(f"STEPS: must be in 1..{limits.max_steps}, got {steps}")
         s["infer_steps"] = steps
     if inputs.get("CFG_SCALE") is not None:
-        s["cfg_scale"] = _finite_scalar("CFG_SCALE", inputs["CFG_SCALE"])
+        s["cfg_scale"] = _cfg_scale(inputs["CFG_SCALE"])
     if inputs.get("TIMESTEP_SHIFT") is not None:
-        shift = _finite_scalar("TIMESTEP_SHIFT", inputs["TIMESTEP_SHIFT"])
-        if shift <= 0:
-            raise InputError(f"TIMESTEP_SHIFT: must be > 0, got {shift}")
-        s["timestep_shift"] = shift
+        s["timestep_shift"] = _timestep_shift(inputs["TIMESTEP_SHIFT"])
     if inputs.get("CFG_INTERVAL") is not None:
         lo, hi = (float(v) for v in _numeric("CFG_INTERVAL", inputs["CFG_INTERVAL"], INPUT_SPECS["CFG_INTERVAL"]))
         if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
             raise InputError(f"CFG_INTERVAL: must be finite [low, high] with low <= high, got [{lo}, {hi}]")
         s["cfg_interval"] = (lo, hi)
     if inputs.get("CFG_NORM") is not None:
-        s["cfg_norm"] = _string("CFG_NORM", inputs["CFG_NORM"], INPUT_SPECS["CFG_NORM"]).lower()
+        s["cfg_norm"] = _choice("CFG_NORM", inputs["CFG_NORM"], CFG_NORMS, "normalisation")
     if inputs.get("OUTPUT_FORMAT") is not None:
-        s["output_format"] = _string("OUTPUT_FORMAT", inputs["OUTPUT_FORMAT"], INPUT_SPECS["OUTPUT_FORMAT"]).lower()
+        formats = (*OUTPUT_FORMATS, "jpg")
+        s["output_format"] = _choice("OUTPUT_FORMAT", inputs["OUTPUT_FORMAT"], formats, "format")
     if inputs.get("IMAGE_GUIDANCE_SCALE") is not None:
         s["image_guidance_scale"] = _finite_scalar("IMAGE_GUIDANCE_SCALE", inputs["IMAGE_GUIDANCE_SCALE"])
 

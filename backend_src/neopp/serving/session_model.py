@@ -15,6 +15,9 @@ Parameters (``config.pbtxt``):
 * ``session_idle_timeout_s``: seconds a session may stay unused (``600``). Keep
   ``sequence_batching.max_sequence_idle_microseconds`` at least as long, so that Triton does
   not release the sequence first (its own refusal then says the START flag is missing).
+* ``sequence_batching.oldest.max_candidate_sequences``: Triton's slots; at least
+  ``max_sessions`` plus an eighth. Once fewer than that eighth are free, the model ends the
+  dropped sessions that still hold one (``SequenceSlots``, ``SlotReleaser``).
 
 A request with ``sequence_end`` and no ``COND_KV`` only closes the session: it answers an
 empty ``IMAGE`` and ``TURN`` -1, so a chat can end without generating one more image.
@@ -25,15 +28,18 @@ Errors of the generation model are returned unchanged (same message, same status
 from __future__ import annotations
 
 import json
+import queue
 import re
+import threading
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import ConfigError, InputError
-from .sessions import SessionTable, TurnPlan, UnknownSession
+from ..errors import ConfigError, InputError, shown
+from .request_parsing import text_value
+from .sessions import SequenceSlots, SessionTable, TurnPlan, UnknownSession
 
 GENERATION_MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq",
                      "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg")
@@ -46,6 +52,7 @@ SESSION_PARAMETERS = {
 }
 CONTROL_INPUTS = ("START", "END", "CORRID")
 NOT_FORWARDED = ("MODEL", "SEED", *CONTROL_INPUTS)
+RELEASE_REQUEST_ID = "neopp-session-release"  # the model's own sequence_end of a dropped session
 
 
 _INPUT_NAMED = re.compile(r"^[A-Z][A-Z0-9_/]*: ")  # "COND_KV: ..." (triton_model's InputError form)
@@ -85,13 +92,58 @@ def build_table(params: dict[str, str]) -> SessionTable:
         raise ConfigError(f"neopp_session parameters: {exc}") from exc
 
 
+def build_slots(config: dict[str, Any], table: SessionTable) -> SequenceSlots:
+    """Triton's slot bound from ``sequence_batching``; it must leave room above ``max_sessions``."""
+    batching = config.get("sequence_batching") or {}
+    capacity = int((batching.get("oldest") or {}).get("max_candidate_sequences") or 0)
+    if not capacity:
+        raise ConfigError("neopp_session: sequence_batching must use the oldest strategy with "
+                          "max_candidate_sequences set")
+    reserve = max(1, capacity // 8)
+    if table.max_sessions > capacity - reserve:
+        raise ConfigError(f"neopp_session: max_candidate_sequences ({capacity}) must be at least "
+                          f"max_sessions ({table.max_sessions}) + {reserve} (an eighth, at least 1), so that "
+                          "Triton never runs out of sequence slots before the model drops a session")
+    idle_us = int(batching.get("max_sequence_idle_microseconds") or 1_000_000)
+    return SequenceSlots(capacity, reserve, idle_us / 1e6)
+
+
+class SlotReleaser:
+    """Ends dropped sessions in Triton from a thread of its own.
+
+    The sequence_end travels as a BLS request to this very model, which the instance can
+    only serve after the current ``execute`` returns: sent from ``execute`` it would wait
+    on itself.
+    """
+
+    def __init__(self, send: Callable[[int], None], logger: Any) -> None:
+        self._send, self._logger = send, logger
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="neopp-session-release", daemon=True)
+        self._thread.start()
+
+    def release(self, session_ids: list[int]) -> None:
+        for sid in session_ids:
+            self._queue.put(sid)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while (sid := self._queue.get()) is not None:
+            try:
+                self._send(sid)
+            except Exception as exc:  # noqa: BLE001 - a failed release only waits for Triton's idle bound
+                self._logger.log_warn(f"neopp_session: releasing sequence {sid} failed: {exc}")
+
+
 def _scalar(tensor: Any) -> Any:
     return np.asarray(tensor.as_numpy()).reshape(-1)[0]
 
 
-def _text(tensor: Any) -> str:
-    item = _scalar(tensor)
-    return item.decode("utf-8").strip() if isinstance(item, (bytes, np.bytes_)) else str(item).strip()
+def _text(name: str, tensor: Any) -> str:
+    return text_value(name, _scalar(tensor))
 
 
 class SessionTritonModel:
@@ -106,6 +158,8 @@ class SessionTritonModel:
         self.model_name = args.get("model_name", config.get("name", "neopp_session"))
         params = session_parameters(config)
         self.table = build_table(params)
+        self.slots = build_slots(config, self.table)
+        self.releaser = SlotReleaser(self._send_release, self.logger)
         self.allowed = tuple(m.strip() for m in params["allowed_models"].split(",") if m.strip())
         self.default_model = params["default_model"].strip()
         if self.default_model not in self.allowed:
@@ -129,10 +183,21 @@ class SessionTritonModel:
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = [self._turn(request) for request in requests]
         self.active_metric.set(float(len(self.table)))
+        self.releaser.release(self.slots.to_release(self.table))
         return responses
 
     def finalize(self) -> None:
+        self.releaser.close()
         self.table = None
+
+    def _send_release(self, session_id: int) -> None:
+        """End one dropped session's Triton sequence, so that its batcher slot frees."""
+        pb = self.pb
+        result = pb.InferenceRequest(model_name=self.model_name, inputs=[], requested_output_names=["TURN"],
+                                     request_id=RELEASE_REQUEST_ID, correlation_id=session_id,
+                                     flags=pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END).exec()
+        if result.has_error():  # e.g. Triton's idle bound ended it first
+            self.logger.log_verbose(f"{self.model_name}: release of {session_id}: {result.error().message()}")
 
     # ------------------------------------------------------------------ one turn
 
@@ -147,22 +212,24 @@ class SessionTritonModel:
                 raise ConfigError(f"control inputs {missing} missing: config.pbtxt must declare START, END, CORRID")
             start, end = bool(_scalar(inputs["START"])), bool(_scalar(inputs["END"]))
             session_id = int(_scalar(inputs["CORRID"]))
+            self.slots.seen(session_id, end)
             seed = int(_scalar(inputs["SEED"])) if "SEED" in inputs else None
             if "COND_KV" not in inputs:
                 if not end:
                     raise InputError("COND_KV: required input is missing (only a sequence_end request may leave "
                                      "it out, to close the session without an image)")
-                return self._closed(session_id)
-            session = self.table.start(session_id, seed) if start else self.table.get(session_id)
-            model = _text(inputs["MODEL"]) if "MODEL" in inputs else (session.model or self.default_model)
+                return self._closed(session_id, request.request_id() == RELEASE_REQUEST_ID)
+            session = self.table.open(session_id, seed) if start else self.table.get(session_id)
+            model = session.model or self.default_model
+            model = _text("MODEL", inputs["MODEL"]) if "MODEL" in inputs else model
             if model not in self.allowed:
-                raise InputError(f"MODEL: {model!r} is not a generation model this server offers; "
+                raise InputError(f"MODEL: {shown(model)} is not a generation model this server offers; "
                                  f"expected one of {list(self.allowed)}")
             plan = self.table.plan(session, seed)
             result = self._generate(model, inputs, plan)
             if result.has_error():
                 self.logger.log_warn(f"{self.model_name}: session {session_id}: {model} refused the turn: "
-                                     f"{result.error().message()}")
+                                     f"{shown(result.error().message(), 300)}")
                 return pb.InferenceResponse(error=self._same_error(result.error()))
             image = pb.get_output_tensor_by_name(result, "IMAGE").as_numpy()
             state = pb.get_output_tensor_by_name(result, "NEXT_RNG_STATE").as_numpy()
@@ -188,10 +255,11 @@ class SessionTritonModel:
             pb.Tensor("NEXT_RNG_STATE", state),
         ])
 
-    def _closed(self, session_id: Any) -> Any:
+    def _closed(self, session_id: Any, released: bool = False) -> Any:
         """Answer of a request that only closes a session: no image (empty IMAGE, TURN -1)."""
         pb = self.pb
-        self.logger.log_info(f"{self.model_name}: session {session_id} closed without an image")
+        how = "released its Triton slot (dropped earlier)" if released else "closed without an image"
+        self.logger.log_info(f"{self.model_name}: session {session_id} {how}")
         return pb.InferenceResponse(output_tensors=[
             pb.Tensor("IMAGE", np.array([b""], dtype=np.object_)),
             pb.Tensor("TURN", np.array([-1], dtype=np.int64)),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable, Container, Hashable
 
 from ..errors import ConfigError, InputError
 
@@ -80,18 +80,31 @@ class SessionTable:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, session_id: SessionId, seed: int | None = None) -> Session:
-        """A fresh session (a restarted id starts over), seeded by ``seed`` or the default."""
+        """A fresh session (a restarted id starts over), seeded by ``seed`` or the default, held now."""
+        session = self.open(session_id, seed)
+        self._admit(session)
+        return session
+
+    def open(self, session_id: SessionId, seed: int | None = None) -> Session:
+        """A fresh session for a first turn, held (and counted) only once ``commit`` records an image.
+
+        A first turn that fails thus leaves nothing open and evicts nobody. A restarted id
+        loses its old stream either way.
+        """
         now = self._clock()
         self.expire(now)
         self._sessions.pop(session_id, None)
+        self._dropped.pop(session_id, None)
+        return Session(session_id, next_seed=self.default_seed if seed is None else int(seed), last_used=now)
+
+    def _admit(self, session: Session) -> None:
+        """Hold a session: first the least recently used ones go while the table is full."""
+        self._sessions.pop(session.session_id, None)
         while len(self._sessions) >= self.max_sessions:
             victim, _ = self._sessions.popitem(last=False)
             self.evicted_total += 1
             self._remember(victim, f"evicted to make room (more than max_sessions={self.max_sessions} sessions)")
-        self._dropped.pop(session_id, None)
-        session = Session(session_id, next_seed=self.default_seed if seed is None else int(seed), last_used=now)
-        self._sessions[session_id] = session
-        return session
+        self._sessions[session.session_id] = session
 
     def get(self, session_id: SessionId) -> Session:
         """The session of a later turn, or UnknownSession saying why it is not there."""
@@ -153,4 +166,56 @@ class SessionTable:
         session.turn += 1
         session.model = model
         session.last_used = self._clock()
+        if self._sessions.get(session.session_id) is not session:
+            self._admit(session)  # a first turn: the session is held from its first image on
         return turn
+
+
+class SequenceSlots:
+    """Sequences Triton's sequence batcher holds a slot for, as this instance saw them.
+
+    Triton frees a slot only at ``sequence_end`` or after ``max_sequence_idle_microseconds``;
+    the table's eviction frees nothing there. So clients that start sessions and never end
+    them would fill every slot and park each new start in Triton's backlog. ``to_release``
+    names the least recently used sequences the table no longer holds once more than
+    ``threshold`` are held; the model then ends them in Triton itself. A dropped session is
+    kept in its slot until then, so its next turn still hears why it was dropped.
+    """
+
+    def __init__(self, capacity: int, reserve: int, idle_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if reserve < 1 or capacity <= reserve:
+            raise ConfigError(f"max_candidate_sequences ({capacity}) must exceed its reserve of {reserve}")
+        self.threshold = capacity - reserve
+        self.idle_s = float(idle_s)
+        self._clock = clock
+        self._held: OrderedDict[SessionId, float] = OrderedDict()  # id -> last request, LRU first
+        self.released_total = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def seen(self, session_id: SessionId, end: bool) -> None:
+        """A request of this sequence reached the model (Triton holds its slot unless it ended)."""
+        if end:
+            self._held.pop(session_id, None)
+            return
+        self._held[session_id] = self._clock()
+        self._held.move_to_end(session_id)
+
+    def to_release(self, live: Container[SessionId]) -> list[SessionId]:
+        """Ids to end now, oldest first; forgets those Triton's own idle bound has freed."""
+        now = self._clock()
+        for sid, last in list(self._held.items()):
+            if now - last <= self.idle_s:
+                break
+            del self._held[sid]
+        out: list[SessionId] = []
+        for sid in list(self._held):
+            if len(self._held) <= self.threshold:
+                break
+            if sid not in live:
+                del self._held[sid]
+                out.append(sid)
+        self.released_total += len(out)
+        return out
