@@ -13,7 +13,7 @@ from neopp.limits import Limits
 from neopp.modes import SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline, check_finite
 from neopp.serving.request_parsing import parse_request
-from neopp.tiny_checkpoint import write_tiny_checkpoint
+from testing.tiny_checkpoint import write_tiny_checkpoint
 
 I64, F32 = np.int64, np.float32
 INT64_MAX, INT64_MIN = 2**63 - 1, -(2**63)

@@ -13,7 +13,8 @@ import tritonclient.grpc as grpcclient
 
 from neopp.kv_cache import load_kv_file
 from neopp.serving.procs import process_group_members
-from neopp.serving.tritonserver import REPO_ROOT, TritonServer
+from neopp.serving.tritonserver import TritonServer
+from testing import REPO as REPO_ROOT
 
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # the fixture's sample KV lengths, used as offsets
 
