@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,11 +78,29 @@ def build_mesh(mode: ModeConfig, rank: int, world_size: int,
     return mesh
 
 
-def init_mesh(mode: ModeConfig, rank: int, world_size: int, init_method: str, device: torch.device,
-              timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Mesh:
+def rendezvous(rank: int, world_size: int, port: Any, timeout_s: float, host: str = "127.0.0.1") -> Any:
+    """The ranks' key-value store. Rank 0 binds it on a port the kernel picks and publishes it
+    in ``port.value`` (shared memory); the others wait for it (bounded). No port is picked in
+    advance, so two pools starting at once cannot meet on the same one."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+        port.value = store.port
+        return store
+    deadline = time.monotonic() + timeout_s
+    while port.value == 0:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 published no rendezvous port within {timeout_s:.0f}s")
+        time.sleep(0.02)
+    return dist.TCPStore(host, port.value, world_size, is_master=False, timeout=timeout)
+
+
+def init_mesh(mode: ModeConfig, rank: int, world_size: int, init_method: str | None, device: torch.device,
+              timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, store: Any = None) -> Mesh:
+    """Join the process group through ``init_method`` (a URL) or an existing ``store``."""
     check_world(mode, world_size)
-    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    dist.init_process_group(backend_for(device), init_method=init_method, store=store, rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return build_mesh(mode, rank, world_size, timeout_s)
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -24,8 +23,10 @@ from ..errors import ConfigError, GenerationCancelled, NeoPPError
 from ..limits import Limits
 from ..modes import ModeConfig
 from ..pipeline import GenerationRequest, StepFn, StopFn
+from .lifeline import die_with_parent, silent_rank, start_heartbeat, start_processes
 
 POLL_S = 0.02
+SILENCE_CHECK_S = 0.2
 
 
 class WorkerFailure(NeoPPError):
@@ -43,10 +44,19 @@ class PoolSpec:
     collective_timeout_s: float = 120.0
     load_timeout_s: float = 600.0
 
+    @property
+    def silence_s(self) -> float:
+        """No heartbeat for this long fails the request: well under the collective timeout,
+        yet long enough that a busy machine does not starve a healthy rank's heartbeat."""
+        return min(30.0, max(2.0, self.collective_timeout_s / 4))
 
-def _worker_main(rank: int, spec: PoolSpec, port: int, tasks: Any, results: Any, cancel: Any, parent: int) -> None:
+
+def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any, cancel: Any, parent: int,
+                 beats: Any) -> None:
+    die_with_parent(parent)
+    start_heartbeat(beats, rank)
     from .engine import ParallelPipeline
-    from .mesh import init_mesh
+    from .mesh import init_mesh, rendezvous
 
     try:
         if spec.threads:
@@ -54,8 +64,9 @@ def _worker_main(rank: int, spec: PoolSpec, port: int, tasks: Any, results: Any,
         device = torch.device(spec.devices[rank])
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        mesh = init_mesh(spec.mode, rank, spec.mode.world_size, f"tcp://127.0.0.1:{port}", device,
-                         spec.collective_timeout_s)
+        store = rendezvous(rank, spec.mode.world_size, port, spec.collective_timeout_s)
+        mesh = init_mesh(spec.mode, rank, spec.mode.world_size, None, device, spec.collective_timeout_s,
+                         store=store)
         pipe = ParallelPipeline.from_pretrained(spec.ckpt_dir, spec.mode, mesh, str(device), spec.dtype, spec.limits)
     except Exception as exc:  # noqa: BLE001 - reported to the instance, which refuses to load
         results.put(("load_error", rank, f"{type(exc).__name__}: {exc}"))
@@ -65,8 +76,7 @@ def _worker_main(rank: int, spec: PoolSpec, port: int, tasks: Any, results: Any,
         try:
             task = tasks.get(timeout=1.0)
         except queue.Empty:
-            # No PR_SET_PDEATHSIG: it fires when the *thread* that spawned us ends, and the
-            # pool is rebuilt from a helper thread. An orphaned rank notices its new parent.
+            # Besides the parent-death signal (not on every platform): an orphan leaves.
             if os.getppid() != parent:
                 return
             continue
@@ -85,12 +95,6 @@ def _worker_main(rank: int, spec: PoolSpec, port: int, tasks: Any, results: Any,
         except Exception as exc:  # noqa: BLE001 - the group may be broken: report and leave
             results.put(("error", job, f"rank {rank}: {type(exc).__name__}: {exc}"))
             return
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerPool:
@@ -115,7 +119,10 @@ class WorkerPool:
     # ---- lifecycle ----------------------------------------------------------------------
     def _start(self) -> None:
         world = self.spec.mode.world_size
-        port = _free_port()
+        # Rank 0 binds the rendezvous store on a port the kernel picks and publishes it here: a
+        # port chosen now and bound seconds later could be taken meanwhile by another pool.
+        port = self._ctx.Value("i", 0, lock=False)
+        self._beats = self._ctx.Array("d", world, lock=False)
         self._results = self._ctx.Queue()
         # No lock: a rank stopped while holding one would block its peers outside any collective,
         # beyond the reach of the collective timeout. One writer, aligned 64-bit reads.
@@ -123,10 +130,9 @@ class WorkerPool:
         self._tasks = [self._ctx.Queue() for _ in range(world)]
         self._procs = [self._ctx.Process(target=_worker_main, daemon=True, name=f"neopp-rank{r}",
                                          args=(r, self.spec, port, self._tasks[r], self._results, self._cancel,
-                                               os.getpid()))
+                                               os.getpid(), self._beats))
                        for r in range(world)]
-        for p in self._procs:
-            p.start()
+        start_processes(self._procs)
         ready, deadline = set(), time.monotonic() + self.spec.load_timeout_s
         while len(ready) < world:
             try:
@@ -239,6 +245,7 @@ class WorkerPool:
     def _await(self, job: int, should_stop: StopFn | None, on_step: StepFn | None,
                timeout_s: float | None) -> np.ndarray:
         deadline = time.monotonic() + (timeout_s or 10 * self.spec.collective_timeout_s)
+        next_check = time.monotonic() + SILENCE_CHECK_S
         while True:
             if should_stop is not None and self._cancel.value != job and should_stop():
                 self._cancel.value = job
@@ -248,6 +255,11 @@ class WorkerPool:
                 notice = self._death_notice(wait_s=0)
                 if notice:
                     raise self._fail_and_rebuild(notice)
+                if time.monotonic() > next_check:
+                    next_check = time.monotonic() + SILENCE_CHECK_S
+                    notice = silent_rank(self.pids(), self._beats, self.spec.silence_s)
+                    if notice:
+                        raise self._fail_and_rebuild(f"{notice} during the request")
                 if time.monotonic() > deadline:
                     raise self._fail_and_rebuild("the request exceeded its time limit")
                 continue
