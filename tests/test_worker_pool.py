@@ -7,8 +7,9 @@ import signal
 import time
 
 import pytest
+import torch
 
-from neopp.errors import ConfigError, GenerationCancelled
+from neopp.errors import ConfigError, GenerationCancelled, InputError
 from neopp.generator import build_generator
 from neopp.kv_cache import load_kv_file
 from neopp.modes import load_mode
@@ -97,3 +98,17 @@ def test_close_leaves_no_process(tmp_path):
     assert len(pids) == 2 and all(_alive(p) for p in pids)
     pool.close()
     assert not any(_alive(p) for p in pids)
+
+
+def test_non_finite_state_is_refused_and_the_group_stays_usable(setup):
+    """Every rank holds the same state, so all stop at the same step: INVALID_ARG, no rebuild."""
+    pool, kv = setup
+    expected = pool.generate(_req(kv, 2))
+    pids = pool.pids()
+    bad = _req(kv, 2)
+    bad.cond_kv = torch.full_like(bad.cond_kv, float(torch.finfo(torch.bfloat16).max))
+    bad.uncond_kv = torch.full_like(bad.uncond_kv, float(torch.finfo(torch.bfloat16).max))
+    with pytest.raises(InputError, match=r"^COND_KV: .*at step \d of 2"):
+        pool.generate(bad)
+    assert pool.pids() == pids, "a refused request must not restart the ranks"
+    assert (pool.generate(_req(kv, 2)) == expected).all()

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
-from ..errors import ConfigError, GenerationCancelled, NeoPPError
+from ..errors import ConfigError, GenerationCancelled, InputError, NeoPPError
 from ..limits import Limits
 from ..modes import ModeConfig
 from ..pipeline import GenerationRequest, StepFn, StopFn
@@ -92,6 +92,9 @@ def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any,
         except GenerationCancelled as exc:
             if rank == 0:
                 results.put(("cancelled", job, str(exc)))
+        except InputError as exc:  # e.g. a state gone non-finite: every rank holds the same state and
+            if rank == 0:          # stops at the same step, so the group stays usable
+                results.put(("refused", job, str(exc)))
         except Exception as exc:  # noqa: BLE001 - the group may be broken: report and leave
             results.put(("error", job, f"rank {rank}: {type(exc).__name__}: {exc}"))
             return
@@ -272,6 +275,8 @@ class WorkerPool:
                 return pixels
             elif kind == "cancelled":
                 raise GenerationCancelled(info)
+            elif kind == "refused":
+                raise InputError(info)
             elif kind == "error":
                 raise self._fail_and_rebuild(self._death_notice() or f"generation failed in {info}")
 
