@@ -138,7 +138,7 @@ def _request(pipe, fill: float | None, steps: int = 3) -> GenerationRequest:
 def test_a_finite_but_absurd_kv_fails_naming_the_step(pipe):
     req = _request(pipe, BF16_MAX)
     pipe.validate(req)  # every value is finite: the input checks let it through
-    with pytest.raises(NonFiniteState, match=r"^COND_KV: .*at step \d of 3"):
+    with pytest.raises(NonFiniteState, match=r"^cond_kv: .*at step \d of 3"):
         pipe.generate(req)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from neopp.errors import ConfigError
-from neopp.serving.session_model import bls_error_status
+from neopp.serving.error_status import status_of_message
 from neopp.serving.sessions import SessionTable, UnknownSession
 
 
@@ -106,7 +106,7 @@ def test_bad_bounds_are_configuration_errors() -> None:
     ("Request for unknown model: 'nope' is not found", "NOT_FOUND"),
 ])
 def test_bls_error_status_recovers_the_generation_models_status(message: str, status: str) -> None:
-    assert bls_error_status(message) == status
+    assert status_of_message(message) == status
 
 
 def test_a_first_turn_is_held_only_once_it_delivers() -> None:

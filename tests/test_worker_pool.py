@@ -108,7 +108,7 @@ def test_non_finite_state_is_refused_and_the_group_stays_usable(setup):
     bad = _req(kv, 2)
     bad.cond_kv = torch.full_like(bad.cond_kv, float(torch.finfo(torch.bfloat16).max))
     bad.uncond_kv = torch.full_like(bad.uncond_kv, float(torch.finfo(torch.bfloat16).max))
-    with pytest.raises(InputError, match=r"^COND_KV: .*at step \d of 2"):
+    with pytest.raises(InputError, match=r"^cond_kv: .*at step \d of 2"):
         pool.generate(bad)
     assert pool.pids() == pids, "a refused request must not restart the ranks"
     assert (pool.generate(_req(kv, 2)) == expected).all()

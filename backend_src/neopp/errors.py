@@ -1,12 +1,30 @@
 """Error types that tell who is at fault, so the serving layer can map them to statuses."""
 
+from __future__ import annotations
+
+from collections.abc import Mapping
+
 
 class NeoPPError(Exception):
     """Base of every error this package raises on purpose."""
 
 
 class InputError(NeoPPError, ValueError):
-    """The request is at fault (INVALID_ARG); the message names the input and the rule."""
+    """The request is at fault (INVALID_ARG); the message is ``"<field>: <rule>"``.
+
+    The core names a request field (``infer_steps``, ``cond_kv``); a caller that knows the field
+    by another name (a Triton input, ``STEPS``) spells it its own way with :meth:`named`.
+    """
+
+    @property
+    def field(self) -> str:
+        return str(self).split(":", 1)[0]
+
+    def named(self, names: Mapping[str, str]) -> str:
+        """The message with its field spelled as ``names`` says (unknown fields stay as they are)."""
+        text = str(self)
+        field = self.field
+        return names[field] + text[len(field):] if field in names else text
 
 
 class ConfigError(NeoPPError):

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field, fields, replace as dc_replace
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, shown
+from .limits import CFG_SCALE_MAX_ABS, TIMESTEP_SHIFT_RANGE
 
 CFG_NORMS = ("global", "channel", "none")
 OUTPUT_FORMATS = ("jpeg", "png", "webp")
@@ -33,24 +34,29 @@ class SamplingParams:
         self.check()
 
     def check(self) -> None:
-        """Raise InputError naming the field and the rule."""
+        """Raise InputError naming the field and the rule: the one home of these rules."""
         if not isinstance(self.infer_steps, int) or not 1 <= self.infer_steps <= MAX_STEPS_HARD:
-            raise InputError(f"infer_steps: must be an integer in 1..{MAX_STEPS_HARD}, got {self.infer_steps!r}")
+            raise InputError(f"infer_steps: must be an integer in 1..{MAX_STEPS_HARD}, got {shown(self.infer_steps)}")
         for name in ("cfg_scale", "timestep_shift", "image_guidance_scale"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise InputError(f"{name}: must be a finite number, got {value!r}")
-        if self.timestep_shift <= 0:
-            raise InputError(f"timestep_shift: must be > 0, got {self.timestep_shift}")
+                raise InputError(f"{name}: must be a finite number, got {shown(value)}")
+        if abs(self.cfg_scale) > CFG_SCALE_MAX_ABS:  # a huge scale overflows the guided velocity to inf
+            raise InputError(f"cfg_scale: must be within -{CFG_SCALE_MAX_ABS:g}..{CFG_SCALE_MAX_ABS:g}, "
+                             f"got {self.cfg_scale:g}")
+        low, high = TIMESTEP_SHIFT_RANGE  # near 0 the schedule's denominator rounds to 0
+        if not low <= self.timestep_shift <= high:
+            raise InputError(f"timestep_shift: must be in {low:g}..{high:g}, got {self.timestep_shift:g}")
         lo_hi = self.cfg_interval
         if len(lo_hi) != 2 or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in lo_hi):
-            raise InputError(f"cfg_interval: must be two finite numbers [low, high], got {lo_hi!r}")
+            raise InputError(f"cfg_interval: must be two finite numbers [low, high], got {shown(lo_hi)}")
         if lo_hi[0] > lo_hi[1]:
             raise InputError(f"cfg_interval: low ({lo_hi[0]}) must not exceed high ({lo_hi[1]})")
         if self.cfg_norm not in CFG_NORMS:
-            raise InputError(f"cfg_norm: unknown normalisation {self.cfg_norm!r}; expected one of {CFG_NORMS}")
+            raise InputError(f"cfg_norm: unknown normalisation {shown(self.cfg_norm)}; expected one of {CFG_NORMS}")
         if self.output_format not in OUTPUT_FORMATS:
-            raise InputError(f"output_format: unknown format {self.output_format!r}; expected one of {OUTPUT_FORMATS}")
+            raise InputError(f"output_format: unknown format {shown(self.output_format)}; "
+                             f"expected one of {OUTPUT_FORMATS}")
         if self.image_guidance_scale != 1.0:
             raise InputError(
                 f"image_guidance_scale: {self.image_guidance_scale} refused; three-branch (image) guidance "

@@ -21,11 +21,11 @@ from .embeddings import Grid, patchify, unpatchify
 from .errors import ConfigError, GenerationCancelled, InputError, NonFiniteState
 from .guidance import combine_guidance, guidance_plan
 from .image_io import to_pixels
-from .kv_cache import validate_kv
 from .limits import Limits
 from .lora import apply_loras_
 from .modes import TASKS, ModeConfig, SamplingParams
 from .quant import fp8_layer_linear, quantize_layer_linears_
+from .request_rules import RequestRules, plan_of
 from .schedule import initial_noise_scale, shifted_timesteps
 from .transformer import BatchedBranches, BranchContext, LinearFactory, NeoPPTransformer
 
@@ -33,18 +33,18 @@ StopFn = Callable[[], bool]
 StepFn = Callable[[int, float], None]
 # Batched CFG wins where matmuls are short (few tokens); see bench/RESULTS.md.
 BATCH_CFG_MAX_TOKENS = 4096
-DEFAULT_NAMES = {"cond_kv": "cond_kv", "uncond_kv": "uncond_kv", "index_offset_cond": "index_offset_cond",
-                 "index_offset_uncond": "index_offset_uncond", "size": "size", "task": "task",
-                 "infer_steps": "infer_steps", "noise": "noise"}
+
 
 
 @dataclass
 class GenerationRequest:
+    """One image to generate; ``noise`` is drawn only once the request has passed validation."""
+
     cond_kv: torch.Tensor
     index_offset_cond: int
     height: int
     width: int
-    noise: torch.Tensor
+    noise: torch.Tensor | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     uncond_kv: torch.Tensor | None = None
     index_offset_uncond: int | None = None
@@ -70,7 +70,7 @@ class NeoPPPipeline:
         self.config, self.transformer, self.mode = cfg, transformer, mode
         self.device, self.dtype = device, dtype
         self.limits = limits or Limits()
-        self.support_tasks = support_tasks
+        self.rules = RequestRules(cfg, self.limits, support_tasks)
         self.cfg_batching = "auto"
 
     @classmethod
@@ -93,53 +93,16 @@ class NeoPPPipeline:
         return cls(cfg, transformer, mode, dev, dtype, limits)
 
     # ---- validation -------------------------------------------------------------------
-    def validate(self, req: GenerationRequest, names: dict[str, str] | None = None) -> None:
-        """Every rule a request can break, checked before any heavy work."""
-        n = {**DEFAULT_NAMES, **(names or {})}
-        lim, cfg = self.limits, self.config
-        if req.task not in self.support_tasks:
-            raise InputError(f"{n['task']}: unsupported task {req.task!r}; supported: {self.support_tasks}")
-        self.check_size(req.height, req.width, n["size"])
-        if req.sampling.infer_steps > lim.max_steps:
-            raise InputError(f"{n['infer_steps']}: {req.sampling.infer_steps} steps exceed the limit of {lim.max_steps}")
-        if tuple(req.noise.shape) != (1, 3, req.height, req.width):
-            raise InputError(f"{n['noise']}: must have shape (1, 3, {req.height}, {req.width})")
-        validate_kv(req.cond_kv, cfg.kv_dims, n["cond_kv"], lim.max_prefix_tokens)
-        self._check_offset(req.index_offset_cond, n["index_offset_cond"])
-        if req.uncond_kv is not None:
-            validate_kv(req.uncond_kv, cfg.kv_dims, n["uncond_kv"], lim.max_prefix_tokens)
-            if req.index_offset_uncond is None:
-                raise InputError(f"{n['index_offset_uncond']}: required when {n['uncond_kv']} is given")
-            self._check_offset(req.index_offset_uncond, n["index_offset_uncond"])
-        if any(self.guidance_plan(req)) and req.uncond_kv is None:
-            raise InputError(f"{n['uncond_kv']}: required because guidance is on for some steps "
-                             f"(cfg_scale {req.sampling.cfg_scale} > 1 inside cfg_interval {req.sampling.cfg_interval}); "
-                             "send it, or set cfg_scale <= 1")
+    def validate(self, req: GenerationRequest) -> None:
+        """Every rule a request can break, checked before any heavy work (see RequestRules)."""
+        self.rules.validate(req)
 
-    def check_size(self, height: int, width: int, name: str = "size") -> None:
-        lim, t = self.limits, self.config.token_size
-        for what, v in (("height", height), ("width", width)):
-            if not isinstance(v, (int, np.integer)) or v <= 0 or v % t:
-                raise InputError(f"{name}: {what} must be a positive multiple of {t}, got {v}")
-            if v > lim.max_side:
-                raise InputError(f"{name}: {what} {v} exceeds the maximum side of {lim.max_side}")
-        if height * width > lim.max_pixels:
-            raise InputError(f"{name}: {height}x{width} exceeds the maximum of {lim.max_pixels} pixels")
-        max_patches = self.config.max_position_embeddings_vision
-        if max(height, width) // self.config.patch_size > max_patches:
-            raise InputError(f"{name}: {max(height, width)} pixels exceed the vision positions of the checkpoint "
-                             f"({max_patches} patches of {self.config.patch_size})")
-
-    def _check_offset(self, value: int, name: str) -> None:
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool):
-            raise InputError(f"{name}: must be an integer, got {value!r}")
-        if not 0 <= value <= self.limits.max_index_offset:
-            raise InputError(f"{name}: {value} is out of range 0..{self.limits.max_index_offset}")
+    def close(self) -> None:
+        """Nothing to release in-process (the worker pool stops its ranks here)."""
 
     # ---- preparation ------------------------------------------------------------------
     def guidance_plan(self, req: GenerationRequest) -> list[bool]:
-        s = req.sampling
-        return guidance_plan(s, shifted_timesteps(s.infer_steps, s.timestep_shift))
+        return plan_of(req.sampling)
 
     def grid(self, height: int, width: int) -> Grid:
         c = self.config
@@ -195,6 +158,8 @@ class NeoPPPipeline:
         """Run every step; the state stays float32 whatever the run dtype."""
         prep = prep or self.prepare(req)
         t_size = prep.grid.token_size
+        if req.noise is None or tuple(req.noise.shape) != (1, 3, req.height, req.width):
+            raise InputError(f"noise: must be drawn with shape (1, 3, {req.height}, {req.width}) before sampling")
         x = (req.noise.to(torch.float32) * prep.noise_scale).to(self.device)
         z = patchify(x, t_size)
         for k in range(len(prep.times) - 1):
@@ -223,7 +188,7 @@ def check_finite(state: torch.Tensor, step: int, steps: int) -> None:
     """
     if not bool(torch.isfinite(state.sum())):
         raise NonFiniteState(
-            f"COND_KV: the denoising state stopped being finite (inf or NaN) at step {step} of {steps}; "
+            f"cond_kv: the denoising state stopped being finite (inf or NaN) at step {step} of {steps}; "
             "the request's values (KV prefix magnitudes, CFG_SCALE) drive the model out of range, "
             "so no image is returned")
 

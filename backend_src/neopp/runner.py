@@ -6,6 +6,7 @@ class compute the same thing from the same code.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -27,7 +28,7 @@ class NeoPPRunner:
                  support_tasks: Sequence[str] = TASKS, pipeline: NeoPPPipeline | None = None) -> None:
         mode = load_mode(mode) if isinstance(mode, (str, Path)) else (mode or ModeConfig())
         self.pipeline = pipeline or NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype)
-        self.pipeline.support_tasks = tuple(support_tasks)
+        self.pipeline.rules = replace(self.pipeline.rules, support_tasks=tuple(support_tasks))
         self.support_tasks = tuple(support_tasks)
         if default_task not in self.support_tasks:
             raise InputError(f"task: default task {default_task!r} is not in support_tasks {self.support_tasks}")
@@ -78,7 +79,6 @@ class NeoPPRunner:
             self.stream.reseed(seed)
         req = GenerationRequest(cond_kv=self._cond, uncond_kv=self._uncond, index_offset_cond=self._offsets[0],
                                 index_offset_uncond=self._offsets[1], height=height, width=width,
-                                noise=torch.empty(1, 3, height, width, device="meta"),  # shape only
                                 sampling=self.sampling, task=task or self.default_task)
         self.pipeline.validate(req)  # before drawing, so a refused request does not advance the stream
         req.noise = self.stream.draw(height, width)

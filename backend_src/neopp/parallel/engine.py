@@ -178,26 +178,3 @@ class ParallelPipeline(NeoPPPipeline):
             return bool(flag.item())
 
         return super().sample(req, agreed_stop, on_step, prep)
-
-
-def parallel_activity(mode: ModeConfig, req: GenerationRequest, plan: list[bool]) -> str:
-    """One log phrase: was CFG-parallel (and sequence parallelism) active, and if not, why."""
-    guided = sum(plan)
-    s = req.sampling
-    if mode.cfg_p_size < 2:
-        cfg = "cfg-parallel off (mode has cfg_p_size 1)"
-    elif not s.enable_cfg:
-        cfg = "cfg-parallel inactive: guidance disabled (enable_cfg false)"
-    elif s.cfg_scale <= 1.0:
-        cfg = f"cfg-parallel inactive: CFG_SCALE {s.cfg_scale} <= 1"
-    elif req.uncond_kv is None:
-        cfg = "cfg-parallel inactive: no UNCOND_KV"
-    elif guided == 0:
-        cfg = f"cfg-parallel inactive: no step inside cfg_interval {s.cfg_interval}"
-    else:
-        cfg = f"cfg-parallel active on {guided}/{len(plan)} steps"
-        if guided < len(plan):
-            cfg += f" ({len(plan) - guided} outside cfg_interval {s.cfg_interval})"
-    seq = (f"sequence-parallel (ulysses) active on {mode.seq_p_size} ranks per branch" if mode.seq_p_size > 1
-           else "sequence-parallel off")
-    return f"{cfg}; {seq}"

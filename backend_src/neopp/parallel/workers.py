@@ -23,6 +23,7 @@ from ..errors import ConfigError, GenerationCancelled, InputError, NeoPPError
 from ..limits import Limits
 from ..modes import ModeConfig
 from ..pipeline import GenerationRequest, StepFn, StopFn
+from ..request_rules import RequestRules, plan_of
 from .lifeline import die_with_parent, silent_rank, start_heartbeat, start_processes
 
 POLL_S = 0.02
@@ -101,13 +102,13 @@ def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any,
 
 
 class WorkerPool:
-    """The multi-rank counterpart of `NeoPPPipeline` (same validate / generate calls)."""
+    """A `GenerationEngine` whose steps run in rank processes (one per GPU on a GPU host)."""
 
-    def __init__(self, spec: PoolSpec, pipeline_for_validation: Any) -> None:
+    def __init__(self, spec: PoolSpec, rules: RequestRules) -> None:
         self.spec = spec
         self.mode = spec.mode
-        self._validator = pipeline_for_validation   # a rank-less pipeline view: config + limits only
-        self.config = pipeline_for_validation.config
+        self.rules = rules  # the instance checks requests itself: its process holds no tower
+        self.config = rules.config
         self.limits = spec.limits
         self.device = ",".join(spec.devices)
         self.dtype = spec.dtype
@@ -202,11 +203,11 @@ class WorkerPool:
         return [p.pid for p in self._procs]
 
     # ---- requests -----------------------------------------------------------------------
-    def validate(self, req: GenerationRequest, names: dict[str, str] | None = None) -> None:
-        self._validator.validate(req, names)
+    def validate(self, req: GenerationRequest) -> None:
+        self.rules.validate(req)
 
     def guidance_plan(self, req: GenerationRequest) -> list[bool]:
-        return self._validator.guidance_plan(req)
+        return plan_of(req.sampling)
 
     def _rank_request(self, req: GenerationRequest, rank: int) -> GenerationRequest:
         """Each rank gets only the KV its branch needs."""

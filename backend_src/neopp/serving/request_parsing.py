@@ -7,7 +7,6 @@ starts with the input's name and states the rule it broke.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -15,8 +14,9 @@ import numpy as np
 import torch
 
 from ..errors import SHOWN_CHARS, InputError, shown
-from ..limits import CFG_SCALE_MAX_ABS, MAX_TEXT_BYTES, TIMESTEP_SHIFT_RANGE, Limits
-from ..modes import CFG_NORMS, OUTPUT_FORMATS, TASKS
+from ..limits import MAX_TEXT_BYTES, Limits
+from ..modes import TASKS, SamplingParams
+from ..request_rules import check_offset, check_side_bounds, check_steps
 
 @dataclass(frozen=True)
 class InputSpec:
@@ -51,6 +51,7 @@ OUTPUT_SPECS: dict[str, InputSpec] = {
     "NEXT_RNG_STATE": InputSpec("TYPE_UINT8", (-1,)),
 }
 KV_INPUTS = ("COND_KV", "UNCOND_KV")
+TOKEN_PIXELS = 32  # an image token's side in every NeoPP checkpoint; RequestRules checks the real one
 
 _NUMPY_KINDS = {"TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_UINT8": np.uint8}
 
@@ -119,7 +120,7 @@ def _choice(name: str, value: Any, choices: tuple[str, ...], what: str) -> str:
 
 
 def _kv(name: str, value: Any) -> torch.Tensor:
-    """Only the type here; geometry, length and NaN checks are the pipeline's (validate_kv)."""
+    """Only the type here; geometry, length and NaN checks are RequestRules' (validate_kv)."""
     if not isinstance(value, torch.Tensor):
         raise InputError(f"{name}: must be a BF16 tensor")
     if value.dtype != torch.bfloat16:
@@ -138,66 +139,24 @@ def _pair(name: str, value: Any) -> tuple[int, int]:
     return h, w
 
 
-def _bounded_pair(name: str, h: int, w: int, limits: Limits) -> None:
-    """Side and pixel bounds on Python ints, so no size reaches a tensor (even a meta one) unchecked."""
-    if max(h, w) > limits.max_side:
-        raise InputError(f"{name}: each side must be at most {limits.max_side} pixels (the maximum side), "
-                         f"got [{h}, {w}]")
-    if h * w > limits.max_pixels:
-        raise InputError(f"{name}: {h}x{w} = {h * w} pixels exceeds the maximum of {limits.max_pixels}")
-
-
 def _size(value: Any, limits: Limits) -> tuple[int, int]:
-    """SIZE's range; the multiple-of-token rule needs the checkpoint (NeoPPPipeline.check_size)."""
+    """SIZE's bounds; the multiple-of-token rule needs the checkpoint (RequestRules.check_size)."""
     h, w = _pair("SIZE", value)
-    if min(h, w) <= 0:
-        raise InputError(f"SIZE: height and width must each be a positive multiple of 32, got [{h}, {w}]")
-    _bounded_pair("SIZE", h, w, limits)
+    check_side_bounds(h, w, limits, "SIZE", TOKEN_PIXELS)
     return h, w
 
 
 def _resize(value: Any, limits: Limits) -> tuple[int, int]:
     """RESIZE is the serving layer's own: any positive size within the same bounds as SIZE."""
-    name = "RESIZE"
-    h, w = _pair(name, value)
-    if h <= 0 or w <= 0:
-        raise InputError(f"{name}: [height, width] must be positive, got [{h}, {w}]")
-    _bounded_pair(name, h, w, limits)
+    h, w = _pair("RESIZE", value)
+    check_side_bounds(h, w, limits, "RESIZE")
     return h, w
 
 
 def _offset(name: str, value: Any, limits: Limits) -> int:
     offset = _int(name, value)
-    if not 0 <= offset <= limits.max_index_offset:
-        raise InputError(f"{name}: {offset} is out of range 0..{limits.max_index_offset}")
+    check_offset(offset, limits, name)
     return offset
-
-
-def _finite_scalar(name: str, value: Any) -> float:
-    x = float(_numeric(name, value, INPUT_SPECS[name])[0])
-    if not math.isfinite(x):
-        raise InputError(f"{name}: must be a finite number, got {x}")
-    return x
-
-
-def _cfg_scale(value: Any) -> float:
-    """Finite is not enough: a huge scale overflows the guided velocity to inf."""
-    scale = _finite_scalar("CFG_SCALE", value)
-    if abs(scale) > CFG_SCALE_MAX_ABS:
-        bound = f"{CFG_SCALE_MAX_ABS:g}"
-        raise InputError(f"CFG_SCALE: must be within -{bound}..{bound}, got {scale:g}")
-    return scale
-
-
-def _timestep_shift(value: Any) -> float:
-    """A tiny shift makes the schedule's denominator round to 0; a huge one has no use."""
-    shift = _finite_scalar("TIMESTEP_SHIFT", value)
-    if shift <= 0:
-        raise InputError(f"TIMESTEP_SHIFT: must be > 0, got {shift:g}")
-    low, high = TIMESTEP_SHIFT_RANGE
-    if not low <= shift <= high:
-        raise InputError(f"TIMESTEP_SHIFT: must be in {low:g}..{high:g}, got {shift:g}")
-    return shift
 
 
 def _nbytes(value: Any) -> int:
@@ -229,7 +188,7 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
 
     ``inputs`` maps input names to numpy arrays (torch tensors for BF16 KV); absent optional
     inputs are simply missing. The checks that need the checkpoint (KV geometry, NaN, size,
-    offsets, guidance needing UNCOND_KV) are ``NeoPPPipeline.validate``'s, still before any
+    offsets, guidance needing UNCOND_KV) are ``RequestRules.validate``'s, still before any
     denoising.
     """
     unknown = sorted(set(inputs) - set(INPUT_SPECS))
@@ -267,29 +226,29 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
 
 
 def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limits) -> None:
-    """Sampling overrides, keyed by SamplingParams field; the mode keeps what is absent."""
+    """Sampling overrides, keyed by SamplingParams field; the mode keeps what is absent.
+
+    Types are checked here; the values' rules are SamplingParams' and the step bound the
+    deployment's, each written once and reported under the input's name.
+    """
     s = req.sampling
     if inputs.get("STEPS") is not None:
-        steps = _int("STEPS", inputs["STEPS"])
-        if not 1 <= steps <= limits.max_steps:
-            raise InputError(f"STEPS: must be in 1..{limits.max_steps}, got {steps}")
-        s["infer_steps"] = steps
-    if inputs.get("CFG_SCALE") is not None:
-        s["cfg_scale"] = _cfg_scale(inputs["CFG_SCALE"])
-    if inputs.get("TIMESTEP_SHIFT") is not None:
-        s["timestep_shift"] = _timestep_shift(inputs["TIMESTEP_SHIFT"])
+        s["infer_steps"] = _int("STEPS", inputs["STEPS"])
+        check_steps(s["infer_steps"], limits, "STEPS")
+    for name, key in (("CFG_SCALE", "cfg_scale"), ("TIMESTEP_SHIFT", "timestep_shift"),
+                      ("IMAGE_GUIDANCE_SCALE", "image_guidance_scale")):
+        if inputs.get(name) is not None:
+            s[key] = float(_numeric(name, inputs[name], INPUT_SPECS[name])[0])
     if inputs.get("CFG_INTERVAL") is not None:
-        lo, hi = (float(v) for v in _numeric("CFG_INTERVAL", inputs["CFG_INTERVAL"], INPUT_SPECS["CFG_INTERVAL"]))
-        if not (math.isfinite(lo) and math.isfinite(hi)) or lo > hi:
-            raise InputError(f"CFG_INTERVAL: must be finite [low, high] with low <= high, got [{lo}, {hi}]")
-        s["cfg_interval"] = (lo, hi)
-    if inputs.get("CFG_NORM") is not None:
-        s["cfg_norm"] = _choice("CFG_NORM", inputs["CFG_NORM"], CFG_NORMS, "normalisation")
-    if inputs.get("OUTPUT_FORMAT") is not None:
-        formats = (*OUTPUT_FORMATS, "jpg")
-        s["output_format"] = _choice("OUTPUT_FORMAT", inputs["OUTPUT_FORMAT"], formats, "format")
-    if inputs.get("IMAGE_GUIDANCE_SCALE") is not None:
-        s["image_guidance_scale"] = _finite_scalar("IMAGE_GUIDANCE_SCALE", inputs["IMAGE_GUIDANCE_SCALE"])
+        s["cfg_interval"] = tuple(float(v) for v in _numeric("CFG_INTERVAL", inputs["CFG_INTERVAL"],
+                                                             INPUT_SPECS["CFG_INTERVAL"]))
+    for name, key in (("CFG_NORM", "cfg_norm"), ("OUTPUT_FORMAT", "output_format")):
+        if inputs.get(name) is not None:
+            s[key] = _string(name, inputs[name], INPUT_SPECS[name]).lower()
+    try:
+        SamplingParams().replace(**s)
+    except InputError as exc:
+        raise InputError(exc.named(SAMPLING_INPUT_NAMES)) from None
 
 
 # Which input a SamplingParams field comes from, so the core's messages name the input.
@@ -298,9 +257,9 @@ SAMPLING_INPUT_NAMES = {
     "cfg_interval": "CFG_INTERVAL", "cfg_norm": "CFG_NORM", "output_format": "OUTPUT_FORMAT",
     "image_guidance_scale": "IMAGE_GUIDANCE_SCALE",
 }
-# GenerationRequest field -> input name, for NeoPPPipeline.validate(names=...).
+# GenerationRequest field -> input name: the core's errors name fields, clients know inputs.
 REQUEST_INPUT_NAMES = {
     "cond_kv": "COND_KV", "uncond_kv": "UNCOND_KV", "index_offset_cond": "INDEX_OFFSET_COND",
-    "index_offset_uncond": "INDEX_OFFSET_UNCOND", "size": "SIZE", "noise": "SEED/RNG_STATE",
+    "index_offset_uncond": "INDEX_OFFSET_UNCOND", "size": "SIZE",
     "task": "TASK", **SAMPLING_INPUT_NAMES,
 }

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import queue
-import re
 import threading
 import time
 import traceback
@@ -38,6 +37,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ConfigError, InputError, shown
+from .error_status import status_of_message
 from .request_parsing import text_value
 from .sessions import SequenceSlots, SessionTable, TurnPlan, UnknownSession
 
@@ -53,26 +53,6 @@ SESSION_PARAMETERS = {
 CONTROL_INPUTS = ("START", "END", "CORRID")
 NOT_FORWARDED = ("MODEL", "SEED", *CONTROL_INPUTS)
 RELEASE_REQUEST_ID = "neopp-session-release"  # the model's own sequence_end of a dropped session
-
-
-_INPUT_NAMED = re.compile(r"^[A-Z][A-Z0-9_/]*: ")  # "COND_KV: ..." (triton_model's InputError form)
-_CORE_INPUT_ERRORS = ("for input '", "unexpected inference input", "expected input", "inference input")
-
-
-def bls_error_status(message: str) -> str:
-    """Name of the TritonError status a generation model's error message was sent with."""
-    text = re.sub(r"^\[request id: [^\]]*\] ", "", message.strip())
-    if text.startswith("request cancelled"):
-        return "CANCELLED"
-    if text.startswith(("internal error", "model configuration error")):
-        return "INTERNAL"
-    if "unknown model" in text or " is not found" in text:
-        return "NOT_FOUND"
-    if "is not ready" in text:
-        return "UNAVAILABLE"
-    if _INPUT_NAMED.match(text) or any(part in text for part in _CORE_INPUT_ERRORS):
-        return "INVALID_ARG"
-    return "INTERNAL"
 
 
 def session_parameters(model_config: dict[str, Any]) -> dict[str, str]:
@@ -273,7 +253,7 @@ class SessionTritonModel:
         status is recovered from the message, whose forms the serving layer fixes.
         """
         message = error.message()
-        return self.pb.TritonError(message, getattr(self.pb.TritonError, bls_error_status(message)))
+        return self.pb.TritonError(message, getattr(self.pb.TritonError, status_of_message(message)))
 
     def _generate(self, model: str, inputs: dict[str, Any], plan: TurnPlan) -> Any:
         """One BLS call; the request's tensors are passed through without a copy here."""

@@ -38,19 +38,19 @@ import numpy as np
 import torch
 
 from ..config import ModelConfig
-from ..errors import ConfigError, GenerationCancelled, InputError
+from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
-from ..modes import TASKS, SamplingParams, load_mode
+from ..modes import TASKS, load_mode
 from ..generator import build_generator
-from ..parallel.engine import parallel_activity
 from ..parallel.mesh import check_world
-from ..parallel.workers import WorkerFailure
 from ..limits import Limits
+from ..request_log import parallelism_note
 from ..pipeline import GenerationRequest
 from ..rng import NoiseStream
 from .metrics import GenerationMetrics
+from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .request_parsing import (INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT_NAMES,
-                              SAMPLING_INPUT_NAMES, ParsedRequest, parse_request)
+                              ParsedRequest, parse_request)
 
 PARAMETER_DEFAULTS: dict[str, str] = {
     "checkpoint": "checkpoints/neopp",
@@ -241,16 +241,16 @@ class NeoPPTritonModel:
                                self.mode.world_size)
         if self.settings.worker_processes:
             check_world(self.mode, self.settings.worker_processes)
-        self.generator = build_generator(self.settings.checkpoint, self.mode, device, self.settings.dtype,
+        self.engine = build_generator(self.settings.checkpoint, self.mode, device, self.settings.dtype,
                                          self.settings.limits, self._threads(model_config), instance_index,
                                          collective_timeout_s=self.settings.collective_timeout_s)
-        self.kv_dims = self.generator.config.kv_dims
+        self.kv_dims = self.engine.config.kv_dims
         self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
         self._stopping = stop_on_sigterm(self.logger, self.model_name)
         self.logger.log_info(
             f"{self.model_name}: loaded {self.settings.checkpoint} mode={self.mode.name} "
-            f"device={self.generator.device} dtype={self.generator.dtype} kv_dims={self.kv_dims} "
+            f"device={self.engine.device} dtype={self.engine.dtype} kv_dims={self.kv_dims} "
             f"threads={torch.get_num_threads()}")
 
     def _threads(self, model_config: Mapping[str, Any]) -> int | None:
@@ -267,10 +267,9 @@ class NeoPPTritonModel:
 
     def finalize(self) -> None:
         """Unloading stops the rank workers of a multi-process mode; none is left behind."""
-        close = getattr(self.generator, "close", None)
-        if close is not None:
-            close()
-        self.generator = None
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = None
 
     # ------------------------------------------------------------------ one request
 
@@ -282,25 +281,14 @@ class NeoPPTritonModel:
                 raise GenerationCancelled("request cancelled before generation started")
             parsed = parse_request(self._inputs(request), self.settings.limits)
             gen_req, stream = self._generation_request(parsed)
-            self.generator.validate(gen_req, names=REQUEST_INPUT_NAMES)
+            self.engine.validate(gen_req)
             gen_req.noise = stream.draw(gen_req.height, gen_req.width)  # only once the request is valid
             stop = lambda: request.is_cancelled() or self._stopping.is_set()  # noqa: E731
-            pixels = self.generator.generate(gen_req, should_stop=stop,
+            pixels = self.engine.generate(gen_req, should_stop=stop,
                                              on_step=lambda _i, secs: self.metrics.step(secs))
             image = encode_image(pixels, gen_req.sampling.output_format, parsed.resize)
-        except InputError as exc:
-            return self._fail("invalid_input", str(exc), pb.TritonError.INVALID_ARG, start)
-        except GenerationCancelled as exc:
-            why = " (server shutting down)" if self._stopping.is_set() else ""
-            return self._fail("cancelled", f"request cancelled{why}: {exc}", pb.TritonError.CANCELLED, start)
-        except WorkerFailure as exc:
-            return self._fail("worker_failure", str(exc), pb.TritonError.UNAVAILABLE, start)
-        except ConfigError as exc:
-            return self._fail("config", f"model configuration error: {exc}", pb.TritonError.INTERNAL, start)
-        except Exception as exc:  # noqa: BLE001 - the model must stay usable
-            self.logger.log_error(f"{self.model_name}: internal error\n{traceback.format_exc()}")
-            return self._fail("internal", f"internal error: {type(exc).__name__}: {exc}",
-                              pb.TritonError.INTERNAL, start)
+        except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
+            return self._refuse(exc, start)
         if parsed.seed is None and parsed.rng_state is None:
             self.stream = stream  # the instance stream advances only when an image is delivered
         seconds = time.perf_counter() - start
@@ -310,12 +298,26 @@ class NeoPPTritonModel:
             f"prefix={parsed.prefix_tokens}+{0 if parsed.uncond_kv is None else parsed.uncond_kv.shape[2]} tokens "
             f"steps={gen_req.sampling.infer_steps} {gen_req.sampling.output_format} {len(image)} B "
             f"in {seconds * 1e3:.0f} ms end-to-end; "
-            f"{parallel_activity(self.mode, gen_req, self.generator.guidance_plan(gen_req))}")
+            f"{parallelism_note(self.mode, gen_req, self.engine.guidance_plan(gen_req))}")
         state = np.frombuffer(stream.state(), dtype=np.uint8).copy()
         return pb.InferenceResponse(output_tensors=[
             pb.Tensor("IMAGE", np.array([image], dtype=np.object_)),
             pb.Tensor("NEXT_RNG_STATE", state),
         ])
+
+    def _refuse(self, exc: Exception, start: float) -> Any:
+        """The error response for ``exc``: status and message prefix from its error class."""
+        cls = error_class(exc)
+        if cls is INVALID_INPUT:
+            text = exc.named(REQUEST_INPUT_NAMES)
+        elif cls is CANCELLED:
+            text = f"{exc}{' (server shutting down)' if self._stopping.is_set() else ''}"
+        elif cls is INTERNAL:
+            self.logger.log_error(f"{self.model_name}: internal error\n{traceback.format_exc()}")
+            text = f"{type(exc).__name__}: {exc}"
+        else:
+            text = str(exc)
+        return self._fail(cls.reason, cls.message(text), getattr(self.pb.TritonError, cls.status), start)
 
     def _fail(self, reason: str, message: str, code: int, start: float) -> Any:
         self.metrics.failure(reason)
@@ -335,12 +337,7 @@ class NeoPPTritonModel:
 
     def _generation_request(self, parsed: ParsedRequest) -> tuple[GenerationRequest, NoiseStream]:
         """Sampling values and the stream of one request (the instance stream on a copy)."""
-        sampling: SamplingParams = self.mode.sampling
-        for key, value in parsed.sampling.items():
-            try:
-                sampling = sampling.replace(**{key: value})
-            except InputError as exc:
-                raise InputError(f"{SAMPLING_INPUT_NAMES[key]}: {exc}") from exc
+        sampling = self.mode.sampling.replace(**parsed.sampling)
         if parsed.seed is not None:
             stream = NoiseStream(parsed.seed)
         elif parsed.rng_state is not None:
@@ -350,7 +347,6 @@ class NeoPPTritonModel:
         height, width = parsed.size or self.mode.default_size
         return GenerationRequest(
             cond_kv=parsed.cond_kv, index_offset_cond=parsed.index_offset_cond, height=height, width=width,
-            noise=torch.empty(1, 3, height, width, device="meta"),  # shape only: nothing allocated yet
             sampling=sampling,
             uncond_kv=parsed.uncond_kv, index_offset_uncond=parsed.index_offset_uncond,
             task=parsed.task or self.settings.default_task,
