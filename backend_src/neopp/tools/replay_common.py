@@ -161,6 +161,20 @@ class Replayer:
             torch.distributed.destroy_process_group()
 
 
+def replay(args: argparse.Namespace, images: Sequence[tuple[Turn, Path]]) -> None:
+    """Every (turn, output path) in order on one loaded runner, then the stream saved if asked.
+
+    The mesh is torn down even when a turn fails, so a torchrun job never hangs in a collective.
+    """
+    replayer = Replayer(args)
+    try:
+        for turn, out_path in images:
+            replayer.generate(turn, out_path)
+        replayer.save_state(args.state_out)
+    finally:
+        replayer.close()
+
+
 def run_main(run, argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:
     """Parse, run, and turn the package's errors into one clear line and exit code 2."""
     args = parser.parse_args(argv)
