@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from functools import partial
 
 import numpy as np
 import pytest
@@ -14,21 +15,15 @@ from neopp.kv_cache import save_kv_file
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.rng import NoiseStream
 from neopp.runner import NeoPPRunner
-from testing.tiny_checkpoint import write_tiny_checkpoint
-from reference import neopp_reference as ref
+from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
+from tests.reference import neopp_reference as ref
 
-NL, NKV, HD = 2, 2, 32
+kv = partial(random_kv, tiny_config("dense"), dtype=torch.float32)  # (tokens, seed) -> online-layout prefix
+
 STEPS = 2
 DEFAULT_SIZE = (64, 96)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is fastest, and avoids spin-wait slowdowns on a loaded 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +34,6 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ref_model(ckpt):
     return ref.RefModel(ckpt)
-
-
-def kv(tokens, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(NL, 2, tokens, NKV, HD, generator=g)
 
 
 COND, UNCOND = kv(12, 1), kv(4, 2)
