@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bench.common import section_main, stats
+from bench.step_efficiency import BenchGeometry
 from neopp.generator import build_generator
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_tensors
-from bench.common import section_main, stats
-from bench.step_efficiency import BenchGeometry
 
 PREFIX, UNCOND_PREFIX = 300, 12
 

@@ -8,8 +8,8 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -92,7 +92,7 @@ def rss_bytes() -> int:
 class PeakRSS:
     """Highest RSS seen while the block runs (sampled every millisecond in a thread)."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         import threading
 
         self.peak = rss_bytes()

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
+from bench.cfg_bench import write_checkpoint
+from bench.common import REPO, PeakRSS, rss_bytes, section_main, stats
+from bench.step_efficiency import BenchGeometry, build_pipeline
 from neopp.modes import SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv
-from bench.common import REPO, PeakRSS, rss_bytes, section_main, stats
-from bench.cfg_bench import write_checkpoint
-from bench.step_efficiency import BenchGeometry, build_pipeline
 
 SIZES = (256, 512, 768, 1024)        # L = 64, 256, 576, 1024 tokens
 PREFIXES = (1, 300, 1000, 3000)

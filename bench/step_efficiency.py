@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from bench.common import section_main, stats, timed
 from neopp.config import ModelConfig
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
-from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
 from neopp.transformer import NeoPPTransformer
-from bench.common import section_main, stats, timed
+from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
 
 
 @dataclass(frozen=True)

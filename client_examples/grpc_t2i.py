@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import tritonclient.grpc as grpcclient
-
 from t2i_common import build_parser, requested_outputs, save_result, triton_inputs
 
 

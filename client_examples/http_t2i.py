@@ -7,7 +7,6 @@ could not be sent otherwise.
 from __future__ import annotations
 
 import tritonclient.http as httpclient
-
 from t2i_common import build_parser, requested_outputs, save_result, triton_inputs
 
 

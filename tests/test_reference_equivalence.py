@@ -37,8 +37,8 @@ from neopp.guidance import combine_guidance, guidance_plan
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
-from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 from testing.probes import branch_velocity
+from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 from tests.reference import neopp_reference as ref
 
 VEL_RTOL = 5e-6

@@ -15,8 +15,8 @@ A parallel mode runs under `torchrun --standalone --nproc_per_node=N`.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from .replay_common import Turn, add_common_args, parse_optional_int, replay, run_main
 

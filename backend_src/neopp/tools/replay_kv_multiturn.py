@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import InputError
 from .replay_common import Turn, add_common_args, parse_optional_int, replay, run_main
