@@ -31,7 +31,7 @@ bench: setup
 clean:
 	rm -rf build
 
-# ---- Triton serving (issue 3): `make serve` runs the real tritonserver in the foreground.
+# ---- Triton serving: `make serve` runs the real tritonserver in the foreground.
 # Override: HTTP_PORT GRPC_PORT METRICS_PORT HOST (0.0.0.0 to expose), SERVE_MODELS,
 # NEOPP_CHECKPOINT (a real checkpoint; default: the tiny one in $(TINY_DIR)/dense).
 HTTP_PORT ?= 8000
@@ -63,7 +63,7 @@ bench-serve: tiny
 gpu-check: setup
 	$(PY) -m bench.gpu_check
 
-# ---- Reliability (issue 8): bad input, 8-client load for SOAK_SECONDS, stub kills, SIGTERM; prints the figures.
+# ---- Reliability: bad input, 8-client load for SOAK_SECONDS, stub kills, SIGTERM; prints the figures.
 SOAK_SECONDS ?= 600
 .PHONY: soak
 soak: setup

@@ -18,13 +18,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from bench.common import section_main, stats
+from bench.step_efficiency import BenchGeometry
 from neopp.generator import build_generator
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_tensors
-from bench.common import REPO, stats, write_report
-from bench.step_efficiency import BenchGeometry
 
 PREFIX, UNCOND_PREFIX = 300, 12
 
@@ -75,7 +75,8 @@ def measure(ckpt: Path, req: GenerationRequest, dtype: torch.dtype, repeats: int
     return times
 
 
-def run(geo: BenchGeometry, size: int, steps: int, repeats: int) -> str:
+def run(args: argparse.Namespace) -> str:
+    geo, size, steps, repeats = BenchGeometry(layers=args.layers), args.size, args.steps, args.repeats
     sections = []
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in (torch.float32, torch.bfloat16):
@@ -95,15 +96,8 @@ def run(geo: BenchGeometry, size: int, steps: int, repeats: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "bench"))
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    body = run(BenchGeometry(layers=args.layers), args.size, args.steps, args.repeats)
-    write_report(Path(args.out) / "cfg.md", "Guidance: sequential vs batched vs CFG-parallel", body)
+    section_main(argv, __doc__, "cfg.md", "Guidance: sequential vs batched vs CFG-parallel", run,
+                 layers=4, size=512, steps=4, repeats=3)
 
 
 if __name__ == "__main__":

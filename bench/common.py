@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -55,6 +56,25 @@ def command_line() -> str:
         ("" if len(sys.argv) == 1 else " " + " ".join(sys.argv[1:]))
 
 
+def bench_parser(doc: str | None, **int_flags: int) -> argparse.ArgumentParser:
+    """The flags of a section module: `--out` (the report folder) and one integer flag per keyword.
+
+    One place, so every section agrees on where reports land when run alone or from bench.report.
+    """
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(REPO / "bench"), help="folder for the report file")
+    for name, default in int_flags.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    return parser
+
+
+def section_main(argv: list[str] | None, doc: str | None, report: str, title: str,
+                 body: Callable[[argparse.Namespace], str], **int_flags: int) -> Path:
+    """The whole `main` of a section module: parse its flags, measure, write `<out>/<report>`."""
+    args = bench_parser(doc, **int_flags).parse_args(argv)
+    return write_report(Path(args.out) / report, title, body(args))
+
+
 def write_report(path: Path, title: str, body: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     text = f"# {title}\n\nCommand: `{command_line()}`\n\nMachine: {machine()}\n\n{body}\n"
@@ -72,7 +92,7 @@ def rss_bytes() -> int:
 class PeakRSS:
     """Highest RSS seen while the block runs (sampled every millisecond in a thread)."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         import threading
 
         self.peak = rss_bytes()

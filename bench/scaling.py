@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
+from bench.cfg_bench import write_checkpoint
+from bench.common import REPO, PeakRSS, rss_bytes, section_main, stats
+from bench.step_efficiency import BenchGeometry, build_pipeline
 from neopp.modes import SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv
-from bench.common import REPO, PeakRSS, rss_bytes, stats, write_report
-from bench.cfg_bench import write_checkpoint
-from bench.step_efficiency import BenchGeometry, build_pipeline
 
 SIZES = (256, 512, 768, 1024)        # L = 64, 256, 576, 1024 tokens
 PREFIXES = (1, 300, 1000, 3000)
@@ -159,18 +159,17 @@ def memory_section(layers: int, size: int, prefix: int) -> str:
             "measured peak MiB | ratio |\n|---|---|---|---|---|---|---|\n" + "\n".join(rows))
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "bench"))
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args(argv)
+def report_body(args: argparse.Namespace) -> str:
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)  # the plot lands next to the report
     geo = BenchGeometry(layers=args.layers)
-    body = (f"Geometry: {geo}; one branch (CFG off); median (min-max) of {args.steps} steps.\n\n"
+    return (f"Geometry: {geo}; one branch (CFG off); median (min-max) of {args.steps} steps.\n\n"
             + scaling_section(geo, args.steps, out) + "\n\n## Memory\n\n" + memory_section(args.layers, 1024, 300))
-    write_report(out / "scaling.md", "Step time vs image and prefix length; memory", body)
+
+
+def main(argv: list[str] | None = None) -> None:
+    section_main(argv, __doc__, "scaling.md", "Step time vs image and prefix length; memory", report_body,
+                 layers=4, steps=3)
 
 
 if __name__ == "__main__":

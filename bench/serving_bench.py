@@ -1,4 +1,4 @@
-"""Triton end to end vs the in-process runner, and throughput per instance count (issue 7).
+"""Triton end to end vs the in-process runner, and throughput per instance count.
 
     python -m bench.serving_bench [--out bench] [--size 256] [--steps 8] [--rounds 7]
 

@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from bench.common import section_main, stats, timed
 from neopp.config import ModelConfig
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
-from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
 from neopp.transformer import NeoPPTransformer
-from bench.common import REPO, stats, timed, write_report
+from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
 
 
 @dataclass(frozen=True)
@@ -102,7 +101,8 @@ def step_seconds(pipe: NeoPPPipeline, size: int, prefix: int, repeats: int) -> l
     return per_step[1:]  # the first step warms caches up
 
 
-def run(geo: BenchGeometry, size: int, prefix: int, repeats: int) -> str:
+def run(args: argparse.Namespace) -> str:
+    geo, size, prefix, repeats = BenchGeometry(layers=args.layers), args.size, args.prefix, args.repeats
     tokens = (size // 32) ** 2
     shapes = gemm_shapes(geo, tokens, prefix)
     work = flops(shapes)
@@ -126,15 +126,8 @@ def run(geo: BenchGeometry, size: int, prefix: int, repeats: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(REPO / "bench"))
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--prefix", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args(argv)
-    body = run(BenchGeometry(layers=args.layers), args.size, args.prefix, args.repeats)
-    write_report(Path(args.out) / "step_efficiency.md", "Denoising-step efficiency", body)
+    section_main(argv, __doc__, "step_efficiency.md", "Denoising-step efficiency", run,
+                 layers=8, size=512, prefix=300, repeats=5)
 
 
 if __name__ == "__main__":

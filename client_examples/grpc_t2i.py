@@ -8,21 +8,15 @@
 from __future__ import annotations
 
 import tritonclient.grpc as grpcclient
-
-from t2i_common import build_parser, request_inputs, save_outputs
+from t2i_common import build_parser, requested_outputs, save_result, triton_inputs
 
 
 def main() -> None:
     args = build_parser(__doc__, "localhost:8001").parse_args()
-    inputs = []
-    for name, array, datatype in request_inputs(args):
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        inputs.append(tensor)
-    outputs = [grpcclient.InferRequestedOutput("IMAGE"), grpcclient.InferRequestedOutput("NEXT_RNG_STATE")]
     client = grpcclient.InferenceServerClient(args.url)
-    result = client.infer(args.model, inputs, outputs=outputs, client_timeout=args.timeout)
-    save_outputs(args, result.as_numpy("IMAGE")[0], result.as_numpy("NEXT_RNG_STATE"))
+    result = client.infer(args.model, triton_inputs(grpcclient, args), outputs=requested_outputs(grpcclient),
+                          client_timeout=args.timeout)
+    save_result(args, result)
 
 
 if __name__ == "__main__":

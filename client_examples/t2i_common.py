@@ -1,9 +1,15 @@
-"""Arguments and input tensors shared by grpc_t2i.py and http_t2i.py (one definition, two transports)."""
+"""What grpc_t2i.py and http_t2i.py share: flags, the request's tensors, saving the answer.
+
+tritonclient.grpc and tritonclient.http build tensors with the same calls, so the module of the
+transport is passed in and only the client itself differs between the two examples.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
@@ -76,11 +82,27 @@ def request_inputs(args: argparse.Namespace) -> list[tuple[str, np.ndarray, str]
     return inputs + [(name, arr, dt) for name, arr, dt in optional if arr is not None and arr is not False]
 
 
-def save_outputs(args: argparse.Namespace, image: bytes, rng_state: np.ndarray) -> Path:
+def triton_inputs(client_module: ModuleType, args: argparse.Namespace, **data_options: Any) -> list:
+    """The request as `client_module.InferInput` tensors (HTTP passes binary_data=True)."""
+    tensors = []
+    for name, array, datatype in request_inputs(args):
+        tensor = client_module.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array, **data_options)
+        tensors.append(tensor)
+    return tensors
+
+
+def requested_outputs(client_module: ModuleType, **options: Any) -> list:
+    return [client_module.InferRequestedOutput(name, **options) for name in ("IMAGE", "NEXT_RNG_STATE")]
+
+
+def save_result(args: argparse.Namespace, result: Any) -> Path:
+    """Write IMAGE to --out (default out.<format>) and NEXT_RNG_STATE to --save-rng-state if given."""
+    image = result.as_numpy("IMAGE")[0]
     out = args.out or Path(f"out.{'jpg' if args.format == 'jpeg' else args.format}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(image)
     if args.save_rng_state:
-        rng_state.astype(np.uint8).tofile(args.save_rng_state)
+        result.as_numpy("NEXT_RNG_STATE").astype(np.uint8).tofile(args.save_rng_state)
     print(f"wrote {out} ({len(image)} bytes)")
     return out

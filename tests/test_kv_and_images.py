@@ -1,4 +1,4 @@
-"""KV prefix layouts and files (spec section 2), their validation, and image encoding."""
+"""KV prefix layouts and files (online and replay), their validation, and image encoding."""
 
 import io
 
@@ -34,7 +34,7 @@ def test_layout_round_trip_tensor_ops():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_file_round_trips(tmp_path, dtype):
     kv = online(seq=6, dtype=dtype)
-    # exactly what the spec says replay files are
+    # exactly how LightLLM writes replay files
     torch.save(kv.transpose(2, 3).cpu(), tmp_path / "a.pt")
     got = load_kv_file(tmp_path / "a.pt")
     assert got.dtype == dtype and torch.equal(got, kv)

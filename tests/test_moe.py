@@ -39,7 +39,7 @@ def tokens(n: int, seed: int = 1) -> torch.Tensor:
 
 
 def per_token_reference(moe: MoE, x: torch.Tensor) -> tuple[torch.Tensor, list[set[int]]]:
-    """float64, one token at a time, the spec's words: logits, top-k, softmax, weighted SwiGLUs."""
+    """float64, one token at a time, written out plainly: logits, top-k, softmax, weighted SwiGLUs."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     chosen = []
     for n in range(x.shape[0]):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from functools import partial
 
 import numpy as np
 import pytest
@@ -36,22 +37,16 @@ from neopp.guidance import combine_guidance, guidance_plan
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
-from testing.tiny_checkpoint import write_tiny_checkpoint
 from testing.probes import branch_velocity
-from reference import neopp_reference as ref
+from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
+from tests.reference import neopp_reference as ref
 
 VEL_RTOL = 5e-6
 X_RTOL = 2e-5
 NL, NKV, HD = 2, 2, 32  # tiny checkpoint geometry (checked in the fixture)
+kv = partial(random_kv, tiny_config("dense"), dtype=torch.float32)  # (tokens, seed) -> online-layout prefix
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is fastest, and avoids spin-wait slowdowns on a loaded 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class Model:
@@ -89,11 +84,6 @@ def models(tmp_path_factory):
     out["capped"] = edited("dense", "capped", noise_scale=9.0, noise_scale_max_value=2.5)
     out["no_noise_emb"] = edited("pixel", "no_noise_emb", add_noise_scale_embedding=False)
     return {name: Model(path) for name, path in out.items()}
-
-
-def kv(tokens, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(NL, 2, tokens, NKV, HD, generator=g)
 
 
 def request(H, W, cond, off_c, uncond=None, off_u=None, noise_seed=5, **sampling):

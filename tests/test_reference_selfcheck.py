@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from reference import neopp_reference as ref
+from tests.reference import neopp_reference as ref
 
 F64 = torch.float64
 

@@ -115,7 +115,7 @@ def test_errors_are_one_clear_line(ckpt, tmp_path, capsys):
 
 
 def assert_close_images(a: Path, b: Path, levels: int = 2) -> None:
-    """CFG-parallel equals sequential up to floating-point reassociation (spec 5): a level or two."""
+    """CFG-parallel equals sequential up to floating-point reassociation: a level or two."""
     pa, pb = (np.asarray(Image.open(p), dtype=np.int16) for p in (a, b))
     assert pa.shape == pb.shape
     diff = np.abs(pa - pb)

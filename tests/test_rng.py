@@ -1,4 +1,4 @@
-"""The noise stream of spec section 6: seeds, continuation, exported state, isolation."""
+"""The noise stream: seeding, continuation, exported state, isolation."""
 
 import numpy as np
 import pytest
@@ -9,7 +9,7 @@ from neopp.rng import STATE_NBYTES, NoiseStream
 
 
 def _spec_draws(seed, n, H=64, W=32):
-    """What spec 6 prescribes: a CPU generator seeded once, one randn(1,3,H,W) float32 per draw."""
+    """The rule written out: a CPU generator seeded once, one randn(1,3,H,W) float32 per draw."""
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)
     return [torch.randn(1, 3, H, W, generator=g, dtype=torch.float32) for _ in range(n)]

@@ -1,8 +1,9 @@
-"""neopp.runner.NeoPPRunner, the stateful facade LightLLM calls (spec sections 4, 6, 7)."""
+"""neopp.runner.NeoPPRunner, the stateful facade LightLLM calls: parameters, streams, KV loading."""
 
 from __future__ import annotations
 
 import io
+from functools import partial
 
 import numpy as np
 import pytest
@@ -14,21 +15,15 @@ from neopp.kv_cache import save_kv_file
 from neopp.modes import ModeConfig, SamplingParams
 from neopp.rng import NoiseStream
 from neopp.runner import NeoPPRunner
-from testing.tiny_checkpoint import write_tiny_checkpoint
-from reference import neopp_reference as ref
+from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
+from tests.reference import neopp_reference as ref
 
-NL, NKV, HD = 2, 2, 32
+kv = partial(random_kv, tiny_config("dense"), dtype=torch.float32)  # (tokens, seed) -> online-layout prefix
+
 STEPS = 2
 DEFAULT_SIZE = (64, 96)
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one thread is fastest, and avoids spin-wait slowdowns on a loaded 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -39,11 +34,6 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ref_model(ckpt):
     return ref.RefModel(ckpt)
-
-
-def kv(tokens, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(NL, 2, tokens, NKV, HD, generator=g)
 
 
 COND, UNCOND = kv(12, 1), kv(4, 2)
@@ -92,7 +82,7 @@ def test_seed_none_continues_the_stream(ckpt, ref_model):
     a = make_runner(ckpt)
     turns = [a.generate(seed=200), a.generate(), a.generate()]
     assert len({*turns}) == 3
-    # spec 6: turn n without a seed uses the n-th draw of the seed-200 stream
+    # turn n without a seed uses the n-th draw of the seed-200 stream
     stream = NoiseStream(200)
     for data in turns:
         assert close_pixels(decode(data), expected_pixels(ref_model, stream.draw(H, W), H, W))
@@ -164,9 +154,8 @@ def test_guidance_without_uncond_is_refused(ckpt):
 
 
 def test_omitted_params_keep_the_runner_defaults(ckpt, ref_model):
-    """Spec 4: "A call's set_inference_params values override the mode's for that call; fields it
-    omits keep the runner's defaults".  Reading taken: an override does not leak into a later call
-    that omits the field."""
+    """A call's set_inference_params values override the mode's for that call; fields it omits
+    keep the runner's defaults, so an override does not leak into a later call that omits it."""
     H, W = DEFAULT_SIZE
     runner = make_runner(ckpt)
     runner.set_inference_params(OFF_C, OFF_U, cfg_scale=1.0)
@@ -189,7 +178,7 @@ def test_output_format_and_resize_params(ckpt):
 
 def test_load_kvcache_from_replay_files(ckpt, tmp_path):
     save_kv_file(COND, tmp_path / "cond.pt", "replay")
-    torch.save(UNCOND.transpose(2, 3).cpu(), tmp_path / "uncond.pt")  # the spec's replay writer
+    torch.save(UNCOND.transpose(2, 3).cpu(), tmp_path / "uncond.pt")  # how LightLLM writes replay files
     runner = make_runner(ckpt)
     runner.load_kvcache(tmp_path / "cond.pt", tmp_path / "uncond.pt")
     assert runner.generate(seed=3) == make_runner(ckpt).generate(seed=3)

@@ -1,4 +1,4 @@
-"""Shifted timesteps and initial noise scale (spec section 3), against closed forms."""
+"""Shifted timesteps and initial noise scale, against closed forms."""
 
 import dataclasses
 import math

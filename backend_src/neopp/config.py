@@ -26,7 +26,7 @@ def _get(section: dict, key: str, where: str, default: Any = ..., kind: type = i
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Geometry and constants of the generation tower (spec section 1)."""
+    """Geometry and constants of the generation tower, read from the checkpoint's config.json."""
 
     num_layers: int
     hidden_size: int

@@ -1,4 +1,4 @@
-"""Classifier-free guidance: when a step uses it and how two velocities combine (spec 3)."""
+"""Classifier-free guidance: when a step uses it and how two velocities combine."""
 
 from __future__ import annotations
 

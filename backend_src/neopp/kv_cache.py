@@ -1,4 +1,4 @@
-"""KV prefix layouts (online from LightLLM, replay on disk) and their validation (spec 2)."""
+"""KV prefix layouts (online from LightLLM, replay on disk) and their validation."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ RMS_EPS = 1e-6
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """float32 statistics, cast back, then the weight (spec 1)."""
+    """RMSNorm: float32 statistics, cast back to the input dtype, then the weight (in that order)."""
     xf = x.float()
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS)
     return normed.to(x.dtype) * weight

@@ -1,4 +1,4 @@
-"""LoRA files merged into the checkpoint's weights at load (spec section 4).
+"""LoRA files (the mode file's `lora_configs`) merged into the checkpoint's weights at load.
 
 Merging once at load means every step runs the plain (or FP8) weights at full speed and every
 serving path, the parallel workers included, sees the merged model. Three naming schemes are

@@ -1,4 +1,4 @@
-"""The one random draw of a generation, as a stream that can be exported and resumed (spec 6)."""
+"""The one random draw of a generation, as a stream that can be exported and resumed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Rotary position tables: 2-D interleaved for patches, 3-D rotate-half for image tokens.
 
 Tables are built once per request (they depend on the grid and the branch's offset, not on
-the step) and applied in float32, as the spec requires.
+the step) and applied in float32, whatever the model's dtype.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Time grid and initial noise scale (spec 3, "Schedule" and "Initial noise")."""
+"""The shifted time grid of the denoising steps and the initial noise scale."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""Independent float64 reference of NeoPP (NEOPP_SPEC.md sections 1, 3 and 6).
+"""Independent float64 reference of NeoPP: the tower, the shifted schedule and the noise draw.
 
-Written from the spec alone, without looking at the runner's modules, so that
+Written from the model's description alone, without looking at the runner's modules, so that
 the two can be compared.  Plain loops and explicit formulas; speed does not
 matter (tiny checkpoints only).  Every tensor here is float64.
 
-Readings taken where the spec leaves room (each one is also what the runner is
+Readings taken where the description leaves room (each one is also what the runner is
 tested against):
 * "GELU" in the heads is the exact (erf) GELU, like the patch embedding's.
 * Grouped-query attention: query head n uses KV head n // (NH / NKV)
@@ -197,7 +197,7 @@ def noise_scale(m: RefModel, num_tokens):
 
 
 def reference_noise(seed, H, W):
-    """Spec section 6: one randn(1,3,H,W) float32 draw on a fresh seeded CPU generator."""
+    """The initial noise: one randn(1,3,H,W) float32 draw on a fresh seeded CPU generator."""
     g = torch.Generator(device="cpu")
     g.manual_seed(seed)
     return torch.randn(1, 3, H, W, generator=g, dtype=torch.float32)

@@ -13,9 +13,9 @@ import argparse
 import os
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -159,6 +159,20 @@ class Replayer:
     def close(self) -> None:
         if self.world_size > 1 and torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def replay(args: argparse.Namespace, images: Sequence[tuple[Turn, Path]]) -> None:
+    """Every (turn, output path) in order on one loaded runner, then the stream saved if asked.
+
+    The mesh is torn down even when a turn fails, so a torchrun job never hangs in a collective.
+    """
+    replayer = Replayer(args)
+    try:
+        for turn, out_path in images:
+            replayer.generate(turn, out_path)
+        replayer.save_state(args.state_out)
+    finally:
+        replayer.close()
 
 
 def run_main(run, argv: Sequence[str] | None, parser: argparse.ArgumentParser) -> int:

@@ -15,10 +15,10 @@ A parallel mode runs under `torchrun --standalone --nproc_per_node=N`.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from .replay_common import Replayer, Turn, add_common_args, parse_optional_int, run_main
+from .replay_common import Turn, add_common_args, parse_optional_int, replay, run_main
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,12 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> None:
     turn = Turn(cond=args.cond_kv, uncond=args.uncond_kv, offset_cond=args.offset_cond,
                 offset_uncond=args.offset_uncond, seed=parse_optional_int(args.seed, "--seed"))
-    replayer = Replayer(args)
-    try:
-        replayer.generate(turn, args.output)
-        replayer.save_state(args.state_out)
-    finally:
-        replayer.close()
+    replay(args, [(turn, args.output)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import InputError
-from .replay_common import Replayer, Turn, add_common_args, parse_optional_int, run_main
+from .replay_common import Turn, add_common_args, parse_optional_int, replay, run_main
 
 
 def parse_turn(text: str) -> Turn:
@@ -82,13 +83,7 @@ def run(args: argparse.Namespace) -> None:
     if bool(args.turn) == bool(args.turns):
         raise InputError("give the turns either with --turn (repeated) or with --turns FILE.json")
     turns = [parse_turn(t) for t in args.turn] if args.turn else load_turns(args.turns)
-    replayer = Replayer(args)
-    try:
-        for i, turn in enumerate(turns):
-            replayer.generate(turn, args.output_dir / f"{args.output_prefix}_{i}.png")
-        replayer.save_state(args.state_out)
-    finally:
-        replayer.close()
+    replay(args, [(turn, args.output_dir / f"{args.output_prefix}_{i}.png") for i, turn in enumerate(turns)])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

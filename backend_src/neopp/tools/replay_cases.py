@@ -1,0 +1,152 @@
+"""The replay set as data: each captured chat is one row of `CASES`, replayed by its name.
+
+    python -m neopp.tools.replay_cases dense_t2i_1k [more replay_kv_multiturn flags]
+    python -m neopp.tools.replay_cases --list
+
+`scripts/replay/<case>.sh` call this with their own name, from the repository root. Turn `i`
+reads `$KV_DIR/turn<i>_cond.pt` and, when the turn has an uncond offset, `turn<i>_uncond.pt`;
+images land in `$OUT_DIR/<prefix>_<i>.png`. These environment variables override a case:
+
+    CKPT MODE NPROC KV_DIR OUT_DIR PREFIX TASK SIZE="H W" CFG_SCALE CFG_INTERVAL="LOW HIGH"
+    CFG_NORM SHIFT STEPS SEEDS="200 none none" (one per turn; none continues the stream)
+    OFFSET_COND OFFSET_UNCOND (one-turn cases: the offsets LightLLM logged with the KV)
+
+A case with more than one process (CFG-parallel) runs under torch's elastic launcher
+(`torchrun --standalone`); NPROC must stay the mode file's process count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..errors import InputError
+from . import replay_kv_multiturn
+
+DENSE_CHAT = ((298, 9, 200), (366, 12, 201), (441, 15, 202))  # offsets cond/uncond, seed per turn
+MOE_TURN = ((325, 9, 200),)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One replay: what the captured KV was made with and how its images were sampled."""
+
+    about: str
+    mode: str                                        # file under configs/neopp/
+    kv: str                                          # folder under replay_kv/
+    size: tuple[int, int]
+    turns: tuple[tuple[int, int | None, int | None], ...]
+    checkpoint: str = "checkpoints/neopp"
+    task: str = "t2i"
+    nproc: int = 1
+    cfg_scale: float = 4.0
+    cfg_interval: tuple[float, float] = (-1.0, 2.0)
+    cfg: bool = True
+
+
+MOE = "checkpoints/neopp_moe"
+CASES: dict[str, Case] = {
+    "dense_t2i_1k": Case("dense t2i, three explicitly seeded turns", "neopp_dense.json", "dense_t2i_1k",
+                         (1024, 1024), DENSE_CHAT),
+    "dense_i2i_1k": Case("dense i2i (the input image is inside both prefixes), one turn", "neopp_dense.json",
+                         "dense_i2i_1k", (1024, 1024), ((298, 9, 200),), task="i2i"),
+    "dense_cfg_parallel_1k": Case("dense_t2i_1k on 2 CFG ranks: its images must match dense_t2i_1k",
+                                  "neopp_dense_parallel_cfg.json", "dense_t2i_1k", (1024, 1024), DENSE_CHAT,
+                                  nproc=2),
+    "dense_3turn_2k": Case("dense 2K chat: seed 200, then the stream continues", "neopp_dense.json",
+                           "dense_3turn_2k", (2048, 2048), ((298, 9, 200), (366, 12, None), (441, 15, None))),
+    "dense_8steps_lora_2k": Case("dense 8-step LoRA, CFG off (no uncond prefix)", "neopp_dense_8steps.json",
+                                 "dense_8steps_2k", (2048, 2048), ((298, None, 200),),
+                                 cfg_scale=1.0, cfg=False),
+    "moe_t2i_1k": Case("MoE t2i, one turn", "neopp_moe.json", "moe_t2i_1k", (1024, 1024), MOE_TURN,
+                       checkpoint=MOE, cfg_interval=(0.0, 1.0)),
+    "moe_cfg_parallel_1k": Case("moe_t2i_1k on 2 CFG ranks", "neopp_moe_parallel_cfg.json", "moe_t2i_1k",
+                                (1024, 1024), MOE_TURN, checkpoint=MOE, nproc=2, cfg_interval=(0.0, 1.0)),
+    "moe_512": Case("MoE t2i at 512 (SIZE='2048 2048' for the 2K run)", "neopp_moe.json", "moe_512",
+                    (512, 512), MOE_TURN, checkpoint=MOE, cfg_interval=(0.0, 1.0)),
+}
+
+
+def _words(env: Mapping[str, str], name: str, default: Sequence[object]) -> list[str]:
+    """A space-separated override (`SIZE="512 512"`); empty counts as unset, as in the shell."""
+    return (env.get(name) or " ".join(map(str, default))).split()
+
+
+def _turns(case: Case, env: Mapping[str, str]) -> list[tuple[object, object, object]]:
+    """The case's turns with SEEDS / OFFSET_COND / OFFSET_UNCOND applied."""
+    turns = [list(t) for t in case.turns]
+    seeds = _words(env, "SEEDS", ["none" if t[2] is None else t[2] for t in turns])
+    if len(seeds) != len(turns):
+        raise InputError(f"SEEDS: this case has {len(turns)} turns, got {len(seeds)} seeds")
+    for turn, seed in zip(turns, seeds):
+        turn[2] = seed
+    for index, name in ((0, "OFFSET_COND"), (1, "OFFSET_UNCOND")):
+        if env.get(name):
+            if len(turns) != 1:
+                raise InputError(f"{name} applies to one-turn cases only; use replay_kv_multiturn --turn")
+            turns[0][index] = env[name]
+    return [tuple("none" if v is None else v for v in t) for t in turns]
+
+
+def case_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
+    """(process count, replay_kv_multiturn arguments) for case `name` under the overrides in `env`."""
+    case = CASES[name]
+
+    def pick(var: str, default: object) -> str:
+        return env.get(var) or str(default)
+
+    kv_dir = pick("KV_DIR", f"replay_kv/{case.kv}")
+    argv = ["--checkpoint", pick("CKPT", case.checkpoint),
+            "--mode", pick("MODE", f"configs/neopp/{case.mode}"),
+            "--task", pick("TASK", case.task), "--size", *_words(env, "SIZE", case.size),
+            "--cfg-scale", pick("CFG_SCALE", case.cfg_scale),
+            "--cfg-interval", *_words(env, "CFG_INTERVAL", case.cfg_interval),
+            "--cfg-norm", pick("CFG_NORM", "none"), "--timestep-shift", pick("SHIFT", 3.0)]
+    argv += ["--steps", env["STEPS"]] if env.get("STEPS") else []
+    argv += [] if case.cfg else ["--no-cfg"]
+    argv += ["--output-dir", pick("OUT_DIR", "outputs/replay"), "--output-prefix", pick("PREFIX", name)]
+    for i, (cond, uncond, seed) in enumerate(_turns(case, env)):
+        uncond_file = "none" if uncond == "none" else f"{kv_dir}/turn{i}_uncond.pt"
+        argv += ["--turn", f"{kv_dir}/turn{i}_cond.pt,{uncond_file},{cond},{uncond},{seed}"]
+    return int(pick("NPROC", case.nproc)), argv
+
+
+def run_case(name: str, extra: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run one case, in this process or under torchrun; print the command first so it can be rerun."""
+    nproc, argv = case_argv(name, env)
+    argv += list(extra)
+    if nproc <= 1:
+        print("+ replay_kv_multiturn " + shlex.join(argv), file=sys.stderr, flush=True)
+        return replay_kv_multiturn.main(argv)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "neopp.tools.replay_kv_multiturn", *argv]
+    print("+ " + shlex.join(command), file=sys.stderr, flush=True)
+    return subprocess.run(command).returncode
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m neopp.tools.replay_cases", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("case", nargs="?", choices=sorted(CASES), metavar="CASE", help="a case name (--list)")
+    parser.add_argument("--list", action="store_true", help="print the cases and exit")
+    parser.add_argument("flags", nargs=argparse.REMAINDER,
+                        help="more replay_kv_multiturn flags, e.g. --device cpu")
+    args = parser.parse_args(argv)
+    if args.list or args.case is None:
+        for name, case in sorted(CASES.items()):
+            print(f"{name:24} {case.mode:32} {case.nproc} proc  {case.about}")
+        return 0 if args.list else 2
+    try:
+        return run_case(args.case, args.flags, os.environ)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
