@@ -255,6 +255,7 @@ def test_dead_stub_is_reloaded_with_the_key(launched, kv):
 def test_dead_server_is_restarted_and_its_regions_removed(launched, kv):
     pid, _, prefix = launched.servers()[-1]
     assert regions(prefix), "a running server has its regions"
+    killed_at = time.monotonic()
     os.kill(pid, signal.SIGKILL)  # what an abort (std::bad_alloc, signal 6) leaves: stubs and regions
     launched.wait_for(r"NeoPP Triton server ready|restarting tritonserver", count=2, timeout=60)
     launched.wait_for(r"tritonserver pid", count=2, timeout=60)
@@ -268,6 +269,7 @@ def test_dead_server_is_restarted_and_its_regions_removed(launched, kv):
         while not _ready(client) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _generate(client, kv)
+        print(f"server killed -> serving again after {time.monotonic() - killed_at:.1f}s")
     finally:
         client.close()
 
