@@ -64,7 +64,8 @@ def test_front_refuses_declared_sizes_no_body_can_carry(item: dict, match: str) 
 def test_front_passes_ordinary_requests() -> None:
     check_infer_header({"inputs": [{"name": "A", "datatype": "INT64", "shape": [2], "data": [1, 2]},
                                    {"name": "KV", "datatype": "BF16", "shape": [2, 2, 24, 2, 32],
-                                    "parameters": {"binary_data_size": 12288}}]}, body_len=12400, max_body=1 << 20)
+                                    "parameters": {"binary_data_size": 12288}}]},
+                       body_len=12400, max_body=1 << 20)
 
 
 def test_regions_are_found_by_their_own_prefix_only(tmp_path: Path) -> None:
@@ -74,6 +75,7 @@ def test_regions_are_found_by_their_own_prefix_only(tmp_path: Path) -> None:
         (tmp_path / name).write_bytes(b"x")
     assert [p.name for p in regions(mine, tmp_path)] == [f"{mine}a", f"{mine}b"]
     assert remove_regions(mine, tmp_path) == [f"{mine}a", f"{mine}b"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([f"{other}a", "triton_python_backend_shm_region_x"])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([f"{other}a", "triton_python_backend_shm_region_x"])
     assert regions("triton_python_backend_shm_region_", tmp_path) == []  # never a foreign prefix
     assert backend_args(mine)[0] == f"--backend-config=python,shm-region-prefix-name={mine}"

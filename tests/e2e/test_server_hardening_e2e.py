@@ -64,7 +64,8 @@ class Launched:
         deadline = time.monotonic() + timeout
         while len(re.findall(pattern, self.text())) < count:
             assert self.proc.poll() is None, f"launcher exited {self.proc.returncode}:\n{self.text()[-4000:]}"
-            assert time.monotonic() < deadline, f"no {pattern!r} x{count} after {timeout}s:\n{self.text()[-4000:]}"
+            assert time.monotonic() < deadline, \
+                f"no {pattern!r} x{count} after {timeout}s:\n{self.text()[-4000:]}"
             time.sleep(0.25)
 
 
@@ -107,7 +108,7 @@ def kv(launched, tiny_dense: Path):
     from neopp.kv_cache import load_kv_file
 
     sample = tiny_dense / "sample_kv"
-    return (load_kv_file(sample / "cond_kv.pt").float().numpy(), load_kv_file(sample / "uncond_kv.pt").float().numpy())
+    return tuple(load_kv_file(sample / f"{which}_kv.pt").float().numpy() for which in ("cond", "uncond"))
 
 
 def _generate(client, kv: tuple[np.ndarray, np.ndarray], seed: int = 5) -> bytes:
@@ -117,7 +118,8 @@ def _generate(client, kv: tuple[np.ndarray, np.ndarray], seed: int = 5) -> bytes
               "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
               "INDEX_OFFSET_UNCOND": (np.array([7], np.int64), "INT64"),
               "SIZE": (np.array([32, 32], np.int64), "INT64"), "STEPS": (np.array([2], np.int64), "INT64"),
-              "SEED": (np.array([seed], np.int64), "INT64"), "OUTPUT_FORMAT": (np.array([b"png"], object), "BYTES")}
+              "SEED": (np.array([seed], np.int64), "INT64"),
+              "OUTPUT_FORMAT": (np.array([b"png"], object), "BYTES")}
     tensors = []
     for name, (array, dtype) in arrays.items():
         tensor = mod.InferInput(name, list(array.shape), dtype)
@@ -149,7 +151,8 @@ def test_admin_apis_need_the_key_over_http(launched, kv, tmp_path):
     port, marker = launched.http_port, tmp_path / "uploaded_code_ran"
     refused = {"/v2/repository/index": {}, "/v2/repository/models/uploaded/load": _upload_request(marker),
                f"/v2/repository/models/{MODEL}/unload": {},
-               "/v2/systemsharedmemory/region/probe/register": {"key": "/probe", "offset": 0, "byte_size": 64}}
+               "/v2/systemsharedmemory/region/probe/register": {"key": "/probe", "offset": 0,
+                                                                "byte_size": 64}}
     for path, body in refused.items():
         assert _http(port, path, body) == 403, path
     assert _http(port, f"/v2/models/{MODEL}/config") == 403
@@ -170,7 +173,8 @@ def test_admin_apis_need_the_key_over_grpc(launched, kv, tmp_path):
     upload = _upload_request(marker)["parameters"]
     calls = [lambda h: client.get_model_repository_index(headers=h),
              lambda h: client.load_model("uploaded", config=upload["config"], headers=h,
-                                         files={"file:1/model.py": base64.b64decode(upload["file:1/model.py"])}),
+                                         files={"file:1/model.py":
+                                                base64.b64decode(upload["file:1/model.py"])}),
              lambda h: client.unload_model(MODEL, headers=h),
              lambda h: client.register_system_shared_memory("probe", "/probe", 64, headers=h),
              lambda h: client.get_model_config(MODEL, headers=h)]
@@ -180,7 +184,8 @@ def test_admin_apis_need_the_key_over_grpc(launched, kv, tmp_path):
                 call(None)
             assert "restricted" in info.value.message(), info.value.message()
         assert not marker.exists(), "uploaded code ran without the key"
-        names = [m["name"] for m in client.get_model_repository_index(headers=grpc_headers(KEY), as_json=True)["models"]]
+        index = client.get_model_repository_index(headers=grpc_headers(KEY), as_json=True)
+        names = [m["name"] for m in index["models"]]
         assert MODEL in names and "uploaded" not in names
         assert client.is_model_ready(MODEL)
         assert _generate(client, kv)
@@ -192,7 +197,8 @@ def test_json_shape_bomb_is_refused_and_the_server_lives(launched):
     pid, own_port, _ = launched.servers()[-1]
     headers = {"Content-Type": "application/json"}
     assert _http(launched.http_port, f"/v2/models/{MODEL}/infer", SHAPE_BOMB, headers) == 400
-    assert _http(own_port, f"/v2/models/{MODEL}/infer", SHAPE_BOMB, headers) == 403  # Triton's port: front only
+    # Triton's own HTTP port answers only the front
+    assert _http(own_port, f"/v2/models/{MODEL}/infer", SHAPE_BOMB, headers) == 403
     time.sleep(1.0)
     assert launched.server_pid == pid and process_group_members(pid), "the server died"
     assert _http(launched.http_port, "/v2/health/ready") == 200
@@ -203,7 +209,8 @@ def _server_rss(pid: int) -> int:
 
 
 def _post_oversized(port: int, size: int) -> int | str:
-    header = json.dumps({"inputs": [{"name": "COND_KV", "datatype": "BF16", "shape": [2, 2, size // 256, 2, 32],
+    shape = [2, 2, size // 256, 2, 32]
+    header = json.dumps({"inputs": [{"name": "COND_KV", "datatype": "BF16", "shape": shape,
                                      "parameters": {"binary_data_size": size}}]}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
@@ -225,7 +232,8 @@ def test_refused_oversized_requests_keep_no_memory(launched, kv):
         before = _server_rss(pid)
         answers = [_post_oversized(launched.http_port, 200 * 1024 * 1024) for _ in range(5)]
         after = _server_rss(pid)
-        print(f"RSS of tritonserver and its stubs: {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB; {answers}")
+        print(f"RSS of tritonserver and its stubs: {before / 2**20:.1f} MiB -> "
+              f"{after / 2**20:.1f} MiB; {answers}")
         assert all(a == 413 for a in answers), answers
         assert after < before * 1.10, (before, after)
         assert _generate(client, kv)

@@ -92,7 +92,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _refuse(self, exc: Refused) -> None:
         if exc.status == 413:
             self._drain()
-        self._reply(exc.status, json.dumps({"error": str(exc)}).encode(), [("Content-Type", "application/json")])
+        body = json.dumps({"error": str(exc)}).encode()
+        self._reply(exc.status, body, [("Content-Type", "application/json")])
 
     def _drain(self) -> None:
         """Discard a refused body in small chunks (clients then read the answer); close if huge."""

@@ -9,7 +9,8 @@ override that differs only in a ``neopp_reload`` parameter (ignored by the model
 
 The watchdog runs next to the server (it reads ``/proc``), talks to it over loopback, and needs
 ``--model-control-mode=explicit``. With the administrative APIs restricted (neopp.serving.admin)
-it sends the operator key (``$NEOPP_ADMIN_KEY`` or ``--admin-key-file``). ``neopp.serving.tritonserver serve`` runs one by default; next
+it sends the operator key (``$NEOPP_ADMIN_KEY`` or ``--admin-key-file``).
+``neopp.serving.tritonserver serve`` runs one by default; next
 to a tritonserver started otherwise (NVIDIA's container), run it alone:
 
     python -m neopp.serving.watchdog --url localhost:8001 [--server-pid PID] [--admin-key-file F]
@@ -132,7 +133,8 @@ class StubWatchdog:
             except Exception as exc:  # noqa: BLE001 - reported, retried at the next poll
                 recovery = Recovery(model, dead, 0.0, f"{type(exc).__name__}: {exc}")
             self.log(f"neopp watchdog: {model}: reload "
-                     + (f"failed: {recovery.error}" if recovery.error else f"done in {recovery.reload_s:.2f}s"))
+                     + (f"failed: {recovery.error}" if recovery.error
+                        else f"done in {recovery.reload_s:.2f}s"))
             self._missing_since.pop(model, None)
             self.recoveries.append(recovery)
             done.append(recovery)
@@ -188,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admin-key-file", help=f"operator key file (default ${KEY_ENV}; none: no key sent)")
     args = parser.parse_args(argv)
     key = Path(args.admin_key_file).read_text().strip() if args.admin_key_file else os.environ.get(KEY_ENV)
-    watchdog = start_watchdog(args.url, args.server_pid or find_server_pid(), log=lambda m: print(m, flush=True),
-                              admin_key=key)
+    watchdog = start_watchdog(args.url, args.server_pid or find_server_pid(),
+                              log=lambda m: print(m, flush=True), admin_key=key)
     try:
         while watchdog._thread is not None and watchdog._thread.is_alive():
             time.sleep(1.0)
