@@ -32,7 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Sequence
 
+from .admin import FRONT_HEADER, AdminKeyError, restriction_args
 from .procs import process_group_members
+from .shm_regions import backend_args, new_prefix, remove_regions
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_BACKEND_DIR = REPO_ROOT / "build" / "triton_backends"
@@ -167,8 +169,16 @@ class TritonServer:
     def __init__(self, model_repository: Path | str, http_port: int | None = None,
                  grpc_port: int | None = None, metrics_port: int | None = None, host: str = LOOPBACK,
                  backend_dir: Path | str | None = None, extra_args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, log_path: Path | str | None = None) -> None:
-        """Ports left as None are picked free; ``env`` is the base environment (default: ours)."""
+                 env: dict[str, str] | None = None, log_path: Path | str | None = None,
+                 admin_key: str | None = None, front_key: str | None = None,
+                 http_address: str | None = None, shm_sizes: tuple[int, int] | None = None) -> None:
+        """Ports left as None are picked free; ``env`` is the base environment (default: ours).
+
+        ``admin_key`` restricts the administrative APIs (neopp.serving.admin); ``front_key`` makes
+        Triton's own HTTP port answer only requests relayed by the HTTP front, which binds the
+        public address while Triton's HTTP listens on ``http_address``. ``shm_sizes`` (first size,
+        growth step) sizes the Python backend's regions; each server gets its own region prefix.
+        """
         self.model_repository = Path(model_repository).resolve()
         free = iter(pick_free_ports(3))
         self.http_port = http_port or next(free)
@@ -180,6 +190,11 @@ class TritonServer:
         self.extra_args = list(extra_args)
         self.env = server_env(self.install, env)
         self.log_path = Path(log_path) if log_path else None
+        self.admin_key, self.front_key = admin_key, front_key
+        self.http_address = http_address or host
+        self.shm_prefix = new_prefix()
+        self.shm_sizes = shm_sizes
+        self.removed_regions: list[str] = []
         self.process: subprocess.Popen | None = None
         self._log_file: IO[bytes] | None = None
 
@@ -204,9 +219,11 @@ class TritonServer:
         """The full tritonserver argv."""
         return [str(self.install.server_bin), f"--model-repository={self.model_repository}",
                 f"--backend-directory={self.backend_dir}",
-                f"--http-address={self.host}", f"--http-port={self.http_port}",
+                f"--http-address={self.http_address}", f"--http-port={self.http_port}",
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+                *backend_args(self.shm_prefix, *(self.shm_sizes or ())),
+                *(restriction_args(self.admin_key, self.front_key) if self.admin_key else []),
                 *self.extra_args]
 
     def start(self) -> "TritonServer":
@@ -230,9 +247,10 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         """True when GET /v2/health/ready answers 200."""
-        url = f"http://{self.http_url}/v2/health/ready"
+        url = f"http://{LOOPBACK if self.front_key else self.client_host}:{self.http_port}/v2/health/ready"
+        headers = {FRONT_HEADER: self.front_key} if self.front_key else {}
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
+            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError):
             return False
@@ -284,6 +302,7 @@ class TritonServer:
                     proc.kill()
                     proc.wait(timeout=10)
         self._reap_group(pgid, timeout=10.0)
+        self.removed_regions = remove_regions(self.shm_prefix)  # a stub killed hard leaves its region
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -321,72 +340,15 @@ class TritonServer:
 # ---------------------------------------------------------------- CLI
 
 
-def _serve(ns: argparse.Namespace) -> int:
-    extra = ns.extra[1:] if ns.extra[:1] == ["--"] else list(ns.extra)
-    server = TritonServer(ns.model_repository, http_port=ns.http_port, grpc_port=ns.grpc_port,
-                          metrics_port=ns.metrics_port, host=ns.host, backend_dir=ns.backend_dir,
-                          extra_args=extra)
-    stop_requested = False
-    watchdog = None
-
-    def _on_signal(signum: int, _frame: object) -> None:
-        nonlocal stop_requested
-        stop_requested = True
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    print("starting:", " ".join(server.command()), flush=True)
-    server.start()
-    try:
-        ready_deadline = time.monotonic() + ns.ready_timeout
-        announced = False
-        while not stop_requested:
-            if server.process is not None and server.process.poll() is not None:
-                print(f"tritonserver exited with code {server.process.returncode}", flush=True)
-                return server.process.returncode or 1
-            if not announced and server.is_ready():
-                announced = True
-                watchdog = _start_watchdog(server, extra, ns.no_watchdog)
-                print(f"\nNeoPP Triton server ready:\n"
-                      f"  HTTP     http://{server.http_url}  (client_examples/http_t2i.py --url {server.http_url})\n"
-                      f"  gRPC     {server.grpc_url}  (client_examples/grpc_t2i.py --url {server.grpc_url})\n"
-                      f"  metrics  {server.metrics_url}\nCtrl-C stops it.", flush=True)
-            elif not announced and time.monotonic() > ready_deadline:
-                print(f"tritonserver not ready after {ns.ready_timeout:.0f}s; stopping", flush=True)
-                return 1
-            time.sleep(0.5)
-        print("stopping tritonserver ...", flush=True)
-        return 0
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-        server.stop()
-
-
-def _start_watchdog(server: TritonServer, extra: Sequence[str], disabled: bool):
-    """Reload a model whose Python stub died (Triton 2.51 does not); needs explicit model control."""
-    if disabled or "--model-control-mode=explicit" not in extra or server.process is None:
-        return None
-    from .watchdog import start_watchdog
-
-    return start_watchdog(server.grpc_url, server.process.pid, log=lambda m: print(m, flush=True))
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m neopp.serving.tritonserver", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run tritonserver in the foreground")
-    s.add_argument("--model-repository", default=str(REPO_ROOT / "model_repository"))
-    s.add_argument("--http-port", type=int, default=8000)
-    s.add_argument("--grpc-port", type=int, default=8001)
-    s.add_argument("--metrics-port", type=int, default=8002)
-    s.add_argument("--host", default=LOOPBACK, help="bind address (0.0.0.0 exposes the server)")
-    s.add_argument("--backend-dir", default=None, help=f"default {DEFAULT_BACKEND_DIR}")
-    s.add_argument("--ready-timeout", type=float, default=600.0)
-    s.add_argument("--no-watchdog", action="store_true",
-                   help="do not reload a model whose Python stub died (see neopp.serving.watchdog)")
-    s.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra tritonserver arguments")
+    from .launcher import add_arguments
+
+    add_arguments(s, str(REPO_ROOT / "model_repository"), str(REPO_ROOT / "build" / "admin.key"),
+                  f"default {DEFAULT_BACKEND_DIR}")
     b = sub.add_parser("prepare-backend", help="only assemble the backend directory and print it")
     b.add_argument("--backend-dir", default=None)
     p = sub.add_parser("perf", help="run perf_analyzer with its libraries found; args after --")
@@ -394,7 +356,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     try:
         if ns.cmd == "serve":
-            return _serve(ns)
+            from .launcher import serve
+
+            return serve(ns)
         if ns.cmd == "prepare-backend":
             print(prepare_backend_dir(ns.backend_dir))
             return 0
@@ -402,7 +366,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
         return run_perf_analyzer(args)
-    except TritonLaunchError as exc:
+    except (TritonLaunchError, AdminKeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

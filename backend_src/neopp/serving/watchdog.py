@@ -8,21 +8,26 @@ every later request (each after a 1 s health check); the stub is never restarted
 override that differs only in a ``neopp_reload`` parameter (ignored by the models).
 
 The watchdog runs next to the server (it reads ``/proc``), talks to it over loopback, and needs
-``--model-control-mode=explicit``. ``neopp.serving.tritonserver serve`` runs one by default; next
+``--model-control-mode=explicit``. With the administrative APIs restricted (neopp.serving.admin)
+it sends the operator key (``$NEOPP_ADMIN_KEY`` or ``--admin-key-file``).
+``neopp.serving.tritonserver serve`` runs one by default; next
 to a tritonserver started otherwise (NVIDIA's container), run it alone:
 
-    python -m neopp.serving.watchdog --url localhost:8001 [--server-pid PID]
+    python -m neopp.serving.watchdog --url localhost:8001 [--server-pid PID] [--admin-key-file F]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
+from .admin import KEY_ENV, grpc_headers, http_headers
 from .procs import all_pids, cmdline, ppid
 
 STUB_NAME = "triton_python_backend_stub"
@@ -54,12 +59,20 @@ def expected_instances(config: dict[str, Any]) -> list[str]:
     return names
 
 
-def force_reload(client: Any, model: str) -> float:
+def key_headers(client: Any, key: str | None) -> dict[str, str] | None:
+    """The operator-key header in the form ``client``'s protocol (gRPC or HTTP) expects."""
+    if not key:
+        return None
+    return grpc_headers(key) if type(client).__module__.startswith("tritonclient.grpc") else http_headers(key)
+
+
+def force_reload(client: Any, model: str, admin_key: str | None = None) -> float:
     """Reload ``model`` with its current config (plus a fresh marker); returns the seconds it took."""
-    config = client.get_model_config(model, as_json=True)["config"]
+    headers = key_headers(client, admin_key)
+    config = client.get_model_config(model, as_json=True, headers=headers)["config"]
     config.setdefault("parameters", {})[RELOAD_PARAMETER] = {"string_value": f"{time.time():.6f}"}
     started = time.monotonic()
-    client.load_model(model, config=json.dumps(config))
+    client.load_model(model, config=json.dumps(config), headers=headers)
     return time.monotonic() - started
 
 
@@ -78,11 +91,13 @@ class StubWatchdog:
     """Poll the server's stubs; reload a READY model whose instance has no live stub.
 
     A missing stub must stay missing for ``grace_s`` (a load in progress replaces stubs) before
-    the model is reloaded. ``client`` is a ``tritonclient`` gRPC or HTTP client of the server.
+    the model is reloaded. ``client`` is a ``tritonclient`` gRPC or HTTP client of the server;
+    ``admin_key`` is sent when the server restricts its administrative APIs.
     """
 
     client: Any
     server_pid: int
+    admin_key: str | None = None
     interval_s: float = 0.5
     grace_s: float = 1.0
     log: Callable[[str], None] = print
@@ -96,12 +111,13 @@ class StubWatchdog:
         done = []
         stubs = server_stubs(self.server_pid)
         now = time.monotonic()
-        for entry in self.client.get_model_repository_index(as_json=True).get("models", []):
+        headers = key_headers(self.client, self.admin_key)
+        for entry in self.client.get_model_repository_index(as_json=True, headers=headers).get("models", []):
             model = entry["name"]
             if entry.get("state") != "READY":
                 self._missing_since.pop(model, None)
                 continue
-            config = self.client.get_model_config(model, as_json=True)["config"]
+            config = self.client.get_model_config(model, as_json=True, headers=headers)["config"]
             if config.get("backend") != "python":
                 continue
             dead = [name for name in expected_instances(config) if name not in stubs]
@@ -113,11 +129,12 @@ class StubWatchdog:
                 continue
             self.log(f"neopp watchdog: {model}: no live stub for {dead}; reloading the model")
             try:
-                recovery = Recovery(model, dead, force_reload(self.client, model))
+                recovery = Recovery(model, dead, force_reload(self.client, model, self.admin_key))
             except Exception as exc:  # noqa: BLE001 - reported, retried at the next poll
                 recovery = Recovery(model, dead, 0.0, f"{type(exc).__name__}: {exc}")
             self.log(f"neopp watchdog: {model}: reload "
-                     + (f"failed: {recovery.error}" if recovery.error else f"done in {recovery.reload_s:.2f}s"))
+                     + (f"failed: {recovery.error}" if recovery.error
+                        else f"done in {recovery.reload_s:.2f}s"))
             self._missing_since.pop(model, None)
             self.recoveries.append(recovery)
             done.append(recovery)
@@ -149,10 +166,12 @@ class StubWatchdog:
         self.stop()
 
 
-def start_watchdog(grpc_url: str, server_pid: int, log: Callable[[str], None] = print) -> StubWatchdog:
+def start_watchdog(grpc_url: str, server_pid: int, log: Callable[[str], None] = print,
+                   admin_key: str | None = None) -> StubWatchdog:
     import tritonclient.grpc as grpcclient
 
-    return StubWatchdog(grpcclient.InferenceServerClient(grpc_url), server_pid, log=log).start()
+    client = grpcclient.InferenceServerClient(grpc_url)
+    return StubWatchdog(client, server_pid, admin_key=admin_key, log=log).start()
 
 
 def find_server_pid() -> int:
@@ -168,8 +187,11 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
     parser.add_argument("--server-pid", type=int, help="tritonserver's pid (default: the only one found)")
+    parser.add_argument("--admin-key-file", help=f"operator key file (default ${KEY_ENV}; none: no key sent)")
     args = parser.parse_args(argv)
-    watchdog = start_watchdog(args.url, args.server_pid or find_server_pid(), log=lambda m: print(m, flush=True))
+    key = Path(args.admin_key_file).read_text().strip() if args.admin_key_file else os.environ.get(KEY_ENV)
+    watchdog = start_watchdog(args.url, args.server_pid or find_server_pid(),
+                              log=lambda m: print(m, flush=True), admin_key=key)
     try:
         while watchdog._thread is not None and watchdog._thread.is_alive():
             time.sleep(1.0)

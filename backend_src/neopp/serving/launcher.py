@@ -1,0 +1,176 @@
+"""``python -m neopp.serving.tritonserver serve``: tritonserver behind safe defaults, kept up.
+
+* The administrative APIs (model repository, config, shared memory, trace, logging) need the
+  operator key (``$NEOPP_ADMIN_KEY`` or a 0600 file created at first start); the stub watchdog
+  sends it when it reloads a model.
+* The public HTTP port is the HTTP front (neopp.serving.http_front); Triton's own HTTP listens
+  on a loopback port and answers only requests carrying the front's per-run key.
+* A server that dies is restarted (bounded, with backoff); every stop and restart removes the
+  Python backend regions that server owned in ``/dev/shm``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import time
+from pathlib import Path
+from typing import Sequence
+
+from .admin import KEY_HEADER, load_or_create_key, new_front_key
+from .http_front import HttpFront
+from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
+from .tritonserver import LOOPBACK, TritonServer, pick_free_port
+
+
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+class Supervisor:
+    """Start the server, restart it when it dies, stop everything on request."""
+
+    def __init__(self, ns: argparse.Namespace, extra: Sequence[str], key: str) -> None:
+        self.ns, self.extra, self.key = ns, list(extra), key
+        self.front_key = new_front_key()
+        self.upstream_port = pick_free_port()
+        self.stop_requested = False
+        self.restarts = 0
+        self.server: TritonServer | None = None
+        self.watchdog = None
+        self.front = HttpFront(ns.host, ns.http_port, (LOOPBACK, self.upstream_port), self.front_key,
+                               max_body=int(ns.max_body_mib * 1024 * 1024))
+
+    def _new_server(self) -> TritonServer:
+        ns = self.ns
+        return TritonServer(ns.model_repository, http_port=self.upstream_port, grpc_port=ns.grpc_port,
+                            metrics_port=ns.metrics_port, host=ns.host, http_address=LOOPBACK,
+                            backend_dir=ns.backend_dir, extra_args=self.extra, admin_key=self.key,
+                            front_key=self.front_key, shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES))
+
+    def _start_server(self) -> None:
+        self.server = self._new_server().start()
+        log(f"tritonserver pid {self.server.process.pid}, own HTTP on {LOOPBACK}:{self.upstream_port} "
+            f"(behind the front), shm region prefix {self.server.shm_prefix}")
+
+    def _stop_server(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
+        if self.server is not None:
+            self.server.stop()
+            if self.server.removed_regions:
+                log(f"removed {len(self.server.removed_regions)} shm region(s) left by the server")
+            self.server = None
+
+    def _wait_ready(self) -> bool:
+        deadline = time.monotonic() + self.ns.ready_timeout
+        while not self.stop_requested and time.monotonic() < deadline:
+            if self.server.process.poll() is not None:
+                return False
+            if self.server.is_ready():
+                self.watchdog = _start_watchdog(self.server, self.extra, self.ns.no_watchdog, self.key)
+                return True
+            time.sleep(0.5)
+        return False
+
+    def _announce(self) -> None:
+        url, grpc = f"{self.server.client_host}:{self.ns.http_port}", self.server.grpc_url
+        log(f"\nNeoPP Triton server ready:\n"
+            f"  HTTP     http://{url}  (client_examples/http_t2i.py --url {url})\n"
+            f"  gRPC     {grpc}  (client_examples/grpc_t2i.py --url {grpc})\n"
+            f"  metrics  {self.server.metrics_url}\nCtrl-C stops it.")
+
+    def _wait_exit(self) -> int | None:
+        """Block until a stop request (None) or the server's exit (its code)."""
+        while not self.stop_requested:
+            code = self.server.process.poll()
+            if code is not None:
+                return code
+            time.sleep(0.5)
+        return None
+
+    def run(self) -> int:
+        self.front.start()
+        try:
+            return self._loop()
+        finally:
+            self._stop_server()
+            self.front.stop()
+
+    def _loop(self) -> int:
+        first = True
+        while True:
+            self._start_server()
+            if not self._wait_ready():
+                if self.stop_requested:
+                    return 0
+                log(f"tritonserver not ready (exit code {self.server.process.poll()}); stopping")
+                return 1
+            if first:
+                self._announce()
+                first = False
+            code = self._wait_exit()
+            if code is None:
+                log("stopping tritonserver ...")
+                return 0
+            if not self._restart_after(code):
+                return code or 1
+
+    def _restart_after(self, code: int) -> bool:
+        """Log the death, clean up, and wait the backoff; False once restarts are used up."""
+        log(f"tritonserver exited with code {code} (signal {-code})" if code < 0
+            else f"tritonserver exited with code {code}")
+        self._stop_server()
+        if self.restarts >= self.ns.max_restarts:
+            log(f"not restarting: {self.restarts} restarts already (--max-restarts)")
+            return False
+        self.restarts += 1
+        delay = min(30.0, 2.0 ** (self.restarts - 1))
+        log(f"restarting tritonserver in {delay:.0f}s (restart {self.restarts} of {self.ns.max_restarts})")
+        deadline = time.monotonic() + delay
+        while not self.stop_requested and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return not self.stop_requested
+
+
+def _start_watchdog(server: TritonServer, extra: Sequence[str], disabled: bool, key: str):
+    """Reload a model whose Python stub died (Triton 2.51 does not); needs explicit model control."""
+    if disabled or "--model-control-mode=explicit" not in extra or server.process is None:
+        return None
+    from .watchdog import start_watchdog
+
+    return start_watchdog(server.grpc_url, server.process.pid, log=log, admin_key=key)
+
+
+def serve(ns: argparse.Namespace) -> int:
+    extra = ns.extra[1:] if ns.extra[:1] == ["--"] else list(ns.extra)
+    key, where = load_or_create_key(Path(ns.admin_key_file))
+    log(f"admin key (header '{KEY_HEADER}' for model load/unload, config, shared memory) from {where}")
+    supervisor = Supervisor(ns, extra, key)
+
+    def _on_signal(signum: int, _frame: object) -> None:
+        supervisor.stop_requested = True
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    return supervisor.run()
+
+
+def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: str,
+                  backend_help: str) -> None:
+    s.add_argument("--model-repository", default=default_repo)
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--host", default=LOOPBACK, help="bind address (0.0.0.0 exposes the server)")
+    s.add_argument("--backend-dir", default=None, help=backend_help)
+    s.add_argument("--ready-timeout", type=float, default=600.0)
+    s.add_argument("--no-watchdog", action="store_true",
+                   help="do not reload a model whose Python stub died (see neopp.serving.watchdog)")
+    s.add_argument("--admin-key-file", default=default_key,
+                   help="operator key file, created 0600 if missing ($NEOPP_ADMIN_KEY wins)")
+    s.add_argument("--max-restarts", type=int, default=5, help="restarts of a server that died")
+    s.add_argument("--max-body-mib", type=float, default=128.0, help="largest HTTP body accepted")
+    s.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra tritonserver arguments")
+

@@ -1,0 +1,311 @@
+"""The launcher's defaults against a real server it started (``python -m neopp.serving.tritonserver
+serve``): administrative APIs need the operator key over HTTP and gRPC while inference stays open,
+a JSON shape that used to abort Triton is refused by the HTTP front, refused oversized bodies
+leave no memory behind, a dead stub is reloaded through the key, a dead server is restarted, and
+no server leaves its shared-memory regions in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from neopp.serving.admin import grpc_headers, http_headers
+from neopp.serving.procs import descendants, ppid, process_group_members, rss_bytes
+from neopp.serving.shm_regions import regions
+from neopp.serving.tritonserver import REPO_ROOT, TritonServer, pick_free_ports
+from neopp.serving.watchdog import force_reload, model_stub_pids
+
+MODEL = "neopp_dense"
+KEY = "test-operator-key-0123456789abcdef"
+SHAPE_BOMB = {"inputs": [{"name": "INDEX_OFFSET_COND", "datatype": "INT64", "shape": [1000000000000],
+                          "data": [1]}]}
+
+
+@dataclass
+class Launched:
+    """A running launcher and the server it started (found through the launcher's own output)."""
+
+    proc: subprocess.Popen
+    log: Path
+    http_port: int
+    grpc_port: int
+
+    def text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def servers(self) -> list[tuple[int, int, str]]:
+        """(pid, Triton's own HTTP port, shm prefix) of every server this launcher started."""
+        found = re.findall(r"tritonserver pid (\d+), own HTTP on [\d.]+:(\d+) .*?prefix (\S+)", self.text())
+        return [(int(pid), int(port), prefix) for pid, port, prefix in found]
+
+    @property
+    def server_pid(self) -> int:
+        return self.servers()[-1][0]
+
+    def wait_for(self, pattern: str, count: int = 1, timeout: float = 300.0) -> None:
+        deadline = time.monotonic() + timeout
+        while len(re.findall(pattern, self.text())) < count:
+            assert self.proc.poll() is None, f"launcher exited {self.proc.returncode}:\n{self.text()[-4000:]}"
+            assert time.monotonic() < deadline, \
+                f"no {pattern!r} x{count} after {timeout}s:\n{self.text()[-4000:]}"
+            time.sleep(0.25)
+
+
+def _stop_launcher(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("launcher") / "serve.log"
+    http_port, grpc_port, metrics_port = pick_free_ports(3)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT")}
+    env.update(NEOPP_CHECKPOINT=str(tiny_dense), NEOPP_ADMIN_KEY=KEY, PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "neopp.serving.tritonserver", "serve", "--http-port", str(http_port),
+           "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--max-restarts", "2",
+           "--", "--model-control-mode=explicit", f"--load-model={MODEL}", "--exit-timeout-secs=5"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                start_new_session=True)
+    handle = Launched(proc, log, http_port, grpc_port)
+    try:
+        handle.wait_for("NeoPP Triton server ready")
+        yield handle
+    finally:
+        servers = handle.servers()
+        _stop_launcher(proc)
+        assert proc.returncode == 0, handle.text()[-4000:]
+        for pid, _, prefix in servers:
+            assert process_group_members(pid) == [], f"server {pid} left processes"
+            assert regions(prefix) == [], f"server {pid} left shm regions {regions(prefix)}"
+
+
+@pytest.fixture(scope="module")
+def kv(launched, tiny_dense: Path):
+    from neopp.kv_cache import load_kv_file
+
+    sample = tiny_dense / "sample_kv"
+    return tuple(load_kv_file(sample / f"{which}_kv.pt").float().numpy() for which in ("cond", "uncond"))
+
+
+def _generate(client, kv: tuple[np.ndarray, np.ndarray], seed: int = 5) -> bytes:
+    """One small guided request over ``client``'s protocol; returns the PNG bytes."""
+    mod = grpcclient if isinstance(client, grpcclient.InferenceServerClient) else httpclient
+    arrays = {"COND_KV": (kv[0], "BF16"), "UNCOND_KV": (kv[1], "BF16"),
+              "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
+              "INDEX_OFFSET_UNCOND": (np.array([7], np.int64), "INT64"),
+              "SIZE": (np.array([32, 32], np.int64), "INT64"), "STEPS": (np.array([2], np.int64), "INT64"),
+              "SEED": (np.array([seed], np.int64), "INT64"),
+              "OUTPUT_FORMAT": (np.array([b"png"], object), "BYTES")}
+    tensors = []
+    for name, (array, dtype) in arrays.items():
+        tensor = mod.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return bytes(client.infer(MODEL, tensors).as_numpy("IMAGE")[0])
+
+
+def _http(port: int, path: str, body: dict | None = None, headers: dict | None = None) -> int:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers or {},
+                                 method="POST" if data is not None else "GET")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def _upload_request(marker: Path) -> dict:
+    """What an attacker sends: a new model whose model.py writes ``marker`` when loaded."""
+    code = f"open({str(marker)!r}, 'w').write('ran')\nclass TritonPythonModel:\n    pass\n"
+    config = {"name": "uploaded", "backend": "python", "input": [], "output": []}
+    return {"parameters": {"config": json.dumps(config),
+                           "file:1/model.py": base64.b64encode(code.encode()).decode()}}
+
+
+def test_admin_apis_need_the_key_over_http(launched, kv, tmp_path):
+    port, marker = launched.http_port, tmp_path / "uploaded_code_ran"
+    refused = {"/v2/repository/index": {}, "/v2/repository/models/uploaded/load": _upload_request(marker),
+               f"/v2/repository/models/{MODEL}/unload": {},
+               "/v2/systemsharedmemory/region/probe/register": {"key": "/probe", "offset": 0,
+                                                                "byte_size": 64}}
+    for path, body in refused.items():
+        assert _http(port, path, body) == 403, path
+    assert _http(port, f"/v2/models/{MODEL}/config") == 403
+    assert not marker.exists(), "uploaded code ran without the key"
+    assert _http(port, "/v2/repository/index", {}, http_headers(KEY)) == 200
+    client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=120.0)
+    try:
+        assert client.is_server_ready() and client.is_model_ready(MODEL)
+        assert client.get_model_metadata(MODEL)["name"] == MODEL
+        assert _generate(client, kv)
+    finally:
+        client.close()
+
+
+def test_admin_apis_need_the_key_over_grpc(launched, kv, tmp_path):
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    marker = tmp_path / "uploaded_code_ran"
+    upload = _upload_request(marker)["parameters"]
+    calls = [lambda h: client.get_model_repository_index(headers=h),
+             lambda h: client.load_model("uploaded", config=upload["config"], headers=h,
+                                         files={"file:1/model.py":
+                                                base64.b64decode(upload["file:1/model.py"])}),
+             lambda h: client.unload_model(MODEL, headers=h),
+             lambda h: client.register_system_shared_memory("probe", "/probe", 64, headers=h),
+             lambda h: client.get_model_config(MODEL, headers=h)]
+    try:
+        for call in calls:
+            with pytest.raises(InferenceServerException) as info:
+                call(None)
+            assert "restricted" in info.value.message(), info.value.message()
+        assert not marker.exists(), "uploaded code ran without the key"
+        index = client.get_model_repository_index(headers=grpc_headers(KEY), as_json=True)
+        names = [m["name"] for m in index["models"]]
+        assert MODEL in names and "uploaded" not in names
+        assert client.is_model_ready(MODEL)
+        assert _generate(client, kv)
+    finally:
+        client.close()
+
+
+def test_json_shape_bomb_is_refused_and_the_server_lives(launched):
+    pid, own_port, _ = launched.servers()[-1]
+    headers = {"Content-Type": "application/json"}
+    assert _http(launched.http_port, f"/v2/models/{MODEL}/infer", SHAPE_BOMB, headers) == 400
+    # Triton's own HTTP port answers only the front
+    assert _http(own_port, f"/v2/models/{MODEL}/infer", SHAPE_BOMB, headers) == 403
+    time.sleep(1.0)
+    assert launched.server_pid == pid and process_group_members(pid), "the server died"
+    assert _http(launched.http_port, "/v2/health/ready") == 200
+
+
+def _server_rss(pid: int) -> int:
+    return rss_bytes([pid, *descendants(pid)])
+
+
+def _post_oversized(port: int, size: int) -> int | str:
+    shape = [2, 2, size // 256, 2, 32]
+    header = json.dumps({"inputs": [{"name": "COND_KV", "datatype": "BF16", "shape": shape,
+                                     "parameters": {"binary_data_size": size}}]}).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", f"/v2/models/{MODEL}/infer", body=header + bytes(size),
+                     headers={"Inference-Header-Content-Length": str(len(header)),
+                              "Content-Type": "application/octet-stream"})
+        return conn.getresponse().status
+    except (ConnectionError, http.client.HTTPException) as exc:
+        return type(exc).__name__
+    finally:
+        conn.close()
+
+
+def test_refused_oversized_requests_keep_no_memory(launched, kv):
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    try:
+        assert _generate(client, kv)  # warm
+        pid = launched.server_pid
+        before = _server_rss(pid)
+        answers = [_post_oversized(launched.http_port, 200 * 1024 * 1024) for _ in range(5)]
+        after = _server_rss(pid)
+        print(f"RSS of tritonserver and its stubs: {before / 2**20:.1f} MiB -> "
+              f"{after / 2**20:.1f} MiB; {answers}")
+        assert all(a == 413 for a in answers), answers
+        assert after < before * 1.10, (before, after)
+        assert _generate(client, kv)
+    finally:
+        client.close()
+
+
+def test_dead_stub_is_reloaded_with_the_key(launched, kv):
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    try:
+        expected = _generate(client, kv, 9)
+        stub = model_stub_pids(launched.server_pid, MODEL)[0]
+        os.kill(stub, signal.SIGKILL)
+        launched.wait_for(rf"neopp watchdog: {MODEL}: reload done", timeout=180)
+        deadline, got = time.monotonic() + 120, None
+        while got != expected and time.monotonic() < deadline:
+            try:
+                got = _generate(client, kv, 9)
+            except InferenceServerException:
+                time.sleep(0.5)
+        assert got == expected
+        assert "reload failed" not in launched.text()
+    finally:
+        client.close()
+
+
+def test_dead_server_is_restarted_and_its_regions_removed(launched, kv):
+    pid, _, prefix = launched.servers()[-1]
+    assert regions(prefix), "a running server has its regions"
+    killed_at = time.monotonic()
+    os.kill(pid, signal.SIGKILL)  # what an abort (std::bad_alloc, signal 6) leaves: stubs and regions
+    launched.wait_for(r"NeoPP Triton server ready|restarting tritonserver", count=2, timeout=60)
+    launched.wait_for(r"tritonserver pid", count=2, timeout=60)
+    assert regions(prefix) == [], "the dead server's regions were not removed"
+    assert "exited with code -9" in launched.text()
+    new_pid = launched.server_pid
+    assert new_pid != pid and ppid(new_pid) == launched.proc.pid
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    try:
+        deadline = time.monotonic() + 300
+        while not _ready(client) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _generate(client, kv)
+        print(f"server killed -> serving again after {time.monotonic() - killed_at:.1f}s")
+    finally:
+        client.close()
+
+
+def _ready(client: grpcclient.InferenceServerClient) -> bool:
+    try:
+        return client.is_model_ready(MODEL)
+    except InferenceServerException:
+        return False
+
+
+def test_stop_removes_regions_of_killed_stubs_and_server(tiny_dense, tmp_path):
+    """A graceful stop lets Triton remove its regions itself; a stub killed, its model reloaded and
+    then the server killed hard leave them all behind, and ``stop`` removes exactly those."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT")}
+    env["NEOPP_CHECKPOINT"] = str(tiny_dense)
+    server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=tmp_path / "server.log",
+                          extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}"])
+    with server:
+        pid = server.process.pid
+        os.kill(model_stub_pids(pid, MODEL)[0], signal.SIGKILL)
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        force_reload(client, MODEL)  # a fresh stub and region next to the dead one's
+        client.close()
+        left = [p.name for p in regions(server.shm_prefix)]
+        assert len(left) >= 2, left
+        os.kill(pid, signal.SIGKILL)
+        server.process.wait(timeout=30)
+    assert regions(server.shm_prefix) == []
+    assert set(left) <= set(server.removed_regions)
+    assert all(name.startswith(server.shm_prefix) for name in server.removed_regions)

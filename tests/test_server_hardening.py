@@ -1,0 +1,81 @@
+"""Launcher defaults without a server: the operator key file, Triton's restriction flags, the
+HTTP front's shape checks and the per-server shared-memory region names."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from neopp.serving.admin import (AdminKeyError, FRONT_HEADER, KEY_ENV, KEY_HEADER, load_or_create_key,
+                                 restriction_args)
+from neopp.serving.http_front import Refused, check_infer_header
+from neopp.serving.shm_regions import backend_args, new_prefix, regions, remove_regions
+
+
+def test_key_file_is_created_private_once(tmp_path: Path) -> None:
+    path = tmp_path / "build" / "admin.key"
+    key, where = load_or_create_key(path, env={})
+    assert where == str(path) and len(key) >= 32
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_or_create_key(path, env={})[0] == key  # kept across starts
+
+
+def test_key_from_env_wins_and_bad_files_are_refused(tmp_path: Path) -> None:
+    path = tmp_path / "admin.key"
+    assert load_or_create_key(path, env={KEY_ENV: "x" * 20}) == ("x" * 20, f"${KEY_ENV}")
+    assert not path.exists()
+    path.write_text("y" * 20)
+    os.chmod(path, 0o644)
+    with pytest.raises(AdminKeyError, match="readable"):
+        load_or_create_key(path, env={})
+    os.chmod(path, 0o600)
+    path.write_text("short")
+    with pytest.raises(AdminKeyError):
+        load_or_create_key(path, env={})
+
+
+def test_restriction_flags_cover_admin_apis_on_both_protocols() -> None:
+    args = restriction_args("k" * 20, "f" * 20)
+    http = [a for a in args if a.startswith("--http-restricted-api=")]
+    grpc = [a for a in args if a.startswith("--grpc-restricted-protocol=")]
+    assert len(grpc) == 1 and grpc[0].endswith(f":{KEY_HEADER}={'k' * 20}")
+    for api in ("model-repository", "shared-memory", "model-config"):
+        assert api in grpc[0] and api in http[0]
+    assert "inference" not in grpc[0] and "inference" not in http[0]
+    assert http[1].endswith(f":{FRONT_HEADER}={'f' * 20}") and "inference" in http[1]
+
+
+@pytest.mark.parametrize("item, match", [
+    ({"name": "A", "datatype": "INT64", "shape": [10**12], "data": [1]}, "bytes"),
+    ({"name": "A", "datatype": "INT64", "shape": [1000], "data": [1]}, "cannot hold"),
+    ({"name": "A", "datatype": "INT64", "shape": [-1], "data": [1]}, "non-negative"),
+    ({"name": "A", "datatype": "INT64", "shape": "1", "data": [1]}, "non-negative"),
+    ({"name": "A", "datatype": "BF16", "shape": [2**40, 2], "parameters": {"binary_data_size": 4}}, "bytes"),
+])
+def test_front_refuses_declared_sizes_no_body_can_carry(item: dict, match: str) -> None:
+    with pytest.raises(Refused, match=match) as info:
+        check_infer_header({"inputs": [item]}, body_len=200, max_body=1 << 20)
+    assert info.value.status == 400 and "'A'" in str(info.value)
+
+
+def test_front_passes_ordinary_requests() -> None:
+    check_infer_header({"inputs": [{"name": "A", "datatype": "INT64", "shape": [2], "data": [1, 2]},
+                                   {"name": "KV", "datatype": "BF16", "shape": [2, 2, 24, 2, 32],
+                                    "parameters": {"binary_data_size": 12288}}]},
+                       body_len=12400, max_body=1 << 20)
+
+
+def test_regions_are_found_by_their_own_prefix_only(tmp_path: Path) -> None:
+    mine, other = new_prefix(), new_prefix()
+    assert mine != other and len(mine) == len(other)
+    for name in (f"{mine}a", f"{mine}b", f"{other}a", "triton_python_backend_shm_region_x"):
+        (tmp_path / name).write_bytes(b"x")
+    assert [p.name for p in regions(mine, tmp_path)] == [f"{mine}a", f"{mine}b"]
+    assert remove_regions(mine, tmp_path) == [f"{mine}a", f"{mine}b"]
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([f"{other}a", "triton_python_backend_shm_region_x"])
+    assert regions("triton_python_backend_shm_region_", tmp_path) == []  # never a foreign prefix
+    assert backend_args(mine)[0] == f"--backend-config=python,shm-region-prefix-name={mine}"
