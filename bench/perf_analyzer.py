@@ -14,13 +14,13 @@ from pathlib import Path
 from typing import Iterable
 
 from client_examples.make_perf_data import perf_input_data
-from neopp.serving.tritonserver import TritonLaunchError, _prepend, _site_packages_candidates, _venv_bin
+from neopp.serving.tritonserver import TritonLaunchError, prepend_path, site_packages_candidates, venv_bin
 
 
 
 def cuda_runtime_lib_dir() -> Path | None:
     """``nvidia/cuda_runtime/lib`` of the nvidia-cuda-runtime-cu12 wheel (libcudart.so.12)."""
-    for sp in _site_packages_candidates():
+    for sp in site_packages_candidates():
         lib = sp / "nvidia" / "cuda_runtime" / "lib"
         if (lib / "libcudart.so.12").exists():
             return lib
@@ -40,7 +40,7 @@ def _has_libb64() -> bool:
 
 def perf_analyzer_command(args: Iterable[str]) -> tuple[list[str], dict[str, str]]:
     """argv and env for perf_analyzer from tritonclient[all]; errors say which piece is missing."""
-    exe = _venv_bin() / "perf_analyzer"
+    exe = venv_bin() / "perf_analyzer"
     if not exe.exists():
         found = shutil.which("perf_analyzer")
         if not found:
@@ -56,7 +56,7 @@ def perf_analyzer_command(args: Iterable[str]) -> tuple[list[str], dict[str, str
             "perf_analyzer needs libcudart.so.12: pip install nvidia-cuda-runtime-cu12"
         )
     env = dict(os.environ)
-    env["LD_LIBRARY_PATH"] = _prepend(env.get("LD_LIBRARY_PATH"), str(cudart))
+    env["LD_LIBRARY_PATH"] = prepend_path(env.get("LD_LIBRARY_PATH"), str(cudart))
     return [str(exe), *args], env
 
 

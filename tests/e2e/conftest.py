@@ -25,7 +25,8 @@ from PIL import Image
 
 from neopp.kv_cache import load_kv_file
 from neopp.serving.procs import process_group_members
-from neopp.serving.tritonserver import REPO_ROOT, TritonServer
+from neopp.serving.tritonserver import TritonServer
+from testing import REPO as REPO_ROOT
 from testing.tiny_lora import write_tiny_loras
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 

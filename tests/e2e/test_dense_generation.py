@@ -11,7 +11,7 @@ from neopp.modes import load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from neopp.runner import NeoPPRunner
-from neopp.serving.tritonserver import REPO_ROOT
+from testing import REPO as REPO_ROOT
 
 MODE_FILE = REPO_ROOT / "configs" / "neopp" / "neopp_dense.json"
 

@@ -21,7 +21,8 @@ from tritonclient.utils import InferenceServerException
 
 from testing.faults import STEPS_METRIC, kill_stub, metric, restart_session_model, sigterm_in_flight
 from testing.loadgen import image_bytes, infer, valid_inputs
-from neopp.serving.tritonserver import REPO_ROOT, TritonServer
+from neopp.serving.tritonserver import TritonServer
+from testing import REPO as REPO_ROOT
 from neopp.serving.watchdog import StubWatchdog, force_reload, model_stub_pids
 
 MODEL = "neopp_dense"

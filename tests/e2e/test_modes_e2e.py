@@ -1,4 +1,4 @@
-"""FP8, 8-step LoRA and MoE models through the real server (issue 5)."""
+"""FP8, 8-step LoRA and MoE models through the real server."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from neopp.image_io import encode_image
 from neopp.modes import load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
-from neopp.serving.tritonserver import REPO_ROOT
+from testing import REPO as REPO_ROOT
 
 from conftest import COND_TOKENS, E2E_MODELS, UNCOND_TOKENS
 

@@ -18,7 +18,8 @@ import pytest
 from tritonclient.utils import InferenceServerException
 
 from neopp.serving.procs import cmdline, descendants, process_group_members
-from neopp.serving.tritonserver import REPO_ROOT, TritonServer
+from neopp.serving.tritonserver import TritonServer
+from testing import REPO as REPO_ROOT
 
 from conftest import MOE_MODELS, TritonHandle, ensure_8steps_lora
 from neopp.kv_cache import load_kv_file

@@ -30,7 +30,8 @@ from tritonclient.utils import InferenceServerException
 from neopp.serving.admin import grpc_headers, http_headers
 from neopp.serving.procs import descendants, ppid, process_group_members, rss_bytes
 from neopp.serving.shm_regions import regions
-from neopp.serving.tritonserver import REPO_ROOT, TritonServer, pick_free_ports
+from neopp.serving.tritonserver import TritonServer, pick_free_ports
+from testing import REPO as REPO_ROOT
 from neopp.serving.watchdog import force_reload, model_stub_pids
 
 MODEL = "neopp_dense"

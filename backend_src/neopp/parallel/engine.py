@@ -1,4 +1,6 @@
-"""CFG-parallel and Ulysses sequence-parallel denoising (spec section 5).
+"""CFG-parallel and Ulysses sequence-parallel denoising.
+
+The guidance branches split across ranks; image tokens split within a branch.
 
 Every rank runs the same loop on the same state; ranks differ only in which branch and which
 token shard they compute. The result equals the sequential pipeline's up to float

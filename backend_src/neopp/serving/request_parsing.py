@@ -27,7 +27,7 @@ class InputSpec:
     optional: bool = True
 
 
-# The contract (CONTRACT.md "Inputs of every generation model"); auto-complete adds any missing row.
+# The contract (docs/contract.md, "Inputs of every generation model"); auto-complete adds any missing row.
 INPUT_SPECS: dict[str, InputSpec] = {
     "COND_KV": InputSpec("TYPE_BF16", (-1, 2, -1, -1, -1), optional=False),
     "UNCOND_KV": InputSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),

@@ -3,7 +3,7 @@
 A session holds no tensors and no model: only the random stream where its last image left
 it (the generation model's ``NEXT_RNG_STATE``), or the seed its next turn starts from. The
 generation model receives that state as ``RNG_STATE``, so any instance of any generation
-model can serve any turn (spec section 6).
+model can serve any turn.
 
 Bounds, so that clients that vanish without ``sequence_end`` cannot grow memory:
 

@@ -1,7 +1,7 @@
 """Run the real Triton Inference Server bundled in the ``nvidia-pytriton`` wheel.
 
 The wheel ships tritonserver 2.51 plus the Python backend, but the backend only
-starts cleanly with three fixes (see TRITON_LOCAL.md): a backend directory that
+starts cleanly with three fixes (see docs/local-triton.md): a backend directory that
 holds the stub for this interpreter next to ``libtriton_python.so``, an
 ``LD_LIBRARY_PATH`` that puts the interpreter's own ``LIBDIR`` first, and the
 virtual environment's ``bin`` first on ``PATH``. This module does all three,
@@ -11,7 +11,7 @@ and stops exactly the processes it started.
 CLI::
 
     python -m neopp.serving.tritonserver serve --model-repository model_repository
-    python -m neopp.serving.tritonserver perf -- -m neopp_dense -i grpc ...
+    python -m neopp.serving.tritonserver prepare-backend
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from .admin import FRONT_HEADER, AdminKeyError, restriction_args
 from .procs import process_group_members
 from .shm_regions import backend_args, new_prefix, remove_regions
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
-DEFAULT_BACKEND_DIR = REPO_ROOT / "build" / "triton_backends"
+# Relative to the working directory (the checkout for `make serve`), never to the installed package.
+DEFAULT_BACKEND_DIR = Path("build") / "triton_backends"
 LOOPBACK = "127.0.0.1"
 
 
@@ -61,7 +61,7 @@ def python_tag() -> str:
     return f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
-def _site_packages_candidates() -> list[Path]:
+def site_packages_candidates() -> list[Path]:
     """purelib/platlib first, then every sys.path entry (covers user installs)."""
     paths = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]
     return [Path(p) for p in dict.fromkeys(paths) if p and Path(p).is_dir()]
@@ -69,7 +69,7 @@ def _site_packages_candidates() -> list[Path]:
 
 def find_install() -> TritonInstall:
     """Locate the wheel's tritonserver files; the error says what is missing and why."""
-    for sp in _site_packages_candidates():
+    for sp in site_packages_candidates():
         root = sp / "pytriton" / "tritonserver"
         if not (root / "bin" / "tritonserver").is_file():
             continue
@@ -107,12 +107,12 @@ def prepare_backend_dir(dest: Path | str | None = None, install: TritonInstall |
     return dest
 
 
-def _venv_bin() -> Path:
+def venv_bin() -> Path:
     """The bin folder of the running interpreter's environment (venv or not)."""
     return Path(sys.prefix) / "bin"
 
 
-def _prepend(value: str | None, *first: str) -> str:
+def prepend_path(value: str | None, *first: str) -> str:
     parts = [p for p in first if p] + [p for p in (value or "").split(os.pathsep) if p]
     return os.pathsep.join(dict.fromkeys(parts))
 
@@ -122,8 +122,8 @@ def server_env(install: TritonInstall | None = None, base: dict[str, str] | None
     install = install or find_install()
     env = dict(os.environ if base is None else base)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
-    env["LD_LIBRARY_PATH"] = _prepend(env.get("LD_LIBRARY_PATH"), libdir, str(install.libs))
-    env["PATH"] = _prepend(env.get("PATH"), str(_venv_bin()))
+    env["LD_LIBRARY_PATH"] = prepend_path(env.get("LD_LIBRARY_PATH"), libdir, str(install.libs))
+    env["PATH"] = prepend_path(env.get("PATH"), str(venv_bin()))
     if sys.prefix != sys.base_prefix:
         env["VIRTUAL_ENV"] = sys.prefix
     env.pop("PYTHONHOME", None)
@@ -347,25 +347,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     s = sub.add_parser("serve", help="run tritonserver in the foreground")
     from .launcher import add_arguments
 
-    add_arguments(s, str(REPO_ROOT / "model_repository"), str(REPO_ROOT / "build" / "admin.key"),
+    add_arguments(s, "model_repository", str(Path("build") / "admin.key"),
                   f"default {DEFAULT_BACKEND_DIR}")
     b = sub.add_parser("prepare-backend", help="only assemble the backend directory and print it")
     b.add_argument("--backend-dir", default=None)
-    p = sub.add_parser("perf", help="run perf_analyzer with its libraries found; args after --")
-    p.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     try:
         if ns.cmd == "serve":
             from .launcher import serve
 
             return serve(ns)
-        if ns.cmd == "prepare-backend":
-            print(prepare_backend_dir(ns.backend_dir))
-            return 0
-        from .perf_analyzer import run_perf_analyzer
-
-        args = ns.args[1:] if ns.args[:1] == ["--"] else ns.args
-        return run_perf_analyzer(args)
+        print(prepare_backend_dir(ns.backend_dir))  # prepare-backend
+        return 0
     except (TritonLaunchError, AdminKeyError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
