@@ -20,8 +20,8 @@ from safetensors.torch import save_file
 
 from bench.common import section_main, stats
 from bench.step_efficiency import BenchGeometry
-from neopp.generator import build_generator
-from neopp.modes import ModeConfig, SamplingParams
+from neopp.engines import build_engine
+from neopp.modes import ModeSpec, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_tensors
@@ -55,8 +55,8 @@ def per_step(run) -> list[float]:
 
 def measure(ckpt: Path, req: GenerationRequest, dtype: torch.dtype, repeats: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {}
-    pipe = NeoPPPipeline.from_pretrained(ckpt, ModeConfig(), "cpu", dtype)
-    pool = build_generator(ckpt, ModeConfig(name="cfg2", cfg_p_size=2), "cpu", dtype, threads=1)
+    pipe = NeoPPPipeline.from_pretrained(ckpt, ModeSpec(), "cpu", dtype)
+    pool = build_engine(ckpt, ModeSpec(name="cfg2", cfg_p_size=2), "cpu", dtype, threads=1)
     comm: list[float] = []
     try:
         for _ in range(repeats):  # interleaved, so machine load hits every variant alike

@@ -17,8 +17,8 @@ import time
 import torch
 
 from neopp.checkpoint import FM, expected_shapes, layer_prefix
-from neopp.config import ModelConfig
-from neopp.modes import ModeConfig, SamplingParams
+from neopp.checkpoint_config import CheckpointConfig
+from neopp.modes import ModeSpec, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from neopp.transformer import NeoPPTransformer
@@ -28,7 +28,7 @@ REAL_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 
 MLP_WIDTH, HEAD_WIDTH, VISION_WIDTH = 12288, 4096, 1024
 
 
-def random_tower_tensors(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def random_tower_tensors(cfg: CheckpointConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Every key of the real layout, drawn on the device: N(0, 1/fan_in) weights, unit norms."""
     widths = {FM + "fm_head.0.weight": torch.empty(HEAD_WIDTH, cfg.hidden_size, device="meta")}
     for i in range(cfg.num_layers):
@@ -72,10 +72,10 @@ def main(argv: list[str] | None = None) -> None:
     raw = {"llm_config": {**REAL_8B, "num_hidden_layers": args.layers},
            "vision_config": {"hidden_size": VISION_WIDTH, "rope_theta_vision": 10_000.0,
                              "max_position_embeddings_vision": 1024}}
-    cfg = ModelConfig.from_dict(raw)
+    cfg = CheckpointConfig.from_dict(raw)
     t0 = time.perf_counter()
     tower = NeoPPTransformer.from_tensors(cfg, random_tower_tensors(cfg, device, dtype), device, dtype)
-    pipe = NeoPPPipeline(cfg, tower, ModeConfig(), device, dtype)
+    pipe = NeoPPPipeline(cfg, tower, ModeSpec(), device, dtype)
     build_s = time.perf_counter() - t0
     weights_gib = torch.cuda.memory_allocated() / 2 ** 30
     kv_shape = (cfg.num_layers, 2, args.prefix, cfg.num_kv_heads, cfg.head_dim)

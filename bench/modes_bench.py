@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from neopp.generator import build_generator
+from neopp.engines import build_engine
 from neopp.layers import Linear, MoE, SwiGLU
 from testing.tiny_lora import write_tiny_loras
 from neopp.modes import load_mode
@@ -97,7 +97,7 @@ def bench_modes(ckpts: dict[str, Path], size: int, steps: int, device: str, thre
         dtype = torch.bfloat16 if "bf16" in label else (torch.float32 if device == "cpu" else None)
         per_rank = max(1, threads // mode.world_size)
         start = time.perf_counter()
-        gen = build_generator(ckpts[ckpt], mode, device, dtype, threads=per_rank)
+        gen = build_engine(ckpts[ckpt], mode, device, dtype, threads=per_rank)
         load_s = time.perf_counter() - start
         try:
             req = request(mid_config(ckpt == "moe"), size, steps, mode.sampling)

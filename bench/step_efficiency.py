@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from bench.common import section_main, stats, timed
-from neopp.config import ModelConfig
-from neopp.modes import ModeConfig, SamplingParams
+from neopp.checkpoint_config import CheckpointConfig
+from neopp.modes import ModeSpec, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from neopp.transformer import NeoPPTransformer
@@ -44,10 +44,10 @@ class BenchGeometry:
 def build_pipeline(geo: BenchGeometry, dtype: torch.dtype, device: str = "cpu") -> NeoPPPipeline:
     """A random tower of this geometry built in memory (no checkpoint file needed)."""
     raw = geo.config()
-    cfg = ModelConfig.from_dict(raw)
+    cfg = CheckpointConfig.from_dict(raw)
     tensors = tiny_tensors(raw, seed=1, mlp_width=geo.mlp, head_width=geo.head_width)
     dev = torch.device(device)
-    return NeoPPPipeline(cfg, NeoPPTransformer.from_tensors(cfg, tensors, dev, dtype), ModeConfig(), dev, dtype)
+    return NeoPPPipeline(cfg, NeoPPTransformer.from_tensors(cfg, tensors, dev, dtype), ModeSpec(), dev, dtype)
 
 
 def gemm_shapes(geo: BenchGeometry, tokens: int, prefix: int) -> list[tuple[int, int, int, int, int]]:

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from neopp.checkpoint import FP8_DTYPE, load_checkpoint
 from neopp.image_io import to_pixels
-from neopp.modes import ModeConfig, SamplingParams
+from neopp.modes import ModeSpec, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.quant import FP8Linear, dequantize_fp8, is_layer_linear, quantize_fp8, weight_bytes
 from neopp.rng import NoiseStream
@@ -37,8 +37,8 @@ from testing.probes import branch_velocity
 from tests.reference import neopp_reference as ref
 
 SAMPLING = SamplingParams(infer_steps=4)
-FP32 = ModeConfig(name="fp32", sampling=SAMPLING)
-FP8 = ModeConfig(name="fp8", sampling=SAMPLING, dit_quantized=True, dit_quant_scheme="fp8-sgl")
+FP32 = ModeSpec(name="fp32", sampling=SAMPLING)
+FP8 = ModeSpec(name="fp8", sampling=SAMPLING, dit_quantized=True, dit_quant_scheme="fp8-sgl")
 H = W = 64
 
 
@@ -173,7 +173,7 @@ def test_fp8_dequant_path_equals_reference_of_the_stored_weights(ckpts, pipes):
 
 
 def test_moe_fp8_quantises_experts_not_router(ckpts):
-    pipe = NeoPPPipeline.from_pretrained(ckpts["moe"], ModeConfig(name="m", version="moe", sampling=SAMPLING,
+    pipe = NeoPPPipeline.from_pretrained(ckpts["moe"], ModeSpec(name="m", version="moe", sampling=SAMPLING,
                                          dit_quantized=True, dit_quant_scheme="fp8-sgl"), "cpu", torch.float32)
     moe = pipe.transformer.layers[0].mlp
     assert not isinstance(moe.router, FP8Linear) and moe.router.weight.dtype == torch.float32

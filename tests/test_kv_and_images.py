@@ -55,11 +55,11 @@ def test_file_round_trips(tmp_path, dtype):
 
 
 def test_sample_kv_files_of_tiny_checkpoint_agree(tmp_path):
-    from neopp.config import ModelConfig
+    from neopp.checkpoint_config import CheckpointConfig
     from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", variant="dense", seed=0)
-    config = ModelConfig.from_checkpoint(ckpt)
+    config = CheckpointConfig.from_checkpoint(ckpt)
     paths = write_sample_kv(tmp_path / "kv", "dense")
     loaded = {key: load_kv_file(p) for key, p in paths.items()}
     assert loaded, paths

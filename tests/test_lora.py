@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from neopp.checkpoint import FP8_DTYPE, load_checkpoint
 from neopp.errors import ConfigError
-from neopp.modes import ModeConfig, SamplingParams, load_mode
+from neopp.modes import ModeSpec, SamplingParams, load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.quant import FP8Linear
 from neopp.rng import NoiseStream
@@ -59,8 +59,8 @@ def expected_deltas(path, scheme: str, strength: float) -> dict[str, torch.Tenso
     return out
 
 
-def mode(*loras, quantized: bool = False) -> ModeConfig:
-    return ModeConfig(name="lora", sampling=SamplingParams(infer_steps=8, enable_cfg=False),
+def mode(*loras, quantized: bool = False) -> ModeSpec:
+    return ModeSpec(name="lora", sampling=SamplingParams(infer_steps=8, enable_cfg=False),
                       lora_configs=tuple({"path": str(p), "strength": s} for p, s in loras),
                       dit_quantized=quantized, dit_quant_scheme="fp8-sgl" if quantized else None)
 

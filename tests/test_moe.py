@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from neopp.layers import MoE, Linear, SwiGLU
-from neopp.modes import ModeConfig, SamplingParams
+from neopp.modes import ModeSpec, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
@@ -132,7 +132,7 @@ def moe_ckpts(tmp_path_factory):
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_moe_tower_velocity_against_float64_reference(moe_ckpts, norm_topk_prob):
-    mode = ModeConfig(name="moe", version="moe", sampling=SamplingParams(infer_steps=2))
+    mode = ModeSpec(name="moe", version="moe", sampling=SamplingParams(infer_steps=2))
     pipe = NeoPPPipeline.from_pretrained(moe_ckpts[norm_topk_prob], mode, "cpu", torch.float32)
     assert pipe.config.norm_topk_prob is norm_topk_prob
     cfg = tiny_config("moe")

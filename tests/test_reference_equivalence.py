@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from neopp.guidance import combine_guidance, guidance_plan
-from neopp.modes import ModeConfig, SamplingParams
+from neopp.modes import ModeSpec, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from testing.probes import branch_velocity
@@ -54,7 +54,7 @@ class Model:
         self.ckpt = ckpt
         self.ref = ref.RefModel(ckpt)
         version = "moe" if self.ref.num_experts else "dense"
-        self.pipe = NeoPPPipeline.from_pretrained(ckpt, ModeConfig(name="test", version=version),
+        self.pipe = NeoPPPipeline.from_pretrained(ckpt, ModeSpec(name="test", version=version),
                                                   device="cpu", dtype=torch.float32)
         assert (self.ref.NL, self.ref.NKV, self.ref.HD) == (NL, NKV, HD)
         assert self.pipe.config.kv_dims == (NL, NKV, HD)
@@ -257,7 +257,7 @@ def test_fp8_checkpoint_velocity(tmp_path):
     uses (weight * scale[:, None]).  The quantisation itself is real: the same velocity differs from
     the unquantised dense checkpoint's by ~2%, far above VEL_RTOL."""
     dense, fp8 = write_tiny_checkpoint(tmp_path / "dense", "dense"), write_tiny_checkpoint(tmp_path / "fp8", "fp8")
-    mode = ModeConfig(name="fp8", version="dense", dit_quantized=True, dit_quant_scheme="fp8-sgl")
+    mode = ModeSpec(name="fp8", version="dense", dit_quantized=True, dit_quant_scheme="fp8-sgl")
     pipe = NeoPPPipeline.from_pretrained(fp8, mode, device="cpu", dtype=torch.float32)
     cond = kv(30, seed=3)
     req = request(64, 160, cond, 31)

@@ -12,7 +12,7 @@ from PIL import Image
 
 from neopp.errors import InputError
 from neopp.kv_cache import save_kv_file
-from neopp.modes import ModeConfig, SamplingParams
+from neopp.modes import ModeSpec, SamplingParams
 from neopp.rng import NoiseStream
 from neopp.runner import NeoPPRunner
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
@@ -41,7 +41,7 @@ OFF_C, OFF_U = 15, 3
 
 
 def make_runner(ckpt, **kw):
-    mode = ModeConfig(name="test", version="dense", sampling=SamplingParams(infer_steps=STEPS, output_format="png"),
+    mode = ModeSpec(name="test", version="dense", sampling=SamplingParams(infer_steps=STEPS, output_format="png"),
                       default_size=DEFAULT_SIZE)
     runner = NeoPPRunner(ckpt, mode, device="cpu", dtype=torch.float32, **kw)
     runner.set_kvcache(COND, UNCOND)
@@ -185,7 +185,7 @@ def test_load_kvcache_from_replay_files(ckpt, tmp_path):
 
 
 def test_generate_before_kv_is_refused(ckpt):
-    mode = ModeConfig(name="test", version="dense", sampling=SamplingParams(infer_steps=STEPS))
+    mode = ModeSpec(name="test", version="dense", sampling=SamplingParams(infer_steps=STEPS))
     runner = NeoPPRunner(ckpt, mode, device="cpu", dtype=torch.float32)
     with pytest.raises(InputError):
         runner.generate(seed=1)

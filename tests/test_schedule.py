@@ -5,10 +5,10 @@ import math
 
 import pytest
 
-from neopp.config import ModelConfig
+from neopp.checkpoint_config import CheckpointConfig
 from neopp.schedule import initial_noise_scale, shifted_timesteps
 
-BASE = ModelConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
+BASE = CheckpointConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                    rope_theta=10000.0, rope_theta_hw=10000.0, vision_hidden_size=16,
                    rope_theta_vision=10000.0, max_position_embeddings_vision=64)
 

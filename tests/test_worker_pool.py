@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neopp.errors import ConfigError, GenerationCancelled, InputError
-from neopp.generator import build_generator
+from neopp.engines import build_engine
 from neopp.kv_cache import load_kv_file
 from neopp.modes import load_mode
 from neopp.parallel.mesh import check_world
@@ -36,7 +36,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("pool")
     ckpt = write_tiny_checkpoint(root / "dense", "dense", seed=5)
     kv = write_sample_kv(root / "kv", "dense", cond_tokens=9, uncond_tokens=4)
-    pool = build_generator(ckpt, load_mode(CFG_MODE), threads=1, collective_timeout_s=5.0)
+    pool = build_engine(ckpt, load_mode(CFG_MODE), threads=1, collective_timeout_s=5.0)
     yield pool, kv
     pool.close()
 
@@ -93,7 +93,7 @@ def test_cancel_stops_between_steps(setup):
 
 def test_close_leaves_no_process(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "d", "dense")
-    pool = build_generator(ckpt, load_mode(CFG_MODE), threads=1)
+    pool = build_engine(ckpt, load_mode(CFG_MODE), threads=1)
     pids = pool.pids()
     assert len(pids) == 2 and all(_alive(p) for p in pids)
     pool.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .config import ModelConfig
+from .checkpoint_config import CheckpointConfig
 from .errors import ConfigError
 
 LM = "language_model.model."
@@ -63,10 +63,10 @@ def read_generation_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def expected_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+def expected_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     """Every required key and its shape; free widths (MLP, head) are read from the file."""
-    D, DV, P, T = cfg.hidden_size, cfg.vision_hidden_size, cfg.patch_size, cfg.token_size
-    NH, NKV, HD = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    D, DV, P, T = config.hidden_size, config.vision_hidden_size, config.patch_size, config.token_size
+    NH, NKV, HD = config.num_heads, config.num_kv_heads, config.head_dim
 
     def width(key: str, dim: int) -> int:
         if key not in tensors:
@@ -75,15 +75,15 @@ def expected_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[
 
     shapes = {
         VISION + "patch_embedding.weight": (DV, 3, P, P), VISION + "patch_embedding.bias": (DV,),
-        VISION + "dense_embedding.weight": (D, DV, cfg.merge_size, cfg.merge_size),
+        VISION + "dense_embedding.weight": (D, DV, config.merge_size, config.merge_size),
         VISION + "dense_embedding.bias": (D,),
         LM + "norm_mot_gen.weight": (D,),
     }
-    embedders = ["timestep_embedder"] + (["noise_scale_embedder"] if cfg.add_noise_scale_embedding else [])
+    embedders = ["timestep_embedder"] + (["noise_scale_embedder"] if config.add_noise_scale_embedding else [])
     for emb in embedders:
         p = f"{FM}{emb}.mlp."
         shapes.update({p + "0.weight": (D, 256), p + "0.bias": (D,), p + "2.weight": (D, D), p + "2.bias": (D,)})
-    if cfg.use_pixel_head:
+    if config.use_pixel_head:
         c1 = width(FM + "fm_head.conv1.weight", 0)
         shapes.update({FM + "fm_head.conv1.weight": (c1, D // 4, 3, 3), FM + "fm_head.conv1.bias": (c1,),
                        FM + "fm_head.conv2.weight": (3 * 64, c1 // 4, 3, 3), FM + "fm_head.conv2.bias": (3 * 64,)})
@@ -91,7 +91,7 @@ def expected_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[
         dh = width(FM + "fm_head.0.weight", 0)
         shapes.update({FM + "fm_head.0.weight": (dh, D), FM + "fm_head.0.bias": (dh,),
                        FM + "fm_head.2.weight": (T * T * 3, dh), FM + "fm_head.2.bias": (T * T * 3,)})
-    for i in range(cfg.num_layers):
+    for i in range(config.num_layers):
         p = layer_prefix(i)
         a = p + "self_attn."
         shapes.update({
@@ -102,9 +102,9 @@ def expected_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> dict[
         for norm in ("q_norm_mot_gen", "k_norm_mot_gen", "q_norm_hw_mot_gen", "k_norm_hw_mot_gen"):
             shapes[a + norm + ".weight"] = (HD // 2,)
         m = p + "mlp_mot_gen."
-        if cfg.is_moe:
-            shapes[m + "gate.weight"] = (cfg.num_experts, D)
-            for j in range(cfg.num_experts):
+        if config.is_moe:
+            shapes[m + "gate.weight"] = (config.num_experts, D)
+            for j in range(config.num_experts):
                 shapes.update(_mlp_shapes(f"{m}experts.{j}.", D, width(f"{m}experts.{j}.gate_proj.weight", 0)))
         else:
             shapes.update(_mlp_shapes(m, D, width(m + "gate_proj.weight", 0)))
@@ -115,9 +115,9 @@ def _mlp_shapes(prefix: str, D: int, F: int) -> dict[str, tuple[int, ...]]:
     return {prefix + "gate_proj.weight": (F, D), prefix + "up_proj.weight": (F, D), prefix + "down_proj.weight": (D, F)}
 
 
-def check_shapes(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> None:
+def check_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) -> None:
     """Name the first key that is missing or disagrees with config.json."""
-    for key, shape in expected_shapes(cfg, tensors).items():
+    for key, shape in expected_shapes(config, tensors).items():
         if key not in tensors:
             raise ConfigError(f"checkpoint: required tensor '{key}' is missing")
         got = tuple(tensors[key].shape)
@@ -135,8 +135,8 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def load_checkpoint(ckpt_dir: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    cfg = ModelConfig.from_checkpoint(ckpt_dir)
+def load_checkpoint(ckpt_dir: str | Path) -> tuple[CheckpointConfig, dict[str, torch.Tensor]]:
+    config = CheckpointConfig.from_checkpoint(ckpt_dir)
     tensors = read_generation_tensors(ckpt_dir)
-    check_shapes(cfg, tensors)
-    return cfg, tensors
+    check_shapes(config, tensors)
+    return config, tensors

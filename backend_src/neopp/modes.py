@@ -82,7 +82,7 @@ def normalise_format(fmt: str) -> str:
 
 
 @dataclass(frozen=True)
-class ModeConfig:
+class ModeSpec:
     """One deployable mode: model version, parallel layout, weight options, sampling defaults."""
 
     name: str = "neopp_dense"
@@ -116,8 +116,8 @@ class ModeConfig:
                 raise ConfigError(f"mode {self.name}: every 'lora_configs' entry needs a 'path'")
 
 
-def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None) -> ModeConfig:
-    """Build a ModeConfig from the seed's JSON layout; LoRA paths resolve against the file."""
+def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None) -> ModeSpec:
+    """Build a ModeSpec from the seed's JSON layout; LoRA paths resolve against the file."""
     parallel = raw.get("parallel") or {}
     sampling_keys = {f.name for f in fields(SamplingParams)}
     try:
@@ -132,7 +132,7 @@ def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None) 
             entry["path"] = str((base_dir / entry["path"]).resolve())
         loras.append(entry)
     size = raw.get("target_shape") or raw.get("default_size") or [1024, 1024]
-    mode = ModeConfig(
+    mode = ModeSpec(
         name=name, version=raw.get("version", "dense"), sampling=sampling,
         cfg_p_size=int(parallel.get("cfg_p_size", 1)), seq_p_size=int(parallel.get("seq_p_size", 1)),
         seq_p_attn_type=parallel.get("seq_p_attn_type", "ulysses"),
@@ -143,7 +143,7 @@ def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None) 
     return mode
 
 
-def load_mode(path: str | Path) -> ModeConfig:
+def load_mode(path: str | Path) -> ModeSpec:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"mode file {path} does not exist")

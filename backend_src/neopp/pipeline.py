@@ -16,14 +16,14 @@ import numpy as np
 import torch
 
 from .checkpoint import default_dtype, load_checkpoint
-from .config import ModelConfig
+from .checkpoint_config import CheckpointConfig
 from .embeddings import Grid, patchify, unpatchify
 from .errors import ConfigError, GenerationCancelled, InputError, NonFiniteState
 from .guidance import combine_guidance, guidance_plan
 from .image_io import to_pixels
 from .limits import Limits
 from .lora import apply_loras_
-from .modes import TASKS, ModeConfig, SamplingParams
+from .modes import TASKS, ModeSpec, SamplingParams
 from .quant import fp8_layer_linear, quantize_layer_linears_
 from .request_rules import RequestRules, plan_of
 from .schedule import initial_noise_scale, shifted_timesteps
@@ -64,33 +64,33 @@ class Prepared:
 
 
 class NeoPPPipeline:
-    def __init__(self, cfg: ModelConfig, transformer: NeoPPTransformer, mode: ModeConfig,
+    def __init__(self, config: CheckpointConfig, transformer: NeoPPTransformer, mode: ModeSpec,
                  device: torch.device, dtype: torch.dtype, limits: Limits | None = None,
                  support_tasks: tuple[str, ...] = TASKS) -> None:
-        self.config, self.transformer, self.mode = cfg, transformer, mode
+        self.config, self.transformer, self.mode = config, transformer, mode
         self.device, self.dtype = device, dtype
         self.limits = limits or Limits()
-        self.rules = RequestRules(cfg, self.limits, support_tasks)
+        self.rules = RequestRules(config, self.limits, support_tasks)
         self.cfg_batching = "auto"
 
     @classmethod
-    def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeConfig | None = None, device: str | None = None,
+    def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeSpec | None = None, device: str | None = None,
                         dtype: torch.dtype | None = None, limits: Limits | None = None,
                         layer_linear: LinearFactory | None = None) -> "NeoPPPipeline":
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or default_dtype(dev)
-        mode = mode or ModeConfig()
-        cfg, tensors = load_checkpoint(ckpt_dir)
-        if (mode.version == "moe") != cfg.is_moe:
+        mode = mode or ModeSpec()
+        config, tensors = load_checkpoint(ckpt_dir)
+        if (mode.version == "moe") != config.is_moe:
             raise ConfigError(f"mode {mode.name}: version {mode.version!r} does not match the checkpoint "
-                              f"({'MoE' if cfg.is_moe else 'dense'} weights in {ckpt_dir})")
+                              f"({'MoE' if config.is_moe else 'dense'} weights in {ckpt_dir})")
         if mode.lora_configs:  # merged into the weights, before any quantisation
             apply_loras_(tensors, mode.lora_configs)
         if mode.dit_quantized:  # FP8 layer linears; quantise in place so originals are freed early
             quantize_layer_linears_(tensors)
             layer_linear = layer_linear or fp8_layer_linear(dev)
-        transformer = NeoPPTransformer.from_tensors(cfg, tensors, dev, dtype, layer_linear)
-        return cls(cfg, transformer, mode, dev, dtype, limits)
+        transformer = NeoPPTransformer.from_tensors(config, tensors, dev, dtype, layer_linear)
+        return cls(config, transformer, mode, dev, dtype, limits)
 
     # ---- validation -------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:

@@ -6,11 +6,11 @@ wording is written once.
 
 from __future__ import annotations
 
-from .modes import ModeConfig
+from .modes import ModeSpec
 from .pipeline import GenerationRequest
 
 
-def parallelism_note(mode: ModeConfig, req: GenerationRequest, plan: list[bool]) -> str:
+def parallelism_note(mode: ModeSpec, req: GenerationRequest, plan: list[bool]) -> str:
     """One log phrase: was CFG-parallel (and sequence parallelism) active, and if not, why."""
     guided = sum(plan)
     s = req.sampling

@@ -22,7 +22,7 @@ from .modes import TASKS, SamplingParams
 from .schedule import shifted_timesteps
 
 if TYPE_CHECKING:  # the request type only; importing the pipeline here would be circular
-    from .checkpoint_config import ModelConfig
+    from .checkpoint_config import CheckpointConfig
     from .pipeline import GenerationRequest
 
 
@@ -64,7 +64,7 @@ def plan_of(sampling: SamplingParams) -> list[bool]:
 class RequestRules:
     """The checks that need the checkpoint's geometry and the deployment's limits."""
 
-    config: ModelConfig
+    config: CheckpointConfig
     limits: Limits
     support_tasks: tuple[str, ...] = TASKS
 

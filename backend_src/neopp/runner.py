@@ -15,7 +15,7 @@ import torch
 from .errors import InputError
 from .image_io import encode_image
 from .kv_cache import load_kv_file
-from .modes import TASKS, ModeConfig, load_mode
+from .modes import TASKS, ModeSpec, load_mode
 from .pipeline import GenerationRequest, NeoPPPipeline
 from .rng import NoiseStream
 
@@ -23,10 +23,10 @@ _KEEP = object()
 
 
 class NeoPPRunner:
-    def __init__(self, ckpt_dir: str | Path, mode: ModeConfig | str | Path | None = None, device: str | None = None,
+    def __init__(self, ckpt_dir: str | Path, mode: ModeSpec | str | Path | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, default_task: str = "t2i",
                  support_tasks: Sequence[str] = TASKS, pipeline: NeoPPPipeline | None = None) -> None:
-        mode = load_mode(mode) if isinstance(mode, (str, Path)) else (mode or ModeConfig())
+        mode = load_mode(mode) if isinstance(mode, (str, Path)) else (mode or ModeSpec())
         self.pipeline = pipeline or NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype)
         self.pipeline.rules = replace(self.pipeline.rules, support_tasks=tuple(support_tasks))
         self.support_tasks = tuple(support_tasks)

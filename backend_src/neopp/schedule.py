@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .config import ModelConfig
+from .checkpoint_config import CheckpointConfig
 
 
 def shifted_timesteps(steps: int, shift: float) -> list[float]:
@@ -17,7 +17,7 @@ def shifted_timesteps(steps: int, shift: float) -> list[float]:
     return out
 
 
-def initial_noise_scale(config: ModelConfig, num_tokens: int) -> float:
+def initial_noise_scale(config: CheckpointConfig, num_tokens: int) -> float:
     """How loud the starting noise is; larger images start louder, capped."""
     init, cap = config.noise_scale, config.noise_scale_max_value
     ratio = num_tokens / config.noise_scale_base_image_seq_len

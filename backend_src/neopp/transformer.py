@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 
 from .checkpoint import FM, LM, VISION, layer_prefix
-from .config import ModelConfig
+from .checkpoint_config import CheckpointConfig
 from .embeddings import Grid, MLPEmbedder, MLPHead, PatchEmbed, PixelHead
 from .layers import MoE, DecoderLayer, Linear, SwiGLU, grouped_attention, rms_norm, split_head_norm
 from .rope import Rope3D
@@ -23,7 +23,7 @@ class BranchContext:
     and each step only overwrites the image tokens' slots, so the prefix is never re-copied.
     """
 
-    def __init__(self, kv_online: torch.Tensor, offset: int, grid: Grid, cfg: ModelConfig,
+    def __init__(self, kv_online: torch.Tensor, offset: int, grid: Grid, config: CheckpointConfig,
                  device: torch.device, dtype: torch.dtype) -> None:
         layers, _, seq, kv_heads, head_dim = kv_online.shape
         total = seq + grid.num_tokens
@@ -32,7 +32,7 @@ class BranchContext:
         self.v = torch.empty_like(self.k)
         self.k[:, :, :seq].copy_(kv_online[:, 0].transpose(1, 2))
         self.v[:, :, :seq].copy_(kv_online[:, 1].transpose(1, 2))
-        self.rope = Rope3D(offset, grid.rows, grid.cols, head_dim, cfg.rope_theta, cfg.rope_theta_hw, device)
+        self.rope = Rope3D(offset, grid.rows, grid.cols, head_dim, config.rope_theta, config.rope_theta_hw, device)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [L, NH, HD], k/v [L, NKV, HD] of the image tokens -> [L, NH*HD]."""
@@ -59,9 +59,9 @@ class BatchedBranches:
 class NeoPPTransformer:
     """Pre-infer (embed), the decoder layers (per branch), post-infer (head)."""
 
-    def __init__(self, cfg: ModelConfig, patch: PatchEmbed, t_embed: MLPEmbedder, ns_embed: MLPEmbedder | None,
+    def __init__(self, config: CheckpointConfig, patch: PatchEmbed, t_embed: MLPEmbedder, ns_embed: MLPEmbedder | None,
                  layers: list[DecoderLayer], final_norm: torch.Tensor, head: MLPHead | PixelHead) -> None:
-        self.cfg, self.patch, self.t_embed, self.ns_embed = cfg, patch, t_embed, ns_embed
+        self.config, self.patch, self.t_embed, self.ns_embed = config, patch, t_embed, ns_embed
         self.layers, self.final_norm, self.head = layers, final_norm, head
 
     def embed(self, x: torch.Tensor, t: float, noise_scale: float, grid: Grid) -> torch.Tensor:
@@ -69,11 +69,11 @@ class NeoPPTransformer:
         tokens = self.patch(x, grid)
         cond = self.t_embed(t, tokens.dtype)
         if self.ns_embed is not None:
-            cond = cond + self.ns_embed(noise_scale / self.cfg.noise_scale_max_value, tokens.dtype)
+            cond = cond + self.ns_embed(noise_scale / self.config.noise_scale_max_value, tokens.dtype)
         return tokens + cond
 
     def run_layers(self, hid: torch.Tensor, branch: BranchContext) -> torch.Tensor:
-        nh, nkv, hd = self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim
+        nh, nkv, hd = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         for i, layer in enumerate(self.layers):
             a = rms_norm(hid, layer.input_norm)
             n = a.shape[0]
@@ -92,7 +92,7 @@ class NeoPPTransformer:
         return [lin for layer in self.layers for lin in layer.linears()]
 
     @staticmethod
-    def from_tensors(cfg: ModelConfig, tensors: dict[str, torch.Tensor], device: torch.device,
+    def from_tensors(config: CheckpointConfig, tensors: dict[str, torch.Tensor], device: torch.device,
                      dtype: torch.dtype, layer_linear: LinearFactory | None = None) -> "NeoPPTransformer":
         """Assemble from checked checkpoint tensors; `layer_linear` builds decoder-layer linears
         (the FP8 mode passes its own), every other weight is cast to `dtype`."""
@@ -112,11 +112,11 @@ class NeoPPTransformer:
             return SwiGLU(*(layer_lin(f"{prefix}{name}.weight") for name in ("gate_proj", "up_proj", "down_proj")))
 
         layers = []
-        for i in range(cfg.num_layers):
+        for i in range(config.num_layers):
             p, a, m = layer_prefix(i), layer_prefix(i) + "self_attn.", layer_prefix(i) + "mlp_mot_gen."
-            if cfg.is_moe:
-                experts = [swiglu(f"{m}experts.{j}.") for j in range(cfg.num_experts)]
-                mlp = MoE(lin(m + "gate.weight"), experts, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            if config.is_moe:
+                experts = [swiglu(f"{m}experts.{j}.") for j in range(config.num_experts)]
+                mlp = MoE(lin(m + "gate.weight"), experts, config.num_experts_per_tok, config.norm_topk_prob)
             else:
                 mlp = swiglu(m)
             layers.append(DecoderLayer(
@@ -128,18 +128,18 @@ class NeoPPTransformer:
                 k_norm=torch.stack([t(a + "k_norm_mot_gen.weight"), t(a + "k_norm_hw_mot_gen.weight")]),
                 mlp=mlp))
         patch = PatchEmbed(t(VISION + "patch_embedding.weight"), t(VISION + "patch_embedding.bias"),
-                           t(VISION + "dense_embedding.weight"), t(VISION + "dense_embedding.bias"), cfg.patch_size)
+                           t(VISION + "dense_embedding.weight"), t(VISION + "dense_embedding.bias"), config.patch_size)
 
         def embedder(name: str) -> MLPEmbedder:
             return MLPEmbedder(lin(f"{FM}{name}.mlp.0.weight", True), lin(f"{FM}{name}.mlp.2.weight", True))
 
-        if cfg.use_pixel_head:
+        if config.use_pixel_head:
             h = FM + "fm_head."
             head = PixelHead(t(h + "conv1.weight"), t(h + "conv1.bias"), t(h + "conv2.weight"), t(h + "conv2.bias"))
         else:
             head = MLPHead(lin(FM + "fm_head.0.weight", True), lin(FM + "fm_head.2.weight", True))
-        ns = embedder("noise_scale_embedder") if cfg.add_noise_scale_embedding else None
-        return NeoPPTransformer(cfg, patch, embedder("timestep_embedder"), ns, layers,
+        ns = embedder("noise_scale_embedder") if config.add_noise_scale_embedding else None
+        return NeoPPTransformer(config, patch, embedder("timestep_embedder"), ns, layers,
                                 t(LM + "norm_mot_gen.weight"), head)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from neopp.config import ModelConfig
+from neopp.checkpoint_config import CheckpointConfig
 from neopp.image_io import encode_image
 from neopp.modes import load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
@@ -22,7 +22,7 @@ def pipeline(tiny_dense):
 
 
 def test_metadata_reports_checkpoint_kv_geometry(triton):
-    layers, kv_heads, head_dim = ModelConfig.from_checkpoint(triton.checkpoint).kv_dims
+    layers, kv_heads, head_dim = CheckpointConfig.from_checkpoint(triton.checkpoint).kv_dims
     meta = triton.grpc.get_model_metadata("neopp_dense", as_json=True)
     shapes = {i["name"]: [int(d) for d in i["shape"]] for i in meta["inputs"]}
     assert shapes["COND_KV"] == [layers, 2, -1, kv_heads, head_dim]

@@ -17,12 +17,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from ..config import ModelConfig
+from ..checkpoint_config import CheckpointConfig
 from ..embeddings import Grid
 from ..errors import ConfigError
 from ..guidance import combine_guidance
 from ..limits import Limits
-from ..modes import ModeConfig, SamplingParams
+from ..modes import ModeSpec, SamplingParams
 from ..pipeline import GenerationRequest, NeoPPPipeline, Prepared, StepFn, StopFn
 from ..transformer import BranchContext
 from .mesh import Mesh
@@ -45,21 +45,21 @@ class CommTimer:
             self.calls += 1
 
 
-def check_heads(cfg: ModelConfig, mode: ModeConfig) -> None:
+def check_heads(config: CheckpointConfig, mode: ModeSpec) -> None:
     sp = mode.seq_p_size
-    if cfg.num_heads % sp or cfg.num_kv_heads % sp:
-        raise ConfigError(f"mode {mode.name}: seq_p_size {sp} must divide num_attention_heads ({cfg.num_heads}) "
-                          f"and num_key_value_heads ({cfg.num_kv_heads}) for Ulysses attention")
+    if config.num_heads % sp or config.num_kv_heads % sp:
+        raise ConfigError(f"mode {mode.name}: seq_p_size {sp} must divide num_attention_heads ({config.num_heads}) "
+                          f"and num_key_value_heads ({config.num_kv_heads}) for Ulysses attention")
 
 
 class UlyssesBranch(BranchContext):
     """A branch whose rank holds one token shard; attention runs on a head shard over all tokens."""
 
-    def __init__(self, kv_online: torch.Tensor, offset: int, grid: Grid, cfg: ModelConfig,
+    def __init__(self, kv_online: torch.Tensor, offset: int, grid: Grid, config: CheckpointConfig,
                  device: torch.device, dtype: torch.dtype, mesh: Mesh, timer: CommTimer) -> None:
         sp, r = mesh.seq_p_size, mesh.seq_rank
-        kv_local = cfg.num_kv_heads // sp
-        super().__init__(kv_online[:, :, :, r * kv_local:(r + 1) * kv_local], offset, grid, cfg, device, dtype)
+        kv_local = config.num_kv_heads // sp
+        super().__init__(kv_online[:, :, :, r * kv_local:(r + 1) * kv_local], offset, grid, config, device, dtype)
         self.mesh, self.timer = mesh, timer
         self.num_tokens = grid.num_tokens
         self.shard = -(-grid.num_tokens // sp)
@@ -101,7 +101,7 @@ class ParallelPipeline(NeoPPPipeline):
     comm: CommTimer
 
     @classmethod
-    def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeConfig | None = None, mesh: Mesh | None = None,
+    def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeSpec | None = None, mesh: Mesh | None = None,
                         device: str | None = None, dtype: torch.dtype | None = None, limits: Limits | None = None,
                         layer_linear=None) -> "ParallelPipeline":
         if mesh is None:

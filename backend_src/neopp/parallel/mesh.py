@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import ConfigError
-from ..modes import ModeConfig
+from ..modes import ModeSpec
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 
@@ -43,7 +43,7 @@ class Mesh:
         return cfg_rank * self.seq_p_size + seq_rank
 
 
-def check_world(mode: ModeConfig, world_size: int) -> None:
+def check_world(mode: ModeSpec, world_size: int) -> None:
     if world_size != mode.world_size:
         raise ConfigError(
             f"mode {mode.name}: {world_size} worker processes, but the number of worker processes must equal the "
@@ -55,7 +55,7 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def build_mesh(mode: ModeConfig, rank: int, world_size: int,
+def build_mesh(mode: ModeSpec, rank: int, world_size: int,
                timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Mesh:
     """Create the groups; every rank must call this in the same order.
 
@@ -95,7 +95,7 @@ def rendezvous(rank: int, world_size: int, port: Any, timeout_s: float, host: st
     return dist.TCPStore(host, port.value, world_size, is_master=False, timeout=timeout)
 
 
-def init_mesh(mode: ModeConfig, rank: int, world_size: int, init_method: str | None, device: torch.device,
+def init_mesh(mode: ModeSpec, rank: int, world_size: int, init_method: str | None, device: torch.device,
               timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, store: Any = None) -> Mesh:
     """Join the process group through ``init_method`` (a URL) or an existing ``store``."""
     check_world(mode, world_size)
@@ -104,7 +104,7 @@ def init_mesh(mode: ModeConfig, rank: int, world_size: int, init_method: str | N
     return build_mesh(mode, rank, world_size, timeout_s)
 
 
-def init_mesh_from_env(mode: ModeConfig, device: torch.device | None = None) -> Mesh:
+def init_mesh_from_env(mode: ModeSpec, device: torch.device | None = None) -> Mesh:
     """Under `torchrun`: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     check_world(mode, world_size)

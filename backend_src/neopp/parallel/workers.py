@@ -21,7 +21,7 @@ import torch.multiprocessing as tmp
 
 from ..errors import ConfigError, GenerationCancelled, InputError, NeoPPError
 from ..limits import Limits
-from ..modes import ModeConfig
+from ..modes import ModeSpec
 from ..pipeline import GenerationRequest, StepFn, StopFn
 from ..request_rules import RequestRules, plan_of
 from .lifeline import die_with_parent, silent_rank, start_heartbeat, start_processes
@@ -37,7 +37,7 @@ class WorkerFailure(NeoPPError):
 @dataclass(frozen=True)
 class PoolSpec:
     ckpt_dir: str
-    mode: ModeConfig
+    mode: ModeSpec
     devices: tuple[str, ...]          # one device per rank, e.g. ("cpu", "cpu") or ("cuda:0", "cuda:1")
     dtype: torch.dtype | None = None
     limits: Limits = Limits()

@@ -37,11 +37,11 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ..config import ModelConfig
+from ..checkpoint_config import CheckpointConfig
 from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
 from ..modes import TASKS, load_mode
-from ..generator import build_generator
+from ..engines import build_engine
 from ..parallel.mesh import check_world
 from ..limits import Limits
 from ..request_log import parallelism_note
@@ -123,7 +123,7 @@ def _int_param(params: Mapping[str, str], key: str) -> int:
 
 
 @dataclass(frozen=True)
-class ModelSettings:
+class TritonModelSettings:
     """Everything a model instance reads from its config, resolved and checked."""
 
     model_name: str
@@ -138,7 +138,7 @@ class ModelSettings:
     limits: Limits
 
     @staticmethod
-    def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> "ModelSettings":
+    def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> "TritonModelSettings":
         params = read_parameters(model_config)
         name = str(model_config.get("name", "neopp"))
         root = project_root(model_dir)
@@ -152,7 +152,7 @@ class ModelSettings:
         for key in Limits().__dict__:
             _int_param(params, key)
         limits = Limits.from_params(params)
-        return ModelSettings(
+        return TritonModelSettings(
             model_name=name,
             checkpoint=resolve_checkpoint(params, name, root),
             mode_file=mode_file if mode_file.is_absolute() else root / mode_file,
@@ -196,11 +196,11 @@ class NeoPPTritonModel:
         Metadata then reports the exact geometry and Triton itself rejects a wrong layout.
         Inputs/outputs missing from config.pbtxt are added from the contract table.
         """
-        cfg = auto_complete_model_config.as_dict()
-        settings = ModelSettings.from_config(cfg, cls.MODEL_DIR)
-        layers, kv_heads, head_dim = ModelConfig.from_checkpoint(settings.checkpoint).kv_dims
+        config = auto_complete_model_config.as_dict()
+        settings = TritonModelSettings.from_config(config, cls.MODEL_DIR)
+        layers, kv_heads, head_dim = CheckpointConfig.from_checkpoint(settings.checkpoint).kv_dims
         kv_dims = [layers, 2, -1, kv_heads, head_dim]
-        existing = {entry["name"]: entry for entry in cfg.get("input", [])}
+        existing = {entry["name"]: entry for entry in config.get("input", [])}
         for name, spec in INPUT_SPECS.items():
             entry = existing.get(name)
             if entry is None:
@@ -212,7 +212,7 @@ class NeoPPTritonModel:
                 if len(dims) not in (0, 5) or any(d not in (-1, k) for d, k in zip(dims, kv_dims)):
                     raise ValueError(f"{name}: config.pbtxt dims {dims} contradict the checkpoint's {kv_dims}")
                 entry["dims"] = kv_dims  # in place: add_input refuses to change declared dims
-        present = {entry["name"] for entry in cfg.get("output", [])}
+        present = {entry["name"] for entry in config.get("output", [])}
         for name, spec in OUTPUT_SPECS.items():
             if name not in present:
                 auto_complete_model_config.add_output({"name": name, "data_type": spec.data_type,
@@ -227,7 +227,7 @@ class NeoPPTritonModel:
         self.logger = pb_utils.Logger
         model_config = json.loads(args["model_config"])
         model_dir = Path(args["model_repository"]) if args.get("model_repository") else self.MODEL_DIR
-        self.settings = ModelSettings.from_config(model_config, model_dir)
+        self.settings = TritonModelSettings.from_config(model_config, model_dir)
         self.model_name = args.get("model_name", self.settings.model_name)
         self.mode = load_mode(self.settings.mode_file)
         default_size = self.mode.default_size
@@ -241,7 +241,7 @@ class NeoPPTritonModel:
                                self.mode.world_size)
         if self.settings.worker_processes:
             check_world(self.mode, self.settings.worker_processes)
-        self.engine = build_generator(self.settings.checkpoint, self.mode, device, self.settings.dtype,
+        self.engine = build_engine(self.settings.checkpoint, self.mode, device, self.settings.dtype,
                                          self.settings.limits, self._threads(model_config), instance_index,
                                          collective_timeout_s=self.settings.collective_timeout_s)
         self.kv_dims = self.engine.config.kv_dims

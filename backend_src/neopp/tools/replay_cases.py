@@ -46,7 +46,7 @@ class Case:
     nproc: int = 1
     cfg_scale: float = 4.0
     cfg_interval: tuple[float, float] = (-1.0, 2.0)
-    cfg: bool = True
+    config: bool = True
 
 
 MOE = "checkpoints/neopp_moe"
@@ -62,7 +62,7 @@ CASES: dict[str, Case] = {
                            "dense_3turn_2k", (2048, 2048), ((298, 9, 200), (366, 12, None), (441, 15, None))),
     "dense_8steps_lora_2k": Case("dense 8-step LoRA, CFG off (no uncond prefix)", "neopp_dense_8steps.json",
                                  "dense_8steps_2k", (2048, 2048), ((298, None, 200),),
-                                 cfg_scale=1.0, cfg=False),
+                                 cfg_scale=1.0, config=False),
     "moe_t2i_1k": Case("MoE t2i, one turn", "neopp_moe.json", "moe_t2i_1k", (1024, 1024), MOE_TURN,
                        checkpoint=MOE, cfg_interval=(0.0, 1.0)),
     "moe_cfg_parallel_1k": Case("moe_t2i_1k on 2 CFG ranks", "neopp_moe_parallel_cfg.json", "moe_t2i_1k",
@@ -108,7 +108,7 @@ def case_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
             "--cfg-interval", *_words(env, "CFG_INTERVAL", case.cfg_interval),
             "--cfg-norm", pick("CFG_NORM", "none"), "--timestep-shift", pick("SHIFT", 3.0)]
     argv += ["--steps", env["STEPS"]] if env.get("STEPS") else []
-    argv += [] if case.cfg else ["--no-cfg"]
+    argv += [] if case.config else ["--no-cfg"]
     argv += ["--output-dir", pick("OUT_DIR", "outputs/replay"), "--output-prefix", pick("PREFIX", name)]
     for i, (cond, uncond, seed) in enumerate(_turns(case, env)):
         uncond_file = "none" if uncond == "none" else f"{kv_dir}/turn{i}_uncond.pt"

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError, InputError
 from ..kv_cache import load_kv_file
-from ..modes import CFG_NORMS, TASKS, ModeConfig, load_mode
+from ..modes import CFG_NORMS, TASKS, ModeSpec, load_mode
 from ..rng import NoiseStream
 from ..runner import NeoPPRunner
 
@@ -90,7 +90,7 @@ class Replayer:
     """A runner plus what a rank needs to know: only rank 0 writes files and prints."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.mode: ModeConfig = load_mode(args.mode)
+        self.mode: ModeSpec = load_mode(args.mode)
         self.rank, self.world_size = 0, self.mode.world_size
         dtype = DTYPES[args.dtype]
         device = None if args.device == "auto" else args.device

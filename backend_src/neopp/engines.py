@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from .checkpoint import default_dtype
-from .config import ModelConfig
+from .checkpoint_config import CheckpointConfig
 from .limits import Limits
-from .modes import ModeConfig
+from .modes import ModeSpec
 from .pipeline import GenerationRequest, NeoPPPipeline, StepFn, StopFn, set_threads
 from .request_rules import RequestRules
 
@@ -23,8 +23,8 @@ from .request_rules import RequestRules
 class GenerationEngine(Protocol):
     """What the Triton models, the runner and the replay tools call, whatever runs the steps."""
 
-    config: ModelConfig
-    mode: ModeConfig
+    config: CheckpointConfig
+    mode: ModeSpec
     rules: RequestRules
 
     def validate(self, req: GenerationRequest) -> None: ...
@@ -37,7 +37,7 @@ class GenerationEngine(Protocol):
     def close(self) -> None: ...
 
 
-def build_generator(ckpt_dir: str | Path, mode: ModeConfig, device: str | None = None,
+def build_engine(ckpt_dir: str | Path, mode: ModeSpec, device: str | None = None,
                     dtype: torch.dtype | None = None, limits: Limits | None = None, threads: int | None = None,
                     instance_index: int = 0, gpus: list[int] | None = None,
                     collective_timeout_s: float = 120.0) -> GenerationEngine:
@@ -49,9 +49,9 @@ def build_generator(ckpt_dir: str | Path, mode: ModeConfig, device: str | None =
     from .parallel.engine import check_heads
     from .parallel.workers import PoolSpec, WorkerPool, instance_devices
 
-    cfg = ModelConfig.from_checkpoint(ckpt_dir)
-    check_heads(cfg, mode)
+    config = CheckpointConfig.from_checkpoint(ckpt_dir)
+    check_heads(config, mode)
     devices = instance_devices(mode.world_size, instance_index, gpus)
     dtype = dtype or default_dtype(torch.device(devices[0]))
     spec = PoolSpec(str(ckpt_dir), mode, devices, dtype, limits, threads, collective_timeout_s)
-    return WorkerPool(spec, RequestRules(cfg, limits))
+    return WorkerPool(spec, RequestRules(config, limits))

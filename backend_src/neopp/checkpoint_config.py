@@ -25,7 +25,7 @@ def _get(section: dict, key: str, where: str, default: Any = ..., kind: type = i
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class CheckpointConfig:
     """Geometry and constants of the generation tower, read from the checkpoint's config.json."""
 
     num_layers: int
@@ -65,7 +65,7 @@ class ModelConfig:
         return (self.num_layers, self.num_kv_heads, self.head_dim)
 
     @staticmethod
-    def from_dict(raw: dict) -> "ModelConfig":
+    def from_dict(raw: dict) -> "CheckpointConfig":
         llm = raw.get("llm_config")
         vision = raw.get("vision_config")
         if not isinstance(llm, dict):
@@ -74,7 +74,7 @@ class ModelConfig:
             raise ConfigError("config.json: required section 'vision_config' is missing")
         L, V = "llm_config.", "vision_config."
         num_experts = _get(llm, "gen_num_experts", L, 0)
-        cfg = ModelConfig(
+        config = CheckpointConfig(
             num_layers=_get(llm, "num_hidden_layers", L),
             hidden_size=_get(llm, "hidden_size", L),
             num_heads=_get(llm, "num_attention_heads", L),
@@ -96,11 +96,11 @@ class ModelConfig:
             num_experts_per_tok=_get(llm, "num_experts_per_tok", L, 0 if not num_experts else ...),
             norm_topk_prob=_get(llm, "norm_topk_prob", L, True, bool),
         )
-        cfg.check()
-        return cfg
+        config.check()
+        return config
 
     @staticmethod
-    def from_checkpoint(ckpt_dir: str | Path) -> "ModelConfig":
+    def from_checkpoint(ckpt_dir: str | Path) -> "CheckpointConfig":
         path = Path(ckpt_dir) / "config.json"
         if not path.is_file():
             raise ConfigError(f"checkpoint: {path} does not exist")
@@ -108,7 +108,7 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
-        return ModelConfig.from_dict(raw)
+        return CheckpointConfig.from_dict(raw)
 
     def check(self) -> None:
         """Reject geometry the computation cannot run, naming the key."""
