@@ -10,7 +10,6 @@ head or branch would cause (checked by the negative control below).
 
 from __future__ import annotations
 
-import socket
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from neopp.kv_cache import load_kv_file
 from neopp.modes import load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
+from neopp.ports import free_ports
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
 MODES = {"cfg": "configs/neopp/neopp_dense_parallel_cfg.json",
@@ -66,9 +66,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str, kv: dict, mode_path: str,
 def _run_ranks(world: int, ckpt, kv, mode_path: str, interval) -> dict:
     ctx = tmp.get_context("spawn")
     out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_ports(1)[0]
     procs = [ctx.Process(target=_rank, args=(r, world, port, str(ckpt), kv, mode_path, interval, out))
              for r in range(world)]
     for p in procs:

@@ -14,9 +14,10 @@ import torch
 from neopp.errors import ConfigError, InputError
 from neopp.limits import Limits
 from neopp.serving.request_parsing import INPUT_SPECS, parse_request
-from neopp.serving.triton_model import choose_device, read_parameters, resolve_checkpoint
-from neopp.serving.tritonserver import (find_install, pick_free_ports, prepare_backend_dir, python_tag,
-                                        server_env)
+from neopp.serving.parameters import read_parameters
+from neopp.serving.triton_model import PARAMETER_DEFAULTS, choose_device, resolve_checkpoint
+from neopp.ports import free_ports
+from neopp.serving.tritonserver import find_install, prepare_backend_dir, python_tag, server_env
 
 
 def test_backend_dir_holds_the_stub_for_this_python(tmp_path):
@@ -40,7 +41,7 @@ def test_server_env_puts_interpreter_libdir_first_and_venv_bin_first():
 
 
 def test_free_ports_are_distinct_and_bindable():
-    ports = pick_free_ports(3)
+    ports = free_ports(3)
     assert len(set(ports)) == 3
     for port in ports:
         with socket.socket() as s:
@@ -48,7 +49,7 @@ def test_free_ports_are_distinct_and_bindable():
 
 
 def test_checkpoint_env_precedence(tmp_path):
-    params = read_parameters({"parameters": {"checkpoint": {"string_value": "checkpoints/x"}}})
+    params = read_parameters({"parameters": {"checkpoint": {"string_value": "checkpoints/x"}}}, PARAMETER_DEFAULTS)
     root = tmp_path
     assert resolve_checkpoint(params, "neopp_moe", root, env={}) == root / "checkpoints/x"
     env = {"NEOPP_CHECKPOINT": "/a", "NEOPP_CHECKPOINT_NEOPP_MOE": "/b"}

@@ -23,10 +23,6 @@ class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight, self.bias = weight, bias
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 

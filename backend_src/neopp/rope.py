@@ -51,10 +51,6 @@ class Rope3D:
         rope.cos, rope.sin, rope.perm = cos, sin, perm
         return rope
 
-    def slice(self, start: int, stop: int) -> "Rope3D":
-        """The tables of a token range (a sequence-parallel shard)."""
-        return self._from_tables(self.cos[start:stop], self.sin[start:stop], self.perm)
-
     def padded_slice(self, total: int, start: int, stop: int) -> "Rope3D":
         """Tables extended to `total` tokens with identity rotations (padding), then sliced."""
         pad = total - self.cos.shape[0]

@@ -30,9 +30,10 @@ from tritonclient.utils import InferenceServerException
 from neopp.serving.admin import grpc_headers, http_headers
 from neopp.serving.procs import descendants, ppid, process_group_members, rss_bytes
 from neopp.serving.shm_regions import regions
-from neopp.serving.tritonserver import TritonServer, pick_free_ports
+from neopp.serving.tritonserver import TritonServer
 from testing import REPO as REPO_ROOT
 from neopp.serving.watchdog import force_reload, model_stub_pids
+from neopp.ports import free_ports
 
 MODEL = "neopp_dense"
 KEY = "test-operator-key-0123456789abcdef"
@@ -82,7 +83,7 @@ def _stop_launcher(proc: subprocess.Popen) -> None:
 @pytest.fixture(scope="module")
 def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("launcher") / "serve.log"
-    http_port, grpc_port, metrics_port = pick_free_ports(3)
+    http_port, grpc_port, metrics_port = free_ports(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT")}
     env.update(NEOPP_CHECKPOINT=str(tiny_dense), NEOPP_ADMIN_KEY=KEY, PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "neopp.serving.tritonserver", "serve", "--http-port", str(http_port),

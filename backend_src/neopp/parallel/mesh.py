@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..modes import ModeSpec
+from ..ports import free_ports
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0
 
@@ -110,13 +111,7 @@ def init_mesh_from_env(mode: ModeSpec, device: torch.device | None = None) -> Me
     check_world(mode, world_size)
     device = device or torch.device("cpu")
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), RANK="0")
     return init_mesh(mode, int(os.environ.get("RANK", "0")), world_size, "env://", device)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -20,7 +20,8 @@ from typing import Sequence
 from .admin import KEY_HEADER, load_or_create_key, new_front_key
 from .http_front import HttpFront
 from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
-from .tritonserver import LOOPBACK, TritonServer, pick_free_port
+from ..ports import LOOPBACK, free_ports
+from .tritonserver import TritonServer
 
 
 def log(message: str) -> None:
@@ -33,7 +34,7 @@ class Supervisor:
     def __init__(self, ns: argparse.Namespace, extra: Sequence[str], key: str) -> None:
         self.ns, self.extra, self.key = ns, list(extra), key
         self.front_key = new_front_key()
-        self.upstream_port = pick_free_port()
+        self.upstream_port = free_ports(1)[0]
         self.stop_requested = False
         self.restarts = 0
         self.server: TritonServer | None = None

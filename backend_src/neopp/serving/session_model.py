@@ -38,6 +38,7 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, shown
 from .error_status import status_of_message
+from .parameters import read_parameters
 from .request_parsing import text_value
 from .sessions import SequenceSlots, SessionTable, TurnPlan, UnknownSession
 
@@ -56,11 +57,8 @@ RELEASE_REQUEST_ID = "neopp-session-release"  # the model's own sequence_end of 
 
 
 def session_parameters(model_config: dict[str, Any]) -> dict[str, str]:
-    """``parameters`` of config.pbtxt as strings, defaults filled in."""
-    params = dict(SESSION_PARAMETERS)
-    for key, value in (model_config.get("parameters") or {}).items():
-        params[key] = str(value.get("string_value", "")) if isinstance(value, dict) else str(value)
-    return params
+    """``parameters`` of config.pbtxt as strings, the session model's defaults filled in."""
+    return read_parameters(model_config, SESSION_PARAMETERS)
 
 
 def build_table(params: dict[str, str]) -> SessionTable:

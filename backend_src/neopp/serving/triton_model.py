@@ -48,6 +48,7 @@ from ..request_log import parallelism_note
 from ..pipeline import GenerationRequest
 from ..rng import NoiseStream
 from .metrics import GenerationMetrics
+from .parameters import read_parameters
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .request_parsing import (INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT_NAMES,
                               ParsedRequest, parse_request)
@@ -65,14 +66,6 @@ PARAMETER_DEFAULTS: dict[str, str] = {
 }
 _DTYPES = {"auto": None, "": None, "float32": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def read_parameters(model_config: Mapping[str, Any]) -> dict[str, str]:
-    """config.pbtxt ``parameters`` as plain strings, defaults filled in."""
-    params = dict(PARAMETER_DEFAULTS)
-    for key, value in (model_config.get("parameters") or {}).items():
-        params[key] = str(value.get("string_value", "")) if isinstance(value, dict) else str(value)
-    return params
 
 
 def project_root(model_dir: Path | str | None, env: Mapping[str, str] | None = None) -> Path:
@@ -139,7 +132,7 @@ class TritonModelSettings:
 
     @staticmethod
     def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> "TritonModelSettings":
-        params = read_parameters(model_config)
+        params = read_parameters(model_config, PARAMETER_DEFAULTS)
         name = str(model_config.get("name", "neopp"))
         root = project_root(model_dir)
         mode_file = Path(params["mode_file"]).expanduser()

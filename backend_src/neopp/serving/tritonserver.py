@@ -21,7 +21,6 @@ import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -32,13 +31,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Sequence
 
+from ..ports import LOOPBACK, free_ports
 from .admin import FRONT_HEADER, AdminKeyError, restriction_args
 from .procs import process_group_members
 from .shm_regions import backend_args, new_prefix, remove_regions
 
 # Relative to the working directory (the checkout for `make serve`), never to the installed package.
 DEFAULT_BACKEND_DIR = Path("build") / "triton_backends"
-LOOPBACK = "127.0.0.1"
 
 
 class TritonLaunchError(RuntimeError):
@@ -130,27 +129,6 @@ def server_env(install: TritonInstall | None = None, base: dict[str, str] | None
     return env
 
 
-def pick_free_port(host: str = LOOPBACK) -> int:
-    """A port the OS reports free right now (a tiny race remains; callers retry on failure)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def pick_free_ports(count: int, host: str = LOOPBACK) -> list[int]:
-    """``count`` distinct free ports (sockets held together so they differ)."""
-    socks = []
-    try:
-        for _ in range(count):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind((host, 0))
-            socks.append(s)
-        return [int(s.getsockname()[1]) for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
 try:  # resolved here, not in the forked child, where dlopen's lock could be held by another thread
     _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux: stop() remains the way out
@@ -180,7 +158,7 @@ class TritonServer:
         growth step) sizes the Python backend's regions; each server gets its own region prefix.
         """
         self.model_repository = Path(model_repository).resolve()
-        free = iter(pick_free_ports(3))
+        free = iter(free_ports(3))
         self.http_port = http_port or next(free)
         self.grpc_port = grpc_port or next(free)
         self.metrics_port = metrics_port or next(free)

@@ -1,0 +1,14 @@
+"""A model's ``parameters`` from config.pbtxt, read the same way by every model of the repository."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def read_parameters(model_config: Mapping[str, Any], defaults: Mapping[str, str]) -> dict[str, str]:
+    """The parameters as plain strings (Triton wraps each in ``string_value``), ``defaults`` filled in."""
+    params = dict(defaults)
+    for key, value in (model_config.get("parameters") or {}).items():
+        params[key] = str(value.get("string_value", "")) if isinstance(value, dict) else str(value)
+    return params
