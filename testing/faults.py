@@ -1,7 +1,9 @@
 """Fault scenarios against a real server, measured: what the client sees, how long recovery takes.
 
 Used by the e2e tests (which assert on the outcome) and by ``testing.soak`` (which prints
-it). Every wait is bounded; only processes of the server under test are signalled, by pid.
+it). Every wait is bounded. Processes are looked up from the server under test (its pid and
+process group, ``neopp.serving.procs``) and re-checked right before they are signalled, so
+another server on the same host is never selected or touched.
 """
 
 from __future__ import annotations
@@ -15,21 +17,63 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from testing.fuzz import Inputs
 from testing.loadgen import image_bytes, infer
-from neopp.serving.watchdog import model_stub_pids
+from neopp.serving.procs import model_stubs, server_processes, spawned_children
 
 STEPS_METRIC = "neopp_denoising_steps_total"
 
 
-def metric(metrics_url: str, name: str, **labels: str) -> float:
-    """Current value of one series (0 when absent)."""
-    text = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+def _series(metrics_url: str) -> list[tuple[str, dict[str, str], float]]:
+    text = urllib.request.urlopen(metrics_url, timeout=30).read().decode()
+    out = []
     for line in text.splitlines():
         m = re.match(r"^(\w+)\{(.*)\} (\S+)$", line)
-        if m and m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2))) == labels:
-            return float(m.group(3))
-    return 0.0
+        if m:
+            out.append((m.group(1), dict(re.findall(r'(\w+)="([^"]*)"', m.group(2))), float(m.group(3))))
+    return out
+
+
+def metric(metrics_url: str, name: str, **labels: str) -> float:
+    """Current value of one series (0 when absent)."""
+    return next((v for n, got, v in _series(metrics_url) if n == name and got == labels), 0.0)
+
+
+def metric_sum(metrics_url: str, name: str, **labels: str) -> float:
+    """Sum over every series of ``name`` carrying ``labels`` (e.g. failures of all reasons)."""
+    return sum(v for n, got, v in _series(metrics_url) if n == name and labels.items() <= got.items())
+
+
+def signal_own(server_pid: int, pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signal ``pid`` only if it is still one of this server's processes (a pid can be reused)."""
+    if pid not in server_processes(server_pid):
+        raise RuntimeError(f"pid {pid} is not a process of tritonserver {server_pid}; not signalled")
+    os.kill(pid, sig)
+
+
+def stub_pid(server_pid: int, model: str, timeout: float = 60.0) -> int:
+    """The one Python stub of ``model`` under this server (a model with one instance).
+
+    Just after a reload the old stub may still be exiting next to the new one: wait (bounded)
+    until one is left, so the stub picked is the one serving.
+    """
+    pids: list[int] = []
+
+    def one() -> bool:
+        nonlocal pids
+        pids = model_stubs(server_pid, model)
+        return len(pids) == 1
+
+    if not wait_for(one, timeout, poll=0.1):
+        raise RuntimeError(f"expected one stub for {model} under server {server_pid}, found {pids}")
+    return pids[0]
+
+
+def rank_pids(server_pid: int, model: str) -> list[int]:
+    """Rank worker pids of a parallel model: spawned children of its stub under this server."""
+    return spawned_children(stub_pid(server_pid, model), server_pid)
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, poll: float = 0.05) -> bool:
@@ -61,10 +105,7 @@ def kill_stub(client: Any, server_pid: int, model: str, inputs: Inputs, expected
 
     Recovery needs something that reloads the model (a running ``StubWatchdog``).
     """
-    pids = model_stub_pids(server_pid, model)
-    if len(pids) != 1:
-        raise RuntimeError(f"expected one stub for {model}, found {pids}")
-    outcome = StubKill(model, pids[0])
+    outcome = StubKill(model, stub_pid(server_pid, model))
     worker = None
     if during is not None:
         def long_request() -> None:
@@ -78,9 +119,10 @@ def kill_stub(client: Any, server_pid: int, model: str, inputs: Inputs, expected
         worker = threading.Thread(target=long_request)
         worker.start()
         if metrics_url:  # the generation is really running: a step is done
-            wait_for(lambda: metric(metrics_url, STEPS_METRIC, model=model) >= before + 1, 60)
+            if not wait_for(lambda: metric(metrics_url, STEPS_METRIC, model=model) >= before + 1, timeout):
+                raise RuntimeError(f"{model}: the long request ran no step within {timeout:.0f}s")
     killed_at = time.monotonic()
-    os.kill(outcome.killed_pid, signal.SIGKILL)
+    signal_own(server_pid, outcome.killed_pid)
     if worker is not None:
         worker.join(timeout)
     deadline = killed_at + timeout
@@ -138,54 +180,119 @@ class Shutdown:
     exit_code: int | None
     left_behind: list[int]
     unanswered: int
+    queued: int = 0  # requests waiting in Triton's queue when the signal went out (one more ran)
+    step_s: float = 0.0  # mean seconds per denoising step before the signal: this machine's pace
+
+
+PENDING = "nv_inference_pending_request_count"
+DONE = ("nv_inference_request_success", "nv_inference_request_failure")
+
+
+def _queue_state(metrics_url: str, model: str) -> tuple[float, float, float, float]:
+    """(pending, answered, steps, step seconds) of ``model`` from one scrape of the metrics."""
+    series = [(n, v) for n, labels, v in _series(metrics_url) if labels.get("model") == model]
+    total = lambda *names: sum(v for n, v in series if n in names)  # noqa: E731
+    return total(PENDING), total(*DONE), total(STEPS_METRIC), total("neopp_step_seconds_total")
+
+
+def _work(inputs: Inputs) -> float:
+    """Pixels x steps of a request (0 when not given): the heaviest one is sent first."""
+    size, steps = inputs.get("SIZE"), inputs.get("STEPS")
+    pixels = float(np.prod(size[0])) if size is not None else 0.0
+    return pixels * (float(steps[0][0]) if steps is not None else 1.0)
+
+
+def _require(what: str, condition: Callable[[], bool], timeout: float) -> None:
+    if not wait_for(condition, timeout, poll=0.1):
+        raise RuntimeError(f"not reached within {timeout:.0f}s: {what}")
+
+
+class _Senders:
+    """One thread per request, each with a client made up front (so which protocol goes where is
+    fixed by the order of sending); answers are ``ok``, ``error: ...`` or ``no answer``."""
+
+    def __init__(self, make_client: Callable[[], Any], model: str, timeout: float) -> None:
+        self.make_client, self.model, self.timeout = make_client, model, timeout
+        self.answers: dict[int, str] = {}
+        self.threads: list[threading.Thread] = []
+
+    def send(self, key: int, inputs: Inputs) -> None:
+        client = self.make_client()
+
+        def run() -> None:
+            try:
+                infer(client, self.model, inputs, timeout=self.timeout)
+                self.answers[key] = "ok"
+            except Exception as exc:  # noqa: BLE001 - a clean error is an acceptable answer
+                self.answers[key] = f"error: {type(exc).__name__}: {exc}"
+            finally:
+                client.close()
+
+        thread = threading.Thread(target=run, name=f"sigterm-request-{key}")
+        thread.start()
+        self.threads.append(thread)
+
+    def join(self, timeout: float) -> int:
+        """Wait for every answer (one deadline for all); returns how many threads still run."""
+        deadline = time.monotonic() + timeout
+        for t in self.threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        return sum(t.is_alive() for t in self.threads)
+
+
+def _hold_all(server: Any, senders: _Senders, requests: list[Inputs], timeout: float) -> tuple[int, float]:
+    """Send the heaviest request, wait until it runs, send the rest, wait until Triton queues them.
+
+    The model has one instance, so while the first request runs, every other one it received is
+    counted as pending; with none answered yet, pending == len - 1 means all were received (an
+    HTTP request still being read at the signal would hold the shutdown until its client gives
+    up). Returns (pending, seconds per step so far).
+    """
+    url, model, n = server.metrics_url, senders.model, len(requests)
+    order = sorted(range(n), key=lambda i: -_work(requests[i]))
+    _, done0, steps0, secs0 = _queue_state(url, model)
+    senders.send(order[0], requests[order[0]])
+    _require(f"{model}: the first request runs a step", lambda: _queue_state(url, model)[2] > steps0, timeout)
+    for i in order[1:]:
+        senders.send(i, requests[i])
+    _require(f"{model}: {n - 1} requests queued", lambda: _queue_state(url, model)[0] >= n - 1, timeout)
+    pending, done, steps, secs = _queue_state(url, model)
+    if done != done0:
+        raise RuntimeError(f"{model}: a request finished before all {n} were held; make the first longer")
+    return int(pending), (secs - secs0) / max(steps - steps0, 1.0)
 
 
 def sigterm_in_flight(server: Any, make_client: Callable[[], Any], model: str, requests: list[Inputs],
-                      started: Callable[[], bool], answer_timeout: float = 120.0, group: bool = False) -> Shutdown:
-    """Send ``requests`` concurrently, SIGTERM the server once ``started()``, collect every answer.
+                      started: Callable[[], bool] | None = None, answer_timeout: float = 120.0,
+                      group: bool = False) -> Shutdown:
+    """Send ``requests``, SIGTERM the server once it holds them all (and ``started()``, if given),
+    send one more, collect every answer.
 
-    ``server`` is a started ``TritonServer``; its process group is checked for leftovers.
-    ``group``: SIGTERM the whole process group (server and stubs), as a service manager does.
+    ``server`` is a started ``TritonServer`` whose ``model`` has one instance; its process group
+    is checked for leftovers. ``group``: SIGTERM the whole process group (server and stubs), as
+    a service manager does. Every wait is bounded by ``answer_timeout``.
     """
     from neopp.serving.procs import process_group_members
 
-    answers: list[str | None] = [None] * len(requests)
-
-    def send(i: int) -> None:
-        client = make_client()
-        try:
-            infer(client, model, requests[i], timeout=answer_timeout)
-            answers[i] = "ok"
-        except Exception as exc:  # noqa: BLE001 - a clean error is an acceptable answer
-            answers[i] = f"error: {type(exc).__name__}: {exc}"
-        finally:
-            client.close()
-
-    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(requests))]
-    for t in threads:
-        t.start()
-    wait_for(started, 60)
+    senders = _Senders(make_client, model, answer_timeout)
+    pending, step_s = _hold_all(server, senders, requests, answer_timeout)
+    if started is not None:
+        _require("started()", started, answer_timeout)
     pgid = server.process.pid
     t0 = time.monotonic()
     if group:
         os.killpg(pgid, signal.SIGTERM)
     else:
         server.process.send_signal(signal.SIGTERM)
-    late = threading.Thread(target=send, args=(len(requests),))
-    requests = [*requests, requests[0]]
-    answers.append(None)
-    time.sleep(0.2)
-    late.start()
-    threads.append(late)
+    late = len(requests)
+    senders.send(late, min(requests, key=_work))
     try:
         code = server.process.wait(timeout=answer_timeout)
     except Exception:  # noqa: BLE001 - reported as a hang; stop() below kills it
         code = None
     stop_s = time.monotonic() - t0
-    for t in threads:
-        t.join(timeout=answer_timeout)
+    unanswered = senders.join(answer_timeout)
     left = process_group_members(pgid)
     server.stop(timeout=10)  # closes the log; kills anything left (reported above)
-    answers = [a or "no answer" for a in answers]
-    return Shutdown(answers[:-1], answers[-1], stop_s, code, left,
-                    sum(1 for t in threads if t.is_alive()))
+    answers = [senders.answers.get(i, "no answer") for i in range(late + 1)]
+    return Shutdown(answers[:-1], answers[-1], stop_s, code, left, unanswered, pending, step_s)

@@ -161,7 +161,7 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
     server.start()
     pgid = server.process.pid
     try:
-        server.wait_ready(timeout=300)
+        server.wait_ready(timeout=600)  # eight models, rank workers included, on a busy host
         kv = tiny_dense / "sample_kv"
         handle = TritonHandle(server, tiny_dense, load_kv_file(kv / "cond_kv.pt"),
                               load_kv_file(kv / "uncond_kv.pt"), log_path)

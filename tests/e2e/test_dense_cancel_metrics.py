@@ -15,12 +15,12 @@ CANCELLED = {"reason": "cancelled"}
 LONG = dict(SIZE=np.array([1024, 1024], I64), STEPS=np.array([200], I64), SEED=np.array([4], I64))
 
 
-def _cancelled_early(triton, start_steps: float, cancelled_before: float) -> float:
+def _cancelled_early(triton, start_steps: float, cancelled_before: float, min_steps: int = 1) -> float:
     """Wait (bounded) until the model reports the cancellation; return the steps it ran."""
     cancelled = triton.wait_metric("neopp_failures_total", cancelled_before + 1, **CANCELLED)
     assert cancelled == cancelled_before + 1, "the model never observed the cancellation"
     ran = triton.metric(STEPS) - start_steps
-    assert 1 <= ran < 200, f"cancelled request ran {ran} of 200 steps"
+    assert min_steps <= ran < 200, f"cancelled request ran {ran} of 200 steps"
     return ran
 
 
@@ -44,11 +44,13 @@ def test_client_cancel_stops_generation_between_steps(triton):
 
 
 def test_client_timeout_stops_generation(triton):
+    """The deadline is what stops it: on a busy machine it may pass before the first step ends,
+    so no step count is required, only that the model saw the cancellation and stopped early."""
     start, cancelled_before = triton.metric(STEPS), triton.metric("neopp_failures_total", **CANCELLED)
     with pytest.raises(InferenceServerException) as info:
-        triton.infer_grpc(timeout=1.5, **LONG)
+        triton.infer_grpc(timeout=5.0, **LONG)
     assert "DEADLINE_EXCEEDED" in str(info.value.status())
-    ran = _cancelled_early(triton, start, cancelled_before)
+    ran = _cancelled_early(triton, start, cancelled_before, min_steps=0)
     _next_request_runs_alone(triton, start, ran)
 
 

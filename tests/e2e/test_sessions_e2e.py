@@ -20,7 +20,7 @@ COND_TOKENS, UNCOND_TOKENS = 24, 7  # the e2e fixture's sample KV lengths, used 
 
 SESSION = "neopp_session"
 STEPS = 2
-MAX_SESSIONS, IDLE_S = 4, 6.0
+MAX_SESSIONS, IDLE_S = 4, 20.0  # idle limit well above a few turns on a busy machine
 SEEDS = (200, None, None)
 MODE_FILE = REPO_ROOT / "configs" / "neopp" / "neopp_dense.json"
 

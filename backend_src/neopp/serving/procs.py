@@ -1,4 +1,8 @@
-"""Reading /proc: the processes a server runs (stubs, rank workers) and their memory."""
+"""Reading /proc: the processes a server runs (stubs, rank workers) and their memory.
+
+Several servers may share a host, so every lookup of a server's processes starts from that
+server's pid and stays inside its process group: nothing here selects another server's stubs.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,26 @@ def cmdline(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
-def ppid(pid: int) -> int | None:
+STUB_NAME = "triton_python_backend_stub"
+SPAWN_MARKER = "multiprocessing.spawn"  # a child started with the "spawn" start method
+
+
+def _stat(pid: int) -> list[str]:
+    """Fields of /proc/<pid>/stat after "(comm)": state, ppid, pgrp, ... (empty when gone)."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def ppid(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[1]) if fields else None
+
+
+def pgid(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[2]) if fields else None
 
 
 def all_pids() -> list[int]:
@@ -53,17 +72,60 @@ def rss_bytes(pids: list[int]) -> int:
     return total
 
 
-def process_group_members(pgid: int) -> list[int]:
-    """Live pids in process group ``pgid`` (the server's stubs inherit its group)."""
+def process_group_members(group: int) -> list[int]:
+    """Live pids in process group ``group`` (the server's stubs inherit its group)."""
     pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        # fields after "(comm)": state, ppid, pgrp, ...; zombies are already gone for our purpose
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            pids.append(int(entry.name))
+    for pid in all_pids():
+        fields = _stat(pid)
+        # zombies are already gone for our purpose
+        if fields and fields[0] != "Z" and int(fields[2]) == group:
+            pids.append(pid)
     return pids
+
+
+def server_processes(server_pid: int) -> list[int]:
+    """Processes below ``server_pid`` that are still in its process group (stubs, rank workers).
+
+    Both conditions: a process that left the group, or one in the group but not below the
+    server, is not the server's to find or signal.
+    """
+    group = pgid(server_pid)
+    if group is None:
+        return []
+    out = []
+    for pid in descendants(server_pid):
+        fields = _stat(pid)
+        if fields and fields[0] != "Z" and int(fields[2]) == group:  # a zombie is already gone
+            out.append(pid)
+    return out
+
+
+def stub_instance(argv: list[str]) -> str | None:
+    """Instance name (``<model>_<group>_<index>``) a Python stub's argv runs, else None."""
+    if len(argv) >= 9 and Path(argv[0]).name == STUB_NAME:
+        return argv[8]  # argv: stub, model.py, shm name, sizes x2, parent pid, lib dir, ipc key, instance
+    return None
+
+
+def model_stubs(server_pid: int, model: str) -> list[int]:
+    """Stub pids of ``model``'s instances started by this server (children of it, in its group).
+
+    The stub's command line must name both the instance (``<model>_<g>_<i>``) and the model's
+    ``<model>/<version>/model.py``.
+    """
+    out = []
+    for pid in server_processes(server_pid):
+        argv = cmdline(pid)
+        instance = stub_instance(argv)
+        if instance is None or ppid(pid) != server_pid or instance.rsplit("_", 2)[0] != model:
+            continue
+        if Path(argv[1]).name == "model.py" and Path(argv[1]).parts[-3:-2] == (model,):
+            out.append(pid)
+    return sorted(out)
+
+
+def spawned_children(parent: int, server_pid: int) -> list[int]:
+    """Children of ``parent`` started with multiprocessing's "spawn" (rank workers of a stub),
+    limited to ``server_pid``'s processes."""
+    own = set(server_processes(server_pid))
+    return sorted(pid for pid in own if ppid(pid) == parent and any(SPAWN_MARKER in a for a in cmdline(pid)))
