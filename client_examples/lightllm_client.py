@@ -16,7 +16,10 @@ KV tensors (tens of MB) go through system shared memory when the server is on th
 as raw bf16 bytes spliced into the serialized request (one copy of the KV on the client, where
 tritonclient copies it three times; ``raw_bf16=False`` uses tritonclient's own, much slower,
 BF16 encoder).
-Both ways, and both transports, give the same image bytes. The shared memory segment is
+Registering a shared-memory region needs the server's operator key (``admin_key=``,
+``$NEOPP_ADMIN_KEY`` or ``--admin-key-file``; sent as a header on register/unregister only);
+without it the registration is refused, and the client says so once and sends the KV over
+the wire instead. Both ways, and both transports, give the same image bytes. The shared memory segment is
 POSIX shm created with the standard library (``tritonclient.utils.shared_memory`` needs
 ``pkg_resources``, which recent setuptools no longer ships); Triton opens it by key.
 
@@ -27,11 +30,14 @@ from __future__ import annotations
 
 import argparse
 import base64
+import os
+import sys
 import time
 import uuid
+from collections.abc import Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import grpc
 import numpy as np
@@ -46,6 +52,17 @@ SAMPLING_INPUTS = {"cfg_scale": ("CFG_SCALE", np.float32), "timestep_shift": ("T
                    "infer_steps": ("STEPS", np.int64), "cfg_interval": ("CFG_INTERVAL", np.float32),
                    "resize": ("RESIZE", np.int64)}
 STRING_INPUTS = {"cfg_norm": "CFG_NORM", "output_format": "OUTPUT_FORMAT", "task": "TASK"}
+KEY_ENV = "NEOPP_ADMIN_KEY"
+GRPC_KEY_HEADER = "triton-grpc-protocol-neopp-admin-key"  # the header neopp-admin-key, as Triton's gRPC wants it
+
+
+def _key_headers(admin_key: str | None) -> dict[str, str] | None:
+    return {GRPC_KEY_HEADER: admin_key} if admin_key else None
+
+
+def _refused_for_key(exc: InferenceServerException) -> bool:
+    """Triton's answer to a restricted call without (or with a wrong) key."""
+    return "restricted" in (exc.message() or "")
 
 
 def _bf16(kv: Any) -> torch.Tensor:
@@ -57,11 +74,18 @@ def _bf16(kv: Any) -> torch.Tensor:
 class _KVSharedMemory:
     """One POSIX shared-memory segment holding cond and uncond, registered with the server."""
 
-    def __init__(self, client: grpcclient.InferenceServerClient, tensors: list[torch.Tensor]) -> None:
-        self.client = client
+    def __init__(self, client: grpcclient.InferenceServerClient, tensors: list[torch.Tensor],
+                 admin_key: str | None = None) -> None:
+        """Create, register (with the operator key: the server restricts registration) and fill."""
+        self.client, self.headers = client, _key_headers(admin_key)
         self.name = f"neopp_kv_{uuid.uuid4().hex[:16]}"
         self.segment = shared_memory.SharedMemory(name=self.name, create=True, size=max(self._layout(tensors), 64))
-        client.register_system_shared_memory(self.name, "/" + self.name, self.segment.size)
+        try:
+            client.register_system_shared_memory(self.name, "/" + self.name, self.segment.size, headers=self.headers)
+        except BaseException:
+            self.segment.close()
+            self.segment.unlink()
+            raise
         self.write(tensors)
 
     @staticmethod
@@ -100,7 +124,7 @@ class _KVSharedMemory:
         try:
             while True:
                 try:
-                    self.client.unregister_system_shared_memory(self.name)
+                    self.client.unregister_system_shared_memory(self.name, headers=self.headers)
                     break
                 except InferenceServerException as exc:
                     if "in use" not in str(exc) or time.monotonic() > deadline:
@@ -117,8 +141,10 @@ class NeoPPTritonClient:
     def __init__(self, url: str = "localhost:8001", model: str | None = None, stateless: bool = False,
                  sequence_id: int | None = None, shared_memory: bool | None = None, default_seed: int = 0,
                  generation_model: str | None = None, timeout_s: float = 600.0, raw_bf16: bool = True,
-                 splice_kv: bool = True) -> None:
+                 splice_kv: bool = True, admin_key: str | None = None) -> None:
+        """``admin_key`` (default ``$NEOPP_ADMIN_KEY``) is needed only to register shared memory."""
         self.url, self.stateless = url, stateless
+        self.admin_key = admin_key or os.environ.get(KEY_ENV, "").strip() or None
         self.model = model or ("neopp_dense" if stateless else "neopp_session")
         self.generation_model = generation_model  # session mode: MODEL input (None: the server's default)
         self.client = grpcclient.InferenceServerClient(url)
@@ -146,7 +172,20 @@ class NeoPPTritonClient:
             self._shm.write(self._kv)  # reuse the registered segment
         else:
             self._release_shm()
-            self._shm = _KVSharedMemory(self.client, self._kv)
+            self._shm = self._register_shm()
+
+    def _register_shm(self) -> _KVSharedMemory | None:
+        """A registered segment, or None (KV over the wire from now on) when the server wants a key."""
+        try:
+            return _KVSharedMemory(self.client, self._kv, self.admin_key)
+        except InferenceServerException as exc:
+            if not _refused_for_key(exc):
+                raise
+        self.use_shm = False
+        why = "with this key" if self.admin_key else f"without the operator key (${KEY_ENV} or --admin-key-file)"
+        print(f"neopp client: shared-memory registration refused {why}; sending the KV over the wire",
+              file=sys.stderr)
+        return None
 
     def set_inference_params(self, index_offset_cond: int, index_offset_uncond: int | None = None,
                              cfg_interval: Sequence[float] | None = None, cfg_scale: float | None = None,
@@ -203,7 +242,7 @@ class NeoPPTritonClient:
                 self._wire.close()
             self.client.close()
 
-    def __enter__(self) -> "NeoPPTritonClient":
+    def __enter__(self) -> NeoPPTritonClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -359,10 +398,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", default=["200", "none", "none"], help="one per turn; none continues")
     parser.add_argument("--size", type=int, nargs=2, default=[1024, 1024])
     parser.add_argument("--out-prefix", default="lightllm_turn")
+    parser.add_argument("--admin-key-file", help=f"operator key for shared memory (default ${KEY_ENV})")
     args = parser.parse_args(argv)
     from neopp.kv_cache import load_kv_file  # the project's loader: weights_only, either layout
 
-    with NeoPPTritonClient(args.url, model=args.model, stateless=args.stateless) as client:
+    key = Path(args.admin_key_file).read_text().strip() if args.admin_key_file else None
+    with NeoPPTritonClient(args.url, model=args.model, stateless=args.stateless, admin_key=key) as client:
         client.set_kvcache(load_kv_file(args.cond_kv), load_kv_file(args.uncond_kv) if args.uncond_kv else None)
         client.set_inference_params(args.offsets[0], args.offsets[1], output_format="png")
         for turn, seed in enumerate(args.seeds):

@@ -28,12 +28,13 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from neopp.serving.admin import grpc_headers, http_headers
-from neopp.serving.procs import descendants, ppid, process_group_members, rss_bytes
+from neopp.serving.procs import descendants, ppid, process_group_members, rss_bytes, rss_parts
 from neopp.serving.shm_regions import regions
-from neopp.serving.tritonserver import TritonServer
-from testing import REPO as REPO_ROOT
-from neopp.serving.watchdog import force_reload, model_stub_pids
 from neopp.ports import free_ports
+from neopp.serving.tritonserver import TritonServer
+from neopp.serving.watchdog import force_reload, model_stub_pids
+from testing import REPO as REPO_ROOT
+from testing.grpc_memory import refused_burst
 
 MODEL = "neopp_dense"
 KEY = "test-operator-key-0123456789abcdef"
@@ -238,6 +239,51 @@ def test_refused_oversized_requests_keep_no_memory(launched, kv):
               f"{after / 2**20:.1f} MiB; {answers}")
         assert all(a == 413 for a in answers), answers
         assert after < before * 1.10, (before, after)
+        assert _generate(client, kv)
+    finally:
+        client.close()
+
+
+def test_refused_oversized_grpc_requests_keep_no_memory(launched, kv):
+    """A COND_KV of the wrong geometry is refused by Triton's core, so only tritonserver's gRPC
+    buffers held it: with no request pool and the malloc settings they go back to the OS."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    try:
+        assert _generate(client, kv)  # one normal request, then "before"
+        pid = launched.server_pid
+        before = rss_parts(process_group_members(pid))
+        answers = refused_burst(client, "geometry", 5, 200 * 2**20)
+        after = rss_parts(process_group_members(pid))
+        print(f"gRPC, 5 refused 200 MiB requests: RSS of tritonserver and its stubs "
+              f"{before['total'] / 2**20:.1f} -> {after['total'] / 2**20:.1f} MiB")
+        assert all("INVALID_ARGUMENT" in a and "unexpected shape" in a for a in answers), answers
+        assert after["total"] < before["total"] * 1.10, (before, after)
+        assert _generate(client, kv)
+    finally:
+        client.close()
+
+
+def test_oversized_prefixes_the_model_refuses_grow_the_region_once(launched, kv):
+    """The right geometry with too many tokens is copied into the stub's region before the model
+    refuses it: the region grows to the largest such request once, then is reused."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    size = 100 * 2**20
+    try:
+        assert _generate(client, kv)
+        pid = launched.server_pid
+        before = rss_parts(process_group_members(pid))
+        answers = refused_burst(client, "tokens", 3, size)
+        first = rss_parts(process_group_members(pid))
+        answers += refused_burst(client, "tokens", 3, size)
+        second = rss_parts(process_group_members(pid))
+        print(f"gRPC, 2 x 3 refused {size >> 20} MiB prefixes: RSS {before['total'] / 2**20:.1f} -> "
+              f"{first['total'] / 2**20:.1f} -> {second['total'] / 2**20:.1f} MiB "
+              f"(shmem {before['shmem'] / 2**20:.1f} -> {second['shmem'] / 2**20:.1f})")
+        assert all("INVALID_ARGUMENT" in a and "exceeds the limit" in a for a in answers), answers
+        # the region holds one request (plus a growth step); mapped by two processes, so at most twice
+        assert second["shmem"] - before["shmem"] <= 2 * (size + 32 * 2**20), (before, second)
+        assert second["total"] < first["total"] * 1.10, (first, second)  # the second burst reuses it
+        assert second["anon"] < before["anon"] * 1.10, (before, second)  # nothing kept on the heap
         assert _generate(client, kv)
     finally:
         client.close()

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
 
-from testing import REPO as REPO_ROOT
 from neopp.tools import replay_kv, replay_kv_multiturn
+from testing import REPO as REPO_ROOT
 
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # the e2e fixture's sample KV lengths, used as offsets
 

@@ -72,6 +72,24 @@ def rss_bytes(pids: list[int]) -> int:
     return total
 
 
+def rss_parts(pids: list[int]) -> dict[str, int]:
+    """RSS of ``pids`` split as the kernel counts it: ``anon`` (heap), ``file``, ``shmem``
+    (mapped /dev/shm pages, e.g. the Python backend's regions, counted in every process that
+    touched them), and ``total``; a process that is gone counts 0."""
+    fields = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem", "VmRSS:": "total"}
+    out = dict.fromkeys(fields.values(), 0)
+    for pid in pids:
+        try:
+            lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+        except OSError:
+            continue
+        for line in lines:
+            key = fields.get(line.split(maxsplit=1)[0]) if line.strip() else None
+            if key:
+                out[key] += int(line.split()[1]) * 1024
+    return out
+
+
 def process_group_members(group: int) -> list[int]:
     """Live pids in process group ``group`` (the server's stubs inherit its group)."""
     pids = []

@@ -27,9 +27,10 @@ import sysconfig
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO
 
 from ..ports import LOOPBACK, free_ports
 from .admin import FRONT_HEADER, AdminKeyError, restriction_args
@@ -38,6 +39,16 @@ from .shm_regions import backend_args, new_prefix, remove_regions
 
 # Relative to the working directory (the checkout for `make serve`), never to the installed package.
 DEFAULT_BACKEND_DIR = Path("build") / "triton_backends"
+# What a large gRPC request leaves behind, even one Triton refuses (docs/security.md has the
+# figures). Triton keeps up to 8 request objects for reuse (--grpc-infer-allocation-pool-size),
+# and a reused protobuf message keeps the capacity of its largest input: 8 x the largest request
+# seen. With no pool, the buffers are freed, but glibc's defaults keep them in its arenas (its
+# mmap threshold rises to 32 MiB after the first large free). A fixed 64 KiB threshold makes
+# each larger buffer its own mapping, unmapped on free; one arena, no top pad and a 128 KiB trim
+# threshold return the rest. Tritonserver and its stubs (they inherit the environment) get both.
+GRPC_POOL_ARG = "--grpc-infer-allocation-pool-size"
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_TOP_PAD_": "0",
+              "MALLOC_ARENA_MAX": "1"}
 
 
 class TritonLaunchError(RuntimeError):
@@ -116,10 +127,14 @@ def prepend_path(value: str | None, *first: str) -> str:
     return os.pathsep.join(dict.fromkeys(parts))
 
 
-def server_env(install: TritonInstall | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for tritonserver: interpreter LIBDIR before the wheel's libs, venv bin first."""
+def server_env(install: TritonInstall | None = None, base: dict[str, str] | None = None,
+               malloc_env: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for tritonserver: interpreter LIBDIR before the wheel's libs, venv bin first,
+    and ``malloc_env`` (default MALLOC_ENV) unless ``base`` sets those variables itself."""
     install = install or find_install()
     env = dict(os.environ if base is None else base)
+    for name, value in (MALLOC_ENV if malloc_env is None else malloc_env).items():
+        env.setdefault(name, value)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = prepend_path(env.get("LD_LIBRARY_PATH"), libdir, str(install.libs))
     env["PATH"] = prepend_path(env.get("PATH"), str(venv_bin()))
@@ -149,13 +164,15 @@ class TritonServer:
                  backend_dir: Path | str | None = None, extra_args: Sequence[str] = (),
                  env: dict[str, str] | None = None, log_path: Path | str | None = None,
                  admin_key: str | None = None, front_key: str | None = None,
-                 http_address: str | None = None, shm_sizes: tuple[int, int] | None = None) -> None:
+                 http_address: str | None = None, shm_sizes: tuple[int, int] | None = None,
+                 malloc_env: dict[str, str] | None = None) -> None:
         """Ports left as None are picked free; ``env`` is the base environment (default: ours).
 
         ``admin_key`` restricts the administrative APIs (neopp.serving.admin); ``front_key`` makes
         Triton's own HTTP port answer only requests relayed by the HTTP front, which binds the
         public address while Triton's HTTP listens on ``http_address``. ``shm_sizes`` (first size,
         growth step) sizes the Python backend's regions; each server gets its own region prefix.
+        ``malloc_env`` replaces MALLOC_ENV (``{}``: glibc's defaults, to compare).
         """
         self.model_repository = Path(model_repository).resolve()
         free = iter(free_ports(3))
@@ -166,7 +183,7 @@ class TritonServer:
         self.install = find_install()
         self.backend_dir = prepare_backend_dir(backend_dir, self.install)
         self.extra_args = list(extra_args)
-        self.env = server_env(self.install, env)
+        self.env = server_env(self.install, env, malloc_env)
         self.log_path = Path(log_path) if log_path else None
         self.admin_key, self.front_key = admin_key, front_key
         self.http_address = http_address or host
@@ -194,7 +211,7 @@ class TritonServer:
         return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
     def command(self) -> list[str]:
-        """The full tritonserver argv."""
+        """The full tritonserver argv (no pool of gRPC request objects unless ``extra_args`` sets one)."""
         return [str(self.install.server_bin), f"--model-repository={self.model_repository}",
                 f"--backend-directory={self.backend_dir}",
                 f"--http-address={self.http_address}", f"--http-port={self.http_port}",
@@ -202,9 +219,10 @@ class TritonServer:
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                 *backend_args(self.shm_prefix, *(self.shm_sizes or ())),
                 *(restriction_args(self.admin_key, self.front_key) if self.admin_key else []),
+                *([] if any(a.startswith(GRPC_POOL_ARG) for a in self.extra_args) else [f"{GRPC_POOL_ARG}=0"]),
                 *self.extra_args]
 
-    def start(self) -> "TritonServer":
+    def start(self) -> TritonServer:
         """Launch in its own process group so its stubs can be found and stopped with it.
 
         The server also gets SIGTERM if the thread that started it dies (Linux parent-death
@@ -302,7 +320,7 @@ class TritonServer:
                     pass
             time.sleep(0.2)
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         self.start()
         try:
             self.wait_ready()
