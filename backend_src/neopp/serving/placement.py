@@ -132,6 +132,18 @@ def check_overlaps(placements: list[Placement], layout: str) -> None:
                                   'give them disjoint GPUs or set share_gpus: "true" on both')
 
 
+def backend_devices(placement: Placement, instance_kind: str, instance_index: int) -> tuple[str, list[int]] | None:
+    """(device of rank 0, the model's whole GPU list) for an instance the backend places itself;
+    the rank pool takes slice ``instance_index`` of that list again. None where Triton placed the
+    instance (KIND_GPU) or the config names no GPU (the automatic rule applies)."""
+    if not placement.gpus or instance_kind.upper().endswith("GPU"):
+        return None
+    if not 0 <= instance_index < len(placement.instances):
+        raise ConfigError(f"{placement.model}: instance {instance_index} has no GPUs in the layout "
+                          f"({len(placement.instances)} instance slices)")
+    return f"cuda:{placement.instances[instance_index][0]}", [g for gpus in placement.instances for g in gpus]
+
+
 # ---------------------------------------------------------------- the sibling configs on disk
 
 def tokenize(text: str) -> list[str]:
@@ -201,7 +213,10 @@ def sibling_configs(repository: Path, layout: str) -> dict[str, dict[str, Any]]:
     for folder in sorted(p for p in repository.iterdir() if (p / "config.pbtxt").is_file()):
         custom = folder / "configs" / f"{layout}.pbtxt"
         path = custom if layout and custom.is_file() else folder / "config.pbtxt"
-        config = read_placement_fields(path.read_text())
+        try:
+            config = read_placement_fields(path.read_text())
+        except ConfigError as exc:
+            raise ConfigError(f"{folder.name}/{path.relative_to(folder)}: {exc}") from exc
         config["name"] = config["name"] or folder.name
         out[folder.name] = config
     return out

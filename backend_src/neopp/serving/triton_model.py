@@ -54,7 +54,7 @@ from ..rng import NoiseStream
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .metrics import GenerationMetrics
 from .parameters import read_parameters
-from .placement import check_layout
+from .placement import backend_devices, check_layout
 from .request_parsing import INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT_NAMES, ParsedRequest, parse_request
 
 PARAMETER_DEFAULTS: dict[str, str] = {
@@ -256,9 +256,9 @@ class NeoPPTritonModel:
         if model_dir is not None:
             count = torch.cuda.device_count() if torch.cuda.is_available() else 0
             placement = check_layout(model_config, Path(model_dir), self.mode.world_size, count)
-            if placement.gpus and not kind.upper().endswith("GPU"):
-                gpus = [g for instance in placement.instances for g in instance]
-                return f"cuda:{placement.instances[instance_index][0]}", gpus
+            assigned = backend_devices(placement, kind, instance_index)
+            if assigned is not None:
+                return assigned
         return choose_device(self.settings.device_param, kind, int(args.get("model_instance_device_id", 0) or 0),
                              instance_index, self.mode.world_size), None
 
