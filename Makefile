@@ -34,6 +34,7 @@ clean:
 # ---- Triton serving: `make serve` runs the real tritonserver in the foreground.
 # Override: HTTP_PORT GRPC_PORT METRICS_PORT HOST (0.0.0.0 to expose), SERVE_MODELS,
 # NEOPP_CHECKPOINT (a real checkpoint; default: the tiny one in $(TINY_DIR)/dense).
+# CONFIG: a GPU layout, model_repository/*/configs/$(CONFIG).pbtxt (docs/deployment.md); unset: the CPU one.
 # Model load/unload, configs and shared memory need the operator key: ADMIN_KEY_FILE (created 0600
 # at first start) or NEOPP_ADMIN_KEY; the HTTP port is the launcher's front (docs/security.md).
 HTTP_PORT ?= 8000
@@ -54,7 +55,8 @@ serve: tiny
 	NEOPP_CHECKPOINT_NEOPP_MOE_CFG=$(NEOPP_MOE_CHECKPOINT) $(PY) -m neopp.serving.tritonserver serve \
 	  --model-repository model_repository --host $(HOST) --http-port $(HTTP_PORT) \
 	  --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --admin-key-file $(ADMIN_KEY_FILE) \
-	  -- --model-control-mode=explicit $(foreach m,$(SERVE_MODELS),--load-model=$(m))
+	  -- --model-control-mode=explicit $(foreach m,$(SERVE_MODELS),--load-model=$(m)) \
+	  $(if $(CONFIG),--model-config-name=$(CONFIG))
 
 bench-serve: tiny
 	@ldconfig -p | grep -q 'libb64.so.0d' || (apt-get update -qq && apt-get install -y -qq libb64-0d) \

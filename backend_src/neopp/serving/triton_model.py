@@ -13,6 +13,9 @@ Settings come from ``parameters`` in ``config.pbtxt`` (see :data:`PARAMETER_DEFA
 * ``dtype``: ``auto`` (the pipeline's choice: bf16 on GPU, fp32 on CPU) | ``float32`` |
   ``bfloat16`` | ``float16``; ``num_threads``: torch CPU threads per process, 0 shares the cores out over the
   model's instances and ranks (on CPUs);
+* ``gpus``, ``share_gpus``, ``layout``: a multi-GPU layout (``configs/<layout>.pbtxt``, see
+  :mod:`neopp.serving.placement`): instance ``i`` of a KIND_MODEL group takes the ``i``-th slice of
+  ``gpus``, and models of one layout on the same GPU are refused unless both share;
 * limits: ``max_side``, ``max_pixels``, ``max_prefix_tokens``, ``max_steps``,
   ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``.
 
@@ -30,28 +33,29 @@ import signal
 import threading
 import time
 import traceback
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..checkpoint_config import CheckpointConfig
+from ..engines import build_engine
 from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
-from ..modes import TASKS, load_mode
-from ..engines import build_engine
-from ..parallel.mesh import check_world
 from ..limits import Limits
-from ..request_log import parallelism_note
+from ..modes import TASKS, load_mode
+from ..parallel.mesh import check_world
 from ..pipeline import GenerationRequest
+from ..request_log import parallelism_note
 from ..rng import NoiseStream
+from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .metrics import GenerationMetrics
 from .parameters import read_parameters
-from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
-from .request_parsing import (INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT_NAMES,
-                              ParsedRequest, parse_request)
+from .placement import backend_devices, check_layout
+from .request_parsing import INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT_NAMES, ParsedRequest, parse_request
 
 PARAMETER_DEFAULTS: dict[str, str] = {
     "checkpoint": "checkpoints/neopp",
@@ -131,7 +135,7 @@ class TritonModelSettings:
     limits: Limits
 
     @staticmethod
-    def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> "TritonModelSettings":
+    def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
         params = read_parameters(model_config, PARAMETER_DEFAULTS)
         name = str(model_config.get("name", "neopp"))
         root = project_root(model_dir)
@@ -229,14 +233,12 @@ class NeoPPTritonModel:
             raise ConfigError(f"mode {self.mode.name}: default size {default_size} exceeds the model's limits")
         match = re.search(r"_(\d+)$", args.get("model_instance_name", ""))
         instance_index = int(match.group(1)) if match else 0
-        device = choose_device(self.settings.device_param, args.get("model_instance_kind", "CPU"),
-                               int(args.get("model_instance_device_id", 0) or 0), instance_index,
-                               self.mode.world_size)
         if self.settings.worker_processes:
             check_world(self.mode, self.settings.worker_processes)
+        device, gpus = self._place(model_config, model_dir, args, instance_index)
         self.engine = build_engine(self.settings.checkpoint, self.mode, device, self.settings.dtype,
                                          self.settings.limits, self._threads(model_config), instance_index,
-                                         collective_timeout_s=self.settings.collective_timeout_s)
+                                         gpus=gpus, collective_timeout_s=self.settings.collective_timeout_s)
         self.kv_dims = self.engine.config.kv_dims
         self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
@@ -245,6 +247,20 @@ class NeoPPTritonModel:
             f"{self.model_name}: loaded {self.settings.checkpoint} mode={self.mode.name} "
             f"device={self.engine.device} dtype={self.engine.dtype} kv_dims={self.kv_dims} "
             f"threads={torch.get_num_threads()}")
+
+    def _place(self, model_config: Mapping[str, Any], model_dir: Path | None, args: Mapping[str, str],
+               instance_index: int) -> tuple[str, list[int] | None]:
+        """The instance's device and, for a layout naming GPUs, the model's GPU list (the rank pool
+        takes this instance's slice of it). Checked against the layout's other models first."""
+        kind = args.get("model_instance_kind", "CPU")
+        if model_dir is not None:
+            count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            placement = check_layout(model_config, Path(model_dir), self.mode.world_size, count)
+            assigned = backend_devices(placement, kind, instance_index)
+            if assigned is not None:
+                return assigned
+        return choose_device(self.settings.device_param, kind, int(args.get("model_instance_device_id", 0) or 0),
+                             instance_index, self.mode.world_size), None
 
     def _threads(self, model_config: Mapping[str, Any]) -> int | None:
         """`num_threads`, or with 0 on a CPU: the cores shared out over every instance's ranks,
