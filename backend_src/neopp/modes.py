@@ -44,6 +44,8 @@ class SamplingParams:
         if abs(self.cfg_scale) > CFG_SCALE_MAX_ABS:  # a huge scale overflows the guided velocity to inf
             raise InputError(f"cfg_scale: must be within -{CFG_SCALE_MAX_ABS:g}..{CFG_SCALE_MAX_ABS:g}, "
                              f"got {self.cfg_scale:g}")
+        if self.timestep_shift <= 0:
+            raise InputError(f"timestep_shift: must be > 0, got {self.timestep_shift:g}")
         low, high = TIMESTEP_SHIFT_RANGE  # near 0 the schedule's denominator rounds to 0
         if not low <= self.timestep_shift <= high:
             raise InputError(f"timestep_shift: must be in {low:g}..{high:g}, got {self.timestep_shift:g}")
