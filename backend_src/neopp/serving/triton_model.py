@@ -234,7 +234,10 @@ class NeoPPTritonModel:
         """
         config = auto_complete_model_config.as_dict()
         settings = TritonModelSettings.from_config(config, cls.MODEL_DIR)
-        layers, kv_heads, head_dim = CheckpointConfig.from_checkpoint(settings.checkpoint).kv_dims
+        try:
+            layers, kv_heads, head_dim = CheckpointConfig.from_checkpoint(settings.checkpoint).kv_dims
+        except ConfigError as exc:  # the repository index shows this line: say which model and folder
+            raise ConfigError(f"model {settings.model_name}: checkpoint {settings.checkpoint}: {exc}") from exc
         kv_dims = [layers, 2, -1, kv_heads, head_dim]
         existing = {entry["name"]: entry for entry in config.get("input", [])}
         for name, spec in INPUT_SPECS.items():
