@@ -33,7 +33,8 @@ clean:
 
 # ---- Triton serving: `make serve` runs the real tritonserver in the foreground.
 # Override: HTTP_PORT GRPC_PORT METRICS_PORT HOST (0.0.0.0 to expose), SERVE_MODELS,
-# NEOPP_CHECKPOINT (a real checkpoint; default: the tiny one in $(TINY_DIR)/dense).
+# NEOPP_CHECKPOINT (a real checkpoint; default: the tiny one in $(TINY_DIR)/dense), NEOPP_LORA_DIR (the
+# folder of the LoRA file the 8-step mode names; default: $(TINY_DIR)/lora with the tiny checkpoint only).
 # CONFIG: a GPU layout, model_repository/*/configs/$(CONFIG).pbtxt (docs/deployment.md); unset: the CPU one.
 # Model load/unload, configs and shared memory need the operator key: ADMIN_KEY_FILE (created 0600
 # at first start) or NEOPP_ADMIN_KEY; the HTTP port is the launcher's front (docs/security.md).
@@ -45,6 +46,7 @@ SERVE_MODELS ?= neopp_dense neopp_dense_fp8 neopp_dense_cfg neopp_dense_cfg_seq 
                 neopp_moe neopp_moe_cfg neopp_session
 NEOPP_CHECKPOINT ?= $(abspath $(TINY_DIR)/dense)
 NEOPP_MOE_CHECKPOINT ?= $(abspath $(TINY_DIR)/moe)
+NEOPP_LORA_DIR ?= $(if $(filter $(abspath $(TINY_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(TINY_DIR)/lora))
 ADMIN_KEY_FILE ?= $(abspath build/admin.key)
 BENCH_ARGS ?=
 
@@ -52,7 +54,8 @@ BENCH_ARGS ?=
 
 serve: tiny
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) NEOPP_CHECKPOINT_NEOPP_MOE=$(NEOPP_MOE_CHECKPOINT) \
-	NEOPP_CHECKPOINT_NEOPP_MOE_CFG=$(NEOPP_MOE_CHECKPOINT) $(PY) -m neopp.serving.tritonserver serve \
+	NEOPP_CHECKPOINT_NEOPP_MOE_CFG=$(NEOPP_MOE_CHECKPOINT) NEOPP_LORA_DIR=$(NEOPP_LORA_DIR) \
+	$(PY) -m neopp.serving.tritonserver serve \
 	  --model-repository model_repository --host $(HOST) --http-port $(HTTP_PORT) \
 	  --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --admin-key-file $(ADMIN_KEY_FILE) \
 	  -- --model-control-mode=explicit $(foreach m,$(SERVE_MODELS),--load-model=$(m)) \

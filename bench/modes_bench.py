@@ -18,23 +18,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import replace
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 from safetensors.torch import save_file
 
+from bench.common import REPO
 from neopp.engines import build_engine
 from neopp.layers import Linear, MoE, SwiGLU
-from testing.tiny_lora import write_tiny_loras
 from neopp.modes import load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.quant import weight_bytes
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
+from testing.tiny_lora import write_tiny_loras
 
-from bench.common import REPO
 MID_LLM = {"num_hidden_layers": 4, "hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4,
            "head_dim": 64, "rope_theta": 1_000_000.0, "rope_theta_hw": 10_000.0}
 MID_MLP, MID_HEAD, MID_EXPERTS, MID_TOP_K, MID_EXPERT_MLP = 2816, 1024, 8, 2, 704
@@ -91,9 +90,7 @@ def step_times(gen, req: GenerationRequest) -> list[float]:
 def bench_modes(ckpts: dict[str, Path], size: int, steps: int, device: str, threads: int) -> list[dict]:
     rows = []
     for label, mode_name, ckpt in MODES:
-        mode = load_mode(REPO / "configs" / "neopp" / f"{mode_name}.json")
-        if mode.lora_configs:
-            mode = replace(mode, lora_configs=({"path": str(ckpts["lora"]), "strength": 1.0},))
+        mode = load_mode(REPO / "configs" / "neopp" / f"{mode_name}.json", lora_dir=ckpts["lora"].parent)
         dtype = torch.bfloat16 if "bf16" in label else (torch.float32 if device == "cpu" else None)
         per_rank = max(1, threads // mode.world_size)
         start = time.perf_counter()
@@ -117,7 +114,8 @@ def bench_modes(ckpts: dict[str, Path], size: int, steps: int, device: str, thre
 def weight_memory(ckpt: Path, device: str) -> dict:
     """Bytes held by the decoder-layer linears and the whole tower, bf16 load vs FP8 load."""
     out = {}
-    for label, mode_name, dtype in (("bf16", "neopp_dense", torch.bfloat16), ("fp8", "neopp_dense_fp8", torch.bfloat16)):
+    for label, mode_name, dtype in (("bf16", "neopp_dense", torch.bfloat16),
+                                    ("fp8", "neopp_dense_fp8", torch.bfloat16)):
         pipe = NeoPPPipeline.from_pretrained(ckpt, load_mode(REPO / "configs" / "neopp" / f"{mode_name}.json"),
                                              device, dtype)
         tower = pipe.transformer

@@ -14,8 +14,8 @@ import os
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -24,14 +24,14 @@ from tritonclient.utils import InferenceServerException
 
 from neopp.kv_cache import load_kv_file
 from neopp.limits import Limits
-from testing.tiny_lora import write_tiny_loras
-from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
+from neopp.serving.tritonserver import TritonServer
+from neopp.serving.watchdog import StubWatchdog
+from testing import REPO as REPO_ROOT
 from testing.faults import STEPS_METRIC, kill_stub, metric, sigterm_in_flight
 from testing.fuzz import generate_cases
 from testing.loadgen import LoadRun, LoadSpec, image_bytes, infer, valid_inputs
-from neopp.serving.tritonserver import TritonServer
-from testing import REPO as REPO_ROOT
-from neopp.serving.watchdog import StubWatchdog
+from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
+from testing.tiny_lora import write_tiny_loras
 
 MODELS = ("neopp_dense", "neopp_session", "neopp_dense_fp8", "neopp_dense_8steps", "neopp_moe")
 OFFSETS = (24, 7)
@@ -40,7 +40,7 @@ OFFSETS = (24, 7)
 def _checkpoints(root: Path) -> tuple[Path, Path]:
     dense = write_tiny_checkpoint(root / "dense", "dense")
     write_sample_kv(dense / "sample_kv", "dense", cond_tokens=OFFSETS[0], uncond_tokens=OFFSETS[1])
-    lora = REPO_ROOT / "build" / "tiny" / "lora" / "neopp_8steps_lora.safetensors"  # named by the 8-step mode
+    lora = REPO_ROOT / "build" / "tiny" / "lora" / "neopp_8steps_lora.safetensors"  # found via NEOPP_LORA_DIR
     if not lora.is_file():
         write_tiny_loras(lora.parent, tiny_tensors(tiny_config("dense"), 0))
     return dense, write_tiny_checkpoint(root / "moe", "moe")
@@ -80,8 +80,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = True
     with tempfile.TemporaryDirectory(prefix="neopp-soak-") as tmp:
         dense, moe = _checkpoints(Path(tmp))
-        env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT")}
-        env.update(NEOPP_CHECKPOINT=str(dense), NEOPP_CHECKPOINT_NEOPP_MOE=str(moe))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT", "NEOPP_LORA_DIR"))}
+        env.update(NEOPP_CHECKPOINT=str(dense), NEOPP_CHECKPOINT_NEOPP_MOE=str(moe),
+                   NEOPP_LORA_DIR=str(REPO_ROOT / "build" / "tiny" / "lora"))
         server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=Path(tmp) / "server.log",
                               extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=5",
                                           *(f"--load-model={m}" for m in MODELS)])
@@ -132,7 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                          started=lambda: metric(server.metrics_url, STEPS_METRIC,
                                                                 model="neopp_dense") >= 1, group=True)
             ok &= shutdown.unanswered == 0 and not shutdown.left_behind
-            print(f"SIGTERM to the server's process group with {len(requests)} requests in flight: answers {shutdown.answers}, late request "
+            print(f"SIGTERM to the server's process group with {len(requests)} requests in flight: "
+                  f"answers {shutdown.answers}, late request "
                   f"{shutdown.late!r}; server exited {shutdown.exit_code} after {shutdown.stop_s:.1f}s; "
                   f"left behind {shutdown.left_behind}", flush=True)
         finally:

@@ -6,6 +6,7 @@ differently (a typo, a missing ``optional``) fails here, not at a user's first r
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -73,3 +74,15 @@ def test_session_config_matches_contract():
     assert outputs_table(cfg.output) == SESSION_OUTPUTS
     allowed = params(cfg)["allowed_models"].split(",")
     assert sorted(allowed) == GENERATION_MODELS
+
+
+@pytest.mark.parametrize("model", GENERATION_MODELS)
+def test_shipped_loras_are_file_names_found_through_lora_dir(model):
+    """Where LoRAs live is a deployment setting: a shipped mode file names the file only."""
+    p = params(parse(model))
+    raw = json.loads((ROOT / p["mode_file"]).read_text())
+    for entry in raw.get("lora_configs") or []:
+        assert Path(entry["path"]).name == entry["path"], f"{p['mode_file']}: {entry['path']} is not a file name"
+        assert "lora_dir" in p, f"{model}: its mode file names a LoRA, so config.pbtxt sets lora_dir"
+    mode = load_mode(ROOT / p["mode_file"], lora_dir="/srv/loras")
+    assert all(e["path"].startswith("/srv/loras/") for e in mode.lora_configs)

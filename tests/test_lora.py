@@ -19,8 +19,9 @@ from neopp.modes import ModeSpec, SamplingParams, load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.quant import FP8Linear
 from neopp.rng import NoiseStream
-from testing.tiny_checkpoint import main as tiny_main, random_kv, tiny_config
 from testing.probes import branch_velocity
+from testing.tiny_checkpoint import main as tiny_main
+from testing.tiny_checkpoint import random_kv, tiny_config
 from tests.reference import neopp_reference as ref
 
 Q0 = "language_model.model.layers.0.self_attn.q_proj_mot_gen"
@@ -148,9 +149,9 @@ def test_fp8_after_merge(tiny, ckpt):
 
 
 def test_8steps_mode_file_and_tiny_command(tiny):
-    mode_8 = load_mode("configs/neopp/neopp_dense_8steps.json")
+    mode_8 = load_mode("configs/neopp/neopp_dense_8steps.json", lora_dir=tiny / "lora")
     assert mode_8.sampling.infer_steps == 8 and not mode_8.sampling.enable_cfg
-    assert mode_8.lora_configs[0]["path"].endswith("build/tiny/lora/neopp_8steps_lora.safetensors")
+    assert mode_8.lora_configs[0]["path"] == str((tiny / "lora" / "neopp_8steps_lora.safetensors").resolve())
     for name in ("neopp_8steps_lora", "lora_up_down", "lora_B_A", "lora_peft"):
         assert (tiny / "lora" / f"{name}.safetensors").is_file()
 

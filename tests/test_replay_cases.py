@@ -44,7 +44,8 @@ def test_defaults_of_a_continued_chat_and_of_a_parallel_case():
 
 def test_cfg_off_case_has_no_uncond_prefix():
     _, args, turns = parsed("dense_8steps_lora_2k")
-    assert args.enable_cfg is False and args.cfg_scale == 1.0
+    assert args.enable_cfg is False and args.cfg_scale == 1.0 and str(args.lora_dir) == "checkpoints/lora"
+    assert str(parsed("dense_8steps_lora_2k", LORA_DIR="build/tiny/lora")[1].lora_dir) == "build/tiny/lora"
     assert turns[0].uncond is None and turns[0].offset_uncond is None and turns[0].seed == 200
 
 

@@ -14,12 +14,14 @@ import pytest
 from PIL import Image
 
 from neopp.runner import NeoPPRunner
-from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 from neopp.tools import replay_kv, replay_kv_multiturn
+from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
+from testing.tiny_lora import write_tiny_loras
 
 REPO = Path(__file__).resolve().parents[1]
 DENSE_MODE = REPO / "configs" / "neopp" / "neopp_dense.json"
 CFG_MODE = REPO / "configs" / "neopp" / "neopp_dense_parallel_cfg.json"
+STEPS8_MODE = REPO / "configs" / "neopp" / "neopp_dense_8steps.json"
 FAST = ["--size", "64", "64", "--steps", "2"]
 BIN = Path(sys.executable).parent
 
@@ -59,8 +61,9 @@ def test_multiturn_equals_runner_and_chained_single_replays(ckpt, tmp_path):
     single = []
     for i, seed in enumerate(("200", None, None)):
         out = tmp_path / f"single_{i}.png"
-        argv = common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--uncond-kv", str(ckpt / "kv" / "uncond_kv.pt"),
-                               "--offset-cond", "24", "--offset-uncond", "7", "--output", str(out), "--state-out", str(state)]
+        argv = common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"),
+                               "--uncond-kv", str(ckpt / "kv" / "uncond_kv.pt"), "--offset-cond", "24",
+                               "--offset-uncond", "7", "--output", str(out), "--state-out", str(state)]
         argv += ["--seed", seed] if seed else ["--state-in", str(state)]
         assert replay_kv.main(argv) == 0
         single.append(out.read_bytes())
@@ -69,7 +72,8 @@ def test_multiturn_equals_runner_and_chained_single_replays(ckpt, tmp_path):
 
 def test_turns_from_json_equal_turns_from_flags_and_layouts_agree(ckpt, tmp_path):
     kv = ckpt / "kv"
-    spec = {"turns": [{"cond": str(kv / "cond_kv.replay.safetensors"), "uncond": str(kv / "uncond_kv.replay.safetensors"),
+    spec = {"turns": [{"cond": str(kv / "cond_kv.replay.safetensors"),
+                       "uncond": str(kv / "uncond_kv.replay.safetensors"),
                        "offset_cond": 24, "offset_uncond": 7, "seed": 5},
                       {"cond": "kv/cond_kv.online.safetensors", "uncond": "kv/uncond_kv.online.safetensors",
                        "offset_cond": 24, "offset_uncond": 7}]}
@@ -84,8 +88,9 @@ def test_turns_from_json_equal_turns_from_flags_and_layouts_agree(ckpt, tmp_path
 
 
 def test_a_flag_overrides_the_mode_value(ckpt, tmp_path):
-    base = common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--uncond-kv", str(ckpt / "kv" / "uncond_kv.pt"),
-                           "--offset-cond", "24", "--offset-uncond", "7", "--seed", "3"]
+    base = common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"),
+                           "--uncond-kv", str(ckpt / "kv" / "uncond_kv.pt"), "--offset-cond", "24",
+                           "--offset-uncond", "7", "--seed", "3"]
     outs = {}
     for name, extra in (("mode", []), ("norm", ["--cfg-norm", "none"]), ("scale", ["--cfg-scale", "2.0"])):
         outs[name] = tmp_path / f"{name}.png"
@@ -95,6 +100,18 @@ def test_a_flag_overrides_the_mode_value(ckpt, tmp_path):
     # CFG off needs no uncond prefix at all
     assert replay_kv.main(common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--offset-cond", "24",
                                           "--seed", "3", "--no-cfg", "--output", str(tmp_path / "nocfg.png")]) == 0
+
+
+def test_8steps_mode_finds_its_lora_through_lora_dir(ckpt, tmp_path, capsys):
+    """The 8-step mode file names only its LoRA file; --lora-dir says where it is."""
+    loras = write_tiny_loras(tmp_path / "lora", tiny_tensors(tiny_config("dense"), 0))
+    request = ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--offset-cond", "24", "--seed", "3"]
+    argv = common(ckpt, STEPS8_MODE) + request
+    assert replay_kv.main(argv + ["--lora-dir", str(tmp_path / "lora"), "--output", str(tmp_path / "8.png")]) == 0
+    assert replay_kv.main(common(ckpt) + request + ["--no-cfg", "--output", str(tmp_path / "d.png")]) == 0
+    assert (tmp_path / "8.png").read_bytes() != (tmp_path / "d.png").read_bytes(), "the LoRA was merged"
+    assert replay_kv.main(argv + ["--output", str(tmp_path / "x.png")]) == 2
+    assert loras["neopp_8steps_lora"].name in capsys.readouterr().err
 
 
 def test_errors_are_one_clear_line(ckpt, tmp_path, capsys):

@@ -47,20 +47,40 @@ def _shard_map(ckpt_dir: Path) -> dict[str, Path]:
     return out
 
 
-def read_generation_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All generation-tower tensors in their stored dtype, on the CPU."""
-    ckpt_dir = Path(ckpt_dir)
+def _keys_by_file(ckpt_dir: Path) -> dict[Path, list[str]]:
+    """The generation keys grouped by the file that holds them; a missing shard is an error."""
     by_file: dict[Path, list[str]] = {}
     for key, file in _shard_map(ckpt_dir).items():
         by_file.setdefault(file, []).append(key)
-    tensors: dict[str, torch.Tensor] = {}
-    for file, keys in by_file.items():
+    for file in by_file:
         if not file.is_file():
             raise ConfigError(f"checkpoint {ckpt_dir}: shard {file.name} named by the index is missing")
+    return by_file
+
+
+def read_generation_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """All generation-tower tensors in their stored dtype, on the CPU."""
+    tensors: dict[str, torch.Tensor] = {}
+    for file, keys in _keys_by_file(Path(ckpt_dir)).items():
         with safe_open(str(file), framework="pt") as handle:
             for key in keys:
                 tensors[key] = handle.get_tensor(key)
     return tensors
+
+
+def generation_shapes(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every generation-tower tensor as a shape-only (``meta``) tensor, read from the file headers.
+
+    Lets a load check what depends only on shapes (a LoRA's fit) in well under a second, before
+    gigabytes of weights are read or rank processes started.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    shapes: dict[str, torch.Tensor] = {}
+    for file, keys in _keys_by_file(ckpt_dir).items():
+        with safe_open(str(file), framework="pt") as handle:
+            for key in keys:
+                shapes[key] = torch.empty(handle.get_slice(key).get_shape(), device="meta")
+    return shapes
 
 
 def expected_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:

@@ -11,9 +11,9 @@ A key that matches nothing, or a shape that does not fit, is an error naming the
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -146,6 +146,21 @@ def merge_lora_(tensors: dict[str, torch.Tensor], path: str | Path, strength: fl
             merged = (weight.float() + pair.delta(strength)).to(out_dtype)
         tensors[target] = merged
     return [t for t, _ in targets]
+
+
+def check_loras(weights: Mapping[str, torch.Tensor], lora_configs: Iterable[Mapping]) -> None:
+    """Check that every LoRA of a mode fits ``weights`` without changing anything.
+
+    ``weights`` may be shape-only tensors (checkpoint.generation_shapes), so a LoRA made for
+    another checkpoint is refused before the weights are loaded; the error names the file and
+    the first key that does not fit.
+    """
+    for entry in lora_configs:
+        if "path" not in entry:
+            raise ConfigError("lora_configs: every entry needs a 'path'")
+        path = Path(entry["path"])
+        for pair in read_lora_pairs(path).values():
+            check_pair(pair, weights, path)
 
 
 def apply_loras_(tensors: dict[str, torch.Tensor], lora_configs: Iterable[Mapping]) -> list[str]:

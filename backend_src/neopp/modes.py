@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields, replace as dc_replace
+from dataclasses import dataclass, field, fields
+from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +65,7 @@ class SamplingParams:
                 f"image_guidance_scale: {self.image_guidance_scale} refused; three-branch (image) guidance "
                 "is not implemented by this runner, only 1.0 is accepted")
 
-    def replace(self, **overrides: Any) -> "SamplingParams":
+    def replace(self, **overrides: Any) -> SamplingParams:
         """A validated copy; `None` values keep the current field."""
         known = {f.name for f in fields(self)}
         for key in overrides:
@@ -110,16 +111,31 @@ class ModeSpec:
         if self.seq_p_size < 1:
             raise ConfigError(f"mode {self.name}: 'parallel.seq_p_size' must be >= 1, got {self.seq_p_size}")
         if self.seq_p_size > 1 and self.seq_p_attn_type != "ulysses":
-            raise ConfigError(f"mode {self.name}: 'seq_p_attn_type' {self.seq_p_attn_type!r} unsupported; only 'ulysses'")
+            raise ConfigError(f"mode {self.name}: 'seq_p_attn_type' {self.seq_p_attn_type!r} unsupported; "
+                              "only 'ulysses'")
         if self.dit_quantized and self.dit_quant_scheme not in ("fp8-sgl", "fp8"):
-            raise ConfigError(f"mode {self.name}: 'dit_quant_scheme' {self.dit_quant_scheme!r} unsupported; use 'fp8-sgl'")
+            raise ConfigError(f"mode {self.name}: 'dit_quant_scheme' {self.dit_quant_scheme!r} unsupported; "
+                              "use 'fp8-sgl'")
         for entry in self.lora_configs:
             if "path" not in entry:
                 raise ConfigError(f"mode {self.name}: every 'lora_configs' entry needs a 'path'")
 
 
-def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None) -> ModeSpec:
-    """Build a ModeSpec from the seed's JSON layout; LoRA paths resolve against the file."""
+def resolve_lora_path(path: str, base_dir: Path | None, lora_dir: Path | None) -> str:
+    """An absolute LoRA path as given; a relative one against ``lora_dir``, else ``base_dir``.
+
+    Shipped mode files name only the LoRA's file: where LoRAs live is a deployment setting
+    (a model's ``lora_dir``), so the same mode file serves the tiny test LoRA and the real one.
+    """
+    if Path(path).is_absolute():
+        return path
+    folder = lora_dir if lora_dir is not None else base_dir
+    return str((Path(folder).expanduser() / path).resolve()) if folder is not None else path
+
+
+def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None,
+                   lora_dir: Path | None = None) -> ModeSpec:
+    """Build a ModeSpec from the seed's JSON layout; LoRA paths resolve as :func:`resolve_lora_path`."""
     parallel = raw.get("parallel") or {}
     sampling_keys = {f.name for f in fields(SamplingParams)}
     try:
@@ -130,8 +146,8 @@ def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None) 
     loras = []
     for entry in raw.get("lora_configs") or []:
         entry = dict(entry)
-        if base_dir is not None and "path" in entry and not Path(entry["path"]).is_absolute():
-            entry["path"] = str((base_dir / entry["path"]).resolve())
+        if "path" in entry:
+            entry["path"] = resolve_lora_path(str(entry["path"]), base_dir, lora_dir)
         loras.append(entry)
     size = raw.get("target_shape") or raw.get("default_size") or [1024, 1024]
     mode = ModeSpec(
@@ -145,7 +161,8 @@ def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None) 
     return mode
 
 
-def load_mode(path: str | Path) -> ModeSpec:
+def load_mode(path: str | Path, lora_dir: str | Path | None = None) -> ModeSpec:
+    """A mode file; its relative LoRA paths resolve against ``lora_dir`` (else the file's folder)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"mode file {path} does not exist")
@@ -153,4 +170,5 @@ def load_mode(path: str | Path) -> ModeSpec:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"mode file {path}: not valid JSON ({exc})") from exc
-    return mode_from_dict(raw, name=path.stem, base_dir=path.parent)
+    return mode_from_dict(raw, name=path.stem, base_dir=path.parent,
+                          lora_dir=None if lora_dir is None else Path(lora_dir))

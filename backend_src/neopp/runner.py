@@ -6,9 +6,10 @@ class compute the same thing from the same code.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -25,8 +26,10 @@ _KEEP = object()
 class NeoPPRunner:
     def __init__(self, ckpt_dir: str | Path, mode: ModeSpec | str | Path | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, default_task: str = "t2i",
-                 support_tasks: Sequence[str] = TASKS, pipeline: NeoPPPipeline | None = None) -> None:
-        mode = load_mode(mode) if isinstance(mode, (str, Path)) else (mode or ModeSpec())
+                 support_tasks: Sequence[str] = TASKS, pipeline: NeoPPPipeline | None = None,
+                 lora_dir: str | Path | None = None) -> None:
+        """``lora_dir``: where the LoRA files a mode file names are (default: the mode file's folder)."""
+        mode = load_mode(mode, lora_dir=lora_dir) if isinstance(mode, (str, Path)) else (mode or ModeSpec())
         self.pipeline = pipeline or NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype)
         self.pipeline.rules = replace(self.pipeline.rules, support_tasks=tuple(support_tasks))
         self.support_tasks = tuple(support_tasks)

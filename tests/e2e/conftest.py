@@ -27,8 +27,8 @@ from neopp.kv_cache import load_kv_file
 from neopp.serving.procs import process_group_members
 from neopp.serving.tritonserver import TritonServer
 from testing import REPO as REPO_ROOT
-from testing.tiny_lora import write_tiny_loras
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
+from testing.tiny_lora import write_tiny_loras
 
 E2E_MODELS = ("neopp_dense", "neopp_session", "neopp_dense_fp8", "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg",
               "neopp_dense_cfg", "neopp_dense_cfg_seq")
@@ -139,7 +139,8 @@ def tiny_moe(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def ensure_8steps_lora() -> Path:
-    """The LoRA file configs/neopp/neopp_dense_8steps.json names (what `make tiny` writes, seed 0)."""
+    """The LoRA file configs/neopp/neopp_dense_8steps.json names (what `make tiny` writes, seed 0);
+    servers find it through NEOPP_LORA_DIR set to its folder."""
     path = REPO_ROOT / "build" / "tiny" / "lora" / "neopp_8steps_lora.safetensors"
     if not path.is_file():
         write_tiny_loras(path.parent, tiny_tensors(tiny_config("dense"), 0))
@@ -151,10 +152,10 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
     """The real server; models point to the tiny checkpoint through NEOPP_CHECKPOINT."""
     log_path = tmp_path_factory.mktemp("triton") / "tritonserver.log"
     env = dict(os.environ, NEOPP_CHECKPOINT=str(tiny_dense))
-    for key in [k for k in env if k.startswith("NEOPP_CHECKPOINT_")]:
+    for key in [k for k in env if k.startswith(("NEOPP_CHECKPOINT_", "NEOPP_LORA_DIR_"))]:
         env.pop(key)  # a developer's per-model override must not leak into the suite
     env.update({"NEOPP_CHECKPOINT_" + m.upper(): str(tiny_moe) for m in MOE_MODELS})
-    ensure_8steps_lora()
+    env["NEOPP_LORA_DIR"] = str(ensure_8steps_lora().parent)
     server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=log_path,
                           extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
                                       *(f"--load-model={m}" for m in E2E_MODELS)])

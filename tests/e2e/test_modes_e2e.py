@@ -6,6 +6,7 @@ import io
 
 import numpy as np
 import pytest
+from conftest import COND_TOKENS, E2E_MODELS, UNCOND_TOKENS, ensure_8steps_lora
 from PIL import Image
 
 from neopp.image_io import encode_image
@@ -13,8 +14,6 @@ from neopp.modes import load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
 from testing import REPO as REPO_ROOT
-
-from conftest import COND_TOKENS, E2E_MODELS, UNCOND_TOKENS
 
 STEPS_METRIC = "neopp_denoising_steps_total"
 MODES = REPO_ROOT / "configs" / "neopp"
@@ -29,7 +28,7 @@ def pixels(result) -> np.ndarray:
 
 
 def in_process_png(ckpt, mode_file: str, triton, seed: int, steps: int | None, with_uncond: bool = True) -> bytes:
-    pipe = NeoPPPipeline.from_pretrained(ckpt, load_mode(MODES / mode_file))
+    pipe = NeoPPPipeline.from_pretrained(ckpt, load_mode(MODES / mode_file, lora_dir=ensure_8steps_lora().parent))
     sampling = pipe.mode.sampling.replace(infer_steps=steps, output_format="png")
     req = GenerationRequest(cond_kv=triton.cond, index_offset_cond=COND_TOKENS, height=64, width=64,
                             noise=NoiseStream(seed).draw(64, 64), sampling=sampling,

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import MOE_MODELS, TritonHandle, ensure_8steps_lora
 from tritonclient.utils import InferenceServerException
 
+from neopp.kv_cache import load_kv_file
 from neopp.serving.procs import cmdline, descendants, process_group_members
 from neopp.serving.tritonserver import TritonServer
 from testing import REPO as REPO_ROOT
-
-from conftest import MOE_MODELS, TritonHandle, ensure_8steps_lora
-from neopp.kv_cache import load_kv_file
 
 MULTI_RANK = ("neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_moe_cfg")
 STEPS_METRIC = "neopp_denoising_steps_total"
@@ -32,10 +31,10 @@ START_CYCLES = 3  # bounded: each start loads three multi-rank models (about a m
 
 
 def _server(tmp: Path, dense: Path, moe: Path, models: tuple[str, ...], tag: str) -> TritonServer:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT_", "NEOPP_LORA_DIR_"))}
     env["NEOPP_CHECKPOINT"] = str(dense)
     env.update({"NEOPP_CHECKPOINT_" + m.upper(): str(moe) for m in MOE_MODELS})
-    ensure_8steps_lora()
+    env["NEOPP_LORA_DIR"] = str(ensure_8steps_lora().parent)
     return TritonServer(REPO_ROOT / "model_repository", env=env, log_path=tmp / f"{tag}.log",
                         extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
                                     *(f"--load-model={m}" for m in models)])

@@ -7,6 +7,9 @@
   on a loopback port and answers only requests carrying the front's per-run key.
 * A server that dies is restarted (bounded, with backoff); every stop and restart removes the
   Python backend regions that server owned in ``/dev/shm``.
+* A model that fails to load does not stop the others: once the server is up, a table says
+  which models are READY and why each other one is not; the launcher gives up (exit code 1)
+  only when no model loaded.
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ from __future__ import annotations
 import argparse
 import signal
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
-from .admin import KEY_HEADER, load_or_create_key, new_front_key
-from .http_front import HttpFront
-from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
 from ..ports import LOOPBACK, free_ports
+from .admin import FRONT_HEADER, KEY_HEADER, load_or_create_key, new_front_key
+from .http_front import HttpFront
+from .model_states import KEEP_GOING_ARGS, repository_index, state_table
+from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
 from .tritonserver import TritonServer
 
 
@@ -46,7 +50,7 @@ class Supervisor:
         ns = self.ns
         return TritonServer(ns.model_repository, http_port=self.upstream_port, grpc_port=ns.grpc_port,
                             metrics_port=ns.metrics_port, host=ns.host, http_address=LOOPBACK,
-                            backend_dir=ns.backend_dir, extra_args=self.extra, admin_key=self.key,
+                            backend_dir=ns.backend_dir, extra_args=[*KEEP_GOING_ARGS, *self.extra], admin_key=self.key,
                             front_key=self.front_key, shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES))
 
     def _start_server(self) -> None:
@@ -74,6 +78,17 @@ class Supervisor:
                 return True
             time.sleep(0.5)
         return False
+
+    def _report_models(self) -> bool:
+        """Print every model's state; True when at least one is READY (worth serving)."""
+        headers = {KEY_HEADER: self.key, FRONT_HEADER: self.front_key}
+        try:
+            states = repository_index(f"{LOOPBACK}:{self.upstream_port}", headers)
+        except OSError as exc:
+            log(f"could not read the model repository index: {exc}")
+            return False
+        log("models:\n" + state_table(states))
+        return any(s.ready for s in states)
 
     def _announce(self) -> None:
         url, grpc = f"{self.server.client_host}:{self.ns.http_port}", self.server.grpc_url
@@ -107,6 +122,9 @@ class Supervisor:
                 if self.stop_requested:
                     return 0
                 log(f"tritonserver not ready (exit code {self.server.process.poll()}); stopping")
+                return 1
+            if not self._report_models():
+                log("no model is ready; stopping")
                 return 1
             if first:
                 self._announce()

@@ -6,6 +6,10 @@ Settings come from ``parameters`` in ``config.pbtxt`` (see :data:`PARAMETER_DEFA
 * ``checkpoint``: checkpoint folder; env ``NEOPP_CHECKPOINT_<MODEL NAME UPPER>`` or
   ``NEOPP_CHECKPOINT`` overrides it (env paths resolve against the working directory);
 * ``mode_file``: e.g. ``configs/neopp/neopp_dense.json``;
+* ``lora_dir``: the folder a relative LoRA path of the mode file (its ``lora_configs``, shipped
+  as a file name only) resolves against; env ``NEOPP_LORA_DIR_<MODEL NAME UPPER>`` or
+  ``NEOPP_LORA_DIR`` overrides it, as for ``checkpoint``. A LoRA that does not fit the
+  checkpoint is refused at load, naming the model, the LoRA file and the first key that misfits;
 * ``device``: ``auto`` (default) | ``cpu`` | ``cuda`` | ``cuda:N``. ``auto`` picks the
   instance's GPU for a KIND_GPU instance; otherwise, with CUDA present, GPU
   ``(instance index * world size) mod device count`` (so the KIND_CPU instances of a group
@@ -19,7 +23,7 @@ Settings come from ``parameters`` in ``config.pbtxt`` (see :data:`PARAMETER_DEFA
 * limits: ``max_side``, ``max_pixels``, ``max_prefix_tokens``, ``max_steps``,
   ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``.
 
-Relative ``checkpoint``/``mode_file`` parameters resolve against ``NEOPP_BASE_DIR`` when set,
+Relative ``checkpoint``/``mode_file``/``lora_dir`` parameters resolve against ``NEOPP_BASE_DIR`` when set,
 else the folder that holds the model repository (the project root), so the same repository
 works from a checkout, from a wheel install and when mounted in NVIDIA's tritonserver container.
 """
@@ -41,12 +45,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..checkpoint import generation_shapes
 from ..checkpoint_config import CheckpointConfig
 from ..engines import build_engine
 from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
 from ..limits import Limits
-from ..modes import TASKS, load_mode
+from ..lora import check_loras
+from ..modes import TASKS, ModeSpec, load_mode
 from ..parallel.mesh import check_world
 from ..pipeline import GenerationRequest
 from ..request_log import parallelism_note
@@ -60,6 +66,7 @@ from .request_parsing import INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT
 PARAMETER_DEFAULTS: dict[str, str] = {
     "checkpoint": "checkpoints/neopp",
     "mode_file": "configs/neopp/neopp_dense.json",
+    "lora_dir": "checkpoints/lora",
     "device": "auto",
     "dtype": "auto",
     "num_threads": "0",
@@ -83,16 +90,33 @@ def project_root(model_dir: Path | str | None, env: Mapping[str, str] | None = N
     return Path(model_dir).resolve().parent.parent
 
 
+def model_env_var(prefix: str, model_name: str) -> str:
+    """The per-model override of a setting: ``<prefix>_<MODEL NAME UPPER>``."""
+    return prefix + "_" + re.sub(r"[^A-Za-z0-9]", "_", model_name).upper()
+
+
+def resolve_deployment_path(params: Mapping[str, str], key: str, env_var: str, model_name: str, root: Path,
+                            env: Mapping[str, str] | None = None) -> Path:
+    """``<env_var>_<MODEL>``, then ``<env_var>``, then parameter ``key``: the weights a model
+    serves are a deployment's choice, so the same repository serves tiny and real ones."""
+    env = os.environ if env is None else env
+    for var in (model_env_var(env_var, model_name), env_var):
+        if env.get(var):
+            return Path(env[var]).expanduser().resolve()
+    path = Path(params[key]).expanduser()
+    return path if path.is_absolute() else root / path
+
+
 def resolve_checkpoint(params: Mapping[str, str], model_name: str, root: Path,
                        env: Mapping[str, str] | None = None) -> Path:
     """Per-model env override, then NEOPP_CHECKPOINT, then the ``checkpoint`` parameter."""
-    env = os.environ if env is None else env
-    specific = "NEOPP_CHECKPOINT_" + re.sub(r"[^A-Za-z0-9]", "_", model_name).upper()
-    for var in (specific, "NEOPP_CHECKPOINT"):
-        if env.get(var):
-            return Path(env[var]).expanduser().resolve()
-    path = Path(params["checkpoint"]).expanduser()
-    return path if path.is_absolute() else root / path
+    return resolve_deployment_path(params, "checkpoint", "NEOPP_CHECKPOINT", model_name, root, env)
+
+
+def resolve_lora_dir(params: Mapping[str, str], model_name: str, root: Path,
+                     env: Mapping[str, str] | None = None) -> Path:
+    """Per-model env override, then NEOPP_LORA_DIR, then the ``lora_dir`` parameter."""
+    return resolve_deployment_path(params, "lora_dir", "NEOPP_LORA_DIR", model_name, root, env)
 
 
 def choose_device(param: str, instance_kind: str, device_id: int, instance_index: int,
@@ -126,6 +150,7 @@ class TritonModelSettings:
     model_name: str
     checkpoint: Path
     mode_file: Path
+    lora_dir: Path
     device_param: str
     dtype: torch.dtype | None
     num_threads: int
@@ -153,11 +178,29 @@ class TritonModelSettings:
             model_name=name,
             checkpoint=resolve_checkpoint(params, name, root),
             mode_file=mode_file if mode_file.is_absolute() else root / mode_file,
+            lora_dir=resolve_lora_dir(params, name, root),
             device_param=params["device"], dtype=_DTYPES[dtype_key],
             num_threads=_int_param(params, "num_threads"), default_task=task, limits=limits,
             worker_processes=_int_param(params, "worker_processes"),
             collective_timeout_s=float(_int_param(params, "collective_timeout_s")),
         )
+
+
+def load_model_mode(settings: TritonModelSettings) -> ModeSpec:
+    """The model's mode with its LoRAs found in ``lora_dir`` and checked against the checkpoint's
+    shapes, before any weight is read; a misfit names the model, the LoRA file and the key."""
+    try:
+        mode = load_mode(settings.mode_file, lora_dir=settings.lora_dir)
+        if mode.lora_configs:
+            missing = [e["path"] for e in mode.lora_configs if not Path(e["path"]).is_file()]
+            if missing:
+                override = model_env_var("NEOPP_LORA_DIR", settings.model_name)
+                raise ConfigError(f"LoRA file {missing[0]} does not exist (lora_dir {settings.lora_dir}; "
+                                  f"set parameter lora_dir or env {override} / NEOPP_LORA_DIR)")
+            check_loras(generation_shapes(settings.checkpoint), mode.lora_configs)
+    except ConfigError as exc:
+        raise ConfigError(f"model {settings.model_name}: {exc}") from exc
+    return mode
 
 
 def stop_on_sigterm(logger: Any, model_name: str) -> threading.Event:
@@ -195,7 +238,10 @@ class NeoPPTritonModel:
         """
         config = auto_complete_model_config.as_dict()
         settings = TritonModelSettings.from_config(config, cls.MODEL_DIR)
-        layers, kv_heads, head_dim = CheckpointConfig.from_checkpoint(settings.checkpoint).kv_dims
+        try:
+            layers, kv_heads, head_dim = CheckpointConfig.from_checkpoint(settings.checkpoint).kv_dims
+        except ConfigError as exc:  # the repository index shows this line: say which model and folder
+            raise ConfigError(f"model {settings.model_name}: checkpoint {settings.checkpoint}: {exc}") from exc
         kv_dims = [layers, 2, -1, kv_heads, head_dim]
         existing = {entry["name"]: entry for entry in config.get("input", [])}
         for name, spec in INPUT_SPECS.items():
@@ -226,7 +272,7 @@ class NeoPPTritonModel:
         model_dir = Path(args["model_repository"]) if args.get("model_repository") else self.MODEL_DIR
         self.settings = TritonModelSettings.from_config(model_config, model_dir)
         self.model_name = args.get("model_name", self.settings.model_name)
-        self.mode = load_mode(self.settings.mode_file)
+        self.mode = load_model_mode(self.settings)
         default_size = self.mode.default_size
         if max(default_size) > self.settings.limits.max_side or \
                 default_size[0] * default_size[1] > self.settings.limits.max_pixels:

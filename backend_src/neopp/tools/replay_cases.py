@@ -7,7 +7,7 @@
 reads `$KV_DIR/turn<i>_cond.pt` and, when the turn has an uncond offset, `turn<i>_uncond.pt`;
 images land in `$OUT_DIR/<prefix>_<i>.png`. These environment variables override a case:
 
-    CKPT MODE NPROC KV_DIR OUT_DIR PREFIX TASK SIZE="H W" CFG_SCALE CFG_INTERVAL="LOW HIGH"
+    CKPT LORA_DIR MODE NPROC KV_DIR OUT_DIR PREFIX TASK SIZE="H W" CFG_SCALE CFG_INTERVAL="LOW HIGH"
     CFG_NORM SHIFT STEPS SEEDS="200 none none" (one per turn; none continues the stream)
     OFFSET_COND OFFSET_UNCOND (one-turn cases: the offsets LightLLM logged with the KV)
 
@@ -50,6 +50,7 @@ class Case:
 
 
 MOE = "checkpoints/neopp_moe"
+LORA_DIR = "checkpoints/lora"  # where a mode file's LoRA file names are looked up (as the 8-step model's lora_dir)
 CASES: dict[str, Case] = {
     "dense_t2i_1k": Case("dense t2i, three explicitly seeded turns", "neopp_dense.json", "dense_t2i_1k",
                          (1024, 1024), DENSE_CHAT),
@@ -101,7 +102,7 @@ def case_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
         return env.get(var) or str(default)
 
     kv_dir = pick("KV_DIR", f"replay_kv/{case.kv}")
-    argv = ["--checkpoint", pick("CKPT", case.checkpoint),
+    argv = ["--checkpoint", pick("CKPT", case.checkpoint), "--lora-dir", pick("LORA_DIR", LORA_DIR),
             "--mode", pick("MODE", f"configs/neopp/{case.mode}"),
             "--task", pick("TASK", case.task), "--size", *_words(env, "SIZE", case.size),
             "--cfg-scale", pick("CFG_SCALE", case.cfg_scale),

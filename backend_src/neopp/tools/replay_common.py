@@ -44,6 +44,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Checkpoint, mode, device and the sampling values a flag may override."""
     parser.add_argument("--checkpoint", required=True, help="checkpoint folder (config.json + safetensors)")
     parser.add_argument("--mode", required=True, help="mode file, e.g. configs/neopp/neopp_dense.json")
+    parser.add_argument("--lora-dir", type=Path,
+                        help="folder of the LoRA files the mode file names (default: the mode file's folder), "
+                             "e.g. build/tiny/lora for the tiny checkpoint")
     parser.add_argument("--task", choices=TASKS, default="t2i")
     parser.add_argument("--size", type=int, nargs=2, metavar=("HEIGHT", "WIDTH"),
                         help="image size, multiples of 32 (default: the mode's)")
@@ -90,7 +93,7 @@ class Replayer:
     """A runner plus what a rank needs to know: only rank 0 writes files and prints."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        self.mode: ModeSpec = load_mode(args.mode)
+        self.mode: ModeSpec = load_mode(args.mode, lora_dir=args.lora_dir)
         self.rank, self.world_size = 0, self.mode.world_size
         dtype = DTYPES[args.dtype]
         device = None if args.device == "auto" else args.device
