@@ -60,6 +60,7 @@ from ..rng import NoiseStream
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .metrics import GenerationMetrics
 from .parameters import read_parameters
+from .procs import restore_malloc_defaults
 from .placement import backend_devices, check_layout
 from .request_parsing import INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT_NAMES, ParsedRequest, parse_request
 
@@ -265,6 +266,8 @@ class NeoPPTritonModel:
     def initialize(self, args: dict[str, str]) -> None:
         """Load the mode and checkpoint once; every request reuses them."""
         import triton_python_backend_utils as pb_utils
+
+        restore_malloc_defaults()  # the server's request-buffer tuning slows the denoising loop
 
         self.pb = pb_utils
         self.logger = pb_utils.Logger
