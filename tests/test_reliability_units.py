@@ -35,3 +35,18 @@ def test_non_positive_size_is_an_input_error(size):
 def test_expected_instance_names():
     assert expected_instances({"name": "m", "instance_group": [{"name": "m_0", "count": 2}]}) == ["m_0_0", "m_0_1"]
     assert expected_instances({"name": "m", "instance_group": [{"count": 1, "gpus": [0, 1]}]}) == ["m_0_0", "m_0_1"]
+
+
+def test_a_generation_stub_drops_the_servers_malloc_tuning():
+    """The variables leave the stub's environment (its rank workers start without them)."""
+    import os
+    import subprocess
+    import sys
+
+    from neopp.serving.tritonserver import MALLOC_ENV
+
+    code = ("import os; from neopp.serving.procs import restore_malloc_defaults; restore_malloc_defaults(); "
+            "print(sorted(k for k in os.environ if k.startswith('MALLOC_')))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **MALLOC_ENV}, check=True,
+                         capture_output=True, text=True, timeout=120).stdout
+    assert out.strip() == "[]"
