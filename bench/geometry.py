@@ -25,7 +25,8 @@ MLP_WIDTH, HEAD_WIDTH, VISION_WIDTH = 12288, 4096, 1024
 VISION = {"hidden_size": VISION_WIDTH, "rope_theta_vision": 10_000.0, "max_position_embeddings_vision": 1024}
 # A MoE geometry of the usual fine-grained kind (assumed, not a published U1 checkpoint's).
 MOE_GEOMETRY = {"num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
-                "num_key_value_heads": 4, "head_dim": 128, "gen_num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True}
+                "num_key_value_heads": 4, "head_dim": 128, "gen_num_experts": 128, "num_experts_per_tok": 8,
+                "norm_topk_prob": True}
 MOE_WIDTH = 768
 ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 ShapeMap = dict[str, tuple[int, ...]]
