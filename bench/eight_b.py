@@ -243,6 +243,10 @@ def notes(bf: dict, fp: dict, weights: int, eff: float) -> list[str]:
         "the weights. The weights' pages are file-backed and clean: the kernel may drop and re-read them "
         "instead of failing when memory runs short, so a load never holds the file twice.",
     ]
+    rate = bf["flops"] / bf["matmul_s"] / 1e9
+    out.append(f"- This CPU runs bf16 `torch.matmul` at {rate:.0f} GFLOP/s on the step's shapes, which is "
+               "why a step takes minutes here; the figures above are about memory and relative efficiency, "
+               "not speed.")
     if eff < 0.75:
         out.append(
             "- bf16 efficiency below goal: besides the GEMMs a CPU step runs attention (SDPA), RMSNorms, "
