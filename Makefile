@@ -66,10 +66,18 @@ bench-serve: tiny
 	  || { echo "perf_analyzer needs libb64.so.0d: apt-get install -y libb64-0d (as root)"; exit 1; }
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m bench.perf_analyzer --model neopp_dense $(BENCH_ARGS)
 
-# ---- GPU check (needs a CUDA device): one 1024px, 50-step CFG image on the real 8B dense shapes.
+# ---- GPU check (needs a CUDA device): every mode the GPU count allows on the 8B geometry, 1024px, 50 steps.
+# GPU_CHECK_ARGS: e.g. --checkpoint /models/SenseNova-U1-8B; smoke run without GPU: --device cpu --layers 2 ...
+GPU_CHECK_ARGS ?=
 .PHONY: gpu-check
 gpu-check: setup
-	$(PY) -m bench.gpu_check
+	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+
+# ---- 8B geometry on this machine (not in `make test`): writes a ~14 GB sharded random checkpoint to
+# build/8b, generates in bf16 and FP8 (a child process each), deletes the checkpoint, updates bench/RESULTS.md.
+.PHONY: bench-8b
+bench-8b: setup
+	$(PY) -m bench.report --out bench --only 8b
 
 # ---- Reliability: bad input, 8-client load for SOAK_SECONDS, stub kills, SIGTERM; prints the figures.
 SOAK_SECONDS ?= 600

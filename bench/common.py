@@ -52,7 +52,9 @@ def stats(values: list[float]) -> tuple[float, float, float]:
 
 
 def command_line() -> str:
-    return "python -m " + Path(sys.argv[0]).with_suffix("").as_posix().split("backend_src/")[-1].replace("/", ".") + \
+    script = Path(sys.argv[0]).resolve().with_suffix("")
+    module = script.relative_to(REPO) if script.is_relative_to(REPO) else Path(script.name)
+    return "python -m " + module.as_posix().replace("/", ".") + \
         ("" if len(sys.argv) == 1 else " " + " ".join(sys.argv[1:]))
 
 

@@ -1,12 +1,15 @@
-"""GPU check: one 1024x1024 image with 50 CFG steps on the real 8B dense shapes.
+"""GPU check: every serving mode the node's GPUs allow, on SenseNova-U1 8B's generation geometry.
 
-    python -m bench.gpu_check [--steps 50] [--size 1024] [--layers 36]
+    python -m bench.gpu_check [--steps 50] [--size 1024] [--checkpoint DIR]
+    python -m bench.gpu_check --device cpu --layers 2 --size 64 --steps 2   # smoke run, no GPU
 
-Builds a random tower with SenseNova-U1 8B's generation geometry (36 layers, hidden 4096,
-32 heads, 8 KV heads, head dim 128) directly on the GPU in bf16 (no checkpoint file),
-generates one image, and prints seconds per image and per step, peak GPU memory, and the
-card's plain bf16 matmul TFLOP/s measured in the same run. Meant to finish within 8 minutes
-on one H200.
+1 GPU: dense bf16, FP8, 8-step LoRA-merged (CFG off), MoE (48 layers, 128 experts top-8, an
+assumed geometry); 2 GPUs: + CFG-parallel; 4 GPUs: + CFG x2 + Ulysses x2. The towers are
+random, drawn on the device (no file), unless `--checkpoint` names a real one. Per mode it
+prints seconds per step and image, peak memory, and the step's achieved TFLOP/s next to the
+card's plain bf16 matmul rate; the parallel modes are compared with the single-device dense
+mode as a step-time ratio and by pixel agreement (bf16 tolerance). The 1-GPU modes are sized
+to finish within 10 minutes on one H200; `--budget-s` skips modes that would start past it.
 """
 
 from __future__ import annotations
@@ -16,99 +19,158 @@ import time
 
 import torch
 
-from neopp.checkpoint import FM, expected_shapes, layer_prefix
-from neopp.checkpoint_config import CheckpointConfig
-from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
-from neopp.rng import NoiseStream
-from neopp.transformer import NeoPPTransformer
+from bench.geometry import MOE_GEOMETRY
+from bench.gpu_modes import CheckSpec, ModeRun, mode_runs, pixel_agreement, release, run_local, run_ranks
+from bench.step_efficiency import BenchGeometry, flops, gemm_shapes
 
-REAL_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "head_dim": 128, "rope_theta": 5_000_000.0, "rope_theta_hw": 10_000.0}
-MLP_WIDTH, HEAD_WIDTH, VISION_WIDTH = 12288, 4096, 1024
+# Pixel agreement of a parallel mode with the single-device image, in 8-bit levels: bf16 GEMMs
+# reassociate differently when the branches or tokens are split, and 50 steps compound it.
+TOL_MEAN, TOL_WITHIN2 = 1.0, 0.95
 
 
-def random_tower_tensors(cfg: CheckpointConfig, device: torch.device, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every key of the real layout, drawn on the device: N(0, 1/fan_in) weights, unit norms."""
-    widths = {FM + "fm_head.0.weight": torch.empty(HEAD_WIDTH, cfg.hidden_size, device="meta")}
-    for i in range(cfg.num_layers):
-        widths[layer_prefix(i) + "mlp_mot_gen.gate_proj.weight"] = torch.empty(MLP_WIDTH, cfg.hidden_size,
-                                                                                device="meta")
-    gen = torch.Generator(device=device).manual_seed(0)
-    out = {}
-    for key, shape in expected_shapes(cfg, widths).items():
-        if len(shape) == 1:
-            out[key] = (torch.ones(shape, device=device, dtype=dtype) if key.endswith("norm_mot_gen.weight")
-                        or "layernorm" in key or "_norm" in key else torch.zeros(shape, device=device, dtype=dtype))
-        else:
-            fan_in = int(torch.tensor(shape[1:]).prod())
-            out[key] = (torch.randn(shape, generator=gen, device=device, dtype=dtype) / fan_in ** 0.5)
-    return out
+def step_tflop(spec: CheckSpec, run: ModeRun, cfg_on: bool) -> float:
+    """Analytic TFLOP of one step (both branches when guided; MoE counts its top-k experts)."""
+    raw = spec.raw_config(run.moe)["llm_config"]
+    mlp = spec.widths(run.moe)[0] * (raw.get("num_experts_per_tok", 1) if run.moe else 1)
+    geo = BenchGeometry(
+        layers=raw["num_hidden_layers"],
+        hidden=raw["hidden_size"],
+        heads=raw["num_attention_heads"],
+        kv_heads=raw["num_key_value_heads"],
+        head_dim=raw["head_dim"],
+        mlp=mlp,
+        head_width=spec.widths(run.moe)[1],
+        vision=spec.raw_config(False)["vision_config"]["hidden_size"],
+    )
+    tokens = (spec.size // 32) ** 2
+    one = flops(gemm_shapes(geo, tokens, spec.prefix))
+    return (one + flops(gemm_shapes(geo, tokens, 12)) if cfg_on else one) / 1e12
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, repeats: int = 20) -> float:
+    """The device's plain square bf16 matmul rate (smaller on CPU)."""
+    if device.type == "cpu":
+        n, repeats = 1024, 3
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b
-    torch.cuda.synchronize()
-    return 2 * n ** 3 * repeats / (time.perf_counter() - start) / 1e12
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=36)
-    parser.add_argument("--prefix", type=int, default=300)
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("gpu_check needs a CUDA device")
-    device, dtype = torch.device("cuda"), torch.bfloat16
-    raw = {"llm_config": {**REAL_8B, "num_hidden_layers": args.layers},
-           "vision_config": {"hidden_size": VISION_WIDTH, "rope_theta_vision": 10_000.0,
-                             "max_position_embeddings_vision": 1024}}
-    cfg = CheckpointConfig.from_dict(raw)
-    t0 = time.perf_counter()
-    tower = NeoPPTransformer.from_tensors(cfg, random_tower_tensors(cfg, device, dtype), device, dtype)
-    pipe = NeoPPPipeline(cfg, tower, ModeSpec(), device, dtype)
-    build_s = time.perf_counter() - t0
-    weights_gib = torch.cuda.memory_allocated() / 2 ** 30
-    kv_shape = (cfg.num_layers, 2, args.prefix, cfg.num_kv_heads, cfg.head_dim)
-    gen = torch.Generator(device=device).manual_seed(1)
-    cond = torch.randn(kv_shape, generator=gen, device=device, dtype=dtype)
-    uncond = torch.randn((cfg.num_layers, 2, 12, cfg.num_kv_heads, cfg.head_dim), generator=gen, device=device,
-                         dtype=dtype)
-    sampling = SamplingParams(infer_steps=args.steps)
-    req = GenerationRequest(cond_kv=cond, uncond_kv=uncond, index_offset_cond=args.prefix, index_offset_uncond=12,
-                            height=args.size, width=args.size, noise=NoiseStream(200).draw(args.size, args.size),
-                            sampling=sampling)
-    pipe.validate(req)
-    warm = GenerationRequest(**{**req.__dict__, "sampling": SamplingParams(infer_steps=2)})
-    pipe.generate(warm)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    steps: list[float] = []
-    start = time.perf_counter()
-    pixels = pipe.generate(req, on_step=lambda k, s: steps.append(s))
-    torch.cuda.synchronize()
-    total = time.perf_counter() - start
-    tflops = matmul_tflops(device)
-    steps.sort()
-    print(f"device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}")
-    print(f"geometry: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {cfg.num_heads} heads, "
-          f"{cfg.num_kv_heads} kv heads, head dim {cfg.head_dim}, mlp {MLP_WIDTH}; build {build_s:.1f} s")
-    print(f"image {args.size}x{args.size}, {args.steps} steps, CFG (batched: {pipe.batch_cfg((args.size // 32) ** 2)}), "
-          f"prefix {args.prefix}: {total:.2f} s/image, median {steps[len(steps) // 2] * 1e3:.1f} ms/step "
-          f"(min {steps[0] * 1e3:.1f}, max {steps[-1] * 1e3:.1f})")
-    print(f"GPU memory: weights {weights_gib:.2f} GiB, peak during generation "
-          f"{torch.cuda.max_memory_allocated() / 2 ** 30:.2f} GiB; output {pixels.shape}")
-    print(f"bf16 matmul 8192^3: {tflops:.0f} TFLOP/s")
+def report_line(run: ModeRun, out: dict, spec: CheckSpec) -> str:
+    steps = sorted(out["steps"])
+    median = steps[len(steps) // 2]
+    cfg_on = run.mode.sampling.enable_cfg
+    batched = out.get("batched") and cfg_on and run.mode.world_size == 1
+    return (
+        f"{run.name:<22} {len(steps):>3} steps  {median * 1e3:9.1f} ms/step  {out['total_s']:7.2f} s/image  "
+        f"peak {out['peak'] / 2**30:6.2f} GiB  {step_tflop(spec, run, cfg_on) / median:7.3g} TFLOP/s  "
+        f"(build {out['build_s']:.1f} s{', CFG batched' if batched else ''})"
+    )
+
+
+def compare(name: str, out: dict, base: dict) -> tuple[str, bool]:
+    agree = pixel_agreement(out["pixels"], base["pixels"])
+    ratio = sorted(out["steps"])[len(out["steps"]) // 2] / sorted(base["steps"])[len(base["steps"]) // 2]
+    ok = agree["mean"] <= TOL_MEAN and agree["within2"] >= TOL_WITHIN2
+    return (
+        f"{name} vs dense bf16 on one device: step time x{ratio:.2f}; pixels max |diff| {agree['max']}, "
+        f"mean {agree['mean']:.3f}, {agree['within2'] * 100:.1f}% within 2 levels -> "
+        f"{'PASS' if ok else 'FAIL'} (tolerance: mean <= {TOL_MEAN}, >= {TOL_WITHIN2 * 100:.0f}% within 2)"
+    ), ok
+
+
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, CheckSpec]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument(
+        "--devices",
+        type=int,
+        default=None,
+        help="devices (ranks) to use; default: every visible GPU, 1 on CPU",
+    )
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--shrink", type=int, default=1, help="divide widths and head counts (CPU smoke only)")
+    p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--lora-steps", type=int, default=8)
+    p.add_argument("--prefix", type=int, default=300)
+    p.add_argument("--moe-layers", type=int, default=MOE_GEOMETRY["num_hidden_layers"])
+    p.add_argument("--moe-experts", type=int, default=MOE_GEOMETRY["gen_num_experts"])
+    p.add_argument("--moe-steps", type=int, default=50)
+    p.add_argument("--checkpoint", default=None, help="a real dense checkpoint instead of random weights")
+    p.add_argument("--budget-s", type=float, default=540.0, help="skip modes that would start after this")
+    a = p.parse_args(argv)
+    spec = CheckSpec(
+        a.device,
+        a.layers,
+        a.shrink,
+        a.size,
+        a.steps,
+        a.lora_steps,
+        a.prefix,
+        a.moe_layers,
+        a.moe_experts,
+        a.moe_steps,
+        a.checkpoint,
+    )
+    return a, spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args, spec = parse(argv)
+    if spec.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu_check needs a CUDA device (or --device cpu for the smoke run)")
+    device = torch.device("cuda:0" if spec.device == "cuda" else "cpu")
+    devices = args.devices or (torch.cuda.device_count() if spec.device == "cuda" else 1)
+    name = torch.cuda.get_device_name(0) if spec.device == "cuda" else "CPU"
+    runs = mode_runs(spec, devices)
+    if spec.checkpoint:
+        runs = [r for r in runs if not r.moe]  # a dense checkpoint has no experts
+    print(f"device: {devices} x {name}; torch {torch.__version__}; modes: {', '.join(r.name for r in runs)}")
+    print(
+        f"geometry: {spec.layers} layers x {spec.raw_config(False)['llm_config']['hidden_size']} (shrink "
+        f"{spec.shrink}); image {spec.size}x{spec.size}, {spec.steps} steps (LoRA {spec.lora_steps}, MoE "
+        f"{spec.moe_steps}), prefix {spec.prefix}; time budget {args.budget_s:.0f} s for starting modes "
+        "(the 1-GPU modes are sized for < 10 min on one H200)"
+    )
+    print(f"bf16 matmul: {matmul_tflops(device):.3g} TFLOP/s", flush=True)
+    start, results, ok = time.perf_counter(), {}, True
+    for run in runs:
+        elapsed = time.perf_counter() - start
+        if elapsed > args.budget_s:
+            print(f"{run.name:<22} skipped: {elapsed:.0f} s elapsed, past the {args.budget_s:.0f} s budget")
+            continue
+        results[run.name] = (
+            run_ranks(spec, run, torch.bfloat16)
+            if run.mode.world_size > 1
+            else run_local(spec, run, device, torch.bfloat16)
+        )
+        print(
+            report_line(run, results[run.name], spec) + f"  [t={time.perf_counter() - start:.0f} s]",
+            flush=True,
+        )
+        release(device)
+    base = results.get("dense bf16")
+    for run in runs:
+        if run.mode.world_size > 1 and run.name in results and base is not None:
+            line, passed = compare(run.name, results[run.name], base)
+            ok &= passed
+            print(line)
+    print(
+        f"total {time.perf_counter() - start:.0f} s; "
+        f"{'all comparisons passed' if ok else 'A COMPARISON FAILED'}"
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

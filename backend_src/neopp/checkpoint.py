@@ -1,16 +1,21 @@
 """Read only the generation tower from a SenseNova-U1 checkpoint, and check every shape.
 
-Tensors are read lazily through safetensors' memory map, so the understanding tower and the
-LLM embeddings of a real checkpoint are never brought into memory.
+Tensors are memory-mapped, never copied: the understanding tower and the LLM embeddings of a
+real checkpoint are never brought into memory, and an 8B tower loaded on a CPU in its stored
+dtype occupies the file's pages once (safetensors' `get_tensor` would copy every tensor out of
+its map, holding the file twice while loading).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import mmap
+from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
-from safetensors import safe_open
 
 from .checkpoint_config import CheckpointConfig
 from .errors import ConfigError
@@ -31,20 +36,87 @@ def layer_prefix(i: int) -> str:
     return f"{LM}layers.{i}."
 
 
+def _st_dtypes() -> dict[str, torch.dtype]:
+    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+    return {k: getattr(torch, v) for k, v in names.items() if hasattr(torch, v)}
+
+
+ST_DTYPES = _st_dtypes()
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in a safetensors file (absolute byte offsets)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_header(file: Path) -> dict[str, TensorEntry]:
+    """Parse a safetensors header ourselves: offsets are 64-bit and checked against the file size,
+    so a truncated shard fails here naming the key instead of faulting later in a memory map."""
+    size = file.stat().st_size
+    with open(file, "rb") as handle:
+        raw = handle.read(8)
+        length = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if not 0 < length <= size - 8:
+            raise ConfigError(f"checkpoint: {file.name} is not a safetensors file (bad header length)")
+        try:
+            header = json.loads(handle.read(length))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"checkpoint: {file.name} has an unreadable header ({exc})") from exc
+    base, out = 8 + length, {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info.get("dtype") not in ST_DTYPES:
+            raise ConfigError(f"checkpoint: tensor '{key}' in {file.name} has unsupported dtype "
+                              f"{info.get('dtype')!r}")
+        entry = TensorEntry(ST_DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"]),
+                            base + int(info["data_offsets"][0]), base + int(info["data_offsets"][1]))
+        nbytes = math.prod(entry.shape) * entry.dtype.itemsize
+        if entry.end - entry.start != nbytes or entry.end > size:
+            raise ConfigError(f"checkpoint: tensor '{key}' in {file.name} spans bytes "
+                              f"{entry.start}..{entry.end} of a {size}-byte file for {nbytes} bytes of data "
+                              "(truncated or corrupt shard?)")
+        out[key] = entry
+    return out
+
+
+def map_tensor(handle: BinaryIO, entry: TensorEntry) -> torch.Tensor:
+    """A CPU tensor backed by a private (copy-on-write) map of its own bytes in the file.
+
+    No copy is made: pages are read on first touch and, being clean file pages, can be
+    dropped by the kernel under pressure. Each tensor maps only its own range, so freeing
+    it (e.g. after quantising it) unmaps its pages. Writes stay private to the process.
+    """
+    nbytes = entry.end - entry.start
+    if nbytes == 0:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    first = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
+    mapped = mmap.mmap(handle.fileno(), entry.end - first, offset=first, access=mmap.ACCESS_COPY)
+    flat = torch.frombuffer(mapped, dtype=torch.uint8, count=nbytes, offset=entry.start - first)
+    return flat.view(entry.dtype).view(entry.shape)
+
+
 def _shard_map(ckpt_dir: Path) -> dict[str, Path]:
     """Key -> file, from the index when there is one, else from every safetensors file."""
     index = ckpt_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        try:
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"checkpoint {ckpt_dir}: model.safetensors.index.json is not valid JSON "
+                              f"({exc})") from exc
         return {k: ckpt_dir / f for k, f in weight_map.items() if is_generation_key(k)}
     files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"checkpoint {ckpt_dir}: no *.safetensors file found")
-    out: dict[str, Path] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt") as handle:
-            out.update({k: file for k in handle.keys() if is_generation_key(k)})
-    return out
+    return {k: file for file in files for k in read_header(file) if is_generation_key(k)}
 
 
 def _keys_by_file(ckpt_dir: Path) -> dict[Path, list[str]]:
@@ -58,13 +130,24 @@ def _keys_by_file(ckpt_dir: Path) -> dict[Path, list[str]]:
     return by_file
 
 
+def _entries(ckpt_dir: Path, file: Path, keys: list[str]) -> dict[str, TensorEntry]:
+    """The header entries of ``keys`` in ``file``; an index that misplaces a key is refused."""
+    entries = read_header(file)
+    for key in keys:
+        if key not in entries:
+            raise ConfigError(f"checkpoint {ckpt_dir}: the index puts '{key}' in {file.name}, which does not hold it")
+    return {key: entries[key] for key in keys}
+
+
 def read_generation_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All generation-tower tensors in their stored dtype, on the CPU."""
+    """All generation-tower tensors in their stored dtype, on the CPU, memory-mapped (no copy)."""
+    ckpt_dir = Path(ckpt_dir)
     tensors: dict[str, torch.Tensor] = {}
-    for file, keys in _keys_by_file(Path(ckpt_dir)).items():
-        with safe_open(str(file), framework="pt") as handle:
-            for key in keys:
-                tensors[key] = handle.get_tensor(key)
+    for file, keys in _keys_by_file(ckpt_dir).items():
+        entries = _entries(ckpt_dir, file, keys)
+        with open(file, "rb") as handle:
+            for key, entry in entries.items():
+                tensors[key] = map_tensor(handle, entry)
     return tensors
 
 
@@ -75,12 +158,9 @@ def generation_shapes(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     gigabytes of weights are read or rank processes started.
     """
     ckpt_dir = Path(ckpt_dir)
-    shapes: dict[str, torch.Tensor] = {}
-    for file, keys in _keys_by_file(ckpt_dir).items():
-        with safe_open(str(file), framework="pt") as handle:
-            for key in keys:
-                shapes[key] = torch.empty(handle.get_slice(key).get_shape(), device="meta")
-    return shapes
+    return {key: torch.empty(entry.shape, device="meta")
+            for file, keys in _keys_by_file(ckpt_dir).items()
+            for key, entry in _entries(ckpt_dir, file, keys).items()}
 
 
 def expected_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:

@@ -1,0 +1,74 @@
+"""The GPU check's code path on CPU: every mode (4 ranks: CFG-parallel and CFG + Ulysses too) on
+the 8B geometry cut to 2 layers, a quarter of the width and a 64x64 image."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from bench.geometry import config_8b, random_tower_tensors, tower_shapes
+from bench.gpu_modes import CheckSpec, mode_runs
+from neopp.checkpoint import check_shapes
+from neopp.checkpoint_config import CheckpointConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_smoke_run_covers_every_mode_and_parallel_pixels_agree() -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.gpu_check",
+        "--device",
+        "cpu",
+        "--devices",
+        "4",
+        "--layers",
+        "2",
+        "--shrink",
+        "4",
+        "--size",
+        "64",
+        "--steps",
+        "2",
+        "--lora-steps",
+        "2",
+        "--moe-steps",
+        "2",
+        "--moe-layers",
+        "2",
+        "--moe-experts",
+        "4",
+        "--prefix",
+        "16",
+    ]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.splitlines()
+    for name in ("dense bf16", "fp8", "8-step LoRA", "MoE", "CFG-parallel x2", "CFG x2 + Ulysses x2"):
+        assert any(line.startswith(name) and "ms/step" in line and "GiB" in line for line in lines), name
+    compared = [line for line in lines if "vs dense bf16 on one device" in line]
+    assert len(compared) == 2 and all("PASS" in line for line in compared)
+
+
+def test_mode_list_follows_the_device_count() -> None:
+    names = lambda n: [r.name for r in mode_runs(CheckSpec(), n)]  # noqa: E731
+    assert names(1) == ["dense bf16", "fp8", "8-step LoRA", "MoE"]
+    assert names(2)[-1] == "CFG-parallel x2" and len(names(2)) == 5
+    assert names(4)[-1] == "CFG x2 + Ulysses x2" and len(names(4)) == 6
+
+
+def test_random_tower_has_the_real_8b_keys_and_shapes() -> None:
+    cfg = CheckpointConfig.from_dict(config_8b(36))
+    shapes = tower_shapes(cfg)
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    assert 6.9e9 < params < 7.2e9  # the 8B model's generation tower
+    assert sum(k.startswith("language_model.model.layers.35.") for k in shapes) == 13
+    check_shapes(cfg, {k: torch.empty(s, device="meta") for k, s in shapes.items()})
+    small = CheckpointConfig.from_dict(config_8b(1, hidden_size=256))
+    tensors = random_tower_tensors(small, "cpu", torch.bfloat16, mlp_width=64, head_width=64)
+    check_shapes(small, tensors)
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
