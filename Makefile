@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TINY_DIR ?= build/tiny
 
-.PHONY: setup test bench tiny clean
+.PHONY: setup test lint bench tiny clean
 
 setup: $(STAMP)
 
@@ -22,7 +22,12 @@ tiny: setup
 	test -f $(TINY_DIR)/dense/config.json -a -f $(TINY_DIR)/lora/neopp_8steps_lora.safetensors \
 	  || $(PY) -m testing.tiny_checkpoint --out $(TINY_DIR)
 
-test: setup
+# The style check runs first: a violation fails `make test` (and so CI) in seconds.
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	$(PY) -m pytest -q
 
 bench: setup

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from neopp.embeddings import patchify
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.schedule import initial_noise_scale
-from neopp.embeddings import patchify
 
 
 @torch.inference_mode()
-def branch_velocity(pipe: NeoPPPipeline, req: GenerationRequest, x: torch.Tensor, t: float,
-                    branch: str = "cond") -> torch.Tensor:
+def branch_velocity(
+    pipe: NeoPPPipeline, req: GenerationRequest, x: torch.Tensor, t: float, branch: str = "cond"
+) -> torch.Tensor:
     """One unguided velocity of ``branch`` at time ``t`` (the branch is prepared on each call)."""
     grid = pipe.grid(req.height, req.width)
     kv, off = (req.cond_kv, req.index_offset_cond) if branch == "cond" else (req.uncond_kv, req.index_offset_uncond)

@@ -72,8 +72,7 @@ def test_file_name_in_mode_file_resolves_in_lora_dir(tiny: Path, monkeypatch: py
     assert mode.sampling.infer_steps == 8
 
 
-def test_missing_lora_names_model_file_and_setting(tiny: Path, tmp_path: Path,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_lora_names_model_file_and_setting(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     settings = settings_for(monkeypatch, tiny / "dense", tmp_path)
     with pytest.raises(ConfigError) as err:
         load_model_mode(settings)
@@ -95,8 +94,9 @@ def first_misfit_base(lora: Path, checkpoint: Path) -> str:
     raise AssertionError("every key fits")
 
 
-def test_lora_for_other_geometry_refused_naming_model_file_and_key(tiny: Path, wide_lora_dir: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lora_for_other_geometry_refused_naming_model_file_and_key(
+    tiny: Path, wide_lora_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     settings = settings_for(monkeypatch, tiny / "dense", wide_lora_dir)
     with pytest.raises(ConfigError) as err:
         load_model_mode(settings)

@@ -13,14 +13,17 @@ from neopp.serving.watchdog import expected_instances
 
 
 def _inputs(**extra):
-    return {"COND_KV": torch.zeros(2, 2, 10, 2, 32, dtype=torch.bfloat16),
-            "INDEX_OFFSET_COND": np.array([1], np.int64), **extra}
+    return {
+        "COND_KV": torch.zeros(2, 2, 10, 2, 32, dtype=torch.bfloat16),
+        "INDEX_OFFSET_COND": np.array([1], np.int64),
+        **extra,
+    }
 
 
 def test_request_bytes_count_every_input():
     kv_bytes = 2 * 2 * 10 * 2 * 32 * 2
     parse_request(_inputs(), Limits(max_request_bytes=kv_bytes + 8))
-    with pytest.raises(InputError, match=r"^RNG_STATE: .*max_request_bytes=%d" % (kv_bytes + 8)):
+    with pytest.raises(InputError, match=rf"^RNG_STATE: .*max_request_bytes={kv_bytes + 8}"):
         parse_request(_inputs(RNG_STATE=np.zeros(kv_bytes * 2, np.uint8)), Limits(max_request_bytes=kv_bytes + 8))
     with pytest.raises(InputError, match="^TASK: "):
         parse_request(_inputs(TASK=np.array([b"x" * 10**5], np.object_)), Limits(max_request_bytes=kv_bytes + 1000))
@@ -45,8 +48,16 @@ def test_a_generation_stub_drops_the_servers_malloc_tuning():
 
     from neopp.serving.tritonserver import MALLOC_ENV
 
-    code = ("import os; from neopp.serving.procs import restore_malloc_defaults; restore_malloc_defaults(); "
-            "print(sorted(k for k in os.environ if k.startswith('MALLOC_')))")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **MALLOC_ENV}, check=True,
-                         capture_output=True, text=True, timeout=120).stdout
+    code = (
+        "import os; from neopp.serving.procs import restore_malloc_defaults; restore_malloc_defaults(); "
+        "print(sorted(k for k in os.environ if k.startswith('MALLOC_')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, **MALLOC_ENV},
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
     assert out.strip() == "[]"

@@ -38,14 +38,20 @@ def test_fresh_runtime_venv_imports_every_module(tmp_path):
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     py = env_dir / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check",
-                    str(ROOT), *runtime_pins()], check=True, timeout=900, cwd=tmp_path)
-    out = subprocess.run([str(py), "-c", PROBE], check=True, timeout=300, cwd=tmp_path,
-                         capture_output=True, text=True).stdout
+    subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", str(ROOT), *runtime_pins()],
+        check=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    out = subprocess.run(
+        [str(py), "-c", PROBE], check=True, timeout=300, cwd=tmp_path, capture_output=True, text=True
+    ).stdout
     report = __import__("json").loads(out.strip().splitlines()[-1])
     assert str(env_dir) in report["file"], "the package was imported from the checkout, not the venv"
     assert report["foreign"] == [], f"runtime modules import {report['foreign']}"
     assert report["harness"] == [], f"installed alongside the runtime: {report['harness']}"
-    assert {"neopp.pipeline", "neopp.serving.triton_model", "neopp.parallel.workers",
-            "neopp.tools.replay_kv"} <= set(report["modules"])
+    assert {"neopp.pipeline", "neopp.serving.triton_model", "neopp.parallel.workers", "neopp.tools.replay_kv"} <= set(
+        report["modules"]
+    )
     assert not any(m.startswith(("neopp.bench", "neopp.tiny_checkpoint")) for m in report["modules"])

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from neopp.serving.admin import (AdminKeyError, FRONT_HEADER, KEY_ENV, KEY_HEADER, load_or_create_key,
-                                 restriction_args)
+from neopp.serving.admin import FRONT_HEADER, KEY_ENV, KEY_HEADER, AdminKeyError, load_or_create_key, restriction_args
 from neopp.serving.http_front import Refused, check_infer_header
 from neopp.serving.shm_regions import backend_args, new_prefix, regions, remove_regions
 
@@ -48,13 +47,16 @@ def test_restriction_flags_cover_admin_apis_on_both_protocols() -> None:
     assert http[1].endswith(f":{FRONT_HEADER}={'f' * 20}") and "inference" in http[1]
 
 
-@pytest.mark.parametrize("item, match", [
-    ({"name": "A", "datatype": "INT64", "shape": [10**12], "data": [1]}, "bytes"),
-    ({"name": "A", "datatype": "INT64", "shape": [1000], "data": [1]}, "cannot hold"),
-    ({"name": "A", "datatype": "INT64", "shape": [-1], "data": [1]}, "non-negative"),
-    ({"name": "A", "datatype": "INT64", "shape": "1", "data": [1]}, "non-negative"),
-    ({"name": "A", "datatype": "BF16", "shape": [2**40, 2], "parameters": {"binary_data_size": 4}}, "bytes"),
-])
+@pytest.mark.parametrize(
+    "item, match",
+    [
+        ({"name": "A", "datatype": "INT64", "shape": [10**12], "data": [1]}, "bytes"),
+        ({"name": "A", "datatype": "INT64", "shape": [1000], "data": [1]}, "cannot hold"),
+        ({"name": "A", "datatype": "INT64", "shape": [-1], "data": [1]}, "non-negative"),
+        ({"name": "A", "datatype": "INT64", "shape": "1", "data": [1]}, "non-negative"),
+        ({"name": "A", "datatype": "BF16", "shape": [2**40, 2], "parameters": {"binary_data_size": 4}}, "bytes"),
+    ],
+)
 def test_front_refuses_declared_sizes_no_body_can_carry(item: dict, match: str) -> None:
     with pytest.raises(Refused, match=match) as info:
         check_infer_header({"inputs": [item]}, body_len=200, max_body=1 << 20)
@@ -62,10 +64,21 @@ def test_front_refuses_declared_sizes_no_body_can_carry(item: dict, match: str) 
 
 
 def test_front_passes_ordinary_requests() -> None:
-    check_infer_header({"inputs": [{"name": "A", "datatype": "INT64", "shape": [2], "data": [1, 2]},
-                                   {"name": "KV", "datatype": "BF16", "shape": [2, 2, 24, 2, 32],
-                                    "parameters": {"binary_data_size": 12288}}]},
-                       body_len=12400, max_body=1 << 20)
+    check_infer_header(
+        {
+            "inputs": [
+                {"name": "A", "datatype": "INT64", "shape": [2], "data": [1, 2]},
+                {
+                    "name": "KV",
+                    "datatype": "BF16",
+                    "shape": [2, 2, 24, 2, 32],
+                    "parameters": {"binary_data_size": 12288},
+                },
+            ]
+        },
+        body_len=12400,
+        max_body=1 << 20,
+    )
 
 
 def test_regions_are_found_by_their_own_prefix_only(tmp_path: Path) -> None:

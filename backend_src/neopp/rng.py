@@ -28,7 +28,7 @@ class NoiseStream:
         self._gen.manual_seed(int(seed) % 2**64)
 
     @classmethod
-    def from_state(cls, state: bytes | np.ndarray | torch.Tensor) -> "NoiseStream":
+    def from_state(cls, state: bytes | np.ndarray | torch.Tensor) -> NoiseStream:
         raw = _state_tensor(state)
         stream = cls(seed=0)
         try:

@@ -31,8 +31,9 @@ def apply_vision_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 class Rope3D:
     """Temporal / row / column rotate-half segments of one head, for one branch's tokens."""
 
-    def __init__(self, offset: int, rows: int, cols: int, head_dim: int, theta: float, theta_hw: float,
-                 device: torch.device) -> None:
+    def __init__(
+        self, offset: int, rows: int, cols: int, head_dim: int, theta: float, theta_hw: float, device: torch.device
+    ) -> None:
         hd = head_dim
         ft = 1.0 / theta ** (torch.arange(hd // 4, dtype=torch.float64) * 4.0 / hd)
         fs = 1.0 / theta_hw ** (torch.arange(hd // 8, dtype=torch.float64) * 8.0 / hd)
@@ -46,12 +47,12 @@ class Rope3D:
         self.sin = angles.sin().float().to(device)[:, None, :] * sign  # rotate-half signs folded in
 
     @classmethod
-    def _from_tables(cls, cos: torch.Tensor, sin: torch.Tensor, perm: torch.Tensor) -> "Rope3D":
+    def _from_tables(cls, cos: torch.Tensor, sin: torch.Tensor, perm: torch.Tensor) -> Rope3D:
         rope = object.__new__(cls)
         rope.cos, rope.sin, rope.perm = cos, sin, perm
         return rope
 
-    def padded_slice(self, total: int, start: int, stop: int) -> "Rope3D":
+    def padded_slice(self, total: int, start: int, stop: int) -> Rope3D:
         """Tables extended to `total` tokens with identity rotations (padding), then sliced."""
         pad = total - self.cos.shape[0]
         cos = torch.cat([self.cos, torch.ones_like(self.cos[:1]).expand(pad, -1, -1)])
@@ -59,10 +60,9 @@ class Rope3D:
         return self._from_tables(cos[start:stop], sin[start:stop], self.perm)
 
     @classmethod
-    def concat(cls, ropes: list["Rope3D"]) -> "Rope3D":
+    def concat(cls, ropes: list[Rope3D]) -> Rope3D:
         """Several branches' tokens one after the other (batched CFG)."""
-        return cls._from_tables(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]),
-                                ropes[0].perm)
+        return cls._from_tables(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]), ropes[0].perm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, head_dim] -> rotated, same dtype."""

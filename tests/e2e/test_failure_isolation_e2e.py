@@ -80,13 +80,29 @@ def launch(tmp: Path, env_overrides: dict[str, str], models: tuple[str, ...]) ->
     http_port, grpc_port, metrics_port = free_ports(3)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT", "NEOPP_LORA_DIR"))}
     env.update(NEOPP_ADMIN_KEY=KEY, PYTHONUNBUFFERED="1", **env_overrides)
-    cmd = [sys.executable, "-m", "neopp.serving.tritonserver", "serve", "--http-port", str(http_port),
-           "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--max-restarts", "0",
-           "--", "--model-control-mode=explicit", "--exit-timeout-secs=5", *(f"--load-model={m}" for m in models)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "neopp.serving.tritonserver",
+        "serve",
+        "--http-port",
+        str(http_port),
+        "--grpc-port",
+        str(grpc_port),
+        "--metrics-port",
+        str(metrics_port),
+        "--max-restarts",
+        "0",
+        "--",
+        "--model-control-mode=explicit",
+        "--exit-timeout-secs=5",
+        *(f"--load-model={m}" for m in models),
+    ]
     log = tmp / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True
+        )
     return Launcher(proc, log, http_port, grpc_port)
 
 
@@ -110,12 +126,16 @@ def wide_lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def mixed(tiny_dense: Path, broken_checkpoint: Path, wide_lora_dir: Path,
-          tmp_path_factory: pytest.TempPathFactory):
-    launcher = launch(tmp_path_factory.mktemp("mixed"),
-                      {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_CHECKPOINT_NEOPP_DENSE_FP8": str(broken_checkpoint),
-                       "NEOPP_LORA_DIR_NEOPP_DENSE_8STEPS": str(wide_lora_dir)},
-                      ("neopp_dense", "neopp_dense_fp8", "neopp_dense_8steps"))
+def mixed(tiny_dense: Path, broken_checkpoint: Path, wide_lora_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    launcher = launch(
+        tmp_path_factory.mktemp("mixed"),
+        {
+            "NEOPP_CHECKPOINT": str(tiny_dense),
+            "NEOPP_CHECKPOINT_NEOPP_DENSE_FP8": str(broken_checkpoint),
+            "NEOPP_LORA_DIR_NEOPP_DENSE_8STEPS": str(wide_lora_dir),
+        },
+        ("neopp_dense", "neopp_dense_fp8", "neopp_dense_8steps"),
+    )
     try:
         launcher.wait_for("NeoPP Triton server ready")
         yield launcher
@@ -142,12 +162,16 @@ def test_table_names_every_model_and_why(mixed: Launcher, broken_checkpoint: Pat
 
 def test_the_model_that_loaded_serves(mixed: Launcher, tiny_dense: Path) -> None:
     kv = tiny_dense / "sample_kv"
-    arrays = {"COND_KV": (load_kv_file(kv / "cond_kv.pt").float().numpy(), "BF16"),
-              "UNCOND_KV": (load_kv_file(kv / "uncond_kv.pt").float().numpy(), "BF16"),
-              "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
-              "INDEX_OFFSET_UNCOND": (np.array([7], np.int64), "INT64"),
-              "SIZE": (np.array([32, 32], np.int64), "INT64"), "STEPS": (np.array([2], np.int64), "INT64"),
-              "SEED": (np.array([1], np.int64), "INT64"), "OUTPUT_FORMAT": (np.array([b"png"], object), "BYTES")}
+    arrays = {
+        "COND_KV": (load_kv_file(kv / "cond_kv.pt").float().numpy(), "BF16"),
+        "UNCOND_KV": (load_kv_file(kv / "uncond_kv.pt").float().numpy(), "BF16"),
+        "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
+        "INDEX_OFFSET_UNCOND": (np.array([7], np.int64), "INT64"),
+        "SIZE": (np.array([32, 32], np.int64), "INT64"),
+        "STEPS": (np.array([2], np.int64), "INT64"),
+        "SEED": (np.array([1], np.int64), "INT64"),
+        "OUTPUT_FORMAT": (np.array([b"png"], object), "BYTES"),
+    }
     tensors = []
     for name, (array, dtype) in arrays.items():
         tensors.append(grpcclient.InferInput(name, list(array.shape), dtype))
@@ -161,8 +185,9 @@ def test_the_model_that_loaded_serves(mixed: Launcher, tiny_dense: Path) -> None
 
 
 def http_status(port: int, path: str, body: bytes | None = None, headers: dict | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=body, headers=headers or {},
-                                 method="POST" if body is not None else "GET")
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=body, headers=headers or {}, method="POST" if body is not None else "GET"
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
             return resp.status, resp.read()

@@ -20,17 +20,18 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 PR_SET_PDEATHSIG = 1
 BEAT_S = 0.2
 
-_spawn_jobs: "queue.Queue[tuple[Callable[[], None], queue.Queue]]" | None = None
+_spawn_jobs: queue.Queue[tuple[Callable[[], None], queue.Queue]] | None = None
 _spawn_lock = threading.Lock()
 
 
-def _spawn_loop(jobs: "queue.Queue[tuple[Callable[[], None], queue.Queue]]") -> None:
+def _spawn_loop(jobs: queue.Queue[tuple[Callable[[], None], queue.Queue]]) -> None:
     while True:
         job, done = jobs.get()
         try:
@@ -46,8 +47,8 @@ def start_processes(procs: Sequence[Any]) -> None:
     with _spawn_lock:
         if _spawn_jobs is None:
             _spawn_jobs = queue.Queue()
-            threading.Thread(target=_spawn_loop, args=(_spawn_jobs,), name="neopp-spawner",
-                             daemon=True).start()
+            threading.Thread(target=_spawn_loop, args=(_spawn_jobs,), name="neopp-spawner", daemon=True).start()
+
     def start_all() -> None:
         for p in procs:
             p.start()
@@ -71,6 +72,7 @@ def die_with_parent(parent: int) -> None:
 
 def start_heartbeat(beats: Any, rank: int) -> None:
     """A daemon thread that stamps ``beats[rank]`` every BEAT_S seconds."""
+
     def beat() -> None:
         while True:
             beats[rank] = time.monotonic()

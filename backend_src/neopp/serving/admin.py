@@ -41,7 +41,7 @@ def load_or_create_key(path: Path, env: dict[str, str] | None = None) -> tuple[s
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         if path.stat().st_mode & 0o077:
-            raise AdminKeyError(f"{path} is readable by group or others; chmod 600 it or remove it")
+            raise AdminKeyError(f"{path} is readable by group or others; chmod 600 it or remove it") from None
         return _check_key(path.read_text().strip(), str(path)), str(path)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32) + "\n")
@@ -56,8 +56,7 @@ def new_front_key() -> str:
 def restriction_args(key: str, front_key: str | None = None) -> list[str]:
     """tritonserver flags: admin APIs need ``key``; with ``front_key``, HTTP's other APIs need it."""
     apis = ",".join(RESTRICTED)
-    args = [f"--http-restricted-api={apis}:{KEY_HEADER}={key}",
-            f"--grpc-restricted-protocol={apis}:{KEY_HEADER}={key}"]
+    args = [f"--http-restricted-api={apis}:{KEY_HEADER}={key}", f"--grpc-restricted-protocol={apis}:{KEY_HEADER}={key}"]
     if front_key:
         args.append(f"--http-restricted-api={','.join(FRONT_ONLY)}:{FRONT_HEADER}={front_key}")
     return args

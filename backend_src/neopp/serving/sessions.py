@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass
-from typing import Callable, Container, Hashable
 
 from ..errors import ConfigError, InputError
 
@@ -56,8 +56,9 @@ class SessionTable:
     """Sessions by id with an idle timeout and a maximum count; not thread-safe by design
     (a Python-backend instance runs one ``execute`` at a time)."""
 
-    def __init__(self, max_sessions: int, idle_timeout_s: float, default_seed: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_sessions: int, idle_timeout_s: float, default_seed: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         if max_sessions < 1:
             raise ConfigError(f"parameter max_sessions: must be >= 1, got {max_sessions}")
         if not idle_timeout_s > 0:
@@ -113,8 +114,9 @@ class SessionTable:
         session = self._sessions.get(session_id)
         if session is None:
             why = self._dropped.get(session_id, "never started or already ended")
-            raise UnknownSession(f"sequence_id {session_id}: unknown session ({why}); "
-                                 "start a new session with sequence_start=True")
+            raise UnknownSession(
+                f"sequence_id {session_id}: unknown session ({why}); start a new session with sequence_start=True"
+            )
         self._sessions.move_to_end(session_id)
         session.last_used = now
         return session
@@ -182,8 +184,7 @@ class SequenceSlots:
     kept in its slot until then, so its next turn still hears why it was dropped.
     """
 
-    def __init__(self, capacity: int, reserve: int, idle_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, capacity: int, reserve: int, idle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         if reserve < 1 or capacity <= reserve:
             raise ConfigError(f"max_candidate_sequences ({capacity}) must exceed its reserve of {reserve}")
         self.threshold = capacity - reserve

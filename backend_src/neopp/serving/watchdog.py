@@ -23,9 +23,10 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .admin import KEY_ENV, grpc_headers, http_headers
 from .procs import all_pids, cmdline, ppid
@@ -132,9 +133,10 @@ class StubWatchdog:
                 recovery = Recovery(model, dead, force_reload(self.client, model, self.admin_key))
             except Exception as exc:  # noqa: BLE001 - reported, retried at the next poll
                 recovery = Recovery(model, dead, 0.0, f"{type(exc).__name__}: {exc}")
-            self.log(f"neopp watchdog: {model}: reload "
-                     + (f"failed: {recovery.error}" if recovery.error
-                        else f"done in {recovery.reload_s:.2f}s"))
+            self.log(
+                f"neopp watchdog: {model}: reload "
+                + (f"failed: {recovery.error}" if recovery.error else f"done in {recovery.reload_s:.2f}s")
+            )
             self._missing_since.pop(model, None)
             self.recoveries.append(recovery)
             done.append(recovery)
@@ -147,7 +149,7 @@ class StubWatchdog:
             except Exception as exc:  # noqa: BLE001 - server busy or stopping: try again later
                 self.log(f"neopp watchdog: poll failed: {type(exc).__name__}: {exc}")
 
-    def start(self) -> "StubWatchdog":
+    def start(self) -> StubWatchdog:
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name="neopp-stub-watchdog", daemon=True)
         self._thread.start()
@@ -159,15 +161,16 @@ class StubWatchdog:
             self._thread.join(timeout=30)
             self._thread = None
 
-    def __enter__(self) -> "StubWatchdog":
+    def __enter__(self) -> StubWatchdog:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-def start_watchdog(grpc_url: str, server_pid: int, log: Callable[[str], None] = print,
-                   admin_key: str | None = None) -> StubWatchdog:
+def start_watchdog(
+    grpc_url: str, server_pid: int, log: Callable[[str], None] = print, admin_key: str | None = None
+) -> StubWatchdog:
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(grpc_url)
@@ -183,15 +186,19 @@ def find_server_pid() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m neopp.serving.watchdog", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m neopp.serving.watchdog",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
     parser.add_argument("--server-pid", type=int, help="tritonserver's pid (default: the only one found)")
     parser.add_argument("--admin-key-file", help=f"operator key file (default ${KEY_ENV}; none: no key sent)")
     args = parser.parse_args(argv)
     key = Path(args.admin_key_file).read_text().strip() if args.admin_key_file else os.environ.get(KEY_ENV)
-    watchdog = start_watchdog(args.url, args.server_pid or find_server_pid(),
-                              log=lambda m: print(m, flush=True), admin_key=key)
+    watchdog = start_watchdog(
+        args.url, args.server_pid or find_server_pid(), log=lambda m: print(m, flush=True), admin_key=key
+    )
     try:
         while watchdog._thread is not None and watchdog._thread.is_alive():
             time.sleep(1.0)
