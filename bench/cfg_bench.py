@@ -40,16 +40,10 @@ def write_checkpoint(geo: BenchGeometry, root: Path, dtype: torch.dtype) -> Path
 
 def bench_request(geo: BenchGeometry, size: int, steps: int) -> GenerationRequest:
     raw = geo.config()
-    return GenerationRequest(
-        cond_kv=random_kv(raw, PREFIX, 1),
-        uncond_kv=random_kv(raw, UNCOND_PREFIX, 2),
-        index_offset_cond=PREFIX,
-        index_offset_uncond=UNCOND_PREFIX,
-        height=size,
-        width=size,
-        noise=NoiseStream(0).draw(size, size),
-        sampling=SamplingParams(infer_steps=steps + 1),
-    )
+    return GenerationRequest(cond_kv=random_kv(raw, PREFIX, 1), uncond_kv=random_kv(raw, UNCOND_PREFIX, 2),
+                             index_offset_cond=PREFIX, index_offset_uncond=UNCOND_PREFIX, height=size, width=size,
+                             noise=NoiseStream(0).draw(size, size),
+                             sampling=SamplingParams(infer_steps=steps + 1))
 
 
 def per_step(run) -> list[float]:
@@ -94,28 +88,16 @@ def run(args: argparse.Namespace) -> str:
                 med, lo, hi = stats(values)
                 ratio = f"{med / base:.2f}" if "collectives" not in label else "-"
                 rows.append(f"| {label} | {med * 1e3:.1f} ({lo * 1e3:.1f}-{hi * 1e3:.1f}) | {ratio} |")
-            sections.append(
-                f"### {str(dtype).split('.')[-1]}\n\n| variant | ms per step, median (min-max) | "
-                "vs sequential 1x1 |\n|---|---|---|\n" + "\n".join(rows)
-            )
-    return (
-        f"Geometry: {geo}; image {size}x{size}, cond prefix {PREFIX}, uncond prefix {UNCOND_PREFIX}, "
-        f"CFG on every step; {steps} timed steps x {repeats} rounds, variants interleaved.\n\n" + "\n\n".join(sections)
-    )
+            sections.append(f"### {str(dtype).split('.')[-1]}\n\n| variant | ms per step, median (min-max) | "
+                            "vs sequential 1x1 |\n|---|---|---|\n" + "\n".join(rows))
+    return (f"Geometry: {geo}; image {size}x{size}, cond prefix {PREFIX}, uncond prefix {UNCOND_PREFIX}, "
+            f"CFG on every step; {steps} timed steps x {repeats} rounds, variants interleaved.\n\n"
+            + "\n\n".join(sections))
 
 
 def main(argv: list[str] | None = None) -> None:
-    section_main(
-        argv,
-        __doc__,
-        "cfg.md",
-        "Guidance: sequential vs batched vs CFG-parallel",
-        run,
-        layers=4,
-        size=512,
-        steps=4,
-        repeats=3,
-    )
+    section_main(argv, __doc__, "cfg.md", "Guidance: sequential vs batched vs CFG-parallel", run,
+                 layers=4, size=512, steps=4, repeats=3)
 
 
 if __name__ == "__main__":

@@ -26,10 +26,8 @@ def machine() -> str:
     except OSError:
         pass
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
-        f"{gpu}, Python {platform.python_version()}"
-    )
+    return (f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"{gpu}, Python {platform.python_version()}")
 
 
 def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
@@ -56,11 +54,8 @@ def stats(values: list[float]) -> tuple[float, float, float]:
 def command_line() -> str:
     script = Path(sys.argv[0]).resolve().with_suffix("")
     module = script.relative_to(REPO) if script.is_relative_to(REPO) else Path(script.name)
-    return (
-        "python -m "
-        + module.as_posix().replace("/", ".")
-        + ("" if len(sys.argv) == 1 else " " + " ".join(sys.argv[1:]))
-    )
+    return "python -m " + module.as_posix().replace("/", ".") + \
+        ("" if len(sys.argv) == 1 else " " + " ".join(sys.argv[1:]))
 
 
 def bench_parser(doc: str | None, **int_flags: int) -> argparse.ArgumentParser:
@@ -75,14 +70,8 @@ def bench_parser(doc: str | None, **int_flags: int) -> argparse.ArgumentParser:
     return parser
 
 
-def section_main(
-    argv: list[str] | None,
-    doc: str | None,
-    report: str,
-    title: str,
-    body: Callable[[argparse.Namespace], str],
-    **int_flags: int,
-) -> Path:
+def section_main(argv: list[str] | None, doc: str | None, report: str, title: str,
+                 body: Callable[[argparse.Namespace], str], **int_flags: int) -> Path:
     """The whole `main` of a section module: parse its flags, measure, write `<out>/<report>`."""
     args = bench_parser(doc, **int_flags).parse_args(argv)
     return write_report(Path(args.out) / report, title, body(args))

@@ -75,7 +75,9 @@ def child(path: str, ckpt: Path, size: int, steps: int, layers: int) -> dict:
     from testing.tiny_checkpoint import random_kv
 
     base = rss_bytes()
-    mode = ModeSpec(name=path, dit_quantized=path == "fp8", dit_quant_scheme="fp8-sgl" if path == "fp8" else None)
+    mode = ModeSpec(
+        name=path, dit_quantized=path == "fp8", dit_quant_scheme="fp8-sgl" if path == "fp8" else None
+    )
     start = time.perf_counter()
     pipe = NeoPPPipeline.from_pretrained(ckpt, mode, device="cpu", dtype=torch.bfloat16)
     load_s, rss_load = time.perf_counter() - start, rss_bytes()
@@ -242,11 +244,9 @@ def notes(bf: dict, fp: dict, weights: int, eff: float) -> list[str]:
         "instead of failing when memory runs short, so a load never holds the file twice.",
     ]
     rate = bf["flops"] / bf["matmul_s"] / 1e9
-    out.append(
-        f"- This CPU runs bf16 `torch.matmul` at {rate:.0f} GFLOP/s on the step's shapes, which is "
-        "why a step takes minutes here; the figures above are about memory and relative efficiency, "
-        "not speed."
-    )
+    out.append(f"- This CPU runs bf16 `torch.matmul` at {rate:.0f} GFLOP/s on the step's shapes, which is "
+               "why a step takes minutes here; the figures above are about memory and relative efficiency, "
+               "not speed.")
     if eff < 0.75:
         out.append(
             "- bf16 efficiency below goal: besides the GEMMs a CPU step runs attention (SDPA), RMSNorms, "
@@ -264,7 +264,9 @@ def notes(bf: dict, fp: dict, weights: int, eff: float) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", default=str(REPO / "bench"))
     parser.add_argument("--ckpt", default=str(REPO / "build" / "8b"))
     parser.add_argument("--size", type=int, default=256)

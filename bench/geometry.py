@@ -19,28 +19,14 @@ import torch
 from neopp.checkpoint import FM, ST_DTYPES, expected_shapes, layer_prefix
 from neopp.checkpoint_config import CheckpointConfig
 
-REAL_8B = {
-    "num_hidden_layers": 36,
-    "hidden_size": 4096,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "rope_theta": 5_000_000.0,
-    "rope_theta_hw": 10_000.0,
-}
+REAL_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+           "head_dim": 128, "rope_theta": 5_000_000.0, "rope_theta_hw": 10_000.0}
 MLP_WIDTH, HEAD_WIDTH, VISION_WIDTH = 12288, 4096, 1024
 VISION = {"hidden_size": VISION_WIDTH, "rope_theta_vision": 10_000.0, "max_position_embeddings_vision": 1024}
 # A MoE geometry of the usual fine-grained kind (assumed, not a published U1 checkpoint's).
-MOE_GEOMETRY = {
-    "num_hidden_layers": 48,
-    "hidden_size": 2048,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 4,
-    "head_dim": 128,
-    "gen_num_experts": 128,
-    "num_experts_per_tok": 8,
-    "norm_topk_prob": True,
-}
+MOE_GEOMETRY = {"num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
+                "num_key_value_heads": 4, "head_dim": 128, "gen_num_experts": 128, "num_experts_per_tok": 8,
+                "norm_topk_prob": True}
 MOE_WIDTH = 768
 ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 ShapeMap = dict[str, tuple[int, ...]]
@@ -53,15 +39,8 @@ def config_8b(layers: int = 36, **llm_overrides: object) -> dict:
 
 
 def config_moe(layers: int = 48, experts: int = 128, top_k: int = 8) -> dict:
-    return config_8b(
-        layers,
-        **{
-            **MOE_GEOMETRY,
-            "num_hidden_layers": layers,
-            "gen_num_experts": experts,
-            "num_experts_per_tok": min(top_k, experts),
-        },
-    )
+    return config_8b(layers, **{**MOE_GEOMETRY, "num_hidden_layers": layers, "gen_num_experts": experts,
+                                "num_experts_per_tok": min(top_k, experts)})
 
 
 def tower_shapes(cfg: CheckpointConfig, mlp_width: int = MLP_WIDTH, head_width: int = HEAD_WIDTH) -> ShapeMap:
@@ -78,13 +57,8 @@ def is_norm(key: str) -> bool:
     return "layernorm" in key or "_norm" in key
 
 
-def random_tensor(
-    key: str,
-    shape: tuple[int, ...],
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
-) -> torch.Tensor:
+def random_tensor(key: str, shape: tuple[int, ...], device: torch.device | str = "cpu",
+                  dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> torch.Tensor:
     """Deterministic per key (order-free): N(0, 1/fan_in) weights, unit norms, zero biases."""
     if len(shape) == 1:
         fill = torch.ones if is_norm(key) else torch.zeros
@@ -95,26 +69,21 @@ def random_tensor(
     return out.mul_(math.prod(shape[1:]) ** -0.5).to(dtype)
 
 
-def random_tower_tensors(
-    cfg: CheckpointConfig,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    mlp_width: int = MLP_WIDTH,
-    head_width: int = HEAD_WIDTH,
-) -> dict[str, torch.Tensor]:
+def random_tower_tensors(cfg: CheckpointConfig, device: torch.device | str, dtype: torch.dtype,
+                         mlp_width: int = MLP_WIDTH, head_width: int = HEAD_WIDTH) -> dict[str, torch.Tensor]:
     """The whole tower drawn on `device` (no file)."""
     shapes = tower_shapes(cfg, mlp_width, head_width)
     return {key: random_tensor(key, shape, device, dtype) for key, shape in shapes.items()}
 
 
-def write_safetensors(
-    path: Path, shapes: ShapeMap, make: Callable[[str, tuple[int, ...]], torch.Tensor], dtype: torch.dtype
-) -> int:
+def write_safetensors(path: Path, shapes: ShapeMap, make: Callable[[str, tuple[int, ...]], torch.Tensor],
+                      dtype: torch.dtype) -> int:
     """Stream one safetensors file: header from the shapes, then each tensor as it is made."""
     header, offset = {}, 0
     for key, shape in shapes.items():
         nbytes = math.prod(shape) * dtype.itemsize
-        header[key] = {"dtype": ST_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": ST_NAMES[dtype], "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # data starts 8-byte aligned
@@ -151,15 +120,9 @@ def with_understanding_keys(cfg: CheckpointConfig, shapes: ShapeMap) -> ShapeMap
     return out
 
 
-def write_sharded_checkpoint(
-    out_dir: Path,
-    raw_config: dict,
-    max_shard_bytes: int = 4 << 30,
-    dtype: torch.dtype = torch.bfloat16,
-    seed: int = 0,
-    mlp_width: int = MLP_WIDTH,
-    head_width: int = HEAD_WIDTH,
-) -> int:
+def write_sharded_checkpoint(out_dir: Path, raw_config: dict, max_shard_bytes: int = 4 << 30,
+                             dtype: torch.dtype = torch.bfloat16, seed: int = 0,
+                             mlp_width: int = MLP_WIDTH, head_width: int = HEAD_WIDTH) -> int:
     """config.json + `model-0000k-of-0000n.safetensors` + the index; returns the tensor bytes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = CheckpointConfig.from_dict(raw_config)
@@ -168,7 +131,8 @@ def write_sharded_checkpoint(
     weight_map, total = {}, 0
     for k, part in enumerate(shards, 1):
         name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(out_dir / name, part, lambda key, shape: random_tensor(key, shape, "cpu", dtype, seed), dtype)
+        write_safetensors(out_dir / name, part,
+                          lambda key, shape: random_tensor(key, shape, "cpu", dtype, seed), dtype)
         weight_map.update({key: name for key in part})
         total += sum(math.prod(s) * dtype.itemsize for s in part.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

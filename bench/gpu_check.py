@@ -165,7 +165,10 @@ def main(argv: list[str] | None = None) -> int:
             line, passed = compare(run.name, results[run.name], base)
             ok &= passed
             print(line)
-    print(f"total {time.perf_counter() - start:.0f} s; {'all comparisons passed' if ok else 'A COMPARISON FAILED'}")
+    print(
+        f"total {time.perf_counter() - start:.0f} s; "
+        f"{'all comparisons passed' if ok else 'A COMPARISON FAILED'}"
+    )
     return 0 if ok else 1
 
 

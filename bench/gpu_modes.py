@@ -144,7 +144,9 @@ def build(spec: CheckSpec, run: ModeRun, device: torch.device, dtype: torch.dtyp
     return cls(cfg, tower, run.mode, device, dtype)
 
 
-def request(pipe: NeoPPPipeline, spec: CheckSpec, run: ModeRun, steps: int | None = None) -> GenerationRequest:
+def request(
+    pipe: NeoPPPipeline, spec: CheckSpec, run: ModeRun, steps: int | None = None
+) -> GenerationRequest:
     cfg, dev, dtype = pipe.config, pipe.device, pipe.dtype
     gen = torch.Generator(device=dev).manual_seed(1)
 
@@ -225,7 +227,9 @@ def rank_main(rank: int, spec: CheckSpec, run: ModeRun, port: int, dtype: torch.
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world = run.mode.world_size
-    dist.init_process_group(backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(
+        backend_for(device), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
     try:
         mesh = build_mesh(run.mode, rank, world)
         start = time.perf_counter()

@@ -27,13 +27,8 @@ from neopp.serving.tritonserver import TritonServer
 from testing.tiny_checkpoint import random_kv, tiny_config, tiny_tensors
 
 WIRE, SHM = "gRPC, KV bytes in the request", "system shared memory"
-GEOMETRY = {
-    "num_hidden_layers": 36,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "num_attention_heads": 8,
-    "hidden_size": 64,
-}
+GEOMETRY = {"num_hidden_layers": 36, "num_key_value_heads": 8, "head_dim": 128, "num_attention_heads": 8,
+            "hidden_size": 64}
 
 
 def write_geometry_checkpoint(out: Path) -> dict:
@@ -68,20 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         kv = random_kv(cfg, args.tokens, seed=1)
         tiny_kv = random_kv(cfg, 1, seed=2)
         env = dict(os.environ, NEOPP_CHECKPOINT=str(ckpt))
-        server = TritonServer(
-            REPO / "model_repository",
-            env=env,
-            log_path=Path(tmp) / "tritonserver.log",
-            extra_args=["--model-control-mode=explicit", "--load-model=neopp_dense"],
-        )
+        server = TritonServer(REPO / "model_repository", env=env, log_path=Path(tmp) / "tritonserver.log",
+                              extra_args=["--model-control-mode=explicit", "--load-model=neopp_dense"])
         rows: dict[str, list[float]] = {}
         with server:
             for label, prefix, shm, raw, repeats in (
-                ("baseline: 1-token KV over gRPC", tiny_kv, False, True, args.repeats),
-                (WIRE, kv, False, True, args.repeats),
-                (SHM, kv, True, True, args.repeats),
-                ("gRPC, tritonclient's set_data_from_numpy BF16 encoder", kv, False, False, min(args.repeats, 3)),
-            ):
+                    ("baseline: 1-token KV over gRPC", tiny_kv, False, True, args.repeats),
+                    (WIRE, kv, False, True, args.repeats),
+                    (SHM, kv, True, True, args.repeats),
+                    ("gRPC, tritonclient's set_data_from_numpy BF16 encoder", kv, False, False, min(args.repeats, 3))):
                 with client_cls(server.grpc_url, stateless=True, shared_memory=shm, raw_bf16=raw) as client:
                     client.set_inference_params(0, cfg_scale=1.0, infer_steps=1, output_format="png")
 
@@ -93,35 +83,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = stats(rows["baseline: 1-token KV over gRPC"])[0]
     wire, shm_t = stats(rows[WIRE])[0], stats(rows[SHM])[0]
     mb = kv.numel() * kv.element_size() / 1e6
-    lines = [
-        f"KV: {list(kv.shape)} bf16 (online layout) = {mb:.1f} MB per request; neopp_dense, 32x32, "
-        f"1 step, CFG off; {args.repeats} requests after 2 warm-up (the tritonclient-encoder row: 3 after 1), "
-        "client and server on this host.",
-        "",
-        "| path | median ms/request | min | max | ingest ms (median - baseline) |",
-        "|---|---|---|---|---|",
-    ]
+    lines = [f"KV: {list(kv.shape)} bf16 (online layout) = {mb:.1f} MB per request; neopp_dense, 32x32, "
+             f"1 step, CFG off; {args.repeats} requests after 2 warm-up (the tritonclient-encoder row: 3 after 1), "
+             "client and server on this host.", "",
+             "| path | median ms/request | min | max | ingest ms (median - baseline) |", "|---|---|---|---|---|"]
     for label, values in rows.items():
         med, lo, hi = stats(values)
         ingest = "-" if label.startswith("baseline") else f"{(med - base) * 1e3:.1f}"
         lines.append(f"| {label} | {med * 1e3:.1f} | {lo * 1e3:.1f} | {hi * 1e3:.1f} | {ingest} |")
     ratio_req = wire / shm_t
     ratio_ingest = (wire - base) / max(shm_t - base, 1e-6)
-    lines += [
-        "",
-        f"gRPC / shared memory: **{ratio_req:.2f}x** per request, **{ratio_ingest:.2f}x** on ingest alone.",
-        "",
-        "Shared memory still costs one client-side copy of the KV into the registered segment per "
-        "request, and the server's KV checks (finite values) run on both paths. The last row is "
-        "tritonclient 2.51's own BF16 path (a Python loop per element), which the client avoids by "
-        "handing over the bf16 bytes directly.",
-    ]
+    lines += ["", f"gRPC / shared memory: **{ratio_req:.2f}x** per request, **{ratio_ingest:.2f}x** on ingest alone.",
+              "", "Shared memory still costs one client-side copy of the KV into the registered segment per "
+              "request, and the server's KV checks (finite values) run on both paths. The last row is "
+              "tritonclient 2.51's own BF16 path (a Python loop per element), which the client avoids by "
+              "handing over the bf16 bytes directly."]
     load = os.getloadavg()
-    lines += [
-        "",
-        f"Load average while it ran: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min); the "
-        "machine is shared, so compare the rows of one run, not runs across machines.",
-    ]
+    lines += ["", f"Load average while it ran: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min); the "
+              "machine is shared, so compare the rows of one run, not runs across machines."]
     write_report(args.out, "KV ingest: gRPC vs system shared memory", "\n".join(lines))
     return 0
 

@@ -46,10 +46,14 @@ def perf_analyzer_command(args: Iterable[str]) -> tuple[list[str], dict[str, str
             raise TritonLaunchError("perf_analyzer not found: pip install 'tritonclient[all]==2.51.0'")
         exe = Path(found)
     if not _has_libb64():
-        raise TritonLaunchError("perf_analyzer needs libb64.so.0d: apt-get update && apt-get install -y libb64-0d")
+        raise TritonLaunchError(
+            "perf_analyzer needs libb64.so.0d: apt-get update && apt-get install -y libb64-0d"
+        )
     cudart = cuda_runtime_lib_dir()
     if cudart is None:
-        raise TritonLaunchError("perf_analyzer needs libcudart.so.12: pip install nvidia-cuda-runtime-cu12")
+        raise TritonLaunchError(
+            "perf_analyzer needs libcudart.so.12: pip install nvidia-cuda-runtime-cu12"
+        )
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = prepend_path(env.get("LD_LIBRARY_PATH"), str(cudart))
     return [str(exe), *args], env
@@ -61,17 +65,8 @@ def run_perf_analyzer(args: Iterable[str], timeout: float | None = None) -> int:
     return subprocess.run(argv, env=env, timeout=timeout).returncode
 
 
-def bench(
-    model: str,
-    grpc_url: str | None,
-    cond_tokens: int,
-    uncond_tokens: int,
-    size: tuple[int, int],
-    steps: int | None,
-    out_dir: Path,
-    extra: list[str],
-    concurrency: str = "1",
-) -> int:
+def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int, size: tuple[int, int],
+          steps: int | None, out_dir: Path, extra: list[str], concurrency: str = "1") -> int:
     """perf_analyzer against ``model``: on ``grpc_url``, or on a server started here and stopped after.
 
     The KV geometry comes from the model's metadata, so the same command benchmarks the tiny
@@ -87,46 +82,22 @@ def bench(
 
     with ExitStack() as stack:
         if grpc_url is None:
-            server = TritonServer(
-                REPO_ROOT / "model_repository",
-                log_path=out_dir / "tritonserver.log",
-                extra_args=["--model-control-mode=explicit", f"--load-model={model}"],
-            )
+            server = TritonServer(REPO_ROOT / "model_repository", log_path=out_dir / "tritonserver.log",
+                                  extra_args=["--model-control-mode=explicit", f"--load-model={model}"])
             stack.enter_context(server)
             grpc_url = server.grpc_url
         meta = grpcclient.InferenceServerClient(grpc_url).get_model_metadata(model, as_json=True)
         shape = next(i["shape"] for i in meta["inputs"] if i["name"] == "COND_KV")
         layers, _, _, kv_heads, head_dim = (int(v) for v in shape)
         data_path = out_dir / f"perf_data_{model}.json"
-        data = perf_input_data(
-            (layers, kv_heads, head_dim),
-            cond_tokens,
-            uncond_tokens or None,
-            size,
-            steps,
-            offsets=(cond_tokens, uncond_tokens),
-        )
+        data = perf_input_data((layers, kv_heads, head_dim), cond_tokens, uncond_tokens or None, size, steps,
+                               offsets=(cond_tokens, uncond_tokens))
         data_path.write_text(json.dumps(data))
         # Count windows: one generation can take seconds, so fixed time windows may see none.
-        window = (
-            []
-            if any(a.startswith("--measurement") for a in extra)
-            else ["--measurement-mode", "count_windows", "--measurement-request-count", "20"]
-        )
-        args = [
-            "-m",
-            model,
-            "-i",
-            "grpc",
-            "-u",
-            grpc_url,
-            "--input-data",
-            str(data_path),
-            "--concurrency-range",
-            concurrency,
-            *window,
-            *extra,
-        ]
+        window = [] if any(a.startswith("--measurement") for a in extra) else \
+            ["--measurement-mode", "count_windows", "--measurement-request-count", "20"]
+        args = ["-m", model, "-i", "grpc", "-u", grpc_url, "--input-data", str(data_path),
+                "--concurrency-range", concurrency, *window, *extra]
         print("perf_analyzer", " ".join(args), flush=True)
         return run_perf_analyzer(args)
 
@@ -147,17 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     ns.out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return bench(
-            ns.model,
-            ns.grpc_url,
-            ns.cond_tokens,
-            ns.uncond_tokens,
-            tuple(ns.size),
-            ns.steps,
-            ns.out_dir,
-            ns.extra,
-            ns.concurrency,
-        )
+        return bench(ns.model, ns.grpc_url, ns.cond_tokens, ns.uncond_tokens, tuple(ns.size), ns.steps,
+                     ns.out_dir, ns.extra, ns.concurrency)
     except TritonLaunchError as exc:
         print(f"error: {exc}")
         return 2

@@ -20,30 +20,15 @@ from bench.common import REPO, command_line, machine
 
 # (key, module, arguments given the output folder, file it writes, title)
 SECTIONS = [
-    (
-        "step_efficiency",
-        "step_efficiency",
-        lambda out: ["--out", out],
-        "step_efficiency.md",
-        "Denoising-step efficiency against the machine's matmul rate",
-    ),
+    ("step_efficiency", "step_efficiency", lambda out: ["--out", out], "step_efficiency.md",
+     "Denoising-step efficiency against the machine's matmul rate"),
     ("scaling", "scaling", lambda out: ["--out", out], "scaling.md", "Growth with image and prefix length; memory"),
     ("cfg", "cfg_bench", lambda out: ["--out", out], "cfg.md", "Sequential vs batched vs CFG-parallel guidance"),
     ("modes", "modes_bench", lambda out: ["--out", out], "modes.md", "Modes: FP8 memory, step time, MoE dispatch"),
-    (
-        "kv_ingest",
-        "kv_ingest",
-        lambda out: ["--out", str(Path(out) / "kv_ingest.md")],
-        "kv_ingest.md",
-        "KV ingest: gRPC vs system shared memory",
-    ),
-    (
-        "serving",
-        "serving_bench",
-        lambda out: ["--out", out],
-        "serving.md",
-        "Triton end to end vs in-process; throughput per instance count",
-    ),
+    ("kv_ingest", "kv_ingest", lambda out: ["--out", str(Path(out) / "kv_ingest.md")], "kv_ingest.md",
+     "KV ingest: gRPC vs system shared memory"),
+    ("serving", "serving_bench", lambda out: ["--out", out], "serving.md",
+     "Triton end to end vs in-process; throughput per instance count"),
     ("8b", "eight_b", lambda out: ["--out", out], "eight_b.md", "8B geometry"),
 ]
 # Run only when named in --only (`make bench-8b`): it writes and reads a 14 GB checkpoint.
@@ -71,13 +56,11 @@ def main(argv: list[str] | None = None) -> None:
         start = time.monotonic()
         subprocess.run([sys.executable, "-m", f"bench.{module}", *make_args(str(out))], check=True, cwd=REPO)
         timings.append(f"{key} {time.monotonic() - start:.0f} s")
-    parts = [
-        f"# NeoPP benchmark report\n\nMade by `make bench` (`python -m bench.report --out bench`); "
-        f"last assembled on {datetime.date.today().isoformat()} by `{command_line()}`.\n\n"
-        f"Machine: {machine()}\n\nEvery comparison below was "
-        "measured side by side in one run of its section; sections ran one after the other. Each section "
-        "names the command that reproduces it alone."
-    ]
+    parts = [f"# NeoPP benchmark report\n\nMade by `make bench` (`python -m bench.report --out bench`); "
+             f"last assembled on {datetime.date.today().isoformat()} by `{command_line()}`.\n\n"
+             f"Machine: {machine()}\n\nEvery comparison below was "
+             "measured side by side in one run of its section; sections ran one after the other. Each section "
+             "names the command that reproduces it alone."]
     for _key, _, _, filename, title in SECTIONS:
         path = out / filename
         if path.is_file():

@@ -96,14 +96,8 @@ def inprocess_request(pipe: NeoPPPipeline, kv: torch.Tensor, size: int, steps: i
     sampling = pipe.mode.sampling.replace(infer_steps=steps, cfg_scale=1.0, output_format="png")
 
     def run() -> bytes:
-        req = GenerationRequest(
-            cond_kv=kv,
-            index_offset_cond=kv.shape[2],
-            height=size,
-            width=size,
-            noise=NoiseStream(SEED).draw(size, size),
-            sampling=sampling,
-        )
+        req = GenerationRequest(cond_kv=kv, index_offset_cond=kv.shape[2], height=size, width=size,
+                                noise=NoiseStream(SEED).draw(size, size), sampling=sampling)
         pipe.validate(req)
         return encode_image(pipe.generate(req), "png")
 
@@ -112,7 +106,6 @@ def inprocess_request(pipe: NeoPPPipeline, kv: torch.Tensor, size: int, steps: i
 
 def triton_request(client, kv: torch.Tensor, size: int, steps: int) -> Callable[[], bytes]:
     """A new turn through the LightLLM client: hand over the KV and the turn's values, then one image."""
-
     def run() -> bytes:
         client.set_kvcache(kv)
         client.set_inference_params(kv.shape[2], cfg_scale=1.0, infer_steps=steps, output_format="png")
@@ -121,18 +114,15 @@ def triton_request(client, kv: torch.Tensor, size: int, steps: int) -> Callable[
     return run
 
 
-def measure_latency(
-    server: TritonServer, pipe: NeoPPPipeline, kvs: dict[str, torch.Tensor], size: int, steps: int, rounds: int
-) -> tuple[dict, dict]:
+def measure_latency(server: TritonServer, pipe: NeoPPPipeline, kvs: dict[str, torch.Tensor], size: int,
+                    steps: int, rounds: int) -> tuple[dict, dict]:
     """{(kv label, path): [seconds]} and {(kv label, path): [breakdown dicts]}, interleaved by round."""
     client_cls = lightllm_client_class()
     times: dict[tuple[str, str], list[float]] = {}
     parts: dict[tuple[str, str], list[dict]] = {}
-    with (
-        client_cls(server.grpc_url, stateless=True, shared_memory=False) as wire,
-        client_cls(server.grpc_url, stateless=True, shared_memory=True) as shm,
-        client_cls(server.grpc_url, stateless=True, shared_memory=False, splice_kv=False) as old,
-    ):
+    with client_cls(server.grpc_url, stateless=True, shared_memory=False) as wire, \
+            client_cls(server.grpc_url, stateless=True, shared_memory=True) as shm, \
+            client_cls(server.grpc_url, stateless=True, shared_memory=False, splice_kv=False) as old:
         probe = ServerProbe(server, wire.client)
         calls: dict[tuple[str, str], Callable[[], bytes]] = {}
         for label, kv in kvs.items():
@@ -155,33 +145,26 @@ def measure_latency(
 
 def breakdown_row(label: str, samples: list[dict]) -> str:
     """Median ms of: client + wire, Triton core, Python-backend transfer, the model's work."""
-
     def med(fn: Callable[[dict], float]) -> float:
         return stats([fn(s) for s in samples])[0] * 1e3
 
     client = med(lambda s: s["total"] - s["success"])
     core = med(lambda s: s["queue"] + s["compute_input"] + s["compute_output"])
     backend = med(lambda s: s["compute_infer"] - s["model"])
-    return (
-        f"| {label} | {med(lambda s: s['total']):.1f} | {client:.1f} | {core:.1f} | {backend:.1f} | "
-        f"{med(lambda s: s['model']):.1f} |"
-    )
+    return f"| {label} | {med(lambda s: s['total']):.1f} | {client:.1f} | {core:.1f} | {backend:.1f} | " \
+           f"{med(lambda s: s['model']):.1f} |"
 
 
-def latency_section(
-    result: dict, parts: dict, kv_mb: dict[str, float], size: int, steps: int, rounds: int, threads: int
-) -> tuple[str, dict]:
+def latency_section(result: dict, parts: dict, kv_mb: dict[str, float], size: int, steps: int,
+                    rounds: int, threads: int) -> tuple[str, dict]:
     """Markdown tables for (a) and the ratios Triton / in-process."""
     times = result["times"]
-    lines = [
-        f"Request: {size}x{size}, {steps} steps, CFG off (cond prefix only), seed {SEED}, PNG; offset = "
-        f"prefix length. {rounds} rounds after one warm-up, paths interleaved in each round; in-process and "
-        f"the model instance both run torch with {threads} threads, one process each. Same PNG bytes from "
-        f"every path: **{'yes' if result['same_bytes'] else 'NO'}**.",
-        "",
-        "| KV | path | median ms | min | max | Triton / in-process (of medians) | same, paired by round |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    lines = [f"Request: {size}x{size}, {steps} steps, CFG off (cond prefix only), seed {SEED}, PNG; offset = "
+             f"prefix length. {rounds} rounds after one warm-up, paths interleaved in each round; in-process and "
+             f"the model instance both run torch with {threads} threads, one process each. Same PNG bytes from "
+             f"every path: **{'yes' if result['same_bytes'] else 'NO'}**.", "",
+             "| KV | path | median ms | min | max | Triton / in-process (of medians) | same, paired by round |",
+             "|---|---|---|---|---|---|---|"]
     ratios: dict[tuple[str, str], float] = {}
     for (label, path), values in times.items():
         med, lo, hi = stats(values)
@@ -190,40 +173,29 @@ def latency_section(
         paired = stats([t / b for t, b in zip(values, base)])[0]
         ratios[(label, path)] = ratio
         shown = "- | -" if path == PATHS[0] else f"**{ratio:.3f}** | {paired:.3f}"
-        lines.append(
-            f"| {label} ({kv_mb[label]:.1f} MB) | {path} | {med * 1e3:.1f} | {lo * 1e3:.1f} | "
-            f"{hi * 1e3:.1f} | {shown} |"
-        )
+        lines.append(f"| {label} ({kv_mb[label]:.1f} MB) | {path} | {med * 1e3:.1f} | {lo * 1e3:.1f} | "
+                     f"{hi * 1e3:.1f} | {shown} |")
     realistic = list(kv_mb)[-1]
     lines += ["", "Targets at the realistic KV:"]
     for path, limit in TARGETS.items():  # the client as shipped; the tritonclient-built row is the before
         r = ratios[(realistic, path)]
         lines.append(f"* {path}: {r:.3f} (target <= {limit:.2f}): **{'met' if r <= limit else 'missed'}**")
-    lines += [
-        "",
-        "Where a Triton request's time goes (median ms): client + wire = client total - Triton's "
-        "success time; Triton core = queue + compute_input + compute_output; Python-backend transfer = "
-        "compute_infer - the model's own end-to-end time (its log line, whole ms: moving inputs into "
-        "the stub and the response out); model = parse, validate, generate, encode in the stub.",
-        "",
-        "| KV, path | total | client + wire | Triton core | Python-backend transfer | model |",
-        "|---|---|---|---|---|---|",
-    ]
+    lines += ["", "Where a Triton request's time goes (median ms): client + wire = client total - Triton's "
+              "success time; Triton core = queue + compute_input + compute_output; Python-backend transfer = "
+              "compute_infer - the model's own end-to-end time (its log line, whole ms: moving inputs into "
+              "the stub and the response out); model = parse, validate, generate, encode in the stub.", "",
+              "| KV, path | total | client + wire | Triton core | Python-backend transfer | model |",
+              "|---|---|---|---|---|---|"]
     for (label, path), samples in parts.items():
         lines.append(breakdown_row(f"{label}, {path}", samples))
-    lines += [
-        "",
-        "The gRPC rows differ only on the client: tritonclient 2.51 copies the KV three times to build "
-        "a request (`tobytes`, into the protobuf message, serialization); the LightLLM client now "
-        "serializes the request without the KV and appends the KV bytes as `raw_input_contents` "
-        "entries (one copy). The server side (Triton core, Python backend, model) is the same on every "
-        "path, and its own time matches in-process; what remains on gRPC is the transport of the bytes "
-        "and Triton's gRPC front end parsing them.",
-        "",
-        "In-process for comparison: "
-        + ", ".join(f"{label} {stats(times[(label, PATHS[0])])[0] * 1e3:.1f} ms" for label in kv_mb)
-        + ".",
-    ]
+    lines += ["", "The gRPC rows differ only on the client: tritonclient 2.51 copies the KV three times to build "
+              "a request (`tobytes`, into the protobuf message, serialization); the LightLLM client now "
+              "serializes the request without the KV and appends the KV bytes as `raw_input_contents` "
+              "entries (one copy). The server side (Triton core, Python backend, model) is the same on every "
+              "path, and its own time matches in-process; what remains on gRPC is the transport of the bytes "
+              "and Triton's gRPC front end parsing them.", "",
+              "In-process for comparison: " + ", ".join(
+        f"{label} {stats(times[(label, PATHS[0])])[0] * 1e3:.1f} ms" for label in kv_mb) + "."]
     return "\n".join(lines), ratios
 
 
@@ -239,14 +211,8 @@ def plot_latency(times: dict, path: Path) -> None:
     for i, p in enumerate(PATHS):
         meds = [stats(times[(lab, p)]) for lab in labels]
         xs = [j + i * width for j in range(len(labels))]
-        ax.bar(
-            xs,
-            [m[0] * 1e3 for m in meds],
-            width,
-            label=p,
-            yerr=[[(m[0] - m[1]) * 1e3 for m in meds], [(m[2] - m[0]) * 1e3 for m in meds]],
-            capsize=3,
-        )
+        ax.bar(xs, [m[0] * 1e3 for m in meds], width, label=p,
+               yerr=[[(m[0] - m[1]) * 1e3 for m in meds], [(m[2] - m[0]) * 1e3 for m in meds]], capsize=3)
     ax.set_xticks([j + width * (len(PATHS) - 1) / 2 for j in range(len(labels))], labels)
     ax.set(ylabel="ms per request (median, min-max)", title="NeoPP request latency: Triton vs in-process")
     ax.legend()
@@ -278,22 +244,8 @@ def set_instances(client: grpcclient.InferenceServerClient, count: int, threads:
 def perf_point(url: str, data: Path, concurrency: int, requests: int, csv_path: Path) -> dict[str, float]:
     """Exactly ``requests`` requests at ``concurrency`` (one generation outlasts any short time window, and
     the shared machine's load defeats perf_analyzer's stability check); throughput and percentiles in ms."""
-    args = [
-        "-m",
-        MODEL,
-        "-i",
-        "grpc",
-        "-u",
-        url,
-        "--input-data",
-        str(data),
-        "--concurrency-range",
-        str(concurrency),
-        "--request-count",
-        str(requests),
-        "-f",
-        str(csv_path),
-    ]
+    args = ["-m", MODEL, "-i", "grpc", "-u", url, "--input-data", str(data),
+            "--concurrency-range", str(concurrency), "--request-count", str(requests), "-f", str(csv_path)]
     code = run_perf_analyzer(args, timeout=900)
     if code != 0 or not csv_path.exists():
         raise RuntimeError(f"perf_analyzer exited {code} for concurrency {concurrency}")
@@ -316,26 +268,13 @@ def spec_label(spec: str, default_threads: int) -> str:
     return f"{count} x {threads or default_threads} threads"
 
 
-def measure_throughput(
-    server: TritonServer,
-    work: Path,
-    kv: torch.Tensor,
-    size: int,
-    steps: int,
-    specs: Sequence[str],
-    concurrencies: Sequence[int],
-    requests: int,
-) -> dict:
+def measure_throughput(server: TritonServer, work: Path, kv: torch.Tensor, size: int, steps: int,
+                       specs: Sequence[str], concurrencies: Sequence[int], requests: int) -> dict:
     """{(instance spec, concurrency): perf_analyzer figures}; instance counts via config override."""
     layers, _, tokens, kv_heads, head_dim = kv.shape
     data = work / "perf_data.json"
-    data.write_text(
-        json.dumps(
-            perf_input_data(
-                (layers, kv_heads, head_dim), tokens, None, (size, size), steps, seed=SEED, offsets=(tokens, 0)
-            )
-        )
-    )
+    data.write_text(json.dumps(perf_input_data((layers, kv_heads, head_dim), tokens, None, (size, size), steps,
+                                               seed=SEED, offsets=(tokens, 0))))
     client = grpcclient.InferenceServerClient(server.grpc_url)
     rows = {}
     try:
@@ -353,34 +292,27 @@ def measure_throughput(
 
 def throughput_section(rows: dict, requests: int, threads: int) -> str:
     base = next(iter(rows))[0]
-    lines = [
-        f"perf_analyzer over gRPC (realistic KV in the request, same size and steps as (a)), "
-        f"`--request-count {requests}` per point after a discarded warm-up of 2 requests per instance; "
-        f"latency in ms (with {requests} requests, p99 is about the maximum). Instances and their torch "
-        "threads come from a `load_model` config override (`instance_group.count`, parameter "
-        f"`num_threads`); all else is the committed config. {threads} threads is torch's default here "
-        "(one per core), so 2 instances of it oversubscribe the cores; the 1-thread row splits them.",
-        "",
-        f"| instances x threads | concurrency | images/s | p50 | p90 | p95 | p99 | vs {spec_label(base, threads)} |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    lines = [f"perf_analyzer over gRPC (realistic KV in the request, same size and steps as (a)), "
+             f"`--request-count {requests}` per point after a discarded warm-up of 2 requests per instance; "
+             f"latency in ms (with {requests} requests, p99 is about the maximum). Instances and their torch "
+             "threads come from a `load_model` config override (`instance_group.count`, parameter "
+             f"`num_threads`); all else is the committed config. {threads} threads is torch's default here "
+             "(one per core), so 2 instances of it oversubscribe the cores; the 1-thread row splits them.", "",
+             "| instances x threads | concurrency | images/s | p50 | p90 | p95 | p99 | "
+             f"vs {spec_label(base, threads)} |",
+             "|---|---|---|---|---|---|---|---|"]
     for (spec, c), r in rows.items():
         ref = rows.get((base, c))
         gain = f"{r['infer/s'] / ref['infer/s']:.2f}x" if ref else "-"
-        lines.append(
-            f"| {spec_label(spec, threads)} | {c} | {r['infer/s']:.2f} | {r['p50']:.0f} | {r['p90']:.0f} | "
-            f"{r['p95']:.0f} | {r['p99']:.0f} | {gain} |"
-        )
+        lines.append(f"| {spec_label(spec, threads)} | {c} | {r['infer/s']:.2f} | {r['p50']:.0f} | {r['p90']:.0f} | "
+                     f"{r['p95']:.0f} | {r['p99']:.0f} | {gain} |")
     (spec, c), best = max(rows.items(), key=lambda kv: kv[1]["infer/s"])
-    lines += [
-        "",
-        f"Highest throughput: {best['infer/s']:.2f} images/s ({spec_label(spec, threads)}, concurrency {c}). "
-        "A CPU instance already runs one torch thread per core, so more instances only add processes "
-        "competing for the same cores (and perf_analyzer, Triton's gRPC front end and other users share "
-        "them too); instances whose threads add up to more than the cores oversubscribe them badly. "
-        "Raising `count` on CPU therefore needs `num_threads` = cores / count; on GPUs each instance "
-        "has its own device.",
-    ]
+    lines += ["", f"Highest throughput: {best['infer/s']:.2f} images/s ({spec_label(spec, threads)}, concurrency {c}). "
+              "A CPU instance already runs one torch thread per core, so more instances only add processes "
+              "competing for the same cores (and perf_analyzer, Triton's gRPC front end and other users share "
+              "them too); instances whose threads add up to more than the cores oversubscribe them badly. "
+              "Raising `count` on CPU therefore needs `num_threads` = cores / count; on GPUs each instance "
+              "has its own device."]
     return "\n".join(lines)
 
 
@@ -395,15 +327,9 @@ def plot_throughput(rows: dict, threads: int, path: Path) -> None:
         cs = sorted(c for m, c in rows if m == spec)
         label = spec_label(spec, threads)
         a.plot(cs, [rows[(spec, c)]["infer/s"] for c in cs], marker="o", label=label)
-        (line,) = b.plot(cs, [rows[(spec, c)]["p50"] for c in cs], marker="o", label=f"{label}, p50")
-        b.plot(
-            cs,
-            [rows[(spec, c)]["p95"] for c in cs],
-            marker="x",
-            linestyle="--",
-            color=line.get_color(),
-            label=f"{label}, p95",
-        )
+        line, = b.plot(cs, [rows[(spec, c)]["p50"] for c in cs], marker="o", label=f"{label}, p50")
+        b.plot(cs, [rows[(spec, c)]["p95"] for c in cs], marker="x", linestyle="--", color=line.get_color(),
+               label=f"{label}, p95")
     a.set(xlabel="concurrency", ylabel="images / s", title="throughput")
     b.set(xlabel="concurrency", ylabel="ms", title="latency")
     for ax in (a, b):
@@ -425,12 +351,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--small-tokens", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=300)
     parser.add_argument("--perf-requests", type=int, default=16, help="requests per perf_analyzer point")
-    parser.add_argument(
-        "--instances",
-        nargs="+",
-        default=["1", "2", "2:1"],
-        help="instance specs COUNT[:THREADS] (threads 0 or left out: torch's default)",
-    )
+    parser.add_argument("--instances", nargs="+", default=["1", "2", "2:1"],
+                        help="instance specs COUNT[:THREADS] (threads 0 or left out: torch's default)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--skip-throughput", action="store_true")
     parser.add_argument("--server-arg", action="append", default=[], help="extra tritonserver argument (repeatable)")
@@ -439,67 +361,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="neopp_serving_bench_") as tmp:
         work = Path(tmp)
         cfg = write_geometry_checkpoint(work / "ckpt")
-        kvs = {
-            f"small {args.small_tokens} tokens": random_kv(cfg, args.small_tokens, seed=2),
-            f"realistic {args.tokens} tokens": random_kv(cfg, args.tokens, seed=1),
-        }
+        kvs = {f"small {args.small_tokens} tokens": random_kv(cfg, args.small_tokens, seed=2),
+               f"realistic {args.tokens} tokens": random_kv(cfg, args.tokens, seed=1)}
         kv_mb = {k: v.numel() * v.element_size() / 1e6 for k, v in kvs.items()}
-        server = TritonServer(
-            REPO / "model_repository",
-            env=dict(os.environ, NEOPP_CHECKPOINT=str(work / "ckpt")),
-            log_path=work / "tritonserver.log",
-            extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}", *args.server_arg],
-        )
+        server = TritonServer(REPO / "model_repository", env=dict(os.environ, NEOPP_CHECKPOINT=str(work / "ckpt")),
+                              log_path=work / "tritonserver.log",
+                              extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}", *args.server_arg])
         with server:
             threads = server_threads(server)
             torch.set_num_threads(threads)
-            pipe = NeoPPPipeline.from_pretrained(
-                work / "ckpt", load_mode(REPO / "configs/neopp/neopp_dense.json"), "cpu"
-            )
+            pipe = NeoPPPipeline.from_pretrained(work / "ckpt", load_mode(REPO / "configs/neopp/neopp_dense.json"),
+                                                 "cpu")
             result, parts = measure_latency(server, pipe, kvs, args.size, args.steps, args.rounds)
             del pipe
             load_mid = os.getloadavg()
-            rows = (
-                {}
-                if args.skip_throughput
-                else measure_throughput(
-                    server,
-                    work,
-                    kvs[list(kvs)[-1]],
-                    args.size,
-                    args.steps,
-                    args.instances,
-                    args.concurrency,
-                    args.perf_requests,
-                )
-            )
+            rows = {} if args.skip_throughput else measure_throughput(
+                server, work, kvs[list(kvs)[-1]], args.size, args.steps, args.instances, args.concurrency,
+                args.perf_requests)
     args.out.mkdir(parents=True, exist_ok=True)
     section_a, ratios = latency_section(result, parts, kv_mb, args.size, args.steps, args.rounds, threads)
     plot_latency(result["times"], args.out / "serving_latency.png")
-    body = ["## (a) End-to-end latency: Triton vs in-process", "", section_a, "", "![latency](serving_latency.png)"]
+    body = ["## (a) End-to-end latency: Triton vs in-process", "", section_a, "",
+            "![latency](serving_latency.png)"]
     if rows:
         plot_throughput(rows, threads, args.out / "serving_throughput.png")
-        body += [
-            "",
-            "## (b) Throughput: 1 and 2 instances of neopp_dense",
-            "",
-            throughput_section(rows, args.perf_requests, threads),
-            "",
-            "![throughput](serving_throughput.png)",
-        ]
+        body += ["", "## (b) Throughput: 1 and 2 instances of neopp_dense", "",
+                 throughput_section(rows, args.perf_requests, threads), "", "![throughput](serving_throughput.png)"]
     load_after = os.getloadavg()
-    body += [
-        "",
-        "Load average (1/5/15 min) at the start, after (a), at the end: "
-        + ", ".join(f"{a:.1f}/{b:.1f}/{c:.1f}" for a, b, c in (load_before, load_mid, load_after))
-        + ". The machine is shared: compare rows of this run, not runs across machines.",
-    ]
+    body += ["", "Load average (1/5/15 min) at the start, after (a), at the end: " + ", ".join(
+        f"{a:.1f}/{b:.1f}/{c:.1f}" for a, b, c in (load_before, load_mid, load_after)) +
+        ". The machine is shared: compare rows of this run, not runs across machines."]
     for (label, path), r in ratios.items():
         if path != PATHS[0]:
             print(f"ratio {path} / in-process, {label}: {r:.3f}")
-    write_report(
-        args.out / "serving.md", "Triton end to end vs in-process; throughput per instance count", "\n".join(body)
-    )
+    write_report(args.out / "serving.md", "Triton end to end vs in-process; throughput per instance count",
+                 "\n".join(body))
     return 0
 
 

@@ -14,9 +14,8 @@ from t2i_common import build_parser, requested_outputs, save_result, triton_inpu
 def main() -> None:
     args = build_parser(__doc__, "localhost:8001").parse_args()
     client = grpcclient.InferenceServerClient(args.url)
-    result = client.infer(
-        args.model, triton_inputs(grpcclient, args), outputs=requested_outputs(grpcclient), client_timeout=args.timeout
-    )
+    result = client.infer(args.model, triton_inputs(grpcclient, args), outputs=requested_outputs(grpcclient),
+                          client_timeout=args.timeout)
     save_result(args, result)
 
 

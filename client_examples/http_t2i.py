@@ -12,7 +12,8 @@ from t2i_common import build_parser, requested_outputs, save_result, triton_inpu
 
 def main() -> None:
     args = build_parser(__doc__, "localhost:8000").parse_args()
-    client = httpclient.InferenceServerClient(args.url, network_timeout=args.timeout, connection_timeout=args.timeout)
+    client = httpclient.InferenceServerClient(args.url, network_timeout=args.timeout,
+                                              connection_timeout=args.timeout)
     inputs = triton_inputs(httpclient, args, binary_data=True)
     result = client.infer(args.model, inputs, outputs=requested_outputs(httpclient, binary_data=True))
     save_result(args, result)

@@ -48,13 +48,9 @@ from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
-SAMPLING_INPUTS = {
-    "cfg_scale": ("CFG_SCALE", np.float32),
-    "timestep_shift": ("TIMESTEP_SHIFT", np.float32),
-    "infer_steps": ("STEPS", np.int64),
-    "cfg_interval": ("CFG_INTERVAL", np.float32),
-    "resize": ("RESIZE", np.int64),
-}
+SAMPLING_INPUTS = {"cfg_scale": ("CFG_SCALE", np.float32), "timestep_shift": ("TIMESTEP_SHIFT", np.float32),
+                   "infer_steps": ("STEPS", np.int64), "cfg_interval": ("CFG_INTERVAL", np.float32),
+                   "resize": ("RESIZE", np.int64)}
 STRING_INPUTS = {"cfg_norm": "CFG_NORM", "output_format": "OUTPUT_FORMAT", "task": "TASK"}
 KEY_ENV = "NEOPP_ADMIN_KEY"
 GRPC_KEY_HEADER = "triton-grpc-protocol-neopp-admin-key"  # the header neopp-admin-key, as Triton's gRPC wants it
@@ -78,9 +74,8 @@ def _bf16(kv: Any) -> torch.Tensor:
 class _KVSharedMemory:
     """One POSIX shared-memory segment holding cond and uncond, registered with the server."""
 
-    def __init__(
-        self, client: grpcclient.InferenceServerClient, tensors: list[torch.Tensor], admin_key: str | None = None
-    ) -> None:
+    def __init__(self, client: grpcclient.InferenceServerClient, tensors: list[torch.Tensor],
+                 admin_key: str | None = None) -> None:
         """Create, register (with the operator key: the server restricts registration) and fill."""
         self.client, self.headers = client, _key_headers(admin_key)
         self.name = f"neopp_kv_{uuid.uuid4().hex[:16]}"
@@ -114,7 +109,7 @@ class _KVSharedMemory:
         self.spans = self._spans(tensors)
         view = np.frombuffer(self.segment.buf, dtype=np.int16)
         for (start, size), t in zip(self.spans, tensors):
-            view[start // 2 : (start + size) // 2] = t.view(torch.int16).numpy().reshape(-1)
+            view[start // 2:(start + size) // 2] = t.view(torch.int16).numpy().reshape(-1)
         del view  # the segment cannot close while a numpy view holds its buffer
 
     def attach(self, infer_input: grpcclient.InferInput, index: int) -> None:
@@ -143,20 +138,10 @@ class _KVSharedMemory:
 class NeoPPTritonClient:
     """LightLLM's runner calls, served by Triton (see the module docstring)."""
 
-    def __init__(
-        self,
-        url: str = "localhost:8001",
-        model: str | None = None,
-        stateless: bool = False,
-        sequence_id: int | None = None,
-        shared_memory: bool | None = None,
-        default_seed: int = 0,
-        generation_model: str | None = None,
-        timeout_s: float = 600.0,
-        raw_bf16: bool = True,
-        splice_kv: bool = True,
-        admin_key: str | None = None,
-    ) -> None:
+    def __init__(self, url: str = "localhost:8001", model: str | None = None, stateless: bool = False,
+                 sequence_id: int | None = None, shared_memory: bool | None = None, default_seed: int = 0,
+                 generation_model: str | None = None, timeout_s: float = 600.0, raw_bf16: bool = True,
+                 splice_kv: bool = True, admin_key: str | None = None) -> None:
         """``admin_key`` (default ``$NEOPP_ADMIN_KEY``) is needed only to register shared memory."""
         self.url, self.stateless = url, stateless
         self.admin_key = admin_key or os.environ.get(KEY_ENV, "").strip() or None
@@ -198,50 +183,27 @@ class NeoPPTritonClient:
                 raise
         self.use_shm = False
         why = "with this key" if self.admin_key else f"without the operator key (${KEY_ENV} or --admin-key-file)"
-        print(f"neopp client: shared-memory registration refused {why}; sending the KV over the wire", file=sys.stderr)
+        print(f"neopp client: shared-memory registration refused {why}; sending the KV over the wire",
+              file=sys.stderr)
         return None
 
-    def set_inference_params(
-        self,
-        index_offset_cond: int,
-        index_offset_uncond: int | None = None,
-        cfg_interval: Sequence[float] | None = None,
-        cfg_scale: float | None = None,
-        cfg_norm: str | None = None,
-        timestep_shift: float | None = None,
-        infer_steps: int | None = None,
-        output_format: str | None = None,
-        enable_cfg: bool | None = None,
-        resize: Sequence[int] | None = None,
-        task: str | None = None,
-        **_unused: Any,
-    ) -> None:
+    def set_inference_params(self, index_offset_cond: int, index_offset_uncond: int | None = None,
+                             cfg_interval: Sequence[float] | None = None, cfg_scale: float | None = None,
+                             cfg_norm: str | None = None, timestep_shift: float | None = None,
+                             infer_steps: int | None = None, output_format: str | None = None,
+                             enable_cfg: bool | None = None, resize: Sequence[int] | None = None,
+                             task: str | None = None, **_unused: Any) -> None:
         """Offsets and overrides of the following turns; what is left out keeps the server's mode values."""
         if enable_cfg is False:
             cfg_scale = 1.0  # no step uses guidance; the uncond prefix is then not needed
-        given = dict(
-            cfg_interval=cfg_interval,
-            cfg_scale=cfg_scale,
-            cfg_norm=cfg_norm,
-            timestep_shift=timestep_shift,
-            infer_steps=infer_steps,
-            output_format=output_format,
-            resize=resize,
-            task=task,
-        )
-        self._params = {
-            "index_offset_cond": int(index_offset_cond),
-            "index_offset_uncond": None if index_offset_uncond is None else int(index_offset_uncond),
-            **{k: v for k, v in given.items() if v is not None},
-        }
+        given = dict(cfg_interval=cfg_interval, cfg_scale=cfg_scale, cfg_norm=cfg_norm, timestep_shift=timestep_shift,
+                     infer_steps=infer_steps, output_format=output_format, resize=resize, task=task)
+        self._params = {"index_offset_cond": int(index_offset_cond),
+                        "index_offset_uncond": None if index_offset_uncond is None else int(index_offset_uncond),
+                        **{k: v for k, v in given.items() if v is not None}}
 
-    def generate(
-        self,
-        seed: int | None = None,
-        save_result_path: str = "",
-        target_shape: Sequence[int] | None = None,
-        size: Sequence[int] | None = None,
-    ) -> str:
+    def generate(self, seed: int | None = None, save_result_path: str = "", target_shape: Sequence[int] | None = None,
+                 size: Sequence[int] | None = None) -> str:
         """One image, base64-encoded. A seed restarts the stream; None continues it."""
         if not self._kv or "index_offset_cond" not in self._params:
             raise ValueError("call set_kvcache and set_inference_params before generate")
@@ -261,9 +223,8 @@ class NeoPPTritonClient:
         """Free the session on the server (a sequence_end request without an image)."""
         if self.stateless or not self.started:
             return
-        self.client.infer(
-            self.model, [], sequence_id=self.sequence_id, sequence_end=True, client_timeout=self.timeout_s
-        )
+        self.client.infer(self.model, [], sequence_id=self.sequence_id, sequence_end=True,
+                          client_timeout=self.timeout_s)
         self.started = False
 
     def new_session(self, sequence_id: int | None = None) -> None:
@@ -316,17 +277,11 @@ class NeoPPTritonClient:
         """KV over the wire as raw bf16: spliced into the serialized request by _SplicedInfer."""
         return self._shm is None and self.raw_bf16 and self.splice_kv
 
-    def _infer(
-        self, inputs: list[grpcclient.InferInput], sequence_id: int = 0, sequence_start: bool = False
-    ) -> grpcclient.InferResult:
+    def _infer(self, inputs: list[grpcclient.InferInput], sequence_id: int = 0,
+               sequence_start: bool = False) -> grpcclient.InferResult:
         if not self._spliced():
-            return self.client.infer(
-                self.model,
-                inputs,
-                sequence_id=sequence_id,
-                sequence_start=sequence_start,
-                client_timeout=self.timeout_s,
-            )
+            return self.client.infer(self.model, inputs, sequence_id=sequence_id, sequence_start=sequence_start,
+                                     client_timeout=self.timeout_s)
         if self._wire is None:
             self._wire = _SplicedInfer(self.url)
         return self._wire.infer(self.model, inputs, self._kv, sequence_id, sequence_start, self.timeout_s)
@@ -378,25 +333,15 @@ class _SplicedInfer:
     def __init__(self, url: str) -> None:
         options = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
         self.channel = grpc.insecure_channel(url, options=options)
-        self.call = self.channel.unary_unary(
-            "/inference.GRPCInferenceService/ModelInfer",
-            request_serializer=None,  # the request is bytes already
-            response_deserializer=service_pb2.ModelInferResponse.FromString,
-        )
+        self.call = self.channel.unary_unary("/inference.GRPCInferenceService/ModelInfer",
+                                             request_serializer=None,  # the request is bytes already
+                                             response_deserializer=service_pb2.ModelInferResponse.FromString)
 
-    def infer(
-        self,
-        model: str,
-        inputs: list[grpcclient.InferInput],
-        kv: list[torch.Tensor],
-        sequence_id: int,
-        sequence_start: bool,
-        timeout_s: float,
-    ) -> grpcclient.InferResult:
-        kv_inputs, others = inputs[: len(kv)], inputs[len(kv) :]
-        request = _get_inference_request(
-            model, others + kv_inputs, "", "", None, sequence_id, sequence_start, False, 0, None, None
-        )
+    def infer(self, model: str, inputs: list[grpcclient.InferInput], kv: list[torch.Tensor], sequence_id: int,
+              sequence_start: bool, timeout_s: float) -> grpcclient.InferResult:
+        kv_inputs, others = inputs[:len(kv)], inputs[len(kv):]
+        request = _get_inference_request(model, others + kv_inputs, "", "", None, sequence_id, sequence_start,
+                                         False, 0, None, None)
         parts = [request.SerializeToString()]
         for t in kv:
             raw = memoryview(t.view(torch.int16).numpy()).cast("B")
@@ -434,12 +379,8 @@ def _set_bf16(tensor: grpcclient.InferInput, kv: torch.Tensor, raw: bool) -> Non
 
 
 def _tensor(name: str, arr: np.ndarray) -> grpcclient.InferInput:
-    dtype = {
-        np.dtype(np.int64): "INT64",
-        np.dtype(np.float32): "FP32",
-        np.dtype(np.uint8): "UINT8",
-        np.dtype(np.object_): "BYTES",
-    }[arr.dtype]
+    dtype = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8",
+             np.dtype(np.object_): "BYTES"}[arr.dtype]
     tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
     tensor.set_data_from_numpy(arr)
     return tensor
@@ -467,9 +408,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         client.set_inference_params(args.offsets[0], args.offsets[1], output_format="png")
         for turn, seed in enumerate(args.seeds):
             path = f"{args.out_prefix}_{turn}.png"
-            client.generate(
-                seed=None if seed.lower() == "none" else int(seed), save_result_path=path, target_shape=args.size
-            )
+            client.generate(seed=None if seed.lower() == "none" else int(seed), save_result_path=path,
+                            target_shape=args.size)
             print(f"{path} turn {client.last_turn}")
     return 0
 

@@ -14,17 +14,9 @@ import json
 from pathlib import Path
 
 
-def perf_input_data(
-    kv_dims: tuple[int, int, int],
-    cond_tokens: int,
-    uncond_tokens: int | None = None,
-    size: tuple[int, int] = (64, 64),
-    steps: int | None = None,
-    seed: int | None = 0,
-    output_format: str = "png",
-    offsets: tuple[int, int] = (0, 0),
-    kv_seed: int = 0,
-) -> dict:
+def perf_input_data(kv_dims: tuple[int, int, int], cond_tokens: int, uncond_tokens: int | None = None,
+                    size: tuple[int, int] = (64, 64), steps: int | None = None, seed: int | None = 0,
+                    output_format: str = "png", offsets: tuple[int, int] = (0, 0), kv_seed: int = 0) -> dict:
     """perf_analyzer ``--input-data`` JSON for one request of the generation models.
 
     The BF16 KV goes as base64 of its raw little-endian bytes, which perf_analyzer sends
@@ -87,16 +79,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
     dims = tuple(args.kv_dims) if args.kv_dims else kv_dims_from_server(args.from_server, args.model)
-    data = perf_input_data(
-        dims,
-        args.cond_tokens,
-        args.uncond_tokens or None,
-        tuple(args.size),
-        args.steps,
-        args.seed,
-        args.format,
-        offsets=(args.cond_tokens, args.uncond_tokens),
-    )
+    data = perf_input_data(dims, args.cond_tokens, args.uncond_tokens or None, tuple(args.size),
+                           args.steps, args.seed, args.format, offsets=(args.cond_tokens, args.uncond_tokens))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data))
     print(f"wrote {args.out} (KV dims {dims}, {args.cond_tokens}+{args.uncond_tokens} tokens)")

@@ -22,12 +22,8 @@ def build_parser(description: str, default_url: str) -> argparse.ArgumentParser:
     p.add_argument("--model", default="neopp_dense")
     p.add_argument("--cond", required=True, help="cond KV file (.pt or .safetensors)")
     p.add_argument("--uncond", help="uncond KV file; needed when guidance is on (else pass --cfg-scale 1)")
-    p.add_argument(
-        "--layout",
-        choices=("replay", "online"),
-        default=None,
-        help="KV layout of the files (default: replay for .pt, the file's tag for safetensors)",
-    )
+    p.add_argument("--layout", choices=("replay", "online"), default=None,
+                   help="KV layout of the files (default: replay for .pt, the file's tag for safetensors)")
     p.add_argument("--offset-cond", type=int, required=True, help="INDEX_OFFSET_COND")
     p.add_argument("--offset-uncond", type=int, help="INDEX_OFFSET_UNCOND (with --uncond)")
     p.add_argument("--size", type=int, nargs=2, metavar=("H", "W"), help="multiples of 32")
@@ -53,7 +49,6 @@ def request_inputs(args: argparse.Namespace) -> list[tuple[str, np.ndarray, str]
     KV tensors travel as float32 arrays tagged BF16: the client converts them, exactly for
     values that were bfloat16 to begin with.
     """
-
     def kv(path: str) -> np.ndarray:
         return load_kv_file(path, args.layout).float().contiguous().numpy()
 

@@ -99,16 +99,9 @@ class StubKill:
     same_bytes: bool = False
 
 
-def kill_stub(
-    client: Any,
-    server_pid: int,
-    model: str,
-    inputs: Inputs,
-    expected: bytes,
-    during: Inputs | None = None,
-    metrics_url: str | None = None,
-    timeout: float = 120.0,
-) -> StubKill:
+def kill_stub(client: Any, server_pid: int, model: str, inputs: Inputs, expected: bytes,
+              during: Inputs | None = None, metrics_url: str | None = None,
+              timeout: float = 120.0) -> StubKill:
     """SIGKILL the model's stub (while ``during`` runs, if given), then retry ``inputs`` until answered.
 
     Recovery needs something that reloads the model (a running ``StubWatchdog``).
@@ -116,7 +109,6 @@ def kill_stub(
     outcome = StubKill(model, stub_pid(server_pid, model))
     worker = None
     if during is not None:
-
         def long_request() -> None:
             try:
                 infer(client, model, during, timeout=timeout)
@@ -161,16 +153,9 @@ class SessionRestart:
     restart_ok: bool = False  # a new session with the same id works
 
 
-def restart_session_model(
-    client: Any,
-    server_pid: int,
-    inputs: Inputs,
-    sequence_id: int,
-    restart: Callable[[], None],
-    how: str,
-    model: str = "neopp_session",
-    timeout: float = 120.0,
-) -> SessionRestart:
+def restart_session_model(client: Any, server_pid: int, inputs: Inputs, sequence_id: int,
+                          restart: Callable[[], None], how: str, model: str = "neopp_session",
+                          timeout: float = 120.0) -> SessionRestart:
     """Start a session, ``restart`` the session model, then send the next turn of that session."""
     first = infer(client, model, inputs, timeout=timeout, sequence_id=sequence_id, sequence_start=True)
     restart()
@@ -180,9 +165,8 @@ def restart_session_model(
         infer(client, model, later, timeout=timeout, sequence_id=sequence_id)
     except Exception as exc:  # noqa: BLE001 - the refusal is the expected outcome
         outcome.continued_error = f"{type(exc).__name__}: {exc}"
-    again = infer(
-        client, model, inputs, timeout=timeout, sequence_id=sequence_id, sequence_start=True, sequence_end=True
-    )
+    again = infer(client, model, inputs, timeout=timeout, sequence_id=sequence_id, sequence_start=True,
+                  sequence_end=True)
     outcome.restart_ok = bool(image_bytes(again))
     return outcome
 
@@ -279,15 +263,9 @@ def _hold_all(server: Any, senders: _Senders, requests: list[Inputs], timeout: f
     return int(pending), (secs - secs0) / max(steps - steps0, 1.0)
 
 
-def sigterm_in_flight(
-    server: Any,
-    make_client: Callable[[], Any],
-    model: str,
-    requests: list[Inputs],
-    started: Callable[[], bool] | None = None,
-    answer_timeout: float = 120.0,
-    group: bool = False,
-) -> Shutdown:
+def sigterm_in_flight(server: Any, make_client: Callable[[], Any], model: str, requests: list[Inputs],
+                      started: Callable[[], bool] | None = None, answer_timeout: float = 120.0,
+                      group: bool = False) -> Shutdown:
     """Send ``requests``, SIGTERM the server once it holds them all (and ``started()``, if given),
     send one more, collect every answer.
 

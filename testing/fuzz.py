@@ -21,14 +21,8 @@ from neopp.rng import STATE_NBYTES, NoiseStream
 Inputs = dict[str, tuple[np.ndarray, str]]
 I64, I32, F32, U8 = np.int64, np.int32, np.float32, np.uint8
 _VALID_WORDS = {b"t2i", b"i2i", b"global", b"channel", b"none", b"jpeg", b"jpg", b"png", b"webp"}
-_TYPES = {
-    np.dtype(I64): "INT64",
-    np.dtype(I32): "INT32",
-    np.dtype(F32): "FP32",
-    np.dtype(U8): "UINT8",
-    np.dtype(np.float64): "FP64",
-    np.dtype(np.object_): "BYTES",
-}
+_TYPES = {np.dtype(I64): "INT64", np.dtype(I32): "INT32", np.dtype(F32): "FP32", np.dtype(U8): "UINT8",
+          np.dtype(np.float64): "FP64", np.dtype(np.object_): "BYTES"}
 
 
 @dataclass(frozen=True)
@@ -64,14 +58,11 @@ class _Fuzzer:
 
     def base(self) -> Inputs:
         return {
-            "COND_KV": self.kv(),
-            "UNCOND_KV": self.kv(),
+            "COND_KV": self.kv(), "UNCOND_KV": self.kv(),
             "INDEX_OFFSET_COND": tensor(np.array([self.rng.integers(0, 100)], I64)),
             "INDEX_OFFSET_UNCOND": tensor(np.array([self.rng.integers(0, 100)], I64)),
-            "SIZE": tensor(np.array([32, 32], I64)),
-            "STEPS": tensor(np.array([2], I64)),
-            "OUTPUT_FORMAT": text(b"png"),
-            "SEED": tensor(np.array([self.rng.integers(0, 2**31)], I64)),
+            "SIZE": tensor(np.array([32, 32], I64)), "STEPS": tensor(np.array([2], I64)),
+            "OUTPUT_FORMAT": text(b"png"), "SEED": tensor(np.array([self.rng.integers(0, 2**31)], I64)),
         }
 
     def pick(self, values: list):
@@ -85,13 +76,8 @@ class _Fuzzer:
 
     def bad_rng_content(self) -> np.ndarray:
         while True:  # random bytes are almost never a valid mt19937 state; make sure
-            arr = self.pick(
-                [
-                    np.zeros(STATE_NBYTES, U8),
-                    np.full(STATE_NBYTES, 255, U8),
-                    self.rng.integers(0, 256, STATE_NBYTES).astype(U8),
-                ]
-            )
+            arr = self.pick([np.zeros(STATE_NBYTES, U8), np.full(STATE_NBYTES, 255, U8),
+                             self.rng.integers(0, 256, STATE_NBYTES).astype(U8)])
             try:
                 NoiseStream.from_state(arr)
             except InputError:
@@ -146,16 +132,8 @@ class _Fuzzer:
 
     def f_offset_range(self):
         name = self.pick(["INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND"])
-        value = self.pick(
-            [
-                -1,
-                -int(self.rng.integers(2, 2**62)),
-                self.lim.max_index_offset + 1,
-                int(self.rng.integers(self.lim.max_index_offset + 1, 2**62)),
-                2**63 - 1,
-                -(2**63),
-            ]
-        )
+        value = self.pick([-1, -int(self.rng.integers(2, 2**62)), self.lim.max_index_offset + 1,
+                           int(self.rng.integers(self.lim.max_index_offset + 1, 2**62)), 2**63 - 1, -(2**63)])
         return "offset-range", {name: tensor(np.array([value], I64))}, (name,)
 
     def f_offset_form(self):
@@ -165,20 +143,8 @@ class _Fuzzer:
 
     def f_size(self):
         name = self.pick(["SIZE", "RESIZE"])
-        h, w = self.pick(
-            [
-                (0, 32),
-                (32, 0),
-                (-32, 64),
-                (64, -1),
-                (33, 64),
-                (64, 100),
-                (2**40, 32),
-                (self.lim.max_side + 32, 32),
-                (2**62, 2**62),
-                (-(2**63), 32),
-            ]
-        )
+        h, w = self.pick([(0, 32), (32, 0), (-32, 64), (64, -1), (33, 64), (64, 100), (2**40, 32),
+                          (self.lim.max_side + 32, 32), (2**62, 2**62), (-(2**63), 32)])
         if name == "SIZE" and self.rng.integers(2):
             h, w = 32 * int(self.rng.integers(1, 64)) + int(self.rng.integers(1, 32)), 32
         if name == "RESIZE" and h > 0 and w > 0 and max(h, w) <= self.lim.max_side:
@@ -187,21 +153,13 @@ class _Fuzzer:
 
     def f_size_form(self):
         name = self.pick(["SIZE", "RESIZE", "CFG_INTERVAL"])
-        bad = self.pick(
-            [
-                np.array([64], I64),
-                np.array([64, 64, 64], I64),
-                np.array([[64, 64]], I64),
-                np.array([64, 64], I32),
-                np.array([64, 64], np.float64),
-            ]
-        )
+        bad = self.pick([np.array([64], I64), np.array([64, 64, 64], I64), np.array([[64, 64]], I64),
+                         np.array([64, 64], I32), np.array([64, 64], np.float64)])
         return "pair-form", {name: tensor(bad)}, (name,)
 
     def f_steps(self):
-        value = self.pick(
-            [0, -1, self.lim.max_steps + 1, int(self.rng.integers(self.lim.max_steps + 1, 2**62)), -(2**63)]
-        )
+        value = self.pick([0, -1, self.lim.max_steps + 1, int(self.rng.integers(self.lim.max_steps + 1, 2**62)),
+                           -(2**63)])
         return "steps", {"STEPS": tensor(np.array([value], I64))}, ("STEPS",)
 
     def f_strings(self):
@@ -215,13 +173,8 @@ class _Fuzzer:
 
     def f_string_form(self):
         name = self.pick(["TASK", "CFG_NORM", "OUTPUT_FORMAT"])
-        bad = self.pick(
-            [
-                (np.array([b"png", b"png"], np.object_), "BYTES"),
-                tensor(np.array([1], I64)),
-                (np.array([[b"t2i"]], np.object_), "BYTES"),
-            ]
-        )
+        bad = self.pick([(np.array([b"png", b"png"], np.object_), "BYTES"), tensor(np.array([1], I64)),
+                         (np.array([[b"t2i"]], np.object_), "BYTES")])
         return "string-form", {name: bad}, (name,)
 
     def f_floats(self):
@@ -250,22 +203,16 @@ class _Fuzzer:
         if kind == "offset-without-kv":
             return kind, {"UNCOND_KV": None}, ("UNCOND_KV",)
         scale = float(self.rng.uniform(1.01, 20))
-        return (
-            kind,
-            {"UNCOND_KV": None, "INDEX_OFFSET_UNCOND": None, "CFG_SCALE": tensor(np.array([scale], F32))},
-            ("UNCOND_KV",),
-        )
+        return kind, {"UNCOND_KV": None, "INDEX_OFFSET_UNCOND": None,
+                      "CFG_SCALE": tensor(np.array([scale], F32))}, ("UNCOND_KV",)
 
     def f_rng_state(self):
         kind = self.pick(["length", "content", "dtype", "with-seed"])
         if kind == "length":
             n = self.pick([0, 1, STATE_NBYTES - 1, STATE_NBYTES + 1, int(self.rng.integers(2, 3 * STATE_NBYTES))])
             n = n if n != STATE_NBYTES else n + 1
-            return (
-                "rng-length",
-                {"SEED": None, "RNG_STATE": tensor(self.rng.integers(0, 256, n).astype(U8))},
-                ("RNG_STATE",),
-            )
+            return "rng-length", {"SEED": None, "RNG_STATE": tensor(self.rng.integers(0, 256, n).astype(U8))}, \
+                ("RNG_STATE",)
         if kind == "content":
             return "rng-content", {"SEED": None, "RNG_STATE": tensor(self.bad_rng_content())}, ("RNG_STATE",)
         if kind == "dtype":
@@ -280,9 +227,8 @@ class _Fuzzer:
         return [getattr(self, n) for n in sorted(dir(self)) if n.startswith("f_")]
 
 
-def generate_cases(
-    n: int, seed: int, kv_dims: tuple[int, int, int], limits: Limits | None = None, over_limit_every: int = 100
-) -> Iterator[FuzzCase]:
+def generate_cases(n: int, seed: int, kv_dims: tuple[int, int, int], limits: Limits | None = None,
+                   over_limit_every: int = 100) -> Iterator[FuzzCase]:
     """``n`` malformed requests, built one at a time; the fault kinds take turns, details are random.
 
     Over-limit prefixes are large (``max_prefix_tokens + 1`` tokens), so only one case in

@@ -78,7 +78,8 @@ def refused_burst(client: grpcclient.InferenceServerClient, kind: str, count: in
     return answers
 
 
-def normal_request(client: grpcclient.InferenceServerClient, cond: np.ndarray, size: int = 32, steps: int = 2) -> bytes:
+def normal_request(client: grpcclient.InferenceServerClient, cond: np.ndarray, size: int = 32,
+                   steps: int = 2) -> bytes:
     """One small valid request (what the server serves before "before" is measured)."""
     kv = grpcclient.InferInput("COND_KV", list(cond.shape), "BF16")
     kv.set_data_from_numpy(cond)
@@ -104,31 +105,20 @@ class Measured:
     def line(self) -> str:
         b, a = self.before, self.after
         parts = ", ".join(f"{k} {b[k] / MIB:.1f} -> {a[k] / MIB:.1f}" for k in ("anon", "shmem"))
-        return (
-            f"{self.kind:8s} settings {'ours' if self.tuned else 'defaults'}: RSS {b['total'] / MIB:.1f} -> "
-            f"{a['total'] / MIB:.1f} MiB (+{(a['total'] - b['total']) / b['total']:.1%}; {parts}); "
-            f"256x256 8-step request {self.request_s:.2f}s; answers {sorted(set(self.answers))}"
-        )
+        return (f"{self.kind:8s} settings {'ours' if self.tuned else 'defaults'}: RSS {b['total'] / MIB:.1f} -> "
+                f"{a['total'] / MIB:.1f} MiB (+{(a['total'] - b['total']) / b['total']:.1%}; {parts}); "
+                f"256x256 8-step request {self.request_s:.2f}s; answers {sorted(set(self.answers))}")
 
 
-def measure(
-    checkpoint: Path, kind: str, tuned: bool, count: int, nbytes: int, log_dir: Path, extra: list[str] | None = None
-) -> Measured:
+def measure(checkpoint: Path, kind: str, tuned: bool, count: int, nbytes: int, log_dir: Path,
+            extra: list[str] | None = None) -> Measured:
     """A fresh server with only ``neopp_dense``: one normal request, RSS, the burst, RSS."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT")}
     env["NEOPP_CHECKPOINT"] = str(checkpoint)
-    server = TritonServer(
-        REPO / "model_repository",
-        env=env,
-        log_path=log_dir / f"{kind}_{tuned}.log",
-        malloc_env=MALLOC_ENV if tuned else {},
-        extra_args=[
-            "--model-control-mode=explicit",
-            f"--load-model={MODEL}",
-            *([] if tuned else [f"{GRPC_POOL_ARG}=8"]),
-            *(extra or []),
-        ],
-    )
+    server = TritonServer(REPO / "model_repository", env=env, log_path=log_dir / f"{kind}_{tuned}.log",
+                          malloc_env=MALLOC_ENV if tuned else {},
+                          extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}",
+                                      *([] if tuned else [f"{GRPC_POOL_ARG}=8"]), *(extra or [])])
     with server:
         client = grpcclient.InferenceServerClient(server.grpc_url)
         try:
@@ -159,9 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         write_sample_kv(checkpoint / "sample_kv", "dense", cond_tokens=24, uncond_tokens=7)
         for kind in args.kinds:
             for setting in args.settings:
-                result = measure(
-                    checkpoint, kind, setting == "ours", args.count, int(args.mib * MIB), Path(tmp), args.extra
-                )
+                result = measure(checkpoint, kind, setting == "ours", args.count, int(args.mib * MIB), Path(tmp),
+                                 args.extra)
                 print(result.line(), flush=True)
     return 0
 

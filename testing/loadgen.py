@@ -51,24 +51,14 @@ def image_bytes(result: Any) -> bytes:
     return bytes(result.as_numpy("IMAGE")[0])
 
 
-def valid_inputs(
-    cond: np.ndarray,
-    uncond: np.ndarray,
-    offsets: tuple[int, int],
-    seed: int | None,
-    size: tuple[int, int] = (32, 32),
-    steps: int = 2,
-) -> Inputs:
+def valid_inputs(cond: np.ndarray, uncond: np.ndarray, offsets: tuple[int, int], seed: int | None,
+                 size: tuple[int, int] = (32, 32), steps: int = 2) -> Inputs:
     """A small guided PNG request; KV arrays are float32 sent as BF16."""
-    inputs = {
-        "COND_KV": (cond, "BF16"),
-        "UNCOND_KV": (uncond, "BF16"),
-        "INDEX_OFFSET_COND": tensor(np.array([offsets[0]], np.int64)),
-        "INDEX_OFFSET_UNCOND": tensor(np.array([offsets[1]], np.int64)),
-        "SIZE": tensor(np.array(size, np.int64)),
-        "STEPS": tensor(np.array([steps], np.int64)),
-        "OUTPUT_FORMAT": text(b"png"),
-    }
+    inputs = {"COND_KV": (cond, "BF16"), "UNCOND_KV": (uncond, "BF16"),
+              "INDEX_OFFSET_COND": tensor(np.array([offsets[0]], np.int64)),
+              "INDEX_OFFSET_UNCOND": tensor(np.array([offsets[1]], np.int64)),
+              "SIZE": tensor(np.array(size, np.int64)), "STEPS": tensor(np.array([steps], np.int64)),
+              "OUTPUT_FORMAT": text(b"png")}
     if seed is not None:
         inputs["SEED"] = tensor(np.array([seed], np.int64))
     return inputs
@@ -104,12 +94,10 @@ class LoadReport:
         return (self.rss_after - self.rss_warm) / max(self.rss_warm, 1)
 
     def summary(self) -> str:
-        return (
-            f"{self.requests} requests ({self.sessions} sessions) in {self.seconds:.1f}s, "
-            f"{len(self.errors)} errors, {len(self.mismatches)} wrong images; per model {self.per_model}; "
-            f"RSS after warm-up {self.rss_warm / 2**20:.1f} MiB, after the run {self.rss_after / 2**20:.1f} MiB "
-            f"({self.rss_change:+.1%})"
-        )
+        return (f"{self.requests} requests ({self.sessions} sessions) in {self.seconds:.1f}s, "
+                f"{len(self.errors)} errors, {len(self.mismatches)} wrong images; per model {self.per_model}; "
+                f"RSS after warm-up {self.rss_warm / 2**20:.1f} MiB, after the run {self.rss_after / 2**20:.1f} MiB "
+                f"({self.rss_change:+.1%})")
 
 
 class LoadRun:
@@ -141,14 +129,8 @@ class LoadRun:
         out = []
         for turn in range(self.spec.session_turns):
             inputs = self._request(seed if turn == 0 else None)
-            result = infer(
-                client,
-                self.spec.session_model,
-                inputs,
-                sequence_id=sid,
-                sequence_start=turn == 0,
-                sequence_end=turn == self.spec.session_turns - 1,
-            )
+            result = infer(client, self.spec.session_model, inputs, sequence_id=sid, sequence_start=turn == 0,
+                           sequence_end=turn == self.spec.session_turns - 1)
             out.append(image_bytes(result))
         return out
 
@@ -208,10 +190,8 @@ class LoadRun:
 
     def _concurrent(self, seconds: float, report: LoadReport) -> None:
         deadline = time.monotonic() + seconds
-        threads = [
-            threading.Thread(target=self._work, args=(i, deadline, report), name=f"load-{i}")
-            for i in range(self.spec.clients)
-        ]
+        threads = [threading.Thread(target=self._work, args=(i, deadline, report), name=f"load-{i}")
+                   for i in range(self.spec.clients)]
         for t in threads:
             t.start()
         for t in threads:

@@ -10,9 +10,8 @@ from neopp.schedule import initial_noise_scale
 
 
 @torch.inference_mode()
-def branch_velocity(
-    pipe: NeoPPPipeline, req: GenerationRequest, x: torch.Tensor, t: float, branch: str = "cond"
-) -> torch.Tensor:
+def branch_velocity(pipe: NeoPPPipeline, req: GenerationRequest, x: torch.Tensor, t: float,
+                    branch: str = "cond") -> torch.Tensor:
     """One unguided velocity of ``branch`` at time ``t`` (the branch is prepared on each call)."""
     grid = pipe.grid(req.height, req.width)
     kv, off = (req.cond_kv, req.index_offset_cond) if branch == "cond" else (req.uncond_kv, req.index_offset_uncond)

@@ -49,10 +49,8 @@ def _checkpoints(root: Path) -> tuple[Path, Path]:
 def _fuzz(server: TritonServer, cond: np.ndarray, n: int, seed: int) -> tuple[int, int, list[str]]:
     """``n`` malformed requests per protocol; (tried, refused as expected, unexpected outcomes)."""
     tried, good, bad = 0, 0, []
-    for proto, client in (
-        ("grpc", grpcclient.InferenceServerClient(server.grpc_url)),
-        ("http", httpclient.InferenceServerClient(server.http_url)),
-    ):
+    for proto, client in (("grpc", grpcclient.InferenceServerClient(server.grpc_url)),
+                          ("http", httpclient.InferenceServerClient(server.http_url))):
         params = client.get_model_config("neopp_dense", **({"as_json": True} if proto == "grpc" else {}))
         params = (params.get("config", params)).get("parameters", {})
         limits = Limits.from_params({k: v["string_value"] for k, v in params.items()})
@@ -63,8 +61,7 @@ def _fuzz(server: TritonServer, cond: np.ndarray, n: int, seed: int) -> tuple[in
                 bad.append(f"{proto} {case.label}: accepted")
             except InferenceServerException as exc:
                 if exc.status() in ("StatusCode.INVALID_ARGUMENT", "400") and any(
-                    name in (exc.message() or "") for name in case.names
-                ):
+                        name in (exc.message() or "") for name in case.names):
                     good += 1
                 else:
                     bad.append(f"{proto} {case.label}: {exc.status()} {exc.message()[:160]}")
@@ -73,9 +70,8 @@ def _fuzz(server: TritonServer, cond: np.ndarray, n: int, seed: int) -> tuple[in
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m testing.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="python -m testing.soak", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=float(os.environ.get("SOAK_SECONDS", "600")))
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--fuzz", type=int, default=300, help="malformed requests per protocol")
@@ -85,21 +81,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="neopp-soak-") as tmp:
         dense, moe = _checkpoints(Path(tmp))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT", "NEOPP_LORA_DIR"))}
-        env.update(
-            NEOPP_CHECKPOINT=str(dense),
-            NEOPP_CHECKPOINT_NEOPP_MOE=str(moe),
-            NEOPP_LORA_DIR=str(REPO_ROOT / "build" / "tiny" / "lora"),
-        )
-        server = TritonServer(
-            REPO_ROOT / "model_repository",
-            env=env,
-            log_path=Path(tmp) / "server.log",
-            extra_args=[
-                "--model-control-mode=explicit",
-                "--exit-timeout-secs=5",
-                *(f"--load-model={m}" for m in MODELS),
-            ],
-        )
+        env.update(NEOPP_CHECKPOINT=str(dense), NEOPP_CHECKPOINT_NEOPP_MOE=str(moe),
+                   NEOPP_LORA_DIR=str(REPO_ROOT / "build" / "tiny" / "lora"))
+        server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=Path(tmp) / "server.log",
+                              extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=5",
+                                          *(f"--load-model={m}" for m in MODELS)])
         started = time.monotonic()
         server.start()
         try:
@@ -111,11 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             tried, good, bad = _fuzz(server, cond, ns.fuzz, ns.seed)
             ok &= good == tried
-            print(
-                f"bad input: {tried} malformed requests, {good} refused as expected (INVALID_ARG naming the "
-                f"input), {len(bad)} otherwise {bad[:5]}",
-                flush=True,
-            )
+            print(f"bad input: {tried} malformed requests, {good} refused as expected (INVALID_ARG naming the "
+                  f"input), {len(bad)} otherwise {bad[:5]}", flush=True)
 
             spec = LoadSpec(cond, uncond, OFFSETS, clients=ns.clients)
             report = LoadRun(spec, server.grpc_url, server.http_url, pid).run(ns.seconds, warmup_s=5.0)
@@ -127,53 +110,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             client = grpcclient.InferenceServerClient(server.grpc_url)
             valid = valid_inputs(cond, uncond, OFFSETS, seed=3)
             expected = image_bytes(infer(client, "neopp_dense", valid))
-            long = {
-                **valid,
-                "SIZE": (np.array([512, 512], np.int64), "INT64"),
-                "STEPS": (np.array([200], np.int64), "INT64"),
-            }
+            long = {**valid, "SIZE": (np.array([512, 512], np.int64), "INT64"),
+                    "STEPS": (np.array([200], np.int64), "INT64")}
             with StubWatchdog(grpcclient.InferenceServerClient(server.grpc_url), pid, log=lambda m: None) as dog:
                 between = kill_stub(client, pid, "neopp_dense", valid, expected, timeout=120)
-                during = kill_stub(
-                    client,
-                    pid,
-                    "neopp_dense",
-                    valid,
-                    expected,
-                    during=long,
-                    metrics_url=server.metrics_url,
-                    timeout=120,
-                )
+                during = kill_stub(client, pid, "neopp_dense", valid, expected, during=long,
+                                   metrics_url=server.metrics_url, timeout=120)
             for name, k in (("between requests", between), ("during a request", during)):
                 ok &= k.recovery_s is not None and k.same_bytes
-                print(
-                    f"stub killed {name}: in-flight answer {k.in_flight!r}; later requests saw "
-                    f"{k.seen_errors}; recovered (expected bytes) after {k.recovery_s:.2f}s, "
-                    f"{k.attempts} attempts; watchdog reload {[round(r.reload_s, 2) for r in dog.recoveries]} s",
-                    flush=True,
-                )
+                print(f"stub killed {name}: in-flight answer {k.in_flight!r}; later requests saw "
+                      f"{k.seen_errors}; recovered (expected bytes) after {k.recovery_s:.2f}s, "
+                      f"{k.attempts} attempts; watchdog reload {[round(r.reload_s, 2) for r in dog.recoveries]} s",
+                      flush=True)
             crashes = 0 if server.process.poll() is None else 1
             client.close()
             ok &= crashes == 0
             print(f"server crashes: {crashes}", flush=True)
 
             requests = [valid_inputs(cond, uncond, OFFSETS, seed=s) for s in range(3)] + [long] * 2
-            shutdown = sigterm_in_flight(
-                server,
-                lambda: grpcclient.InferenceServerClient(server.grpc_url),
-                "neopp_dense",
-                requests,
-                started=lambda: metric(server.metrics_url, STEPS_METRIC, model="neopp_dense") >= 1,
-                group=True,
-            )
+            shutdown = sigterm_in_flight(server, lambda: grpcclient.InferenceServerClient(server.grpc_url),
+                                         "neopp_dense", requests,
+                                         started=lambda: metric(server.metrics_url, STEPS_METRIC,
+                                                                model="neopp_dense") >= 1, group=True)
             ok &= shutdown.unanswered == 0 and not shutdown.left_behind
-            print(
-                f"SIGTERM to the server's process group with {len(requests)} requests in flight: "
-                f"answers {shutdown.answers}, late request "
-                f"{shutdown.late!r}; server exited {shutdown.exit_code} after {shutdown.stop_s:.1f}s; "
-                f"left behind {shutdown.left_behind}",
-                flush=True,
-            )
+            print(f"SIGTERM to the server's process group with {len(requests)} requests in flight: "
+                  f"answers {shutdown.answers}, late request "
+                  f"{shutdown.late!r}; server exited {shutdown.exit_code} after {shutdown.stop_s:.1f}s; "
+                  f"left behind {shutdown.left_behind}", flush=True)
         finally:
             server.stop(timeout=30)
     print("SOAK " + ("PASSED" if ok else "FAILED"), flush=True)

@@ -18,15 +18,8 @@ from neopp.checkpoint import FM, LM, VISION, layer_prefix
 from neopp.kv_cache import ONLINE, REPLAY, save_kv_file
 
 VARIANTS = ("dense", "pixel", "moe", "fp8", "sharded")
-TINY_LLM = {
-    "num_hidden_layers": 2,
-    "hidden_size": 128,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "rope_theta": 1_000_000.0,
-    "rope_theta_hw": 10_000.0,
-}
+TINY_LLM = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 32, "rope_theta": 1_000_000.0, "rope_theta_hw": 10_000.0}
 TINY_VISION = {"hidden_size": 64, "rope_theta_vision": 10_000.0, "max_position_embeddings_vision": 1024}
 MLP_WIDTH, HEAD_WIDTH, PIXEL_CONV1 = 256, 256, 64
 MOE_EXPERTS, MOE_TOP_K = 4, 2
@@ -36,13 +29,8 @@ def tiny_config(variant: str = "dense") -> dict:
     llm = dict(TINY_LLM)
     if variant == "moe":
         llm.update(gen_num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, norm_topk_prob=True)
-    return {
-        "model_type": "neo_chat",
-        "llm_config": llm,
-        "vision_config": dict(TINY_VISION),
-        "patch_size": 16,
-        "use_pixel_head": variant == "pixel",
-    }
+    return {"model_type": "neo_chat", "llm_config": llm, "vision_config": dict(TINY_VISION),
+            "patch_size": 16, "use_pixel_head": variant == "pixel"}
 
 
 class _Init:
@@ -52,7 +40,7 @@ class _Init:
         self.gen = torch.Generator().manual_seed(seed)
 
     def linear(self, out_f: int, in_f: int, gain: float = 1.0) -> torch.Tensor:
-        return torch.randn(out_f, in_f, generator=self.gen) * (gain / in_f**0.5)
+        return torch.randn(out_f, in_f, generator=self.gen) * (gain / in_f ** 0.5)
 
     def conv(self, out_c: int, in_c: int, k: int) -> torch.Tensor:
         return torch.randn(out_c, in_c, k, k, generator=self.gen) / (in_c * k * k) ** 0.5
@@ -61,75 +49,44 @@ class _Init:
         return base + std * torch.randn(n, generator=self.gen)
 
 
-def tiny_tensors(
-    cfg: dict, seed: int = 0, mlp_width: int = MLP_WIDTH, head_width: int = HEAD_WIDTH
-) -> dict[str, torch.Tensor]:
+def tiny_tensors(cfg: dict, seed: int = 0, mlp_width: int = MLP_WIDTH,
+                 head_width: int = HEAD_WIDTH) -> dict[str, torch.Tensor]:
     """Random weights for `cfg`; the widths are free (the benchmarks build mid-size towers)."""
     llm, vis = cfg["llm_config"], cfg["vision_config"]
     D, DV, HD = llm["hidden_size"], vis["hidden_size"], llm["head_dim"]
     NH, NKV, T = llm["num_attention_heads"], llm["num_key_value_heads"], 32
     g = _Init(seed)
     w: dict[str, torch.Tensor] = {
-        VISION + "patch_embedding.weight": g.conv(DV, 3, 16),
-        VISION + "patch_embedding.bias": g.vec(DV),
-        VISION + "dense_embedding.weight": g.conv(D, DV, 2),
-        VISION + "dense_embedding.bias": g.vec(D),
+        VISION + "patch_embedding.weight": g.conv(DV, 3, 16), VISION + "patch_embedding.bias": g.vec(DV),
+        VISION + "dense_embedding.weight": g.conv(D, DV, 2), VISION + "dense_embedding.bias": g.vec(D),
         LM + "norm_mot_gen.weight": g.vec(D, 1.0),
     }
     for emb in ("timestep_embedder", "noise_scale_embedder"):
         p = f"{FM}{emb}.mlp."
-        w.update(
-            {
-                p + "0.weight": g.linear(D, 256, 2.0),
-                p + "0.bias": g.vec(D),
-                p + "2.weight": g.linear(D, D),
-                p + "2.bias": g.vec(D),
-            }
-        )
+        w.update({p + "0.weight": g.linear(D, 256, 2.0), p + "0.bias": g.vec(D),
+                  p + "2.weight": g.linear(D, D), p + "2.bias": g.vec(D)})
     if cfg.get("use_pixel_head"):
         h = FM + "fm_head."
-        w.update(
-            {
-                h + "conv1.weight": g.conv(PIXEL_CONV1, D // 4, 3),
-                h + "conv1.bias": g.vec(PIXEL_CONV1),
-                h + "conv2.weight": g.conv(192, PIXEL_CONV1 // 4, 3),
-                h + "conv2.bias": g.vec(192),
-            }
-        )
+        w.update({h + "conv1.weight": g.conv(PIXEL_CONV1, D // 4, 3), h + "conv1.bias": g.vec(PIXEL_CONV1),
+                  h + "conv2.weight": g.conv(192, PIXEL_CONV1 // 4, 3), h + "conv2.bias": g.vec(192)})
     else:
-        w.update(
-            {
-                FM + "fm_head.0.weight": g.linear(head_width, D),
-                FM + "fm_head.0.bias": g.vec(head_width),
-                FM + "fm_head.2.weight": g.linear(T * T * 3, head_width),
-                FM + "fm_head.2.bias": g.vec(T * T * 3),
-            }
-        )
+        w.update({FM + "fm_head.0.weight": g.linear(head_width, D), FM + "fm_head.0.bias": g.vec(head_width),
+                  FM + "fm_head.2.weight": g.linear(T * T * 3, head_width), FM + "fm_head.2.bias": g.vec(T * T * 3)})
     for i in range(llm["num_hidden_layers"]):
         p, a, m = layer_prefix(i), layer_prefix(i) + "self_attn.", layer_prefix(i) + "mlp_mot_gen."
-        w.update(
-            {
-                p + "input_layernorm_mot_gen.weight": g.vec(D, 1.0),
-                p + "post_attention_layernorm_mot_gen.weight": g.vec(D, 1.0),
-                a + "q_proj_mot_gen.weight": g.linear(NH * HD, D),
-                a + "k_proj_mot_gen.weight": g.linear(NKV * HD, D),
-                a + "v_proj_mot_gen.weight": g.linear(NKV * HD, D),
-                a + "o_proj_mot_gen.weight": g.linear(D, NH * HD),
-            }
-        )
+        w.update({p + "input_layernorm_mot_gen.weight": g.vec(D, 1.0),
+                  p + "post_attention_layernorm_mot_gen.weight": g.vec(D, 1.0),
+                  a + "q_proj_mot_gen.weight": g.linear(NH * HD, D), a + "k_proj_mot_gen.weight": g.linear(NKV * HD, D),
+                  a + "v_proj_mot_gen.weight": g.linear(NKV * HD, D),
+                  a + "o_proj_mot_gen.weight": g.linear(D, NH * HD)})
         for norm in ("q_norm_mot_gen", "k_norm_mot_gen", "q_norm_hw_mot_gen", "k_norm_hw_mot_gen"):
             w[a + norm + ".weight"] = g.vec(HD // 2, 1.0)
         experts = [f"{m}experts.{j}." for j in range(llm.get("gen_num_experts", 0))] or [m]
         if llm.get("gen_num_experts"):
             w[m + "gate.weight"] = g.linear(llm["gen_num_experts"], D, 4.0)
         for e in experts:
-            w.update(
-                {
-                    e + "gate_proj.weight": g.linear(mlp_width, D),
-                    e + "up_proj.weight": g.linear(mlp_width, D),
-                    e + "down_proj.weight": g.linear(D, mlp_width),
-                }
-            )
+            w.update({e + "gate_proj.weight": g.linear(mlp_width, D), e + "up_proj.weight": g.linear(mlp_width, D),
+                      e + "down_proj.weight": g.linear(D, mlp_width)})
         # Keys of the understanding tower: present in real checkpoints, never loaded.
         w[a + "q_proj.weight"] = g.linear(NH * HD, D)
     w["vision_model.embeddings.patch_embedding.weight"] = g.conv(8, 3, 16)
@@ -169,9 +126,8 @@ def random_kv(cfg: dict, tokens: int, seed: int, dtype: torch.dtype = torch.bflo
     return torch.randn(shape, generator=g).to(dtype)
 
 
-def write_sample_kv(
-    out_dir: str | Path, variant: str = "dense", cond_tokens: int = 24, uncond_tokens: int = 7, seed: int = 100
-) -> dict[str, Path]:
+def write_sample_kv(out_dir: str | Path, variant: str = "dense", cond_tokens: int = 24,
+                    uncond_tokens: int = 7, seed: int = 100) -> dict[str, Path]:
     """cond/uncond prefixes in every file form the tools accept."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -188,12 +144,8 @@ def write_sample_kv(
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="folder to write (a checkpoint per variant below it)")
-    parser.add_argument(
-        "--variant",
-        action="append",
-        choices=VARIANTS,
-        help="variants to write (default: all); each goes to <out>/<variant>",
-    )
+    parser.add_argument("--variant", action="append", choices=VARIANTS,
+                        help="variants to write (default: all); each goes to <out>/<variant>")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-tokens", type=int, default=24, help="cond prefix length of the sample KV")
     args = parser.parse_args(argv)

@@ -15,15 +15,9 @@ from safetensors.torch import save_file
 from neopp.lora import SCHEME_SUFFIX, SCHEMES
 
 
-def tiny_lora_tensors(
-    weights: Mapping[str, torch.Tensor],
-    targets: Iterable[str],
-    scheme: str,
-    rank: int = 4,
-    alpha: float | None = 8.0,
-    seed: int = 7,
-    gain: float = 0.5,
-) -> dict[str, torch.Tensor]:
+def tiny_lora_tensors(weights: Mapping[str, torch.Tensor], targets: Iterable[str], scheme: str,
+                      rank: int = 4, alpha: float | None = 8.0, seed: int = 7,
+                      gain: float = 0.5) -> dict[str, torch.Tensor]:
     """Random factors for `targets` (weight keys) in one naming scheme; the delta is O(gain * W)."""
     if scheme not in SCHEMES:
         raise ValueError(f"scheme must be one of {SCHEMES}")
@@ -34,8 +28,8 @@ def tiny_lora_tensors(
     for key in targets:
         out_f, in_f = weights[key].shape
         base = key[: -len(".weight")]
-        out[base + down_sfx] = torch.randn(rank, in_f, generator=gen) / in_f**0.5
-        out[base + up_sfx] = torch.randn(out_f, rank, generator=gen) * (gain / (factor * rank**0.5))
+        out[base + down_sfx] = torch.randn(rank, in_f, generator=gen) / in_f ** 0.5
+        out[base + up_sfx] = torch.randn(out_f, rank, generator=gen) * (gain / (factor * rank ** 0.5))
         if alpha is not None:
             out[base + ".alpha"] = torch.tensor(float(alpha))
     return out
@@ -45,22 +39,27 @@ def write_tiny_loras(out_dir: str | Path, weights: Mapping[str, torch.Tensor], s
     """`neopp_8steps_lora.safetensors` (the 8-step mode's file) and one file per naming scheme."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    attn = [
-        k for k in weights if k.endswith(("q_proj_mot_gen.weight", "v_proj_mot_gen.weight", "o_proj_mot_gen.weight"))
-    ]
-    mlp = [
-        k
-        for k in weights
-        if ".mlp_mot_gen." in k and k.endswith(("up_proj.weight", "down_proj.weight")) and ".experts." not in k
-    ]
+    attn = [k for k in weights if k.endswith(("q_proj_mot_gen.weight", "v_proj_mot_gen.weight",
+                                              "o_proj_mot_gen.weight"))]
+    mlp = [k for k in weights if ".mlp_mot_gen." in k and k.endswith(("up_proj.weight", "down_proj.weight"))
+           and ".experts." not in k]
     files = {"neopp_8steps_lora": tiny_lora_tensors(weights, sorted(attn + mlp), "up_down", seed=seed)}
     for i, scheme in enumerate(SCHEMES):
         alpha = None if scheme == "peft" else 2.0 + i
-        files[f"lora_{scheme}"] = tiny_lora_tensors(
-            weights, sorted(attn), scheme, rank=2 + i, alpha=alpha, seed=seed + 1 + i, gain=0.3
-        )
+        files[f"lora_{scheme}"] = tiny_lora_tensors(weights, sorted(attn), scheme, rank=2 + i, alpha=alpha,
+                                                    seed=seed + 1 + i, gain=0.3)
     paths = {}
     for name, tensors in files.items():
         paths[name] = out / f"{name}.safetensors"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(paths[name]))
     return paths
+
+
+def write_mismatched_loras(out_dir: str | Path) -> Path:
+    """The tiny LoRA files made for hidden size 256: they fit no tiny checkpoint (hidden 128)."""
+    from testing.tiny_checkpoint import tiny_config, tiny_tensors
+
+    config = tiny_config("dense")
+    config["llm_config"].update(hidden_size=256, num_attention_heads=8)
+    write_tiny_loras(out_dir, tiny_tensors(config, 0))
+    return Path(out_dir)

@@ -20,22 +20,15 @@ def test_batched_and_sequential_cfg_agree(tmp_path):
         ckpt = write_tiny_checkpoint(tmp_path / variant, variant, seed=7)
         kv = write_sample_kv(tmp_path / f"{variant}_kv", variant, cond_tokens=13, uncond_tokens=3)
         pipe = NeoPPPipeline.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
-        req = GenerationRequest(
-            cond_kv=load_kv_file(kv["cond_pt"]),
-            uncond_kv=load_kv_file(kv["uncond_pt"]),
-            index_offset_cond=20,
-            index_offset_uncond=3,
-            height=64,
-            width=96,
-            noise=NoiseStream(3).draw(64, 96),
-            sampling=SamplingParams(infer_steps=3, cfg_norm="channel"),
-        )
+        req = GenerationRequest(cond_kv=load_kv_file(kv["cond_pt"]), uncond_kv=load_kv_file(kv["uncond_pt"]),
+                                index_offset_cond=20, index_offset_uncond=3, height=64, width=96,
+                                noise=NoiseStream(3).draw(64, 96),
+                                sampling=SamplingParams(infer_steps=3, cfg_norm="channel"))
         results = {}
         for mode in ("on", "off"):
             pipe.cfg_batching = mode
             results[mode] = pipe.sample(req)
         assert (results["on"] - results["off"]).abs().max().item() < 1e-5
-        unguided = pipe.sample(
-            GenerationRequest(**{**req.__dict__, "sampling": SamplingParams(infer_steps=3, enable_cfg=False)})
-        )
+        unguided = pipe.sample(GenerationRequest(**{**req.__dict__, "sampling": SamplingParams(infer_steps=3,
+                                                                                               enable_cfg=False)}))
         assert (results["on"] - unguided).abs().max().item() > 1e-2

@@ -26,11 +26,8 @@ SESSION_INPUTS = {
     **{n: InputSpec(s.data_type, s.dims, optional=True) for n, s in INPUT_SPECS.items() if n != "RNG_STATE"},
     "MODEL": InputSpec("TYPE_STRING", (1,)),
 }
-SESSION_OUTPUTS = {
-    "IMAGE": OUTPUT_SPECS["IMAGE"],
-    "TURN": InputSpec("TYPE_INT64", (1,)),
-    "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"],
-}
+SESSION_OUTPUTS = {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": InputSpec("TYPE_INT64", (1,)),
+                   "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"]}
 
 
 def parse(model: str) -> mc.ModelConfig:
@@ -38,10 +35,8 @@ def parse(model: str) -> mc.ModelConfig:
 
 
 def table(entries) -> dict[str, InputSpec]:
-    return {
-        e.name: InputSpec(mc.DataType.Name(e.data_type), tuple(e.dims), bool(getattr(e, "optional", False)))
-        for e in entries
-    }
+    return {e.name: InputSpec(mc.DataType.Name(e.data_type), tuple(e.dims), bool(getattr(e, "optional", False)))
+            for e in entries}
 
 
 def outputs_table(entries) -> dict[str, InputSpec]:
@@ -53,15 +48,8 @@ def params(cfg: mc.ModelConfig) -> dict[str, str]:
 
 
 def test_every_contract_model_is_shipped():
-    assert GENERATION_MODELS == [
-        "neopp_dense",
-        "neopp_dense_8steps",
-        "neopp_dense_cfg",
-        "neopp_dense_cfg_seq",
-        "neopp_dense_fp8",
-        "neopp_moe",
-        "neopp_moe_cfg",
-    ]
+    assert GENERATION_MODELS == ["neopp_dense", "neopp_dense_8steps", "neopp_dense_cfg", "neopp_dense_cfg_seq",
+                                 "neopp_dense_fp8", "neopp_moe", "neopp_moe_cfg"]
 
 
 @pytest.mark.parametrize("model", GENERATION_MODELS)

@@ -19,8 +19,7 @@ from neopp.serving.parameters import read_parameters
 from neopp.serving.triton_model import PARAMETER_DEFAULTS, TritonModelSettings, load_model_mode, resolve_lora_dir
 from testing import REPO
 from testing.tiny_checkpoint import main as tiny_main
-from testing.tiny_checkpoint import tiny_config, tiny_tensors
-from testing.tiny_lora import write_tiny_loras
+from testing.tiny_lora import write_mismatched_loras
 
 MODEL = "neopp_dense_8steps"
 LORA = "neopp_8steps_lora.safetensors"
@@ -36,12 +35,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def wide_lora_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The 8-step LoRA file made for a checkpoint of hidden size 256 (the tiny one has 128)."""
-    cfg = tiny_config("dense")
-    cfg["llm_config"].update(hidden_size=256, num_attention_heads=8)
-    out = tmp_path_factory.mktemp("wide_lora")
-    write_tiny_loras(out, tiny_tensors(cfg, 0))
-    return out
+    return write_mismatched_loras(tmp_path_factory.mktemp("wide_lora"))
 
 
 def shipped_config(model: str) -> dict:
@@ -72,7 +66,8 @@ def test_file_name_in_mode_file_resolves_in_lora_dir(tiny: Path, monkeypatch: py
     assert mode.sampling.infer_steps == 8
 
 
-def test_missing_lora_names_model_file_and_setting(tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_lora_names_model_file_and_setting(tiny: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     settings = settings_for(monkeypatch, tiny / "dense", tmp_path)
     with pytest.raises(ConfigError) as err:
         load_model_mode(settings)
@@ -94,9 +89,8 @@ def first_misfit_base(lora: Path, checkpoint: Path) -> str:
     raise AssertionError("every key fits")
 
 
-def test_lora_for_other_geometry_refused_naming_model_file_and_key(
-    tiny: Path, wide_lora_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_lora_for_other_geometry_refused_naming_model_file_and_key(tiny: Path, wide_lora_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     settings = settings_for(monkeypatch, tiny / "dense", wide_lora_dir)
     with pytest.raises(ConfigError) as err:
         load_model_mode(settings)

@@ -51,31 +51,22 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="module")
 def pipes(ckpts):
     load = NeoPPPipeline.from_pretrained
-    return {
-        "fp32": load(ckpts["dense"], FP32, "cpu", torch.float32),
-        "fp8": load(ckpts["dense"], FP8, "cpu", torch.float32),
-        "fp8_pre": load(ckpts["fp8"], FP8, "cpu", torch.float32),
-        "bf16": load(ckpts["dense"], FP32, "cpu", torch.bfloat16),
-    }
+    return {"fp32": load(ckpts["dense"], FP32, "cpu", torch.float32),
+            "fp8": load(ckpts["dense"], FP8, "cpu", torch.float32),
+            "fp8_pre": load(ckpts["fp8"], FP8, "cpu", torch.float32),
+            "bf16": load(ckpts["dense"], FP32, "cpu", torch.bfloat16)}
 
 
 def request(seed: int = 0) -> GenerationRequest:
     cfg = tiny_config("dense")
-    return GenerationRequest(
-        cond_kv=random_kv(cfg, 12, 1),
-        index_offset_cond=13,
-        height=H,
-        width=W,
-        noise=NoiseStream(seed).draw(H, W),
-        sampling=SAMPLING,
-        uncond_kv=random_kv(cfg, 5, 2),
-        index_offset_uncond=6,
-    )
+    return GenerationRequest(cond_kv=random_kv(cfg, 12, 1), index_offset_cond=13, height=H, width=W,
+                             noise=NoiseStream(seed).draw(H, W), sampling=SAMPLING,
+                             uncond_kv=random_kv(cfg, 5, 2), index_offset_uncond=6)
 
 
 def weight_error_bound(w: torch.Tensor) -> torch.Tensor:
     s = w.abs().amax(dim=1, keepdim=True) / 448.0
-    return torch.maximum(w.abs() * 2.0**-4, s * 2.0**-10)
+    return torch.maximum(w.abs() * 2.0 ** -4, s * 2.0 ** -10)
 
 
 def test_quantize_per_channel_scale_and_element_bound():
@@ -93,7 +84,7 @@ def test_quantize_per_channel_scale_and_element_bound():
 
 def test_fp8_linear_meets_the_elementwise_bound():
     gen = torch.Generator().manual_seed(4)
-    w = torch.randn(48, 96, generator=gen) / 96**0.5
+    w = torch.randn(48, 96, generator=gen) / 96 ** 0.5
     x = torch.randn(7, 96, generator=gen)
     q, scale = quantize_fp8(w)
     lin = FP8Linear(q, scale, kernel="dequant")
@@ -101,7 +92,7 @@ def test_fp8_linear_meets_the_elementwise_bound():
     bound = x.abs() @ weight_error_bound(w).T + 1e-5 * (x.abs() @ w.abs().T)
     assert bool(((y - y_ref).abs() <= bound).all())
     rel = ((y - y_ref).norm() / y_ref.norm()).item()
-    assert 1e-3 < rel < 2.0**-4  # really quantised, and within the rounding budget
+    assert 1e-3 < rel < 2.0 ** -4  # really quantised, and within the rounding budget
     assert lin.nbytes() == 48 * 96 + 48 * 4
 
 
@@ -141,9 +132,9 @@ def test_each_decoder_layer_output_within_bound(pipes):
         for pipe, tower, layer in ((pipes["fp32"], t32, l32), (pipes["fp8"], t8, l8)):
             one = copy.copy(tower)
             one.layers = [layer]
-            outs.append(one.run_layers(hid, pipe.branch(req.cond_kv[n : n + 1], req.index_offset_cond, grid)))
+            outs.append(one.run_layers(hid, pipe.branch(req.cond_kv[n:n + 1], req.index_offset_cond, grid)))
         rel = ((outs[1] - outs[0]).norm() / (outs[0] - hid).norm()).item()
-        assert 1e-3 < rel < 2**0.5 * 2.0**-4, f"layer {n}: relative error of the update {rel:.4f}"
+        assert 1e-3 < rel < 2 ** 0.5 * 2.0 ** -4, f"layer {n}: relative error of the update {rel:.4f}"
         hid = outs[0]
 
 
@@ -182,12 +173,8 @@ def test_fp8_dequant_path_equals_reference_of_the_stored_weights(ckpts, pipes):
 
 
 def test_moe_fp8_quantises_experts_not_router(ckpts):
-    pipe = NeoPPPipeline.from_pretrained(
-        ckpts["moe"],
-        ModeSpec(name="m", version="moe", sampling=SAMPLING, dit_quantized=True, dit_quant_scheme="fp8-sgl"),
-        "cpu",
-        torch.float32,
-    )
+    pipe = NeoPPPipeline.from_pretrained(ckpts["moe"], ModeSpec(name="m", version="moe", sampling=SAMPLING,
+                                         dit_quantized=True, dit_quant_scheme="fp8-sgl"), "cpu", torch.float32)
     moe = pipe.transformer.layers[0].mlp
     assert not isinstance(moe.router, FP8Linear) and moe.router.weight.dtype == torch.float32
     assert all(isinstance(lin, FP8Linear) for e in moe.experts for lin in e.linears())
@@ -204,7 +191,7 @@ def test_scaled_mm_path_on_gpu():
     if not scaled_mm_supported(dev):
         pytest.skip("row-wise scaled FP8 matmul needs compute capability 9.0+")
     gen = torch.Generator().manual_seed(6)
-    w = torch.randn(256, 512, generator=gen) / 512**0.5
+    w = torch.randn(256, 512, generator=gen) / 512 ** 0.5
     x = torch.randn(37, 512, generator=gen)
     q, scale = quantize_fp8(w)
     fast = FP8Linear(q.to(dev), scale.to(dev), kernel="scaled_mm")
@@ -215,7 +202,7 @@ def test_scaled_mm_path_on_gpu():
     y_ref = F.linear(xb.float().cpu(), w)
     # activations are quantised too (per token, same 2^-4 rule) and the output is bf16 (2^-8)
     xa = xb.float().cpu().abs()
-    bound = 2 * (xa @ weight_error_bound(w).T) + (2.0**-4 + 2.0**-7) * (xa @ w.abs().T)
+    bound = 2 * (xa @ weight_error_bound(w).T) + (2.0 ** -4 + 2.0 ** -7) * (xa @ w.abs().T)
     assert bool(((y_fast - y_ref).abs() <= bound).all())
     rel = ((y_fast - y_slow).norm() / y_slow.norm()).item()
-    assert rel < 2.0**-4
+    assert rel < 2.0 ** -4

@@ -66,9 +66,8 @@ def test_sample_kv_files_of_tiny_checkpoint_agree(tmp_path):
     for key, kv in loaded.items():
         validate_kv(kv, config.kv_dims, key)
     for branch in ("cond", "uncond"):
-        same = [
-            kv for key, kv in loaded.items() if branch in str(key) and ("uncond" in str(key)) == (branch == "uncond")
-        ]
+        same = [kv for key, kv in loaded.items()
+                if branch in str(key) and ("uncond" in str(key)) == (branch == "uncond")]
         assert len(same) >= 2, paths
         for kv in same[1:]:
             assert torch.equal(kv, same[0])
@@ -91,22 +90,19 @@ def _inf():
     return kv
 
 
-@pytest.mark.parametrize(
-    "kv,rule",
-    [
-        (online()[0], "5-D"),  # wrong rank
-        (torch.zeros(1, 2, 3, 4, 5, 6), "5-D"),
-        (torch.zeros(4, 2, 5, 2, 16), "layers"),
-        (torch.zeros(3, 2, 5, 1, 16), "kv_heads"),
-        (torch.zeros(3, 2, 5, 2, 8), "head_dim"),
-        (torch.zeros(3, 3, 5, 2, 16), "dim 1"),
-        (torch.zeros(3, 1, 5, 2, 16), "dim 1"),
-        (torch.zeros(3, 2, 0, 2, 16), "seq"),
-        (torch.zeros(3, 2, 11, 2, 16), "limit"),  # max_tokens = 10
-        (_nan(), "NaN"),
-        (_inf(), "Inf"),
-    ],
-)
+@pytest.mark.parametrize("kv,rule", [
+    (online()[0], "5-D"),                                  # wrong rank
+    (torch.zeros(1, 2, 3, 4, 5, 6), "5-D"),
+    (torch.zeros(4, 2, 5, 2, 16), "layers"),
+    (torch.zeros(3, 2, 5, 1, 16), "kv_heads"),
+    (torch.zeros(3, 2, 5, 2, 8), "head_dim"),
+    (torch.zeros(3, 3, 5, 2, 16), "dim 1"),
+    (torch.zeros(3, 1, 5, 2, 16), "dim 1"),
+    (torch.zeros(3, 2, 0, 2, 16), "seq"),
+    (torch.zeros(3, 2, 11, 2, 16), "limit"),               # max_tokens = 10
+    (_nan(), "NaN"),
+    (_inf(), "Inf"),
+])
 @pytest.mark.parametrize("name", ["COND_KV", "UNCOND_KV"])
 def test_validation_errors_name_the_tensor(kv, rule, name):
     with pytest.raises(InputError) as err:

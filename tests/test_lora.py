@@ -61,13 +61,9 @@ def expected_deltas(path, scheme: str, strength: float) -> dict[str, torch.Tenso
 
 
 def mode(*loras, quantized: bool = False) -> ModeSpec:
-    return ModeSpec(
-        name="lora",
-        sampling=SamplingParams(infer_steps=8, enable_cfg=False),
-        lora_configs=tuple({"path": str(p), "strength": s} for p, s in loras),
-        dit_quantized=quantized,
-        dit_quant_scheme="fp8-sgl" if quantized else None,
-    )
+    return ModeSpec(name="lora", sampling=SamplingParams(infer_steps=8, enable_cfg=False),
+                      lora_configs=tuple({"path": str(p), "strength": s} for p, s in loras),
+                      dit_quantized=quantized, dit_quant_scheme="fp8-sgl" if quantized else None)
 
 
 def tower_weights(pipe: NeoPPPipeline) -> dict[str, torch.Tensor]:
@@ -123,9 +119,8 @@ def test_merged_model_matches_reference_of_merged_checkpoint(tiny, tmp_path):
     save_file(raw, str(merged_dir / "model.safetensors"))
     pipe = NeoPPPipeline.from_pretrained(tiny / "dense", mode((path, 1.0)), "cpu", torch.float32)
     cfg = tiny_config("dense")
-    req = GenerationRequest(
-        cond_kv=random_kv(cfg, 10, 3), index_offset_cond=11, height=H, width=W, noise=NoiseStream(4).draw(H, W)
-    )
+    req = GenerationRequest(cond_kv=random_kv(cfg, 10, 3), index_offset_cond=11, height=H, width=W,
+                            noise=NoiseStream(4).draw(H, W))
     got = branch_velocity(pipe, req, req.noise, 0.4).double()
     want = ref.reference_velocity(merged_dir, req.cond_kv, 11, req.noise, 0.4, H, W)
     plain = ref.reference_velocity(tiny / "dense", req.cond_kv, 11, req.noise, 0.4, H, W)
@@ -165,16 +160,9 @@ def test_8steps_runs_no_uncond_pass_even_with_uncond(tiny):
     path = tiny / "lora" / "neopp_8steps_lora.safetensors"
     pipe = NeoPPPipeline.from_pretrained(tiny / "dense", mode((path, 1.0)), "cpu", torch.float32)
     cfg = tiny_config("dense")
-    req = GenerationRequest(
-        cond_kv=random_kv(cfg, 10, 3),
-        index_offset_cond=11,
-        height=H,
-        width=W,
-        noise=NoiseStream(4).draw(H, W),
-        sampling=pipe.mode.sampling,
-        uncond_kv=random_kv(cfg, 6, 9),
-        index_offset_uncond=7,
-    )
+    req = GenerationRequest(cond_kv=random_kv(cfg, 10, 3), index_offset_cond=11, height=H, width=W,
+                            noise=NoiseStream(4).draw(H, W), sampling=pipe.mode.sampling,
+                            uncond_kv=random_kv(cfg, 6, 9), index_offset_uncond=7)
     pipe.validate(req)
     assert pipe.guidance_plan(req) == [False] * 8
     assert pipe.prepare(req).uncond is None
@@ -187,46 +175,31 @@ def test_8steps_runs_no_uncond_pass_even_with_uncond(tiny):
 
 # ---- refusals ---------------------------------------------------------------------------
 
-
 def write_lora(path, tensors):
     save_file({k: v.clone() for k, v in tensors.items()}, str(path))
     return path
 
 
-@pytest.mark.parametrize(
-    "case", ["no_weight", "rows", "cols", "rank", "unknown_suffix", "no_down", "not_linear", "mixed"]
-)
+@pytest.mark.parametrize("case", ["no_weight", "rows", "cols", "rank", "unknown_suffix", "no_down", "not_linear",
+                                  "mixed"])
 def test_bad_lora_refused_naming_the_key(tiny, tmp_path, case):
     good_up, good_down = torch.zeros(128, 2), torch.zeros(2, 128)
     files = {
-        "no_weight": (
-            {
-                "language_model.model.layers.7.self_attn.q_proj_mot_gen.lora_up.weight": good_up,
-                "language_model.model.layers.7.self_attn.q_proj_mot_gen.lora_down.weight": good_down,
-            },
-            "language_model.model.layers.7.self_attn.q_proj_mot_gen.lora_up.weight",
-        ),
-        "rows": ({Q0 + ".lora_B.weight": torch.zeros(64, 2), Q0 + ".lora_A.weight": good_down}, Q0 + ".lora_B.weight"),
-        "cols": (
-            {Q0 + ".lora_up.weight": good_up, Q0 + ".lora_down.weight": torch.zeros(2, 96)},
-            Q0 + ".lora_down.weight",
-        ),
-        "rank": (
-            {Q0 + ".lora_up.weight": good_up, Q0 + ".lora_down.weight": torch.zeros(3, 128)},
-            Q0 + ".lora_up.weight",
-        ),
-        "unknown_suffix": (
-            {Q0 + ".lora_up.weight": good_up, Q0 + ".lora_down.weight": good_down, Q0 + ".lora_mid.weight": good_down},
-            Q0 + ".lora_mid.weight",
-        ),
+        "no_weight": ({"language_model.model.layers.7.self_attn.q_proj_mot_gen.lora_up.weight": good_up,
+                       "language_model.model.layers.7.self_attn.q_proj_mot_gen.lora_down.weight": good_down},
+                      "language_model.model.layers.7.self_attn.q_proj_mot_gen.lora_up.weight"),
+        "rows": ({Q0 + ".lora_B.weight": torch.zeros(64, 2), Q0 + ".lora_A.weight": good_down},
+                 Q0 + ".lora_B.weight"),
+        "cols": ({Q0 + ".lora_up.weight": good_up, Q0 + ".lora_down.weight": torch.zeros(2, 96)},
+                 Q0 + ".lora_down.weight"),
+        "rank": ({Q0 + ".lora_up.weight": good_up, Q0 + ".lora_down.weight": torch.zeros(3, 128)},
+                 Q0 + ".lora_up.weight"),
+        "unknown_suffix": ({Q0 + ".lora_up.weight": good_up, Q0 + ".lora_down.weight": good_down,
+                            Q0 + ".lora_mid.weight": good_down}, Q0 + ".lora_mid.weight"),
         "no_down": ({Q0 + ".lora_B.default.weight": good_up}, Q0 + ".lora_B.default.weight"),
-        "not_linear": (
-            {
-                "language_model.model.layers.0.input_layernorm_mot_gen.lora_up.weight": good_up,
-                "language_model.model.layers.0.input_layernorm_mot_gen.lora_down.weight": good_down,
-            },
-            "language_model.model.layers.0.input_layernorm_mot_gen.lora_up.weight",
-        ),
+        "not_linear": ({"language_model.model.layers.0.input_layernorm_mot_gen.lora_up.weight": good_up,
+                        "language_model.model.layers.0.input_layernorm_mot_gen.lora_down.weight": good_down},
+                       "language_model.model.layers.0.input_layernorm_mot_gen.lora_up.weight"),
         "mixed": ({Q0 + ".lora_up.weight": good_up, Q0 + ".lora_A.weight": good_down}, Q0),
     }
     tensors, key = files[case]
@@ -238,10 +211,8 @@ def test_bad_lora_refused_naming_the_key(tiny, tmp_path, case):
 def test_understanding_tower_key_is_not_a_target(tiny, tmp_path):
     """`q_proj` (no _mot_gen) exists in the file but is not loaded: refusing beats a silent skip."""
     key = "language_model.model.layers.0.self_attn.q_proj.lora_up.weight"
-    path = write_lora(
-        tmp_path / "und.safetensors",
-        {key: torch.zeros(128, 2), key.replace("lora_up", "lora_down"): torch.zeros(2, 128)},
-    )
+    path = write_lora(tmp_path / "und.safetensors", {key: torch.zeros(128, 2),
+                                                     key.replace("lora_up", "lora_down"): torch.zeros(2, 128)})
     with pytest.raises(ConfigError, match=re.escape(key)):
         NeoPPPipeline.from_pretrained(tiny / "dense", mode((path, 1.0)), "cpu", torch.float32)
 

@@ -27,10 +27,8 @@ def make_moe(top_k: int, norm_topk_prob: bool, seed: int = 0, starve: int | None
     if starve is not None:
         router[:, 0] = 3.0
         router[starve, 0] = -30.0  # tokens carry x[:, 0] = 4 (see tokens()), so this logit is far below
-    experts = [
-        SwiGLU(*(Linear(torch.randn(o, i, generator=gen) / i**0.5) for o, i in ((FF, D), (FF, D), (D, FF))))
-        for _ in range(E)
-    ]
+    experts = [SwiGLU(*(Linear(torch.randn(o, i, generator=gen) / i ** 0.5) for o, i in ((FF, D), (FF, D), (D, FF))))
+               for _ in range(E)]
     return MoE(Linear(router), experts, top_k, norm_topk_prob)
 
 
@@ -97,7 +95,7 @@ def test_routing_weights_by_hand():
     e = math.e
     assert w_norm[0].tolist() == pytest.approx([e / (e + 1), 1 / (e + 1)], rel=1e-6)
     w_all, ids = MoE(Linear(router), experts, 2, False).route(x)
-    total = e + 1 + 1 / e + 1 / e**2
+    total = e + 1 + 1 / e + 1 / e ** 2
     assert ids.tolist() == [[0, 1]]
     assert w_all[0].tolist() == pytest.approx([e / total, 1 / total], rel=1e-6)
 
@@ -112,7 +110,6 @@ def test_each_expert_runs_once_over_its_tokens():
         def spy(x, j=j, orig=orig):
             calls.setdefault(j, []).append(x.shape[0])
             return orig(x)
-
         expert.gate = spy
     x = tokens(16, seed=2)
     _, ids = moe.route(x)
@@ -139,9 +136,8 @@ def test_moe_tower_velocity_against_float64_reference(moe_ckpts, norm_topk_prob)
     pipe = NeoPPPipeline.from_pretrained(moe_ckpts[norm_topk_prob], mode, "cpu", torch.float32)
     assert pipe.config.norm_topk_prob is norm_topk_prob
     cfg = tiny_config("moe")
-    req = GenerationRequest(
-        cond_kv=random_kv(cfg, 9, 5), index_offset_cond=10, height=64, width=96, noise=NoiseStream(8).draw(64, 96)
-    )
+    req = GenerationRequest(cond_kv=random_kv(cfg, 9, 5), index_offset_cond=10, height=64, width=96,
+                            noise=NoiseStream(8).draw(64, 96))
     got = branch_velocity(pipe, req, req.noise, 0.3).double()
     want = ref.reference_velocity(moe_ckpts[norm_topk_prob], req.cond_kv, 10, req.noise, 0.3, 64, 96)
     assert ((got - want).norm() / want.norm()).item() < 1e-5
@@ -152,12 +148,8 @@ def test_moe_dispatch_agrees_with_dense_loop_in_bf16():
     moe = make_moe(2, True, seed=9)
     x = tokens(64, seed=4)
     want = moe(x)
-    bf = MoE(
-        Linear(moe.router.weight.bfloat16()),
-        [SwiGLU(*(Linear(lin.weight.bfloat16()) for lin in e.linears())) for e in moe.experts],
-        2,
-        True,
-    )
+    bf = MoE(Linear(moe.router.weight.bfloat16()),
+             [SwiGLU(*(Linear(lin.weight.bfloat16()) for lin in e.linears())) for e in moe.experts], 2, True)
     got = bf(x.bfloat16()).float()
     assert ((got - want).norm() / want.norm()).item() < 0.02
     assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999

@@ -21,10 +21,8 @@ from neopp.ports import free_ports
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
-MODES = {
-    "cfg": "configs/neopp/neopp_dense_parallel_cfg.json",
-    "cfg_seq": "configs/neopp/neopp_dense_parallel_cfg_seq.json",
-}
+MODES = {"cfg": "configs/neopp/neopp_dense_parallel_cfg.json",
+         "cfg_seq": "configs/neopp/neopp_dense_parallel_cfg_seq.json"}
 STEPS = 4
 ATOL = 1e-4
 
@@ -39,16 +37,9 @@ def ckpt(tmp_path_factory):
 
 def _request(kv: dict, mode_path: str, interval, height=96, width=160) -> GenerationRequest:
     sampling = load_mode(mode_path).sampling.replace(infer_steps=STEPS, cfg_interval=interval)
-    return GenerationRequest(
-        cond_kv=load_kv_file(kv["cond_pt"]),
-        uncond_kv=load_kv_file(kv["uncond_pt"]),
-        index_offset_cond=40,
-        index_offset_uncond=7,
-        height=height,
-        width=width,
-        noise=NoiseStream(11).draw(height, width),
-        sampling=sampling,
-    )
+    return GenerationRequest(cond_kv=load_kv_file(kv["cond_pt"]), uncond_kv=load_kv_file(kv["uncond_pt"]),
+                             index_offset_cond=40, index_offset_uncond=7, height=height, width=width,
+                             noise=NoiseStream(11).draw(height, width), sampling=sampling)
 
 
 def _rank(rank: int, world: int, port: int, ckpt: str, kv: dict, mode_path: str, interval, out) -> None:
@@ -75,9 +66,8 @@ def _run_ranks(world: int, ckpt, kv, mode_path: str, interval) -> dict:
     ctx = tmp.get_context("spawn")
     out = ctx.Queue()
     port = free_ports(1)[0]
-    procs = [
-        ctx.Process(target=_rank, args=(r, world, port, str(ckpt), kv, mode_path, interval, out)) for r in range(world)
-    ]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, str(ckpt), kv, mode_path, interval, out))
+             for r in range(world)]
     for p in procs:
         p.start()
     results = {}
@@ -115,13 +105,5 @@ def test_parallel_velocities_match_sequential(ckpt, name, world, interval):
         assert (vs - expected).abs().max().item() < ATOL, f"rank {rank} velocity differs"
         assert (final - expected_final).abs().max().item() < ATOL, f"rank {rank} final image differs"
     # Negative control: the uncond-only velocity is far from the guided one.
-    assert (
-        expected[0]
-        - seq.velocity(
-            seq.transformer.embed(x, prep.times[0], prep.noise_scale, prep.grid),
-            z,
-            prep.times[0],
-            prep.uncond,
-            prep.grid,
-        )
-    ).abs().max() > 100 * ATOL
+    assert (expected[0] - seq.velocity(seq.transformer.embed(x, prep.times[0], prep.noise_scale, prep.grid),
+                                       z, prep.times[0], prep.uncond, prep.grid)).abs().max() > 100 * ATOL

@@ -32,12 +32,12 @@ SHIPPED = sorted(REPO.glob("*/configs/*.pbtxt"))
 LAYOUT_ONLY = {"layout", "gpus", "share_gpus"}  # the parameters a layout adds to config.pbtxt's
 
 
-def config(
-    name: str, kind: str = "KIND_MODEL", count: int = 1, group_gpus: list[int] | None = None, **params: str
-) -> dict:
+def config(name: str, kind: str = "KIND_MODEL", count: int = 1, group_gpus: list[int] | None = None,
+           **params: str) -> dict:
     """A model config as Triton hands it to the model (JSON shape); ``params`` are its parameters."""
     group = {"kind": kind, "count": count, **({"gpus": group_gpus} if group_gpus is not None else {})}
-    return {"name": name, "instance_group": [group], "parameters": {k: {"string_value": v} for k, v in params.items()}}
+    return {"name": name, "instance_group": [group],
+            "parameters": {k: {"string_value": v} for k, v in params.items()}}
 
 
 def pbtxt(name: str, group: str, **params: str) -> str:
@@ -52,7 +52,6 @@ def world_of(path: Path) -> int:
 
 # ---------------------------------------------------------------- lists and slices
 
-
 def test_gpu_list_parses_and_refuses_repeats_and_junk():
     assert parse_gpu_list("4, 5,6,7") == (4, 5, 6, 7)
     for bad in ("0,0", "0,x", "-1", "1.5"):
@@ -66,14 +65,11 @@ def test_instance_i_takes_the_ith_disjoint_slice():
     assert instance_slices((3, 1), 1, 2) == ((3,), (1,))
 
 
-@pytest.mark.parametrize(
-    "gpus,world,instances,why",
-    [
-        ((0, 1, 2), 2, 1, "not a multiple"),  # half an instance
-        ((0, 1), 2, 2, "instance group has 2"),  # the second instance would have no GPU
-        ((0, 1, 2, 3), 2, 1, "instance group has 1"),  # two GPUs named but never used
-    ],
-)
+@pytest.mark.parametrize("gpus,world,instances,why", [
+    ((0, 1, 2), 2, 1, "not a multiple"),      # half an instance
+    ((0, 1), 2, 2, "instance group has 2"),   # the second instance would have no GPU
+    ((0, 1, 2, 3), 2, 1, "instance group has 1"),  # two GPUs named but never used
+])
 def test_list_must_fill_every_instance_exactly(gpus, world, instances, why):
     with pytest.raises(ConfigError, match=why):
         instance_slices(gpus, world, instances)
@@ -84,7 +80,7 @@ def test_model_with_gpu_list_and_two_instances_gets_two_rank_sets():
     assert placement.instances == ((0, 1), (2, 3))
     device, flat = backend_devices(placement, "MODEL", 1)
     assert device == "cuda:2"
-    assert tuple(flat[1 * 2 : 2 * 2]) == placement.instances[1]  # the rank pool's slice of the same list
+    assert tuple(flat[1 * 2:2 * 2]) == placement.instances[1]  # the rank pool's slice of the same list
 
 
 def test_kind_gpu_ids_are_triton_s_and_need_no_backend_devices():
@@ -117,7 +113,6 @@ def test_cpu_config_names_no_gpu_and_loads_without_cuda():
 
 # ---------------------------------------------------------------- overlaps between models
 
-
 def test_overlap_refused_unless_both_share():
     a, b, c = Placement("a", ((0, 1),)), Placement("b", ((1,),)), Placement("c", ((2, 3),))
     check_overlaps([a, c], "x")
@@ -141,7 +136,7 @@ def gpu_model(name: str, gpu: int, **params: str) -> str:
     return pbtxt(name, f"{{ kind: KIND_GPU count: 1 gpus: [ {gpu} ] }}", mode_file="m.json", layout="x", **params)
 
 
-CPU_MODEL = "{ kind: KIND_CPU count: 1 }"
+CPU_MODEL = '{ kind: KIND_CPU count: 1 }'
 
 
 def test_layout_check_reads_the_siblings_configs_of_the_same_name(tmp_path):
@@ -182,7 +177,6 @@ def test_layout_name_must_be_the_file_s_name(tmp_path):
 
 # ---------------------------------------------------------------- the shipped layouts
 
-
 def test_h200x8_covers_every_generation_model():
     generation = sorted(p.parent.name for p in REPO.glob("*/config.pbtxt") if p.parent.name != "neopp_session")
     assert sorted(p.parent.parent.name for p in REPO.glob("*/configs/h200x8.pbtxt")) == generation
@@ -200,10 +194,8 @@ def test_shipped_layout_loads_on_its_node_and_not_on_a_smaller_one(path):
 
 
 def test_h200x8_shares_only_where_declared_and_uses_all_eight():
-    placements = [
-        model_placement(read_placement_fields(p.read_text()), world_of(p), 8)
-        for p in REPO.glob("*/configs/h200x8.pbtxt")
-    ]
+    placements = [model_placement(read_placement_fields(p.read_text()), world_of(p), 8)
+                  for p in REPO.glob("*/configs/h200x8.pbtxt")]
     check_overlaps(placements, "h200x8")
     assert set().union(*(p.gpus for p in placements)) == set(range(8))
     by_model = {p.model: p for p in placements}
@@ -226,13 +218,13 @@ def test_shipped_layout_parses_and_keeps_the_model_s_interface(path):
     assert int(params["worker_processes"]) == load_mode(ROOT / params["mode_file"]).world_size
 
 
-@pytest.mark.parametrize("path", SHIPPED + sorted(REPO.glob("*/config.pbtxt")), ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.parametrize("path", SHIPPED + sorted(REPO.glob("*/config.pbtxt")),
+                         ids=lambda p: str(p.relative_to(REPO)))
 def test_own_reader_agrees_with_triton_s_protobuf(path):
     """The runtime reads sibling configs without tritonclient; it must see what Triton sees."""
     proto = json_format.MessageToDict(parse(path), preserving_proto_field_name=True)
     mine = read_placement_fields(path.read_text())
     assert mine["name"] == proto["name"]
-    assert [(g["kind"], g["count"], g["gpus"]) for g in mine["instance_group"]] == [
-        (g.get("kind", "KIND_AUTO"), g.get("count", 1), g.get("gpus", [])) for g in proto["instance_group"]
-    ]
+    assert [(g["kind"], g["count"], g["gpus"]) for g in mine["instance_group"]] == \
+        [(g.get("kind", "KIND_AUTO"), g.get("count", 1), g.get("gpus", [])) for g in proto["instance_group"]]
     assert mine["parameters"] == proto.get("parameters", {})

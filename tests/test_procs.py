@@ -52,9 +52,8 @@ def _start_server(tmp: Path, name: str) -> subprocess.Popen:
     stub.symlink_to(sys.executable)
     script = tmp / name / "server.py"
     script.write_text(textwrap.dedent(SERVER_PY))
-    return subprocess.Popen(
-        [sys.executable, str(script), str(stub), str(_repo(tmp / name / "repo"))], start_new_session=True
-    )
+    return subprocess.Popen([sys.executable, str(script), str(stub), str(_repo(tmp / name / "repo"))],
+                            start_new_session=True)
 
 
 def _wait_ranks(server: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -110,17 +109,8 @@ def test_signalling_another_servers_process_is_refused(two_servers):
 
 
 def test_stub_instance_reads_the_instance_name():
-    argv = [
-        "/x/triton_python_backend_stub",
-        "/r/neopp_dense/1/model.py",
-        "s",
-        "1",
-        "2",
-        "3",
-        "l",
-        "k",
-        "neopp_dense_0_0",
-    ]
+    argv = ["/x/triton_python_backend_stub", "/r/neopp_dense/1/model.py", "s", "1", "2", "3", "l", "k",
+            "neopp_dense_0_0"]
     assert stub_instance(argv) == "neopp_dense_0_0"
     assert stub_instance(["/usr/bin/python3", *argv[1:]]) is None
     assert stub_instance(argv[:8]) is None

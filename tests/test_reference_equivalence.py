@@ -54,9 +54,8 @@ class Model:
         self.ckpt = ckpt
         self.ref = ref.RefModel(ckpt)
         version = "moe" if self.ref.num_experts else "dense"
-        self.pipe = NeoPPPipeline.from_pretrained(
-            ckpt, ModeSpec(name="test", version=version), device="cpu", dtype=torch.float32
-        )
+        self.pipe = NeoPPPipeline.from_pretrained(ckpt, ModeSpec(name="test", version=version),
+                                                  device="cpu", dtype=torch.float32)
         assert (self.ref.NL, self.ref.NKV, self.ref.HD) == (NL, NKV, HD)
         assert self.pipe.config.kv_dims == (NL, NKV, HD)
 
@@ -88,16 +87,9 @@ def models(tmp_path_factory):
 
 
 def request(H, W, cond, off_c, uncond=None, off_u=None, noise_seed=5, **sampling):
-    return GenerationRequest(
-        cond_kv=cond,
-        index_offset_cond=off_c,
-        height=H,
-        width=W,
-        noise=NoiseStream(noise_seed).draw(H, W),
-        sampling=SamplingParams(**sampling),
-        uncond_kv=uncond,
-        index_offset_uncond=off_u,
-    )
+    return GenerationRequest(cond_kv=cond, index_offset_cond=off_c, height=H, width=W,
+                             noise=NoiseStream(noise_seed).draw(H, W), sampling=SamplingParams(**sampling),
+                             uncond_kv=uncond, index_offset_uncond=off_u)
 
 
 def vel_err(v_run, v_ref):
@@ -109,7 +101,6 @@ def x_err(x_run, x_ref):
 
 
 # --------------------------------------------------------------------------- one velocity
-
 
 @pytest.mark.parametrize("variant", ["dense", "pixel", "moe", "moe_softmax_all", "sharded"])
 @pytest.mark.parametrize("H,W,S,off", [(64, 160, 300, 311), (96, 32, 1, 3), (64, 64, 17, 0)])
@@ -183,10 +174,10 @@ GEN_CASES = [
     ("dense", 64, 160, 300, 1, 311, 5, 4, 3.0, 4.0, (-1.0, 2.0), "global", True),
     ("dense", 64, 160, 300, 1, 311, 5, 4, 3.0, 4.0, (-1.0, 2.0), "channel", True),
     ("dense", 64, 160, 300, 1, 311, 5, 4, 3.0, 4.0, (-1.0, 2.0), "none", True),
-    ("dense", 96, 32, 1, 300, 2, 290, 4, 3.0, 4.0, (0.2, 0.6), "global", True),  # steps 2, 3 guided
-    ("dense", 96, 32, 1, 300, 2, 290, 4, 3.0, 2.5, (0.0, 0.15), "none", True),  # steps 0, 1 guided
+    ("dense", 96, 32, 1, 300, 2, 290, 4, 3.0, 4.0, (0.2, 0.6), "global", True),   # steps 2, 3 guided
+    ("dense", 96, 32, 1, 300, 2, 290, 4, 3.0, 2.5, (0.0, 0.15), "none", True),    # steps 0, 1 guided
     ("dense", 64, 160, 300, 1, 311, 5, 3, 1.0, 4.0, (-1.0, 2.0), "global", False),  # CFG off
-    ("dense", 64, 64, 20, 20, 40, 9, 3, 3.0, 1.0, (-1.0, 2.0), "global", True),  # scale 1: no guidance
+    ("dense", 64, 64, 20, 20, 40, 9, 3, 3.0, 1.0, (-1.0, 2.0), "global", True),   # scale 1: no guidance
     ("pixel", 64, 160, 300, 1, 311, 5, 4, 3.0, 4.0, (-1.0, 2.0), "global", True),
     ("pixel", 96, 32, 7, 300, 30, 290, 4, 2.0, 3.0, (0.2, 0.6), "channel", True),
     ("pixel", 96, 32, 7, 3, 30, 1, 3, 3.0, 4.0, (-1.0, 2.0), "global", False),
@@ -199,30 +190,15 @@ GEN_CASES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "case",
-    GEN_CASES,
-    ids=lambda c: "-".join(map(str, (c[0], f"{c[1]}x{c[2]}", c[11], "cfg" if c[12] else "nocfg", c[10]))),
-)
+@pytest.mark.parametrize("case", GEN_CASES, ids=lambda c: "-".join(map(str, (c[0], f"{c[1]}x{c[2]}", c[11],
+                                                                              "cfg" if c[12] else "nocfg",
+                                                                              c[10]))))
 def test_sample_matches_reference(models, case):
     variant, H, W, s_c, s_u, off_c, off_u, steps, shift, scale, interval, norm, enable = case
     m = models[variant]
     cond, uncond = kv(s_c, seed=s_c), kv(s_u, seed=1000 + s_u)
-    req = request(
-        H,
-        W,
-        cond,
-        off_c,
-        uncond,
-        off_u,
-        noise_seed=steps + H,
-        infer_steps=steps,
-        timestep_shift=shift,
-        cfg_scale=scale,
-        cfg_interval=interval,
-        cfg_norm=norm,
-        enable_cfg=enable,
-    )
+    req = request(H, W, cond, off_c, uncond, off_u, noise_seed=steps + H, infer_steps=steps,
+                  timestep_shift=shift, cfg_scale=scale, cfg_interval=interval, cfg_norm=norm, enable_cfg=enable)
     ts = ref.shifted_timesteps(steps, shift)
     want_plan = [ref.uses_guidance(t, enable, scale, interval) for t in ts[:-1]]
     assert guidance_plan(req.sampling, ts) == want_plan  # takes t_0..t_N, one flag per step
@@ -231,16 +207,14 @@ def test_sample_matches_reference(models, case):
 
     x_run = m.pipe.sample(req)
     assert x_run.shape == (1, 3, H, W) and x_run.dtype == torch.float32
-    x_ref = ref.reference_generate(
-        m.ref, cond, uncond, off_c, off_u, H, W, req.noise, steps, shift, scale, interval, norm, enable
-    )
+    x_ref = ref.reference_generate(m.ref, cond, uncond, off_c, off_u, H, W, req.noise, steps, shift,
+                                   scale, interval, norm, enable)
     assert x_err(x_run, x_ref) <= X_RTOL, x_err(x_run, x_ref)
 
     if any(want_plan):
         # the uncond branch (and its own offset) really enters the result
-        x_bad = ref.reference_generate(
-            m.ref, cond, uncond, off_c, off_c, H, W, req.noise, steps, shift, scale, interval, norm, enable
-        )
+        x_bad = ref.reference_generate(m.ref, cond, uncond, off_c, off_c, H, W, req.noise, steps, shift,
+                                       scale, interval, norm, enable)
         assert x_err(x_run, x_bad) > 50 * X_RTOL
 
     pixels = m.pipe.generate(req)
@@ -256,9 +230,8 @@ def test_sample_sees_the_cond_offset(models):
     cond, uncond = kv(30, seed=1), kv(3, seed=2)
     req = request(64, 64, cond, 31, uncond, 4, infer_steps=3)
     x_run = m.pipe.sample(req)
-    x_bad = ref.reference_generate(
-        m.ref, cond, uncond, 30, 4, 64, 64, req.noise, 3, 3.0, 4.0, (-1.0, 2.0), "global", True
-    )
+    x_bad = ref.reference_generate(m.ref, cond, uncond, 30, 4, 64, 64, req.noise, 3, 3.0, 4.0, (-1.0, 2.0),
+                                   "global", True)
     assert x_err(x_run, x_bad) > 50 * X_RTOL
 
 

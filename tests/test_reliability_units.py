@@ -13,11 +13,8 @@ from neopp.serving.watchdog import expected_instances
 
 
 def _inputs(**extra):
-    return {
-        "COND_KV": torch.zeros(2, 2, 10, 2, 32, dtype=torch.bfloat16),
-        "INDEX_OFFSET_COND": np.array([1], np.int64),
-        **extra,
-    }
+    return {"COND_KV": torch.zeros(2, 2, 10, 2, 32, dtype=torch.bfloat16),
+            "INDEX_OFFSET_COND": np.array([1], np.int64), **extra}
 
 
 def test_request_bytes_count_every_input():
@@ -48,16 +45,8 @@ def test_a_generation_stub_drops_the_servers_malloc_tuning():
 
     from neopp.serving.tritonserver import MALLOC_ENV
 
-    code = (
-        "import os; from neopp.serving.procs import restore_malloc_defaults; restore_malloc_defaults(); "
-        "print(sorted(k for k in os.environ if k.startswith('MALLOC_')))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env={**os.environ, **MALLOC_ENV},
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    ).stdout
+    code = ("import os; from neopp.serving.procs import restore_malloc_defaults; restore_malloc_defaults(); "
+            "print(sorted(k for k in os.environ if k.startswith('MALLOC_')))")
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **MALLOC_ENV}, check=True,
+                         capture_output=True, text=True, timeout=120).stdout
     assert out.strip() == "[]"

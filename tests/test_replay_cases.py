@@ -50,17 +50,8 @@ def test_cfg_off_case_has_no_uncond_prefix():
 
 
 def test_environment_overrides():
-    nproc, args, turns = parsed(
-        "dense_i2i_1k",
-        SIZE="64 96",
-        STEPS="2",
-        OFFSET_COND="31",
-        OFFSET_UNCOND="5",
-        SEEDS="none",
-        KV_DIR="/kv",
-        NPROC="3",
-        CFG_INTERVAL="0 1",
-    )
+    nproc, args, turns = parsed("dense_i2i_1k", SIZE="64 96", STEPS="2", OFFSET_COND="31", OFFSET_UNCOND="5",
+                                SEEDS="none", KV_DIR="/kv", NPROC="3", CFG_INTERVAL="0 1")
     assert (nproc, args.size, args.infer_steps, args.task) == (3, [64, 96], 2, "i2i")
     assert args.cfg_interval == [0.0, 1.0]
     assert (turns[0].offset_cond, turns[0].offset_uncond, turns[0].seed) == (31, 5, None)

@@ -61,20 +61,9 @@ def test_multiturn_equals_runner_and_chained_single_replays(ckpt, tmp_path):
     single = []
     for i, seed in enumerate(("200", None, None)):
         out = tmp_path / f"single_{i}.png"
-        argv = common(ckpt) + [
-            "--cond-kv",
-            str(ckpt / "kv" / "cond_kv.pt"),
-            "--uncond-kv",
-            str(ckpt / "kv" / "uncond_kv.pt"),
-            "--offset-cond",
-            "24",
-            "--offset-uncond",
-            "7",
-            "--output",
-            str(out),
-            "--state-out",
-            str(state),
-        ]
+        argv = common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"),
+                               "--uncond-kv", str(ckpt / "kv" / "uncond_kv.pt"), "--offset-cond", "24",
+                               "--offset-uncond", "7", "--output", str(out), "--state-out", str(state)]
         argv += ["--seed", seed] if seed else ["--state-in", str(state)]
         assert replay_kv.main(argv) == 0
         single.append(out.read_bytes())
@@ -83,56 +72,25 @@ def test_multiturn_equals_runner_and_chained_single_replays(ckpt, tmp_path):
 
 def test_turns_from_json_equal_turns_from_flags_and_layouts_agree(ckpt, tmp_path):
     kv = ckpt / "kv"
-    spec = {
-        "turns": [
-            {
-                "cond": str(kv / "cond_kv.replay.safetensors"),
-                "uncond": str(kv / "uncond_kv.replay.safetensors"),
-                "offset_cond": 24,
-                "offset_uncond": 7,
-                "seed": 5,
-            },
-            {
-                "cond": "kv/cond_kv.online.safetensors",
-                "uncond": "kv/uncond_kv.online.safetensors",
-                "offset_cond": 24,
-                "offset_uncond": 7,
-            },
-        ]
-    }
+    spec = {"turns": [{"cond": str(kv / "cond_kv.replay.safetensors"),
+                       "uncond": str(kv / "uncond_kv.replay.safetensors"),
+                       "offset_cond": 24, "offset_uncond": 7, "seed": 5},
+                      {"cond": "kv/cond_kv.online.safetensors", "uncond": "kv/uncond_kv.online.safetensors",
+                       "offset_cond": 24, "offset_uncond": 7}]}
     (ckpt / "turns.json").write_text(json.dumps(spec))  # relative paths resolve against the JSON file
-    assert (
-        replay_kv_multiturn.main(
-            common(ckpt) + ["--turns", str(ckpt / "turns.json"), "--output-dir", str(tmp_path / "json")]
-        )
-        == 0
-    )
-    flags = common(ckpt) + [
-        "--output-dir",
-        str(tmp_path / "flags"),
-        "--turn",
-        turn_spec(ckpt, "5"),
-        "--turn",
-        turn_spec(ckpt, "none"),
-    ]
+    assert replay_kv_multiturn.main(common(ckpt) + ["--turns", str(ckpt / "turns.json"),
+                                                    "--output-dir", str(tmp_path / "json")]) == 0
+    flags = common(ckpt) + ["--output-dir", str(tmp_path / "flags"), "--turn", turn_spec(ckpt, "5"),
+                            "--turn", turn_spec(ckpt, "none")]
     assert replay_kv_multiturn.main(flags) == 0
     for i in range(2):
         assert (tmp_path / "json" / f"turn_{i}.png").read_bytes() == (tmp_path / "flags" / f"turn_{i}.png").read_bytes()
 
 
 def test_a_flag_overrides_the_mode_value(ckpt, tmp_path):
-    base = common(ckpt) + [
-        "--cond-kv",
-        str(ckpt / "kv" / "cond_kv.pt"),
-        "--uncond-kv",
-        str(ckpt / "kv" / "uncond_kv.pt"),
-        "--offset-cond",
-        "24",
-        "--offset-uncond",
-        "7",
-        "--seed",
-        "3",
-    ]
+    base = common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"),
+                           "--uncond-kv", str(ckpt / "kv" / "uncond_kv.pt"), "--offset-cond", "24",
+                           "--offset-uncond", "7", "--seed", "3"]
     outs = {}
     for name, extra in (("mode", []), ("norm", ["--cfg-norm", "none"]), ("scale", ["--cfg-scale", "2.0"])):
         outs[name] = tmp_path / f"{name}.png"
@@ -140,23 +98,8 @@ def test_a_flag_overrides_the_mode_value(ckpt, tmp_path):
     data = {k: v.read_bytes() for k, v in outs.items()}
     assert len(set(data.values())) == 3
     # CFG off needs no uncond prefix at all
-    assert (
-        replay_kv.main(
-            common(ckpt)
-            + [
-                "--cond-kv",
-                str(ckpt / "kv" / "cond_kv.pt"),
-                "--offset-cond",
-                "24",
-                "--seed",
-                "3",
-                "--no-cfg",
-                "--output",
-                str(tmp_path / "nocfg.png"),
-            ]
-        )
-        == 0
-    )
+    assert replay_kv.main(common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--offset-cond", "24",
+                                          "--seed", "3", "--no-cfg", "--output", str(tmp_path / "nocfg.png")]) == 0
 
 
 def test_8steps_mode_finds_its_lora_through_lora_dir(ckpt, tmp_path, capsys):
@@ -174,31 +117,11 @@ def test_8steps_mode_finds_its_lora_through_lora_dir(ckpt, tmp_path, capsys):
 def test_errors_are_one_clear_line(ckpt, tmp_path, capsys):
     assert replay_kv_multiturn.main(common(ckpt) + ["--output-dir", str(tmp_path), "--turn", "only-a-path"]) == 2
     assert "OFFSET_COND" in capsys.readouterr().err
-    assert (
-        replay_kv.main(
-            common(ckpt)
-            + [
-                "--cond-kv",
-                str(tmp_path / "missing.pt"),
-                "--offset-cond",
-                "1",
-                "--seed",
-                "1",
-                "--output",
-                str(tmp_path / "x.png"),
-            ]
-        )
-        == 2
-    )
+    assert replay_kv.main(common(ckpt) + ["--cond-kv", str(tmp_path / "missing.pt"), "--offset-cond", "1",
+                                          "--seed", "1", "--output", str(tmp_path / "x.png")]) == 2
     assert "does not exist" in capsys.readouterr().err
-    argv = common(ckpt, CFG_MODE) + [
-        "--cond-kv",
-        str(ckpt / "kv" / "cond_kv.pt"),
-        "--offset-cond",
-        "1",
-        "--output",
-        str(tmp_path / "x.png"),
-    ]
+    argv = common(ckpt, CFG_MODE) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--offset-cond", "1",
+                                     "--output", str(tmp_path / "x.png")]
     env_world = os.environ.pop("WORLD_SIZE", None)
     try:
         assert replay_kv.main(argv) == 2
@@ -218,20 +141,9 @@ def assert_close_images(a: Path, b: Path, levels: int = 2) -> None:
 
 def _torchrun(n: int, args: list[str]) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run(
-        [
-            str(BIN / "torchrun"),
-            "--standalone",
-            f"--nproc_per_node={n}",
-            "-m",
-            "neopp.tools.replay_kv_multiturn",
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    return subprocess.run([str(BIN / "torchrun"), "--standalone", f"--nproc_per_node={n}", "-m",
+                           "neopp.tools.replay_kv_multiturn", *args], capture_output=True, text=True,
+                          timeout=300, env=env)
 
 
 def test_cfg_parallel_replay_under_torchrun_equals_one_process_and_checks_the_count(ckpt, tmp_path):
@@ -252,25 +164,11 @@ def test_launchers_run_and_cfg_parallel_matches_sequential(ckpt, tmp_path):
     for i in range(3):
         shutil.copy(ckpt / "kv" / "cond_kv.pt", kv_dir / f"turn{i}_cond.pt")
         shutil.copy(ckpt / "kv" / "uncond_kv.pt", kv_dir / f"turn{i}_uncond.pt")
-    env = dict(
-        os.environ,
-        CKPT=str(ckpt),
-        KV_DIR=str(kv_dir),
-        OUT_DIR=str(tmp_path / "out"),
-        SIZE="64 64",
-        STEPS="2",
-        OMP_NUM_THREADS="1",
-        PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
-    )
+    env = dict(os.environ, CKPT=str(ckpt), KV_DIR=str(kv_dir), OUT_DIR=str(tmp_path / "out"), SIZE="64 64",
+               STEPS="2", OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
     for script in ("dense_t2i_1k.sh", "dense_cfg_parallel_1k.sh", "dense_3turn_2k.sh"):
-        run = subprocess.run(
-            ["bash", str(REPO / "scripts" / "replay" / script)],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        run = subprocess.run(["bash", str(REPO / "scripts" / "replay" / script)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
     out = tmp_path / "out"
     for i in range(3):
@@ -283,24 +181,10 @@ def test_moe_launchers_run_and_cfg_parallel_matches_sequential(tmp_path):
     paths = write_sample_kv(tmp_path / "kv", "moe")
     shutil.copy(paths["cond_pt"], tmp_path / "kv" / "turn0_cond.pt")
     shutil.copy(paths["uncond_pt"], tmp_path / "kv" / "turn0_uncond.pt")
-    env = dict(
-        os.environ,
-        CKPT=str(ckpt),
-        KV_DIR=str(tmp_path / "kv"),
-        OUT_DIR=str(tmp_path / "out"),
-        SIZE="64 64",
-        STEPS="3",
-        OMP_NUM_THREADS="1",
-        PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}",
-    )
+    env = dict(os.environ, CKPT=str(ckpt), KV_DIR=str(tmp_path / "kv"), OUT_DIR=str(tmp_path / "out"), SIZE="64 64",
+               STEPS="3", OMP_NUM_THREADS="1", PATH=f"{BIN}{os.pathsep}{os.environ['PATH']}")
     for script in ("moe_t2i_1k.sh", "moe_cfg_parallel_1k.sh"):
-        run = subprocess.run(
-            ["bash", str(REPO / "scripts" / "replay" / script)],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        run = subprocess.run(["bash", str(REPO / "scripts" / "replay" / script)], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
     assert_close_images(tmp_path / "out" / "moe_t2i_1k_0.png", tmp_path / "out" / "moe_cfg_parallel_1k_0.png")

@@ -62,25 +62,16 @@ def test_extreme_values_are_refused_naming_the_input(name, value, rule):
 
 
 def test_offsets_of_the_uncond_branch_are_bounded_too():
-    extra = {
-        "UNCOND_KV": torch.zeros(2, 2, 1, 1, 4, dtype=torch.bfloat16),
-        "INDEX_OFFSET_UNCOND": np.array([INT64_MAX], I64),
-    }
+    extra = {"UNCOND_KV": torch.zeros(2, 2, 1, 1, 4, dtype=torch.bfloat16),
+             "INDEX_OFFSET_UNCOND": np.array([INT64_MAX], I64)}
     with pytest.raises(InputError, match=r"^INDEX_OFFSET_UNCOND: .*range"):
         parse_request(_inputs(**extra), Limits())
 
 
 def test_values_at_the_bounds_pass():
-    ok = parse_request(
-        _inputs(
-            TIMESTEP_SHIFT=np.array([1e-3], F32),
-            CFG_SCALE=np.array([-100.0], F32),
-            SIZE=np.array([4096, 4096], I64),
-            RESIZE=np.array([1, 4096], I64),
-            INDEX_OFFSET_COND=np.array([1_000_000], I64),
-        ),
-        Limits(),
-    )
+    ok = parse_request(_inputs(TIMESTEP_SHIFT=np.array([1e-3], F32), CFG_SCALE=np.array([-100.0], F32),
+                               SIZE=np.array([4096, 4096], I64), RESIZE=np.array([1, 4096], I64),
+                               INDEX_OFFSET_COND=np.array([1_000_000], I64)), Limits())
     assert ok.size == (4096, 4096) and ok.sampling["cfg_scale"] == -100.0
     # An interval only gates steps by comparison: extreme but ordered bounds are harmless.
     wide = parse_request(_inputs(CFG_INTERVAL=np.array([-3e38, 3e38], F32)), Limits())
@@ -139,14 +130,9 @@ def _request(pipe, fill: float | None, steps: int = 3) -> GenerationRequest:
     kv = torch.randn(layers, 2, 6, kv_heads, head_dim, generator=g)
     if fill is not None:
         kv.fill_(fill)
-    return GenerationRequest(
-        cond_kv=kv.to(torch.bfloat16),
-        index_offset_cond=6,
-        height=32,
-        width=32,
-        noise=torch.randn(1, 3, 32, 32, generator=g),
-        sampling=SamplingParams(infer_steps=steps, cfg_scale=1.0),
-    )
+    return GenerationRequest(cond_kv=kv.to(torch.bfloat16), index_offset_cond=6, height=32, width=32,
+                             noise=torch.randn(1, 3, 32, 32, generator=g),
+                             sampling=SamplingParams(infer_steps=steps, cfg_scale=1.0))
 
 
 def test_a_finite_but_absurd_kv_fails_naming_the_step(pipe):

@@ -70,17 +70,14 @@ def test_interleaved_streams_do_not_disturb_each_other():
     assert torch.equal(c_next, a.draw(32, 32))
 
 
-@pytest.mark.parametrize(
-    "bad",
-    [
-        b"",
-        b"\x00" * (STATE_NBYTES - 1),
-        b"\x00" * (STATE_NBYTES + 1),
-        np.zeros(STATE_NBYTES, dtype=np.float32),
-        np.zeros(STATE_NBYTES, dtype=np.uint8),  # right size, not a valid mt19937 state
-        np.full(STATE_NBYTES, 255, dtype=np.uint8),
-    ],
-)
+@pytest.mark.parametrize("bad", [
+    b"",
+    b"\x00" * (STATE_NBYTES - 1),
+    b"\x00" * (STATE_NBYTES + 1),
+    np.zeros(STATE_NBYTES, dtype=np.float32),
+    np.zeros(STATE_NBYTES, dtype=np.uint8),  # right size, not a valid mt19937 state
+    np.full(STATE_NBYTES, 255, dtype=np.uint8),
+])
 def test_bad_states_are_rejected_naming_rng_state(bad):
     with pytest.raises(InputError, match="RNG_STATE"):
         NoiseStream.from_state(bad)

@@ -41,12 +41,8 @@ OFF_C, OFF_U = 15, 3
 
 
 def make_runner(ckpt, **kw):
-    mode = ModeSpec(
-        name="test",
-        version="dense",
-        sampling=SamplingParams(infer_steps=STEPS, output_format="png"),
-        default_size=DEFAULT_SIZE,
-    )
+    mode = ModeSpec(name="test", version="dense", sampling=SamplingParams(infer_steps=STEPS, output_format="png"),
+                      default_size=DEFAULT_SIZE)
     runner = NeoPPRunner(ckpt, mode, device="cpu", dtype=torch.float32, **kw)
     runner.set_kvcache(COND, UNCOND)
     runner.set_inference_params(OFF_C, OFF_U)
@@ -58,9 +54,8 @@ def decode(data):
 
 
 def expected_pixels(ref_model, noise, H, W, cfg_scale=4.0, steps=STEPS, off_c=OFF_C, off_u=OFF_U):
-    x = ref.reference_generate(
-        ref_model, COND, UNCOND, off_c, off_u, H, W, noise, steps, 3.0, cfg_scale, (-1.0, 2.0), "global", True
-    )
+    x = ref.reference_generate(ref_model, COND, UNCOND, off_c, off_u, H, W, noise, steps, 3.0, cfg_scale,
+                               (-1.0, 2.0), "global", True)
     return ref.reference_pixels(x)
 
 

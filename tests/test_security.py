@@ -12,18 +12,15 @@ ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ("backend_src", "model_repository", "client_examples", "scripts", "tests", "bench")
 UNPICKLERS = {"pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
 # Modules that see request data; none may open files, import or evaluate anything per request.
-REQUEST_PATH = (
-    "backend_src/neopp/serving/request_parsing.py",
-    "backend_src/neopp/serving/triton_model.py",
-    "backend_src/neopp/serving/session_model.py",
-    "backend_src/neopp/serving/sessions.py",
-)
+REQUEST_PATH = ("backend_src/neopp/serving/request_parsing.py", "backend_src/neopp/serving/triton_model.py",
+                "backend_src/neopp/serving/session_model.py", "backend_src/neopp/serving/sessions.py")
 BUILTINS_FORBIDDEN = {"eval", "exec", "compile", "__import__", "open"}  # as bare names (BLS has request.exec())
 CALLS_FORBIDDEN = {"import_module", "load_kv_file", "system", "popen", "Popen", "safe_open", "load_checkpoint"}
 
 
 def _sources() -> list[Path]:
-    return sorted(p for d in SCANNED if (ROOT / d).is_dir() for p in (ROOT / d).rglob("*.py") if ".venv" not in p.parts)
+    return sorted(p for d in SCANNED if (ROOT / d).is_dir() for p in (ROOT / d).rglob("*.py")
+                  if ".venv" not in p.parts)
 
 
 def _call_name(node: ast.Call) -> str:
@@ -40,9 +37,8 @@ def unsafe_loads(source: str) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
-            names = [a.name for a in node.names] + (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-            )
+            module = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names = [a.name for a in node.names] + module
             found += [f"line {node.lineno}: imports {n}" for n in names if n.split(".")[0] in UNPICKLERS]
         if isinstance(node, ast.Call):
             name, kw = _dotted(node.func), {k.arg: k.value for k in node.keywords}
@@ -73,16 +69,8 @@ def test_request_path_takes_no_code_module_or_path():
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize(
-    "snippet",
-    [
-        "import pickle",
-        "from dill import loads",
-        "torch.load(p)",
-        "torch.load(p, weights_only=False)",
-        "np.load(p, allow_pickle=True)",
-    ],
-)
+@pytest.mark.parametrize("snippet", ["import pickle", "from dill import loads", "torch.load(p)",
+                                     "torch.load(p, weights_only=False)", "np.load(p, allow_pickle=True)"])
 def test_the_guard_catches(snippet):
     assert unsafe_loads(snippet), snippet
 

@@ -47,16 +47,13 @@ def test_restriction_flags_cover_admin_apis_on_both_protocols() -> None:
     assert http[1].endswith(f":{FRONT_HEADER}={'f' * 20}") and "inference" in http[1]
 
 
-@pytest.mark.parametrize(
-    "item, match",
-    [
-        ({"name": "A", "datatype": "INT64", "shape": [10**12], "data": [1]}, "bytes"),
-        ({"name": "A", "datatype": "INT64", "shape": [1000], "data": [1]}, "cannot hold"),
-        ({"name": "A", "datatype": "INT64", "shape": [-1], "data": [1]}, "non-negative"),
-        ({"name": "A", "datatype": "INT64", "shape": "1", "data": [1]}, "non-negative"),
-        ({"name": "A", "datatype": "BF16", "shape": [2**40, 2], "parameters": {"binary_data_size": 4}}, "bytes"),
-    ],
-)
+@pytest.mark.parametrize("item, match", [
+    ({"name": "A", "datatype": "INT64", "shape": [10**12], "data": [1]}, "bytes"),
+    ({"name": "A", "datatype": "INT64", "shape": [1000], "data": [1]}, "cannot hold"),
+    ({"name": "A", "datatype": "INT64", "shape": [-1], "data": [1]}, "non-negative"),
+    ({"name": "A", "datatype": "INT64", "shape": "1", "data": [1]}, "non-negative"),
+    ({"name": "A", "datatype": "BF16", "shape": [2**40, 2], "parameters": {"binary_data_size": 4}}, "bytes"),
+])
 def test_front_refuses_declared_sizes_no_body_can_carry(item: dict, match: str) -> None:
     with pytest.raises(Refused, match=match) as info:
         check_infer_header({"inputs": [item]}, body_len=200, max_body=1 << 20)
@@ -64,21 +61,10 @@ def test_front_refuses_declared_sizes_no_body_can_carry(item: dict, match: str) 
 
 
 def test_front_passes_ordinary_requests() -> None:
-    check_infer_header(
-        {
-            "inputs": [
-                {"name": "A", "datatype": "INT64", "shape": [2], "data": [1, 2]},
-                {
-                    "name": "KV",
-                    "datatype": "BF16",
-                    "shape": [2, 2, 24, 2, 32],
-                    "parameters": {"binary_data_size": 12288},
-                },
-            ]
-        },
-        body_len=12400,
-        max_body=1 << 20,
-    )
+    check_infer_header({"inputs": [{"name": "A", "datatype": "INT64", "shape": [2], "data": [1, 2]},
+                                   {"name": "KV", "datatype": "BF16", "shape": [2, 2, 24, 2, 32],
+                                    "parameters": {"binary_data_size": 12288}}]},
+                       body_len=12400, max_body=1 << 20)
 
 
 def test_regions_are_found_by_their_own_prefix_only(tmp_path: Path) -> None:

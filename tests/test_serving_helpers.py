@@ -25,10 +25,7 @@ def test_backend_dir_holds_the_stub_for_this_python(tmp_path):
     out = prepare_backend_dir(tmp_path / "backends", install)
     py = out / "python"
     assert sorted(p.name for p in py.iterdir()) == [
-        "libtriton_python.so",
-        "triton_python_backend_stub",
-        "triton_python_backend_utils.py",
-    ]
+        "libtriton_python.so", "triton_python_backend_stub", "triton_python_backend_utils.py"]
     stub = install.site_packages / "pytriton/tritonserver/python_backend_stubs" / python_tag()
     assert (py / "triton_python_backend_stub").read_bytes() == (stub / "triton_python_backend_stub").read_bytes()
     assert os.access(py / "triton_python_backend_stub", os.X_OK)
@@ -71,42 +68,33 @@ def test_device_mapping_without_cuda():
 
 
 def _inputs(**overrides):
-    base = {"COND_KV": torch.zeros(2, 2, 3, 2, 32, dtype=torch.bfloat16), "INDEX_OFFSET_COND": np.array([5], np.int64)}
+    base = {"COND_KV": torch.zeros(2, 2, 3, 2, 32, dtype=torch.bfloat16),
+            "INDEX_OFFSET_COND": np.array([5], np.int64)}
     base.update(overrides)
     return {k: v for k, v in base.items() if v is not None}
 
 
 def test_parse_request_types_values():
-    req = parse_request(
-        _inputs(
-            SIZE=np.array([64, 96], np.int64),
-            SEED=np.array([7], np.int64),
-            CFG_NORM=np.array([b"Channel"], np.object_),
-            STEPS=np.array([3], np.int64),
-            CFG_INTERVAL=np.array([0.0, 0.5], np.float32),
-        ),
-        Limits(),
-    )
+    req = parse_request(_inputs(SIZE=np.array([64, 96], np.int64), SEED=np.array([7], np.int64),
+                                CFG_NORM=np.array([b"Channel"], np.object_), STEPS=np.array([3], np.int64),
+                                CFG_INTERVAL=np.array([0.0, 0.5], np.float32)), Limits())
     assert (req.size, req.seed, req.index_offset_cond, req.prefix_tokens) == ((64, 96), 7, 5, 3)
     assert req.sampling == {"cfg_norm": "channel", "infer_steps": 3, "cfg_interval": (0.0, 0.5)}
 
 
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        ({"COND_KV": None}, "COND_KV: required"),
-        ({"COND_KV": torch.zeros(2, 2, 3, 2, 32)}, "COND_KV: datatype must be BF16"),
-        ({"UNCOND_KV": torch.zeros(2, 2, 3, 2, 32, dtype=torch.bfloat16)}, "INDEX_OFFSET_UNCOND: required together"),
-        ({"SEED": np.array([1], np.int64), "RNG_STATE": np.zeros(4, np.uint8)}, "not both"),
-        ({"STEPS": np.array([201], np.int64)}, "STEPS: must be in 1..200"),
-        ({"RESIZE": np.array([-1, 8], np.int64)}, "RESIZE: [height, width] must be positive"),
-        ({"RESIZE": np.array([8, 5000], np.int64)}, "RESIZE: each side must be at most"),
-        ({"TASK": np.array([b"edit"], np.object_)}, "TASK: unknown task"),
-        ({"CFG_SCALE": np.array([np.inf], np.float32)}, "CFG_SCALE: must be a finite number"),
-        ({"SIZE": np.array([64.0, 64.0], np.float32)}, "SIZE: datatype must be INT64"),
-        ({"BOGUS": np.array([1], np.int64)}, "BOGUS: unknown input"),
-    ],
-)
+@pytest.mark.parametrize("overrides,message", [
+    ({"COND_KV": None}, "COND_KV: required"),
+    ({"COND_KV": torch.zeros(2, 2, 3, 2, 32)}, "COND_KV: datatype must be BF16"),
+    ({"UNCOND_KV": torch.zeros(2, 2, 3, 2, 32, dtype=torch.bfloat16)}, "INDEX_OFFSET_UNCOND: required together"),
+    ({"SEED": np.array([1], np.int64), "RNG_STATE": np.zeros(4, np.uint8)}, "not both"),
+    ({"STEPS": np.array([201], np.int64)}, "STEPS: must be in 1..200"),
+    ({"RESIZE": np.array([-1, 8], np.int64)}, "RESIZE: [height, width] must be positive"),
+    ({"RESIZE": np.array([8, 5000], np.int64)}, "RESIZE: each side must be at most"),
+    ({"TASK": np.array([b"edit"], np.object_)}, "TASK: unknown task"),
+    ({"CFG_SCALE": np.array([np.inf], np.float32)}, "CFG_SCALE: must be a finite number"),
+    ({"SIZE": np.array([64.0, 64.0], np.float32)}, "SIZE: datatype must be INT64"),
+    ({"BOGUS": np.array([1], np.int64)}, "BOGUS: unknown input"),
+])
 def test_parse_request_errors_name_input_and_rule(overrides, message):
     with pytest.raises(InputError) as info:
         parse_request(_inputs(**overrides), Limits(max_side=2048))
@@ -115,21 +103,7 @@ def test_parse_request_errors_name_input_and_rule(overrides, message):
 
 def test_contract_table_is_complete():
     assert set(INPUT_SPECS) == {
-        "COND_KV",
-        "UNCOND_KV",
-        "INDEX_OFFSET_COND",
-        "INDEX_OFFSET_UNCOND",
-        "SIZE",
-        "SEED",
-        "RNG_STATE",
-        "TASK",
-        "CFG_SCALE",
-        "CFG_INTERVAL",
-        "CFG_NORM",
-        "TIMESTEP_SHIFT",
-        "STEPS",
-        "OUTPUT_FORMAT",
-        "RESIZE",
-        "IMAGE_GUIDANCE_SCALE",
-    }
+        "COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND", "SIZE", "SEED", "RNG_STATE", "TASK",
+        "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT", "STEPS", "OUTPUT_FORMAT", "RESIZE",
+        "IMAGE_GUIDANCE_SCALE"}
     assert [n for n, s in INPUT_SPECS.items() if not s.optional] == ["COND_KV", "INDEX_OFFSET_COND"]

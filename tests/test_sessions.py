@@ -96,18 +96,15 @@ def test_bad_bounds_are_configuration_errors() -> None:
         SessionTable(1, 0.0, 0)
 
 
-@pytest.mark.parametrize(
-    "message,status",
-    [
-        ("INDEX_OFFSET_COND: -1 is out of range 0..1000000", "INVALID_ARG"),
-        ("SEED/RNG_STATE: must have shape", "INVALID_ARG"),
-        ("[request id: <id_unknown>] unexpected shape for input 'COND_KV' for model 'neopp_dense'", "INVALID_ARG"),
-        ("request cancelled: cancelled before step 2 of 3", "CANCELLED"),
-        ("internal error: RuntimeError: boom", "INTERNAL"),
-        ("model configuration error: mode x", "INTERNAL"),
-        ("Request for unknown model: 'nope' is not found", "NOT_FOUND"),
-    ],
-)
+@pytest.mark.parametrize("message,status", [
+    ("INDEX_OFFSET_COND: -1 is out of range 0..1000000", "INVALID_ARG"),
+    ("SEED/RNG_STATE: must have shape", "INVALID_ARG"),
+    ("[request id: <id_unknown>] unexpected shape for input 'COND_KV' for model 'neopp_dense'", "INVALID_ARG"),
+    ("request cancelled: cancelled before step 2 of 3", "CANCELLED"),
+    ("internal error: RuntimeError: boom", "INTERNAL"),
+    ("model configuration error: mode x", "INTERNAL"),
+    ("Request for unknown model: 'nope' is not found", "NOT_FOUND"),
+])
 def test_bls_error_status_recovers_the_generation_models_status(message: str, status: str) -> None:
     assert status_of_message(message) == status
 

@@ -30,9 +30,8 @@ def _write(tmp_path: Path, shards: int = 3) -> tuple[Path, CheckpointConfig, int
     raw = tiny_config("dense")
     cfg = CheckpointConfig.from_dict(raw)
     total = sum(math.prod(s) * 2 for s in tower_shapes(cfg, MLP, HEAD).values())
-    written = write_sharded_checkpoint(
-        tmp_path / "ckpt", raw, max_shard_bytes=total // shards + 1, mlp_width=MLP, head_width=HEAD
-    )
+    written = write_sharded_checkpoint(tmp_path / "ckpt", raw, max_shard_bytes=total // shards + 1,
+                                       mlp_width=MLP, head_width=HEAD)
     return tmp_path / "ckpt", cfg, written
 
 

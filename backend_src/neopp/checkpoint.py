@@ -37,20 +37,9 @@ def layer_prefix(i: int) -> str:
 
 
 def _st_dtypes() -> dict[str, torch.dtype]:
-    names = {
-        "F64": "float64",
-        "F32": "float32",
-        "F16": "float16",
-        "BF16": "bfloat16",
-        "I64": "int64",
-        "I32": "int32",
-        "I16": "int16",
-        "I8": "int8",
-        "U8": "uint8",
-        "BOOL": "bool",
-        "F8_E4M3": "float8_e4m3fn",
-        "F8_E5M2": "float8_e5m2",
-    }
+    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+             "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
     return {k: getattr(torch, v) for k, v in names.items() if hasattr(torch, v)}
 
 
@@ -85,20 +74,15 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
         if key == "__metadata__":
             continue
         if info.get("dtype") not in ST_DTYPES:
-            raise ConfigError(f"checkpoint: tensor '{key}' in {file.name} has unsupported dtype {info.get('dtype')!r}")
-        entry = TensorEntry(
-            ST_DTYPES[info["dtype"]],
-            tuple(int(d) for d in info["shape"]),
-            base + int(info["data_offsets"][0]),
-            base + int(info["data_offsets"][1]),
-        )
+            raise ConfigError(f"checkpoint: tensor '{key}' in {file.name} has unsupported dtype "
+                              f"{info.get('dtype')!r}")
+        entry = TensorEntry(ST_DTYPES[info["dtype"]], tuple(int(d) for d in info["shape"]),
+                            base + int(info["data_offsets"][0]), base + int(info["data_offsets"][1]))
         nbytes = math.prod(entry.shape) * entry.dtype.itemsize
         if entry.end - entry.start != nbytes or entry.end > size:
-            raise ConfigError(
-                f"checkpoint: tensor '{key}' in {file.name} spans bytes "
-                f"{entry.start}..{entry.end} of a {size}-byte file for {nbytes} bytes of data "
-                "(truncated or corrupt shard?)"
-            )
+            raise ConfigError(f"checkpoint: tensor '{key}' in {file.name} spans bytes "
+                              f"{entry.start}..{entry.end} of a {size}-byte file for {nbytes} bytes of data "
+                              "(truncated or corrupt shard?)")
         out[key] = entry
     return out
 
@@ -126,7 +110,8 @@ def _shard_map(ckpt_dir: Path) -> dict[str, Path]:
         try:
             weight_map = json.loads(index.read_text()).get("weight_map", {})
         except json.JSONDecodeError as exc:
-            raise ConfigError(f"checkpoint {ckpt_dir}: model.safetensors.index.json is not valid JSON ({exc})") from exc
+            raise ConfigError(f"checkpoint {ckpt_dir}: model.safetensors.index.json is not valid JSON "
+                              f"({exc})") from exc
         return {k: ckpt_dir / f for k, f in weight_map.items() if is_generation_key(k)}
     files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
@@ -173,11 +158,9 @@ def generation_shapes(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     gigabytes of weights are read or rank processes started.
     """
     ckpt_dir = Path(ckpt_dir)
-    return {
-        key: torch.empty(entry.shape, device="meta")
-        for file, keys in _keys_by_file(ckpt_dir).items()
-        for key, entry in _entries(ckpt_dir, file, keys).items()
-    }
+    return {key: torch.empty(entry.shape, device="meta")
+            for file, keys in _keys_by_file(ckpt_dir).items()
+            for key, entry in _entries(ckpt_dir, file, keys).items()}
 
 
 def expected_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
@@ -191,8 +174,7 @@ def expected_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) 
         return int(tensors[key].shape[dim])
 
     shapes = {
-        VISION + "patch_embedding.weight": (DV, 3, P, P),
-        VISION + "patch_embedding.bias": (DV,),
+        VISION + "patch_embedding.weight": (DV, 3, P, P), VISION + "patch_embedding.bias": (DV,),
         VISION + "dense_embedding.weight": (D, DV, config.merge_size, config.merge_size),
         VISION + "dense_embedding.bias": (D,),
         LM + "norm_mot_gen.weight": (D,),
@@ -203,37 +185,20 @@ def expected_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) 
         shapes.update({p + "0.weight": (D, 256), p + "0.bias": (D,), p + "2.weight": (D, D), p + "2.bias": (D,)})
     if config.use_pixel_head:
         c1 = width(FM + "fm_head.conv1.weight", 0)
-        shapes.update(
-            {
-                FM + "fm_head.conv1.weight": (c1, D // 4, 3, 3),
-                FM + "fm_head.conv1.bias": (c1,),
-                FM + "fm_head.conv2.weight": (3 * 64, c1 // 4, 3, 3),
-                FM + "fm_head.conv2.bias": (3 * 64,),
-            }
-        )
+        shapes.update({FM + "fm_head.conv1.weight": (c1, D // 4, 3, 3), FM + "fm_head.conv1.bias": (c1,),
+                       FM + "fm_head.conv2.weight": (3 * 64, c1 // 4, 3, 3), FM + "fm_head.conv2.bias": (3 * 64,)})
     else:
         dh = width(FM + "fm_head.0.weight", 0)
-        shapes.update(
-            {
-                FM + "fm_head.0.weight": (dh, D),
-                FM + "fm_head.0.bias": (dh,),
-                FM + "fm_head.2.weight": (T * T * 3, dh),
-                FM + "fm_head.2.bias": (T * T * 3,),
-            }
-        )
+        shapes.update({FM + "fm_head.0.weight": (dh, D), FM + "fm_head.0.bias": (dh,),
+                       FM + "fm_head.2.weight": (T * T * 3, dh), FM + "fm_head.2.bias": (T * T * 3,)})
     for i in range(config.num_layers):
         p = layer_prefix(i)
         a = p + "self_attn."
-        shapes.update(
-            {
-                p + "input_layernorm_mot_gen.weight": (D,),
-                p + "post_attention_layernorm_mot_gen.weight": (D,),
-                a + "q_proj_mot_gen.weight": (NH * HD, D),
-                a + "k_proj_mot_gen.weight": (NKV * HD, D),
-                a + "v_proj_mot_gen.weight": (NKV * HD, D),
-                a + "o_proj_mot_gen.weight": (D, NH * HD),
-            }
-        )
+        shapes.update({
+            p + "input_layernorm_mot_gen.weight": (D,), p + "post_attention_layernorm_mot_gen.weight": (D,),
+            a + "q_proj_mot_gen.weight": (NH * HD, D), a + "k_proj_mot_gen.weight": (NKV * HD, D),
+            a + "v_proj_mot_gen.weight": (NKV * HD, D), a + "o_proj_mot_gen.weight": (D, NH * HD),
+        })
         for norm in ("q_norm_mot_gen", "k_norm_mot_gen", "q_norm_hw_mot_gen", "k_norm_hw_mot_gen"):
             shapes[a + norm + ".weight"] = (HD // 2,)
         m = p + "mlp_mot_gen."

@@ -112,16 +112,8 @@ class CheckpointConfig:
 
     def check(self) -> None:
         """Reject geometry the computation cannot run, naming the key."""
-        positive = (
-            "num_layers",
-            "hidden_size",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "vision_hidden_size",
-            "patch_size",
-            "max_position_embeddings_vision",
-        )
+        positive = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                    "vision_hidden_size", "patch_size", "max_position_embeddings_vision")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config.json: '{name}' must be positive, got {getattr(self, name)}")
@@ -132,8 +124,7 @@ class CheckpointConfig:
         if self.vision_hidden_size % 4:
             raise ConfigError("config.json: 'vision_config.hidden_size' must be divisible by 4 (2-D RoPE)")
         if self.noise_scale_mode not in NOISE_SCALE_MODES:
-            raise ConfigError(
-                f"config.json: 'noise_scale_mode' {self.noise_scale_mode!r} is not one of {NOISE_SCALE_MODES}"
-            )
+            raise ConfigError(f"config.json: 'noise_scale_mode' {self.noise_scale_mode!r} is not one of "
+                              f"{NOISE_SCALE_MODES}")
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError("config.json: 'llm_config.num_experts_per_tok' must be in 1..gen_num_experts")

@@ -35,9 +35,8 @@ class Grid:
         return self.rows * self.cols
 
     @staticmethod
-    def build(
-        height: int, width: int, patch: int, merge: int, vision_dim: int, theta: float, device: torch.device
-    ) -> Grid:
+    def build(height: int, width: int, patch: int, merge: int, vision_dim: int, theta: float,
+              device: torch.device) -> Grid:
         cos, sin = vision_rope_tables(height // patch, width // patch, vision_dim, theta)
         return Grid(height, width, patch * merge, cos.to(device), sin.to(device))
 
@@ -79,14 +78,14 @@ class PatchEmbed:
 
     def __call__(self, x: torch.Tensor, grid: Grid) -> torch.Tensor:
         p = self.patch_size
-        feats = F.conv2d(x, self.patch_w, self.patch_b, stride=p)  # [1, DV, H/16, W/16]
+        feats = F.conv2d(x, self.patch_w, self.patch_b, stride=p)           # [1, DV, H/16, W/16]
         _, dv, rows, cols = feats.shape
-        seq = F.gelu(feats.flatten(2)[0].t())  # [N16, DV]
+        seq = F.gelu(feats.flatten(2)[0].t())                                # [N16, DV]
         seq = apply_vision_rope(seq, grid.vision_cos, grid.vision_sin)
         feats = seq.t().reshape(1, dv, rows, cols)
         merge = self.dense_w.shape[-1]
-        tokens = F.conv2d(feats, self.dense_w, self.dense_b, stride=merge)  # [1, D, h, w]
-        return tokens.flatten(2)[0].t()  # [L, D]
+        tokens = F.conv2d(feats, self.dense_w, self.dense_b, stride=merge)   # [1, D, h, w]
+        return tokens.flatten(2)[0].t()                                      # [L, D]
 
 
 class MLPHead:

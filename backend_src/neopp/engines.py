@@ -31,24 +31,16 @@ class GenerationEngine(Protocol):
 
     def guidance_plan(self, req: GenerationRequest) -> list[bool]: ...
 
-    def generate(
-        self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None
-    ) -> np.ndarray: ...
+    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
+                 on_step: StepFn | None = None) -> np.ndarray: ...
 
     def close(self) -> None: ...
 
 
-def build_engine(
-    ckpt_dir: str | Path,
-    mode: ModeSpec,
-    device: str | None = None,
-    dtype: torch.dtype | None = None,
-    limits: Limits | None = None,
-    threads: int | None = None,
-    instance_index: int = 0,
-    gpus: list[int] | None = None,
-    collective_timeout_s: float = 120.0,
-) -> GenerationEngine:
+def build_engine(ckpt_dir: str | Path, mode: ModeSpec, device: str | None = None,
+                    dtype: torch.dtype | None = None, limits: Limits | None = None, threads: int | None = None,
+                    instance_index: int = 0, gpus: list[int] | None = None,
+                    collective_timeout_s: float = 120.0) -> GenerationEngine:
     """`NeoPPPipeline` for a 1-process mode, `WorkerPool` when the mode has several ranks."""
     limits = limits or Limits()
     set_threads(threads)

@@ -24,7 +24,7 @@ class InputError(NeoPPError, ValueError):
         """The message with its field spelled as ``names`` says (unknown fields stay as they are)."""
         text = str(self)
         field = self.field
-        return names[field] + text[len(field) :] if field in names else text
+        return names[field] + text[len(field):] if field in names else text
 
 
 class ConfigError(NeoPPError):

@@ -20,9 +20,8 @@ def to_pixels(x: torch.Tensor) -> np.ndarray:
     return img.round().to(torch.uint8).permute(1, 2, 0).contiguous().cpu().numpy()
 
 
-def encode_image(
-    pixels: np.ndarray, fmt: str = "jpeg", resize: tuple[int, int] | None = None, quality: int = 95
-) -> bytes:
+def encode_image(pixels: np.ndarray, fmt: str = "jpeg", resize: tuple[int, int] | None = None,
+                 quality: int = 95) -> bytes:
     fmt = normalise_format(fmt)
     if fmt not in OUTPUT_FORMATS:
         raise InputError(f"output_format: unknown format {fmt!r}; expected one of {OUTPUT_FORMATS}")

@@ -68,7 +68,8 @@ def save_kv_file(kv_online: torch.Tensor, path: str | Path, layout: str = REPLAY
     return path
 
 
-def validate_kv(kv: torch.Tensor, dims: tuple[int, int, int], name: str, max_tokens: int | None = None) -> None:
+def validate_kv(kv: torch.Tensor, dims: tuple[int, int, int], name: str,
+                max_tokens: int | None = None) -> None:
     """Check an online-layout prefix against the checkpoint; the message names `name` and the rule."""
     layers, kv_heads, head_dim = dims
     if not isinstance(kv, torch.Tensor):
@@ -78,18 +79,12 @@ def validate_kv(kv: torch.Tensor, dims: tuple[int, int, int], name: str, max_tok
     if not kv.is_floating_point():
         raise InputError(f"{name}: must be a floating-point tensor, got {kv.dtype}")
     nl, two, seq, nkv, hd = kv.shape
-    expected = {
-        "layers": (nl, layers),
-        "dim 1 (K/V)": (two, 2),
-        "kv_heads": (nkv, kv_heads),
-        "head_dim": (hd, head_dim),
-    }
+    expected = {"layers": (nl, layers), "dim 1 (K/V)": (two, 2), "kv_heads": (nkv, kv_heads),
+                "head_dim": (hd, head_dim)}
     for what, (got, want) in expected.items():
         if got != want:
-            raise InputError(
-                f"{name}: {what} must be {want} for this checkpoint, got {got} "
-                f"(shape {tuple(kv.shape)}, layout [layers, 2, seq, kv_heads, head_dim])"
-            )
+            raise InputError(f"{name}: {what} must be {want} for this checkpoint, got {got} "
+                             f"(shape {tuple(kv.shape)}, layout [layers, 2, seq, kv_heads, head_dim])")
     if seq < 1:
         raise InputError(f"{name}: the prefix must hold at least one token (seq >= 1), got {seq}")
     if max_tokens is not None and seq > max_tokens:

@@ -66,8 +66,8 @@ class MoE:
         start = 0
         for expert, count in zip(self.experts, counts):
             if count:
-                tokens = token_of[start : start + count]
-                y = expert(x[tokens]) * slot_weight[start : start + count, None].to(x.dtype)
+                tokens = token_of[start:start + count]
+                y = expert(x[tokens]) * slot_weight[start:start + count, None].to(x.dtype)
                 out.index_add_(0, tokens, y)
             start += count
         return out
@@ -86,7 +86,7 @@ class DecoderLayer:
     k_proj: Linear
     v_proj: Linear
     o_proj: Linear
-    q_norm: torch.Tensor  # [2, HD/2]: temporal-half weight, spatial-half weight
+    q_norm: torch.Tensor      # [2, HD/2]: temporal-half weight, spatial-half weight
     k_norm: torch.Tensor
     mlp: SwiGLU | MoE
 
@@ -113,5 +113,5 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     kv_heads = k.shape[0]
     group = heads // kv_heads
     qg = q.permute(1, 0, 2).reshape(kv_heads, group * tokens, hd)
-    out = F.scaled_dot_product_attention(qg.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=hd**-0.5)
+    out = F.scaled_dot_product_attention(qg.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=hd ** -0.5)
     return out.view(kv_heads * group, tokens, hd).permute(1, 0, 2).reshape(tokens, heads * hd)

@@ -24,20 +24,15 @@ from .quant import dequantize_fp8
 
 # suffix -> (role, scheme); roles: up (B, [out, r]), down (A, [r, in]), alpha (scalar)
 SUFFIXES: dict[str, tuple[str, str]] = {
-    ".lora_up.weight": ("up", "up_down"),
-    ".lora_down.weight": ("down", "up_down"),
-    ".lora_B.default.weight": ("up", "peft"),
-    ".lora_A.default.weight": ("down", "peft"),
-    ".lora_B.weight": ("up", "B_A"),
-    ".lora_A.weight": ("down", "B_A"),
+    ".lora_up.weight": ("up", "up_down"), ".lora_down.weight": ("down", "up_down"),
+    ".lora_B.default.weight": ("up", "peft"), ".lora_A.default.weight": ("down", "peft"),
+    ".lora_B.weight": ("up", "B_A"), ".lora_A.weight": ("down", "B_A"),
     ".alpha": ("alpha", "any"),
 }
 SCHEMES = ("up_down", "B_A", "peft")
-SCHEME_SUFFIX = {
-    "up_down": (".lora_up.weight", ".lora_down.weight"),
-    "B_A": (".lora_B.weight", ".lora_A.weight"),
-    "peft": (".lora_B.default.weight", ".lora_A.default.weight"),
-}
+SCHEME_SUFFIX = {"up_down": (".lora_up.weight", ".lora_down.weight"),
+                  "B_A": (".lora_B.weight", ".lora_A.weight"),
+                  "peft": (".lora_B.default.weight", ".lora_A.default.weight")}
 
 
 @dataclass
@@ -67,9 +62,8 @@ def split_key(key: str) -> tuple[str, str, str]:
         if key.endswith(suffix) and len(key) > len(suffix):
             role, scheme = SUFFIXES[suffix]
             return key[: -len(suffix)], role, scheme
-    raise ConfigError(
-        f"key '{key}' is not a LoRA key of any known naming scheme (expected <base> + one of {sorted(SUFFIXES)})"
-    )
+    raise ConfigError(f"key '{key}' is not a LoRA key of any known naming scheme "
+                      f"(expected <base> + one of {sorted(SUFFIXES)})")
 
 
 def read_lora_pairs(path: str | Path) -> dict[str, LoraPair]:
@@ -112,32 +106,22 @@ def check_pair(pair: LoraPair, tensors: Mapping[str, torch.Tensor], path: Path) 
     """The target weight's key, after checking that it exists and every shape fits."""
     target = pair.base + ".weight"
     if target not in tensors:
-        raise ConfigError(
-            f"LoRA {path}: key '{pair.up_key}' matches no weight of the generation tower "
-            f"(no '{target}' in the checkpoint)"
-        )
+        raise ConfigError(f"LoRA {path}: key '{pair.up_key}' matches no weight of the generation tower "
+                          f"(no '{target}' in the checkpoint)")
     weight = tensors[target]
     up, down = pair.up, pair.down
     if weight.dim() != 2:
-        raise ConfigError(
-            f"LoRA {path}: key '{pair.up_key}' targets '{target}' of shape {tuple(weight.shape)}; "
-            "only 2-D linear weights take a LoRA"
-        )
+        raise ConfigError(f"LoRA {path}: key '{pair.up_key}' targets '{target}' of shape {tuple(weight.shape)}; "
+                          "only 2-D linear weights take a LoRA")
     if up.dim() != 2 or down.dim() != 2 or up.shape[1] != down.shape[0]:
-        raise ConfigError(
-            f"LoRA {path}: keys '{pair.up_key}' {tuple(up.shape)} and '{pair.down_key}' "
-            f"{tuple(down.shape)} are not [out, rank] and [rank, in] factors of one rank"
-        )
+        raise ConfigError(f"LoRA {path}: keys '{pair.up_key}' {tuple(up.shape)} and '{pair.down_key}' "
+                          f"{tuple(down.shape)} are not [out, rank] and [rank, in] factors of one rank")
     if up.shape[0] != weight.shape[0]:
-        raise ConfigError(
-            f"LoRA {path}: key '{pair.up_key}' has {up.shape[0]} rows; '{target}' "
-            f"{tuple(weight.shape)} needs {weight.shape[0]}"
-        )
+        raise ConfigError(f"LoRA {path}: key '{pair.up_key}' has {up.shape[0]} rows; '{target}' "
+                          f"{tuple(weight.shape)} needs {weight.shape[0]}")
     if down.shape[1] != weight.shape[1]:
-        raise ConfigError(
-            f"LoRA {path}: key '{pair.down_key}' has {down.shape[1]} columns; '{target}' "
-            f"{tuple(weight.shape)} needs {weight.shape[1]}"
-        )
+        raise ConfigError(f"LoRA {path}: key '{pair.down_key}' has {down.shape[1]} columns; '{target}' "
+                          f"{tuple(weight.shape)} needs {weight.shape[1]}")
     return target
 
 
@@ -188,9 +172,8 @@ def apply_loras_(tensors: dict[str, torch.Tensor], lora_configs: Iterable[Mappin
         try:
             strength = float(entry.get("strength", 1.0))
         except (TypeError, ValueError) as exc:
-            raise ConfigError(
-                f"lora_configs: strength {entry.get('strength')!r} of {entry['path']} is not a number"
-            ) from exc
+            raise ConfigError(f"lora_configs: strength {entry.get('strength')!r} of {entry['path']} "
+                              "is not a number") from exc
         merged += merge_lora_(tensors, entry["path"], strength)
     return merged
 

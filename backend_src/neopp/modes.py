@@ -43,9 +43,8 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InputError(f"{name}: must be a finite number, got {shown(value)}")
         if abs(self.cfg_scale) > CFG_SCALE_MAX_ABS:  # a huge scale overflows the guided velocity to inf
-            raise InputError(
-                f"cfg_scale: must be within -{CFG_SCALE_MAX_ABS:g}..{CFG_SCALE_MAX_ABS:g}, got {self.cfg_scale:g}"
-            )
+            raise InputError(f"cfg_scale: must be within -{CFG_SCALE_MAX_ABS:g}..{CFG_SCALE_MAX_ABS:g}, "
+                             f"got {self.cfg_scale:g}")
         if self.timestep_shift <= 0:
             raise InputError(f"timestep_shift: must be > 0, got {self.timestep_shift:g}")
         low, high = TIMESTEP_SHIFT_RANGE  # near 0 the schedule's denominator rounds to 0
@@ -59,14 +58,12 @@ class SamplingParams:
         if self.cfg_norm not in CFG_NORMS:
             raise InputError(f"cfg_norm: unknown normalisation {shown(self.cfg_norm)}; expected one of {CFG_NORMS}")
         if self.output_format not in OUTPUT_FORMATS:
-            raise InputError(
-                f"output_format: unknown format {shown(self.output_format)}; expected one of {OUTPUT_FORMATS}"
-            )
+            raise InputError(f"output_format: unknown format {shown(self.output_format)}; "
+                             f"expected one of {OUTPUT_FORMATS}")
         if self.image_guidance_scale != 1.0:
             raise InputError(
                 f"image_guidance_scale: {self.image_guidance_scale} refused; three-branch (image) guidance "
-                "is not implemented by this runner, only 1.0 is accepted"
-            )
+                "is not implemented by this runner, only 1.0 is accepted")
 
     def replace(self, **overrides: Any) -> SamplingParams:
         """A validated copy; `None` values keep the current field."""
@@ -114,13 +111,11 @@ class ModeSpec:
         if self.seq_p_size < 1:
             raise ConfigError(f"mode {self.name}: 'parallel.seq_p_size' must be >= 1, got {self.seq_p_size}")
         if self.seq_p_size > 1 and self.seq_p_attn_type != "ulysses":
-            raise ConfigError(
-                f"mode {self.name}: 'seq_p_attn_type' {self.seq_p_attn_type!r} unsupported; only 'ulysses'"
-            )
+            raise ConfigError(f"mode {self.name}: 'seq_p_attn_type' {self.seq_p_attn_type!r} unsupported; "
+                              "only 'ulysses'")
         if self.dit_quantized and self.dit_quant_scheme not in ("fp8-sgl", "fp8"):
-            raise ConfigError(
-                f"mode {self.name}: 'dit_quant_scheme' {self.dit_quant_scheme!r} unsupported; use 'fp8-sgl'"
-            )
+            raise ConfigError(f"mode {self.name}: 'dit_quant_scheme' {self.dit_quant_scheme!r} unsupported; "
+                              "use 'fp8-sgl'")
         for entry in self.lora_configs:
             if "path" not in entry:
                 raise ConfigError(f"mode {self.name}: every 'lora_configs' entry needs a 'path'")
@@ -138,16 +133,14 @@ def resolve_lora_path(path: str, base_dir: Path | None, lora_dir: Path | None) -
     return str((Path(folder).expanduser() / path).resolve()) if folder is not None else path
 
 
-def mode_from_dict(
-    raw: dict, name: str = "mode", base_dir: Path | None = None, lora_dir: Path | None = None
-) -> ModeSpec:
+def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None,
+                   lora_dir: Path | None = None) -> ModeSpec:
     """Build a ModeSpec from the seed's JSON layout; LoRA paths resolve as :func:`resolve_lora_path`."""
     parallel = raw.get("parallel") or {}
     sampling_keys = {f.name for f in fields(SamplingParams)}
     try:
-        sampling = SamplingParams(
-            **{k: (tuple(v) if k == "cfg_interval" else v) for k, v in raw.items() if k in sampling_keys}
-        )
+        sampling = SamplingParams(**{k: (tuple(v) if k == "cfg_interval" else v)
+                                     for k, v in raw.items() if k in sampling_keys})
     except InputError as exc:
         raise ConfigError(f"mode {name}: {exc}") from exc
     loras = []
@@ -158,16 +151,11 @@ def mode_from_dict(
         loras.append(entry)
     size = raw.get("target_shape") or raw.get("default_size") or [1024, 1024]
     mode = ModeSpec(
-        name=name,
-        version=raw.get("version", "dense"),
-        sampling=sampling,
-        cfg_p_size=int(parallel.get("cfg_p_size", 1)),
-        seq_p_size=int(parallel.get("seq_p_size", 1)),
+        name=name, version=raw.get("version", "dense"), sampling=sampling,
+        cfg_p_size=int(parallel.get("cfg_p_size", 1)), seq_p_size=int(parallel.get("seq_p_size", 1)),
         seq_p_attn_type=parallel.get("seq_p_attn_type", "ulysses"),
-        dit_quantized=bool(raw.get("dit_quantized", False)),
-        dit_quant_scheme=raw.get("dit_quant_scheme"),
-        lora_configs=tuple(loras),
-        default_size=(int(size[0]), int(size[1])),
+        dit_quantized=bool(raw.get("dit_quantized", False)), dit_quant_scheme=raw.get("dit_quant_scheme"),
+        lora_configs=tuple(loras), default_size=(int(size[0]), int(size[1])),
     )
     mode.check()
     return mode
@@ -182,6 +170,5 @@ def load_mode(path: str | Path, lora_dir: str | Path | None = None) -> ModeSpec:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ConfigError(f"mode file {path}: not valid JSON ({exc})") from exc
-    return mode_from_dict(
-        raw, name=path.stem, base_dir=path.parent, lora_dir=None if lora_dir is None else Path(lora_dir)
-    )
+    return mode_from_dict(raw, name=path.stem, base_dir=path.parent,
+                          lora_dir=None if lora_dir is None else Path(lora_dir))

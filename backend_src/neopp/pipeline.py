@@ -35,6 +35,7 @@ StepFn = Callable[[int, float], None]
 BATCH_CFG_MAX_TOKENS = 4096
 
 
+
 @dataclass
 class GenerationRequest:
     """One image to generate; ``noise`` is drawn only once the request has passed validation."""
@@ -63,16 +64,9 @@ class Prepared:
 
 
 class NeoPPPipeline:
-    def __init__(
-        self,
-        config: CheckpointConfig,
-        transformer: NeoPPTransformer,
-        mode: ModeSpec,
-        device: torch.device,
-        dtype: torch.dtype,
-        limits: Limits | None = None,
-        support_tasks: tuple[str, ...] = TASKS,
-    ) -> None:
+    def __init__(self, config: CheckpointConfig, transformer: NeoPPTransformer, mode: ModeSpec,
+                 device: torch.device, dtype: torch.dtype, limits: Limits | None = None,
+                 support_tasks: tuple[str, ...] = TASKS) -> None:
         self.config, self.transformer, self.mode = config, transformer, mode
         self.device, self.dtype = device, dtype
         self.limits = limits or Limits()
@@ -80,24 +74,16 @@ class NeoPPPipeline:
         self.cfg_batching = "auto"
 
     @classmethod
-    def from_pretrained(
-        cls,
-        ckpt_dir: str | Path,
-        mode: ModeSpec | None = None,
-        device: str | None = None,
-        dtype: torch.dtype | None = None,
-        limits: Limits | None = None,
-        layer_linear: LinearFactory | None = None,
-    ) -> NeoPPPipeline:
+    def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeSpec | None = None, device: str | None = None,
+                        dtype: torch.dtype | None = None, limits: Limits | None = None,
+                        layer_linear: LinearFactory | None = None) -> NeoPPPipeline:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or default_dtype(dev)
         mode = mode or ModeSpec()
         config, tensors = load_checkpoint(ckpt_dir)
         if (mode.version == "moe") != config.is_moe:
-            raise ConfigError(
-                f"mode {mode.name}: version {mode.version!r} does not match the checkpoint "
-                f"({'MoE' if config.is_moe else 'dense'} weights in {ckpt_dir})"
-            )
+            raise ConfigError(f"mode {mode.name}: version {mode.version!r} does not match the checkpoint "
+                              f"({'MoE' if config.is_moe else 'dense'} weights in {ckpt_dir})")
         if mode.lora_configs:  # merged into the weights, before any quantisation
             apply_loras_(tensors, mode.lora_configs)
         if mode.dit_quantized:  # FP8 layer linears; quantise in place so originals are freed early
@@ -120,9 +106,8 @@ class NeoPPPipeline:
 
     def grid(self, height: int, width: int) -> Grid:
         c = self.config
-        return Grid.build(
-            height, width, c.patch_size, c.merge_size, c.vision_hidden_size, c.rope_theta_vision, self.device
-        )
+        return Grid.build(height, width, c.patch_size, c.merge_size, c.vision_hidden_size, c.rope_theta_vision,
+                          self.device)
 
     def branch(self, kv: torch.Tensor, offset: int, grid: Grid) -> BranchContext:
         return BranchContext(kv, offset, grid, self.config, self.device, self.dtype)
@@ -147,9 +132,8 @@ class NeoPPPipeline:
         x_pred = self.transformer.predict(hid, grid).float()
         return x_pred.sub_(z).div_(max(1.0 - t, 0.02))  # x_pred is a fresh tensor: no temporaries
 
-    def step_velocity(
-        self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int, sampling: SamplingParams
-    ) -> torch.Tensor:
+    def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
+                      sampling: SamplingParams) -> torch.Tensor:
         """The (guided) velocity of step k; the parallel engine overrides this."""
         t = prep.times[k]
         hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
@@ -170,13 +154,8 @@ class NeoPPPipeline:
         return self.cfg_batching == "on"
 
     @torch.inference_mode()
-    def sample(
-        self,
-        req: GenerationRequest,
-        should_stop: StopFn | None = None,
-        on_step: StepFn | None = None,
-        prep: Prepared | None = None,
-    ) -> torch.Tensor:
+    def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
+               prep: Prepared | None = None) -> torch.Tensor:
         """Run every step; the state stays float32 whatever the run dtype."""
         prep = prep or self.prepare(req)
         t_size = prep.grid.token_size
@@ -196,9 +175,8 @@ class NeoPPPipeline:
                 on_step(k, time.perf_counter() - start)
         return x
 
-    def generate(
-        self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None
-    ) -> np.ndarray:
+    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
+                 on_step: StepFn | None = None) -> np.ndarray:
         """Final uint8 pixels [H, W, 3]."""
         return to_pixels(self.sample(req, should_stop, on_step))
 
@@ -213,8 +191,7 @@ def check_finite(state: torch.Tensor, step: int, steps: int) -> None:
         raise NonFiniteState(
             f"cond_kv: the denoising state stopped being finite (inf or NaN) at step {step} of {steps}; "
             "the request's values (KV prefix magnitudes, CFG_SCALE) drive the model out of range, "
-            "so no image is returned"
-        )
+            "so no image is returned")
 
 
 def set_threads(threads: int | None) -> None:

@@ -37,8 +37,7 @@ def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def is_layer_linear(key: str) -> bool:
     """Decoder-layer projection weights: the ones the FP8 mode quantises (router excluded)."""
     return (key.startswith(LM + "layers.") and key.endswith("_proj_mot_gen.weight")) or (
-        key.startswith(LM + "layers.") and ".mlp_mot_gen." in key and key.endswith("_proj.weight")
-    )
+        key.startswith(LM + "layers.") and ".mlp_mot_gen." in key and key.endswith("_proj.weight"))
 
 
 def quantize_checkpoint_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -76,12 +75,8 @@ def quantize_layer_linears_(tensors: dict[str, torch.Tensor]) -> int:
 
 def scaled_mm_supported(device: torch.device) -> bool:
     """Row-wise scaled FP8 matmul needs CUDA compute capability 9.0+ (Hopper and later)."""
-    return (
-        device.type == "cuda"
-        and hasattr(torch, "_scaled_mm")
-        and FP8_DTYPE is not None
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-    )
+    return (device.type == "cuda" and hasattr(torch, "_scaled_mm") and FP8_DTYPE is not None
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 class FP8Linear(Linear):
@@ -90,13 +85,11 @@ class FP8Linear(Linear):
     `weight` is float8_e4m3fn [out, in]; `scale` float32 [out].
     """
 
-    def __init__(
-        self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, kernel: str = "auto"
-    ) -> None:
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel: str = "auto") -> None:
         if weight.dtype != FP8_DTYPE or weight.dim() != 2:
-            raise ConfigError(
-                f"FP8Linear: weight must be a 2-D {FP8_DTYPE} tensor, got {weight.dtype} {tuple(weight.shape)}"
-            )
+            raise ConfigError(f"FP8Linear: weight must be a 2-D {FP8_DTYPE} tensor, "
+                              f"got {weight.dtype} {tuple(weight.shape)}")
         if scale.numel() != weight.shape[0]:
             raise ConfigError(f"FP8Linear: {scale.numel()} scales for {weight.shape[0]} output channels")
         if kernel not in KERNELS:
@@ -124,7 +117,8 @@ class FP8Linear(Linear):
         x2 = x.reshape(-1, shape[-1]).float()
         x_scale = (x2.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
         xq = (x2 / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_row, out_dtype=torch.bfloat16)
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=x_scale, scale_b=self._scale_row,
+                             out_dtype=torch.bfloat16)
         y = y.to(x.dtype).view(*shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 

@@ -28,9 +28,6 @@ def parallelism_note(mode: ModeSpec, req: GenerationRequest, plan: list[bool]) -
         guidance = f"cfg-parallel active on {guided}/{len(plan)} steps"
         if guided < len(plan):
             guidance += f" ({len(plan) - guided} outside cfg_interval {s.cfg_interval})"
-    seq = (
-        f"sequence-parallel (ulysses) active on {mode.seq_p_size} ranks per branch"
-        if mode.seq_p_size > 1
-        else "sequence-parallel off"
-    )
+    seq = (f"sequence-parallel (ulysses) active on {mode.seq_p_size} ranks per branch" if mode.seq_p_size > 1
+           else "sequence-parallel off")
     return f"{guidance}; {seq}"

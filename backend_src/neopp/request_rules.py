@@ -30,20 +30,15 @@ def check_side_bounds(height: int, width: int, limits: Limits, field: str = "siz
     """Positive sides within ``max_side`` and ``max_pixels``, on Python ints: no size reaches a
     tensor (even a shape-only one) before this passes. ``multiple`` only words the message."""
     if height <= 0 or width <= 0:
-        rule = (
-            "[height, width] must be positive"
-            if multiple == 1
-            else f"height and width must each be a positive multiple of {multiple}"
-        )
+        rule = "[height, width] must be positive" if multiple == 1 else \
+            f"height and width must each be a positive multiple of {multiple}"
         raise InputError(f"{field}: {rule}, got [{height}, {width}]")
     if max(height, width) > limits.max_side:
-        raise InputError(
-            f"{field}: each side must be at most {limits.max_side} pixels (the maximum side), got [{height}, {width}]"
-        )
+        raise InputError(f"{field}: each side must be at most {limits.max_side} pixels (the maximum side), "
+                         f"got [{height}, {width}]")
     if height * width > limits.max_pixels:
-        raise InputError(
-            f"{field}: {height}x{width} = {height * width} pixels exceeds the maximum of {limits.max_pixels}"
-        )
+        raise InputError(f"{field}: {height}x{width} = {height * width} pixels exceeds the maximum of "
+                         f"{limits.max_pixels}")
 
 
 def check_offset(value: int, limits: Limits, field: str) -> None:
@@ -88,11 +83,9 @@ class RequestRules:
                 raise InputError("index_offset_uncond: required when uncond_kv is given")
             check_offset(req.index_offset_uncond, self.limits, "index_offset_uncond")
         if any(plan_of(req.sampling)) and req.uncond_kv is None:
-            raise InputError(
-                f"uncond_kv: required because guidance is on for some steps "
-                f"(cfg_scale {req.sampling.cfg_scale} > 1 inside cfg_interval "
-                f"{req.sampling.cfg_interval}); send it, or set cfg_scale <= 1"
-            )
+            raise InputError(f"uncond_kv: required because guidance is on for some steps "
+                             f"(cfg_scale {req.sampling.cfg_scale} > 1 inside cfg_interval "
+                             f"{req.sampling.cfg_interval}); send it, or set cfg_scale <= 1")
 
     def check_size(self, height: int, width: int, field: str = "size") -> None:
         """Bounds, then what the checkpoint needs: whole tokens and enough vision positions."""
@@ -105,7 +98,5 @@ class RequestRules:
                 raise InputError(f"{field}: {what} must be a positive multiple of {t}, got {v}")
         max_patches = self.config.max_position_embeddings_vision
         if max(height, width) // self.config.patch_size > max_patches:
-            raise InputError(
-                f"{field}: {max(height, width)} pixels exceed the vision positions of the checkpoint "
-                f"({max_patches} patches of {self.config.patch_size})"
-            )
+            raise InputError(f"{field}: {max(height, width)} pixels exceed the vision positions of the checkpoint "
+                             f"({max_patches} patches of {self.config.patch_size})")

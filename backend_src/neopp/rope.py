@@ -31,9 +31,8 @@ def apply_vision_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> 
 class Rope3D:
     """Temporal / row / column rotate-half segments of one head, for one branch's tokens."""
 
-    def __init__(
-        self, offset: int, rows: int, cols: int, head_dim: int, theta: float, theta_hw: float, device: torch.device
-    ) -> None:
+    def __init__(self, offset: int, rows: int, cols: int, head_dim: int, theta: float, theta_hw: float,
+                 device: torch.device) -> None:
         hd = head_dim
         ft = 1.0 / theta ** (torch.arange(hd // 4, dtype=torch.float64) * 4.0 / hd)
         fs = 1.0 / theta_hw ** (torch.arange(hd // 8, dtype=torch.float64) * 8.0 / hd)
@@ -62,7 +61,8 @@ class Rope3D:
     @classmethod
     def concat(cls, ropes: list[Rope3D]) -> Rope3D:
         """Several branches' tokens one after the other (batched CFG)."""
-        return cls._from_tables(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]), ropes[0].perm)
+        return cls._from_tables(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]),
+                                ropes[0].perm)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [tokens, heads, head_dim] -> rotated, same dtype."""

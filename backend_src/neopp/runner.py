@@ -24,17 +24,10 @@ _KEEP = object()
 
 
 class NeoPPRunner:
-    def __init__(
-        self,
-        ckpt_dir: str | Path,
-        mode: ModeSpec | str | Path | None = None,
-        device: str | None = None,
-        dtype: torch.dtype | None = None,
-        default_task: str = "t2i",
-        support_tasks: Sequence[str] = TASKS,
-        pipeline: NeoPPPipeline | None = None,
-        lora_dir: str | Path | None = None,
-    ) -> None:
+    def __init__(self, ckpt_dir: str | Path, mode: ModeSpec | str | Path | None = None, device: str | None = None,
+                 dtype: torch.dtype | None = None, default_task: str = "t2i",
+                 support_tasks: Sequence[str] = TASKS, pipeline: NeoPPPipeline | None = None,
+                 lora_dir: str | Path | None = None) -> None:
         """``lora_dir``: where the LoRA files a mode file names are (default: the mode file's folder)."""
         mode = load_mode(mode, lora_dir=lora_dir) if isinstance(mode, (str, Path)) else (mode or ModeSpec())
         self.pipeline = pipeline or NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype)
@@ -60,48 +53,23 @@ class NeoPPRunner:
         """Prefixes from replay-layout files (`.pt` or safetensors)."""
         self.set_kvcache(load_kv_file(cond_path), load_kv_file(uncond_path) if uncond_path else None)
 
-    def set_inference_params(
-        self,
-        index_offset_cond: int,
-        index_offset_uncond: int | None = None,
-        cfg_interval: Any = _KEEP,
-        cfg_scale: Any = _KEEP,
-        cfg_norm: Any = _KEEP,
-        timestep_shift: Any = _KEEP,
-        output_format: Any = _KEEP,
-        infer_steps: Any = _KEEP,
-        enable_cfg: Any = _KEEP,
-        image_guidance_scale: Any = _KEEP,
-        resize: Any = _KEEP,
-    ) -> None:
+    def set_inference_params(self, index_offset_cond: int, index_offset_uncond: int | None = None,
+                             cfg_interval: Any = _KEEP, cfg_scale: Any = _KEEP, cfg_norm: Any = _KEEP,
+                             timestep_shift: Any = _KEEP, output_format: Any = _KEEP, infer_steps: Any = _KEEP,
+                             enable_cfg: Any = _KEEP, image_guidance_scale: Any = _KEEP,
+                             resize: Any = _KEEP) -> None:
         """Offsets of this turn; values given here override the mode's for this turn only."""
-        overrides = {
-            k: v
-            for k, v in dict(
-                cfg_interval=cfg_interval,
-                cfg_scale=cfg_scale,
-                cfg_norm=cfg_norm,
-                timestep_shift=timestep_shift,
-                output_format=output_format,
-                infer_steps=infer_steps,
-                enable_cfg=enable_cfg,
-                image_guidance_scale=image_guidance_scale,
-            ).items()
-            if v is not _KEEP
-        }
+        overrides = {k: v for k, v in dict(cfg_interval=cfg_interval, cfg_scale=cfg_scale, cfg_norm=cfg_norm,
+                                           timestep_shift=timestep_shift, output_format=output_format,
+                                           infer_steps=infer_steps, enable_cfg=enable_cfg,
+                                           image_guidance_scale=image_guidance_scale).items() if v is not _KEEP}
         self.sampling = self.mode_sampling.replace(**overrides)
         self._offsets = (index_offset_cond, index_offset_uncond)
         if resize is not _KEEP:
             self._resize = tuple(resize) if resize else None
 
-    def generate(
-        self,
-        seed: int | None = None,
-        size: Sequence[int] | None = None,
-        task: str | None = None,
-        save_result_path: str = "",
-        target_shape: Sequence[int] | None = None,
-    ) -> bytes:
+    def generate(self, seed: int | None = None, size: Sequence[int] | None = None, task: str | None = None,
+                 save_result_path: str = "", target_shape: Sequence[int] | None = None) -> bytes:
         """Encoded image bytes; also written to `save_result_path` when given.
 
         An explicit seed starts a fresh stream; `None` continues the previous generation's.
@@ -112,16 +80,9 @@ class NeoPPRunner:
         height, width = (int(v) for v in (size or self.default_size))
         if seed is not None:
             self.stream.reseed(seed)
-        req = GenerationRequest(
-            cond_kv=self._cond,
-            uncond_kv=self._uncond,
-            index_offset_cond=self._offsets[0],
-            index_offset_uncond=self._offsets[1],
-            height=height,
-            width=width,
-            sampling=self.sampling,
-            task=task or self.default_task,
-        )
+        req = GenerationRequest(cond_kv=self._cond, uncond_kv=self._uncond, index_offset_cond=self._offsets[0],
+                                index_offset_uncond=self._offsets[1], height=height, width=width,
+                                sampling=self.sampling, task=task or self.default_task)
         self.pipeline.validate(req)  # before drawing, so a refused request does not advance the stream
         req.noise = self.stream.draw(height, width)
         data = encode_image(self.pipeline.generate(req), self.sampling.output_format, self._resize)

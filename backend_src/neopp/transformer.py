@@ -23,15 +23,8 @@ class BranchContext:
     and each step only overwrites the image tokens' slots, so the prefix is never re-copied.
     """
 
-    def __init__(
-        self,
-        kv_online: torch.Tensor,
-        offset: int,
-        grid: Grid,
-        config: CheckpointConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-    ) -> None:
+    def __init__(self, kv_online: torch.Tensor, offset: int, grid: Grid, config: CheckpointConfig,
+                 device: torch.device, dtype: torch.dtype) -> None:
         layers, _, seq, kv_heads, head_dim = kv_online.shape
         total = seq + grid.num_tokens
         self.prefix_len = seq
@@ -66,16 +59,8 @@ class BatchedBranches:
 class NeoPPTransformer:
     """Pre-infer (embed), the decoder layers (per branch), post-infer (head)."""
 
-    def __init__(
-        self,
-        config: CheckpointConfig,
-        patch: PatchEmbed,
-        t_embed: MLPEmbedder,
-        ns_embed: MLPEmbedder | None,
-        layers: list[DecoderLayer],
-        final_norm: torch.Tensor,
-        head: MLPHead | PixelHead,
-    ) -> None:
+    def __init__(self, config: CheckpointConfig, patch: PatchEmbed, t_embed: MLPEmbedder, ns_embed: MLPEmbedder | None,
+                 layers: list[DecoderLayer], final_norm: torch.Tensor, head: MLPHead | PixelHead) -> None:
         self.config, self.patch, self.t_embed, self.ns_embed = config, patch, t_embed, ns_embed
         self.layers, self.final_norm, self.head = layers, final_norm, head
 
@@ -107,13 +92,8 @@ class NeoPPTransformer:
         return [lin for layer in self.layers for lin in layer.linears()]
 
     @staticmethod
-    def from_tensors(
-        config: CheckpointConfig,
-        tensors: dict[str, torch.Tensor],
-        device: torch.device,
-        dtype: torch.dtype,
-        layer_linear: LinearFactory | None = None,
-    ) -> NeoPPTransformer:
+    def from_tensors(config: CheckpointConfig, tensors: dict[str, torch.Tensor], device: torch.device,
+                     dtype: torch.dtype, layer_linear: LinearFactory | None = None) -> NeoPPTransformer:
         """Assemble from checked checkpoint tensors; `layer_linear` builds decoder-layer linears
         (the FP8 mode passes its own), every other weight is cast to `dtype`."""
 
@@ -139,26 +119,16 @@ class NeoPPTransformer:
                 mlp = MoE(lin(m + "gate.weight"), experts, config.num_experts_per_tok, config.norm_topk_prob)
             else:
                 mlp = swiglu(m)
-            layers.append(
-                DecoderLayer(
-                    input_norm=t(p + "input_layernorm_mot_gen.weight"),
-                    post_norm=t(p + "post_attention_layernorm_mot_gen.weight"),
-                    q_proj=layer_lin(a + "q_proj_mot_gen.weight"),
-                    k_proj=layer_lin(a + "k_proj_mot_gen.weight"),
-                    v_proj=layer_lin(a + "v_proj_mot_gen.weight"),
-                    o_proj=layer_lin(a + "o_proj_mot_gen.weight"),
-                    q_norm=torch.stack([t(a + "q_norm_mot_gen.weight"), t(a + "q_norm_hw_mot_gen.weight")]),
-                    k_norm=torch.stack([t(a + "k_norm_mot_gen.weight"), t(a + "k_norm_hw_mot_gen.weight")]),
-                    mlp=mlp,
-                )
-            )
-        patch = PatchEmbed(
-            t(VISION + "patch_embedding.weight"),
-            t(VISION + "patch_embedding.bias"),
-            t(VISION + "dense_embedding.weight"),
-            t(VISION + "dense_embedding.bias"),
-            config.patch_size,
-        )
+            layers.append(DecoderLayer(
+                input_norm=t(p + "input_layernorm_mot_gen.weight"),
+                post_norm=t(p + "post_attention_layernorm_mot_gen.weight"),
+                q_proj=layer_lin(a + "q_proj_mot_gen.weight"), k_proj=layer_lin(a + "k_proj_mot_gen.weight"),
+                v_proj=layer_lin(a + "v_proj_mot_gen.weight"), o_proj=layer_lin(a + "o_proj_mot_gen.weight"),
+                q_norm=torch.stack([t(a + "q_norm_mot_gen.weight"), t(a + "q_norm_hw_mot_gen.weight")]),
+                k_norm=torch.stack([t(a + "k_norm_mot_gen.weight"), t(a + "k_norm_hw_mot_gen.weight")]),
+                mlp=mlp))
+        patch = PatchEmbed(t(VISION + "patch_embedding.weight"), t(VISION + "patch_embedding.bias"),
+                           t(VISION + "dense_embedding.weight"), t(VISION + "dense_embedding.bias"), config.patch_size)
 
         def embedder(name: str) -> MLPEmbedder:
             return MLPEmbedder(lin(f"{FM}{name}.mlp.0.weight", True), lin(f"{FM}{name}.mlp.2.weight", True))
@@ -169,9 +139,8 @@ class NeoPPTransformer:
         else:
             head = MLPHead(lin(FM + "fm_head.0.weight", True), lin(FM + "fm_head.2.weight", True))
         ns = embedder("noise_scale_embedder") if config.add_noise_scale_embedding else None
-        return NeoPPTransformer(
-            config, patch, embedder("timestep_embedder"), ns, layers, t(LM + "norm_mot_gen.weight"), head
-        )
+        return NeoPPTransformer(config, patch, embedder("timestep_embedder"), ns, layers,
+                                t(LM + "norm_mot_gen.weight"), head)
 
 
 def dequantised(key: str, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:

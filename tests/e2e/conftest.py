@@ -30,16 +30,8 @@ from testing import REPO as REPO_ROOT
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 from testing.tiny_lora import write_tiny_loras
 
-E2E_MODELS = (
-    "neopp_dense",
-    "neopp_session",
-    "neopp_dense_fp8",
-    "neopp_dense_8steps",
-    "neopp_moe",
-    "neopp_moe_cfg",
-    "neopp_dense_cfg",
-    "neopp_dense_cfg_seq",
-)
+E2E_MODELS = ("neopp_dense", "neopp_session", "neopp_dense_fp8", "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg",
+              "neopp_dense_cfg", "neopp_dense_cfg_seq")
 MOE_MODELS = ("neopp_moe", "neopp_moe_cfg")  # served from the tiny MoE checkpoint
 MODEL = "neopp_dense"
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # write_sample_kv defaults; also used as the offsets
@@ -128,12 +120,8 @@ class TritonHandle:
 
 
 def _datatype(arr: np.ndarray) -> str:
-    return {
-        np.dtype(np.int64): "INT64",
-        np.dtype(np.float32): "FP32",
-        np.dtype(np.uint8): "UINT8",
-        np.dtype(np.object_): "BYTES",
-    }[arr.dtype]
+    return {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.uint8): "UINT8",
+            np.dtype(np.object_): "BYTES"}[arr.dtype]
 
 
 @pytest.fixture(scope="session")
@@ -168,24 +156,16 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
         env.pop(key)  # a developer's per-model override must not leak into the suite
     env.update({"NEOPP_CHECKPOINT_" + m.upper(): str(tiny_moe) for m in MOE_MODELS})
     env["NEOPP_LORA_DIR"] = str(ensure_8steps_lora().parent)
-    server = TritonServer(
-        REPO_ROOT / "model_repository",
-        env=env,
-        log_path=log_path,
-        extra_args=[
-            "--model-control-mode=explicit",
-            "--exit-timeout-secs=15",
-            *(f"--load-model={m}" for m in E2E_MODELS),
-        ],
-    )
+    server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=log_path,
+                          extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
+                                      *(f"--load-model={m}" for m in E2E_MODELS)])
     server.start()
     pgid = server.process.pid
     try:
         server.wait_ready(timeout=600)  # eight models, rank workers included, on a busy host
         kv = tiny_dense / "sample_kv"
-        handle = TritonHandle(
-            server, tiny_dense, load_kv_file(kv / "cond_kv.pt"), load_kv_file(kv / "uncond_kv.pt"), log_path
-        )
+        handle = TritonHandle(server, tiny_dense, load_kv_file(kv / "cond_kv.pt"),
+                              load_kv_file(kv / "uncond_kv.pt"), log_path)
         yield handle
         handle.grpc.close()
         handle.http.close()  # an open keep-alive connection would hold a graceful stop

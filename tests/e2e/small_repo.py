@@ -28,7 +28,8 @@ def write_repo(root: Path, session_params: dict[str, str], candidates: int) -> P
     mode = REPO_ROOT / "configs" / "neopp" / "neopp_dense.json"
     dense.write_text(dense.read_text().replace('"configs/neopp/neopp_dense.json"', f'"{mode}"'))
     session = repo / "neopp_session" / "config.pbtxt"
-    text = re.sub(r"max_candidate_sequences: \d+", f"max_candidate_sequences: {candidates}", session.read_text())
+    text = re.sub(r"max_candidate_sequences: \d+", f"max_candidate_sequences: {candidates}",
+                  session.read_text())
     for key, value in session_params.items():
         text = re.sub(rf'(key: "{key}" value: {{ string_value: )"[^"]*"', rf'\1"{value}"', text)
     session.write_text(text)
@@ -41,17 +42,9 @@ class SmallServer:
     def __init__(self, repo: Path, checkpoint: Path, log_path: Path) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT_")}
         env["NEOPP_CHECKPOINT"] = str(checkpoint)
-        self.server = TritonServer(
-            repo,
-            env=env,
-            log_path=log_path,
-            extra_args=[
-                "--model-control-mode=explicit",
-                "--exit-timeout-secs=15",
-                "--load-model=neopp_dense",
-                "--load-model=neopp_session",
-            ],
-        )
+        self.server = TritonServer(repo, env=env, log_path=log_path,
+                                   extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
+                                               "--load-model=neopp_dense", "--load-model=neopp_session"])
         kv = checkpoint / "sample_kv"
         self.cond, self.uncond = load_kv_file(kv / "cond_kv.pt"), load_kv_file(kv / "uncond_kv.pt")
         self.pgid = 0
@@ -73,15 +66,12 @@ class SmallServer:
 
     def tensors(self, **overrides) -> list[grpcclient.InferInput]:
         """A valid 64x64, 1-step guided request; ``NAME=None`` drops an input."""
-        req = {
-            "COND_KV": (self.cond.float().numpy(), "BF16"),
-            "UNCOND_KV": (self.uncond.float().numpy(), "BF16"),
-            "INDEX_OFFSET_COND": (np.array([COND_TOKENS], np.int64), "INT64"),
-            "INDEX_OFFSET_UNCOND": (np.array([UNCOND_TOKENS], np.int64), "INT64"),
-            "SIZE": (np.array([64, 64], np.int64), "INT64"),
-            "STEPS": (np.array([1], np.int64), "INT64"),
-            "OUTPUT_FORMAT": (np.array([b"png"], np.object_), "BYTES"),
-        }
+        req = {"COND_KV": (self.cond.float().numpy(), "BF16"),
+               "UNCOND_KV": (self.uncond.float().numpy(), "BF16"),
+               "INDEX_OFFSET_COND": (np.array([COND_TOKENS], np.int64), "INT64"),
+               "INDEX_OFFSET_UNCOND": (np.array([UNCOND_TOKENS], np.int64), "INT64"),
+               "SIZE": (np.array([64, 64], np.int64), "INT64"), "STEPS": (np.array([1], np.int64), "INT64"),
+               "OUTPUT_FORMAT": (np.array([b"png"], np.object_), "BYTES")}
         req.update(overrides)
         out = []
         for name, value in req.items():

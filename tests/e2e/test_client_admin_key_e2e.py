@@ -35,13 +35,9 @@ def restricted(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     """Only ``neopp_dense``, the administrative APIs (shared memory included) behind KEY."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT") and k != KEY_ENV}
     env["NEOPP_CHECKPOINT"] = str(tiny_dense)
-    server = TritonServer(
-        REPO_ROOT / "model_repository",
-        env=env,
-        admin_key=KEY,
-        log_path=tmp_path_factory.mktemp("restricted") / "server.log",
-        extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}"],
-    )
+    server = TritonServer(REPO_ROOT / "model_repository", env=env, admin_key=KEY,
+                          log_path=tmp_path_factory.mktemp("restricted") / "server.log",
+                          extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}"])
     with server:
         yield server
 

@@ -33,9 +33,8 @@ def _next_request_runs_alone(triton, start_steps: float, ran: float) -> None:
 def test_client_cancel_stops_generation_between_steps(triton):
     start, cancelled_before = triton.metric(STEPS), triton.metric("neopp_failures_total", **CANCELLED)
     answers: queue.Queue = queue.Queue()
-    call = triton.grpc.async_infer(
-        "neopp_dense", triton.grpc_tensors(**LONG), callback=lambda result, error: answers.put((result, error))
-    )
+    call = triton.grpc.async_infer("neopp_dense", triton.grpc_tensors(**LONG),
+                                   callback=lambda result, error: answers.put((result, error)))
     assert triton.wait_metric(STEPS, start + 2) >= start + 2, "generation did not start"
     call.cancel()
     result, error = answers.get(timeout=60)
@@ -64,10 +63,8 @@ def test_custom_metrics_appear_and_move(triton):
     assert after[STEPS] == before[STEPS] + 3
     assert after["neopp_generation_seconds_total"] > before["neopp_generation_seconds_total"]
     assert after["neopp_step_seconds_total"] > before["neopp_step_seconds_total"]
-    assert (
-        after["neopp_generation_seconds_total"] - before["neopp_generation_seconds_total"]
-        >= after["neopp_step_seconds_total"] - before["neopp_step_seconds_total"]
-    )
+    assert after["neopp_generation_seconds_total"] - before["neopp_generation_seconds_total"] >= \
+        after["neopp_step_seconds_total"] - before["neopp_step_seconds_total"]
 
     invalid = triton.metric("neopp_failures_total", reason="invalid_input")
     with pytest.raises(InferenceServerException):

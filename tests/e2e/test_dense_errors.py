@@ -63,12 +63,8 @@ CASES = [
     ("shift-zero", lambda t: {"TIMESTEP_SHIFT": np.array([0.0], F32)}, "TIMESTEP_SHIFT", "> 0"),
     ("resize-zero", lambda t: {"RESIZE": np.array([0, 32], I64)}, "RESIZE", "positive"),
     ("rng-state-short", lambda t: {"RNG_STATE": np.zeros(10, np.uint8)}, "RNG_STATE", "bytes"),
-    (
-        "seed-and-rng-state",
-        lambda t: {"SEED": np.array([1], I64), "RNG_STATE": np.zeros(10, np.uint8)},
-        "SEED",
-        "not both",
-    ),
+    ("seed-and-rng-state", lambda t: {"SEED": np.array([1], I64), "RNG_STATE": np.zeros(10, np.uint8)}, "SEED",
+     "not both"),
     ("image-guidance", lambda t: {"IMAGE_GUIDANCE_SCALE": np.array([2.0], F32)}, "IMAGE_GUIDANCE_SCALE", "refused"),
 ]
 

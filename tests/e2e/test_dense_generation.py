@@ -32,13 +32,11 @@ def test_metadata_reports_checkpoint_kv_geometry(triton):
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])
-@pytest.mark.parametrize(
-    "size,fmt,pil_format", [((64, 96), "png", "PNG"), ((96, 64), "jpeg", "JPEG"), ((64, 64), "webp", "WEBP")]
-)
+@pytest.mark.parametrize("size,fmt,pil_format", [((64, 96), "png", "PNG"), ((96, 64), "jpeg", "JPEG"),
+                                                 ((64, 64), "webp", "WEBP")])
 def test_image_has_requested_size_and_format(triton, transport, size, fmt, pil_format):
-    overrides = dict(
-        SIZE=np.array(size, np.int64), OUTPUT_FORMAT=np.array([fmt.encode()], np.object_), SEED=np.array([1], np.int64)
-    )
+    overrides = dict(SIZE=np.array(size, np.int64), OUTPUT_FORMAT=np.array([fmt.encode()], np.object_),
+                     SEED=np.array([1], np.int64))
     result = triton.infer_grpc(**overrides) if transport == "grpc" else triton.infer_http(**overrides)
     image = triton.image(result)
     assert image.format == pil_format
@@ -66,16 +64,9 @@ def test_seeded_png_is_identical_across_calls_transports_and_in_process(triton, 
 
     stream = NoiseStream(seed)
     sampling = pipeline.mode.sampling.replace(infer_steps=4, output_format="png")
-    req = GenerationRequest(
-        cond_kv=triton.cond,
-        uncond_kv=triton.uncond,
-        index_offset_cond=24,
-        index_offset_uncond=7,
-        height=size[0],
-        width=size[1],
-        noise=stream.draw(*size),
-        sampling=sampling,
-    )
+    req = GenerationRequest(cond_kv=triton.cond, uncond_kv=triton.uncond, index_offset_cond=24,
+                            index_offset_uncond=7, height=size[0], width=size[1],
+                            noise=stream.draw(*size), sampling=sampling)
     assert encode_image(pipeline.generate(req), "png") == images[0]
     assert served[0].as_numpy("NEXT_RNG_STATE").tobytes() == stream.state()
 

@@ -38,12 +38,8 @@ def _valid(triton, seed: int | None = 3, **change):
 
 @pytest.fixture()
 def watchdog(triton):
-    with StubWatchdog(
-        grpcclient.InferenceServerClient(triton.server.grpc_url),
-        triton.server.process.pid,
-        interval_s=0.25,
-        grace_s=0.5,
-    ) as dog:
+    with StubWatchdog(grpcclient.InferenceServerClient(triton.server.grpc_url), triton.server.process.pid,
+                      interval_s=0.25, grace_s=0.5) as dog:
         yield dog
 
 
@@ -53,9 +49,8 @@ def test_stub_killed_between_requests_is_reloaded(triton, watchdog):
     outcome = kill_stub(triton.grpc, triton.server.process.pid, MODEL, valid, expected, timeout=90)
     print(outcome)
     assert outcome.recovery_s is not None and outcome.same_bytes, outcome
-    assert all("is not healthy" in e or "not ready" in e or "unavailable" in e.lower() for e in outcome.seen_errors), (
-        outcome.seen_errors
-    )
+    assert all("is not healthy" in e or "not ready" in e or "unavailable" in e.lower()
+               for e in outcome.seen_errors), outcome.seen_errors
     assert [r.model for r in watchdog.recoveries] == [MODEL]
     assert model_stubs(triton.server.process.pid, MODEL) not in ([], [outcome.killed_pid])
     assert triton.grpc.is_server_ready() and triton.grpc.is_model_ready(MODEL)
@@ -65,16 +60,8 @@ def test_stub_killed_during_request_fails_cleanly_then_recovers(triton, watchdog
     valid = _valid(triton)
     expected = image_bytes(infer(triton.grpc, MODEL, valid))
     long = _valid(triton, SIZE=(np.array([512, 512], np.int64), "INT64"), STEPS=(np.array([200], np.int64), "INT64"))
-    outcome = kill_stub(
-        triton.grpc,
-        triton.server.process.pid,
-        MODEL,
-        valid,
-        expected,
-        during=long,
-        metrics_url=triton.server.metrics_url,
-        timeout=90,
-    )
+    outcome = kill_stub(triton.grpc, triton.server.process.pid, MODEL, valid, expected, during=long,
+                        metrics_url=triton.server.metrics_url, timeout=90)
     print(outcome)
     assert outcome.in_flight is not None and "is not healthy" in outcome.in_flight, outcome
     assert outcome.recovery_s is not None and outcome.recovery_s < 60 and outcome.same_bytes, outcome
@@ -90,10 +77,8 @@ def test_session_model_restart_refuses_held_sessions(triton):
         signal_own(server_pid, stub_pid(server_pid, "neopp_session"))
         force_reload(triton.grpc, "neopp_session")
 
-    for how, restart in (
-        ("reload", lambda: force_reload(triton.grpc, "neopp_session")),
-        ("stub killed, then reloaded", kill_and_reload),
-    ):
+    for how, restart in (("reload", lambda: force_reload(triton.grpc, "neopp_session")),
+                         ("stub killed, then reloaded", kill_and_reload)):
         outcome = restart_session_model(triton.grpc, server_pid, inputs, 4242, restart, how)
         print(outcome)
         assert outcome.first_turn_ok and outcome.restart_ok, outcome
@@ -109,12 +94,9 @@ def own_server(triton, tmp_path, request):
     exit_timeout = getattr(request, "param", EXIT_TIMEOUT_S)
     env = dict(os.environ, NEOPP_CHECKPOINT=str(triton.checkpoint))
     env = {k: v for k, v in env.items() if not k.startswith("NEOPP_CHECKPOINT_")}
-    server = TritonServer(
-        REPO_ROOT / "model_repository",
-        env=env,
-        log_path=tmp_path / "server.log",
-        extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}", f"--exit-timeout-secs={exit_timeout}"],
-    )
+    server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=tmp_path / "server.log",
+                          extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}",
+                                      f"--exit-timeout-secs={exit_timeout}"])
     server.start()
     try:
         server.wait_ready(timeout=300)
@@ -124,14 +106,8 @@ def own_server(triton, tmp_path, request):
 
 
 # The mode's default size (1024x1024) must stay within max_side and max_pixels, or loading fails.
-LOW_LIMITS = {
-    "max_side": 1536,
-    "max_pixels": 1024 * 1024,
-    "max_prefix_tokens": 30,
-    "max_steps": 6,
-    "max_index_offset": 100,
-    "max_request_bytes": 25_000,
-}
+LOW_LIMITS = {"max_side": 1536, "max_pixels": 1024 * 1024, "max_prefix_tokens": 30, "max_steps": 6,
+              "max_index_offset": 100, "max_request_bytes": 25_000}
 
 
 def _limit_cases(triton):
@@ -156,12 +132,9 @@ def test_limits_from_config_are_enforced(triton, own_server):
         config = client.get_model_config(MODEL, as_json=True)["config"]
         config["parameters"].update({k: {"string_value": str(v)} for k, v in LOW_LIMITS.items()})
         client.load_model(MODEL, config=json.dumps(config))
-        at_limit = _valid(
-            triton,
-            SIZE=(np.array([32, 1536], np.int64), "INT64"),
-            STEPS=(np.array([6], np.int64), "INT64"),
-            INDEX_OFFSET_COND=(np.array([100], np.int64), "INT64"),
-        )
+        at_limit = _valid(triton, SIZE=(np.array([32, 1536], np.int64), "INT64"),
+                          STEPS=(np.array([6], np.int64), "INT64"),
+                          INDEX_OFFSET_COND=(np.array([100], np.int64), "INT64"))
         assert image_bytes(infer(client, MODEL, at_limit))
         for name, value, named, limit in _limit_cases(triton):
             for c in (client, http):
@@ -183,12 +156,8 @@ def test_limits_from_config_are_enforced(triton, own_server):
 DRAIN_EXIT_TIMEOUT_S = 240
 
 
-@pytest.mark.parametrize(
-    "own_server,target",
-    [(DRAIN_EXIT_TIMEOUT_S, "server"), (EXIT_TIMEOUT_S, "group")],
-    indirect=["own_server"],
-    ids=["server", "group"],
-)
+@pytest.mark.parametrize("own_server,target", [(DRAIN_EXIT_TIMEOUT_S, "server"), (EXIT_TIMEOUT_S, "group")],
+                         indirect=["own_server"], ids=["server", "group"])
 def test_sigterm_with_requests_in_flight(triton, own_server, target):
     """Each in-flight request gets an image or a clean error, the server exits, and none of its
     processes is left behind. SIGTERM to the server alone: Triton serves on during the exit
@@ -198,25 +167,19 @@ def test_sigterm_with_requests_in_flight(triton, own_server, target):
 
     The signal goes out only once Triton holds every request (one running, the rest queued, read
     from its metrics), so the outcome does not depend on how fast this machine is."""
-
     def long(side: int, steps: int):
-        return _valid(
-            triton, SIZE=(np.array([side, side], np.int64), "INT64"), STEPS=(np.array([steps], np.int64), "INT64")
-        )
+        return _valid(triton, SIZE=(np.array([side, side], np.int64), "INT64"),
+                      STEPS=(np.array([steps], np.int64), "INT64"))
 
     # the first (heaviest) request runs while the others queue; "group": minutes if not stopped
     longs = [long(256, 60), long(256, 24), long(256, 24)] if target == "server" else [long(512, 200)] * 3
     requests = [_valid(triton, seed=s) for s in range(3)] + longs
     timeout = DRAIN_EXIT_TIMEOUT_S + 60.0
-    kinds = itertools.cycle(
-        [  # in order of sending: gRPC and HTTP in turn; the late request is gRPC
-            lambda: grpcclient.InferenceServerClient(own_server.grpc_url),
-            lambda: httpclient.InferenceServerClient(own_server.http_url, network_timeout=timeout),
-        ]
-    )
-    outcome = sigterm_in_flight(
-        own_server, lambda: next(kinds)(), MODEL, requests, answer_timeout=timeout, group=target == "group"
-    )
+    kinds = itertools.cycle([  # in order of sending: gRPC and HTTP in turn; the late request is gRPC
+        lambda: grpcclient.InferenceServerClient(own_server.grpc_url),
+        lambda: httpclient.InferenceServerClient(own_server.http_url, network_timeout=timeout)])
+    outcome = sigterm_in_flight(own_server, lambda: next(kinds)(), MODEL, requests, answer_timeout=timeout,
+                                group=target == "group")
     print(outcome)
     assert outcome.queued == len(requests) - 1, outcome
     assert outcome.unanswered == 0 and outcome.left_behind == [], outcome

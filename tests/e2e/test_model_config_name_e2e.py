@@ -25,17 +25,10 @@ def client(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory) -> grpccl
     """A server of the shipped repository under the layout, with only the session model loaded."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT_")}
     env["NEOPP_CHECKPOINT"] = str(tiny_dense)
-    server = TritonServer(
-        REPO_ROOT / "model_repository",
-        env=env,
-        log_path=tmp_path_factory.mktemp("layout") / "tritonserver.log",
-        extra_args=[
-            "--model-control-mode=explicit",
-            "--exit-timeout-secs=15",
-            f"--model-config-name={LAYOUT}",
-            "--load-model=neopp_session",
-        ],
-    )
+    server = TritonServer(REPO_ROOT / "model_repository", env=env,
+                          log_path=tmp_path_factory.mktemp("layout") / "tritonserver.log",
+                          extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
+                                      f"--model-config-name={LAYOUT}", "--load-model=neopp_session"])
     server.start()
     pgid = server.process.pid
     try:

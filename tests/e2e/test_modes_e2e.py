@@ -30,16 +30,10 @@ def pixels(result) -> np.ndarray:
 def in_process_png(ckpt, mode_file: str, triton, seed: int, steps: int | None, with_uncond: bool = True) -> bytes:
     pipe = NeoPPPipeline.from_pretrained(ckpt, load_mode(MODES / mode_file, lora_dir=ensure_8steps_lora().parent))
     sampling = pipe.mode.sampling.replace(infer_steps=steps, output_format="png")
-    req = GenerationRequest(
-        cond_kv=triton.cond,
-        index_offset_cond=COND_TOKENS,
-        height=64,
-        width=64,
-        noise=NoiseStream(seed).draw(64, 64),
-        sampling=sampling,
-        uncond_kv=triton.uncond if with_uncond else None,
-        index_offset_uncond=UNCOND_TOKENS if with_uncond else None,
-    )
+    req = GenerationRequest(cond_kv=triton.cond, index_offset_cond=COND_TOKENS, height=64, width=64,
+                            noise=NoiseStream(seed).draw(64, 64), sampling=sampling,
+                            uncond_kv=triton.uncond if with_uncond else None,
+                            index_offset_uncond=UNCOND_TOKENS if with_uncond else None)
     return encode_image(pipe.generate(req), "png")
 
 
@@ -78,9 +72,8 @@ def test_8steps_runs_8_steps_without_uncond_pass(triton):
     png = in_process_png(triton.checkpoint, "neopp_dense_8steps.json", triton, 5, None, with_uncond=False)
     assert with_uncond.as_numpy("IMAGE")[0] == png  # the served model has the LoRA merged
     # and the LoRA matters: the plain dense model, same 8 unguided steps, gives another image
-    plain = infer(
-        triton, "neopp_dense", SEED=seed, STEPS=np.array([8], np.int64), CFG_SCALE=np.array([1.0], np.float32)
-    )
+    plain = infer(triton, "neopp_dense", SEED=seed, STEPS=np.array([8], np.int64),
+                  CFG_SCALE=np.array([1.0], np.float32))
     assert np.abs(pixels(plain) - pixels(with_uncond)).mean() > 1.0
 
 

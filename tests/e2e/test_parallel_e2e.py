@@ -55,22 +55,12 @@ def test_parallel_model_equals_single_device(triton, model, case):
 def test_log_states_whether_cfg_parallel_was_active(triton):
     infer(triton, "neopp_dense_cfg", SEED=np.array([1], np.int64))
     infer(triton, "neopp_dense_cfg", SEED=np.array([1], np.int64), CFG_SCALE=np.array([1.0], np.float32))
-    infer(
-        triton,
-        "neopp_dense_cfg",
-        SEED=np.array([1], np.int64),
-        UNCOND_KV=None,
-        INDEX_OFFSET_UNCOND=None,
-        CFG_SCALE=np.array([0.5], np.float32),
-    )
+    infer(triton, "neopp_dense_cfg", SEED=np.array([1], np.int64), UNCOND_KV=None, INDEX_OFFSET_UNCOND=None,
+          CFG_SCALE=np.array([0.5], np.float32))
     infer(triton, "neopp_dense_cfg_seq", SEED=np.array([1], np.int64))
     deadline = time.monotonic() + 60  # the stubs' log lines reach the file asynchronously
-    want = [
-        "cfg-parallel active on 4/4 steps",
-        "cfg-parallel inactive: CFG_SCALE 1.0 <= 1",
-        "cfg-parallel inactive: CFG_SCALE 0.5 <= 1",
-        "sequence-parallel (ulysses) active on 2 ranks",
-    ]
+    want = ["cfg-parallel active on 4/4 steps", "cfg-parallel inactive: CFG_SCALE 1.0 <= 1",
+            "cfg-parallel inactive: CFG_SCALE 0.5 <= 1", "sequence-parallel (ulysses) active on 2 ranks"]
     while time.monotonic() < deadline:
         log = triton.log_path.read_text(errors="replace")
         if all(w in log for w in want):

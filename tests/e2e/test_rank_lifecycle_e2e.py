@@ -26,7 +26,7 @@ from testing import REPO as REPO_ROOT
 MULTI_RANK = ("neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_moe_cfg")
 STEPS_METRIC = "neopp_denoising_steps_total"
 COLLECTIVE_TIMEOUT_S = 120  # config.pbtxt of neopp_dense_cfg
-START_LIMIT_S = 180  # a normal start takes 30-90 s here (2 busy cores); a hung one never ends
+START_LIMIT_S = 180         # a normal start takes 30-90 s here (2 busy cores); a hung one never ends
 START_CYCLES = 3  # bounded: each start loads three multi-rank models (about a minute here)
 
 
@@ -35,12 +35,9 @@ def _server(tmp: Path, dense: Path, moe: Path, models: tuple[str, ...], tag: str
     env["NEOPP_CHECKPOINT"] = str(dense)
     env.update({"NEOPP_CHECKPOINT_" + m.upper(): str(moe) for m in MOE_MODELS})
     env["NEOPP_LORA_DIR"] = str(ensure_8steps_lora().parent)
-    return TritonServer(
-        REPO_ROOT / "model_repository",
-        env=env,
-        log_path=tmp / f"{tag}.log",
-        extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15", *(f"--load-model={m}" for m in models)],
-    )
+    return TritonServer(REPO_ROOT / "model_repository", env=env, log_path=tmp / f"{tag}.log",
+                        extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
+                                    *(f"--load-model={m}" for m in models)])
 
 
 def _stop(server: TritonServer) -> None:
@@ -64,9 +61,8 @@ def cfg_server(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPa
     try:
         server.wait_ready(timeout=300)
         kv = tiny_dense / "sample_kv"
-        handle = TritonHandle(
-            server, tiny_dense, load_kv_file(kv / "cond_kv.pt"), load_kv_file(kv / "uncond_kv.pt"), server.log_path
-        )
+        handle = TritonHandle(server, tiny_dense, load_kv_file(kv / "cond_kv.pt"),
+                              load_kv_file(kv / "uncond_kv.pt"), server.log_path)
         yield handle
         handle.grpc.close()
         handle.http.close()
@@ -75,9 +71,8 @@ def cfg_server(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPa
 
 
 def _stub(server: TritonServer, model: str) -> int:
-    stubs = [
-        p for p in descendants(server.process.pid) if any(part.endswith(f"/{model}/1/model.py") for part in cmdline(p))
-    ]
+    stubs = [p for p in descendants(server.process.pid)
+             if any(part.endswith(f"/{model}/1/model.py") for part in cmdline(p))]
     assert len(stubs) == 1, f"expected one stub for {model}, found {stubs}"
     return stubs[0]
 
@@ -98,7 +93,8 @@ def test_frozen_rank_fails_request_fast_then_recovers(cfg_server: TritonHandle):
 
     def long_request() -> None:
         try:
-            _infer(cfg_server, model, SEED=seed, STEPS=np.array([200], np.int64), SIZE=np.array([256, 256], np.int64))
+            _infer(cfg_server, model, SEED=seed, STEPS=np.array([200], np.int64),
+                   SIZE=np.array([256, 256], np.int64))
             outcome["result"] = "ok"
         except InferenceServerException as exc:
             outcome["error"] = exc

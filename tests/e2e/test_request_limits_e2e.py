@@ -34,21 +34,17 @@ CASES = [
     ("shift-huge", lambda s: {"TIMESTEP_SHIFT": (np.array([3e38], F32), "FP32")}, "TIMESTEP_SHIFT"),
     ("cfg-scale-huge", lambda s: {"CFG_SCALE": (np.array([3e38], F32), "FP32")}, "CFG_SCALE"),
     ("resize-int64-max", lambda s: {"RESIZE": (np.array([2**63 - 1, 2**63 - 1], I64), "INT64")}, "RESIZE"),
-    ("offset-int64-min", lambda s: {"INDEX_OFFSET_COND": (np.array([-(2**63)], I64), "INT64")}, "INDEX_OFFSET_COND"),
+    ("offset-int64-min", lambda s: {"INDEX_OFFSET_COND": (np.array([-(2**63)], I64), "INT64")},
+     "INDEX_OFFSET_COND"),
     ("steps-int64-max", lambda s: {"STEPS": (np.array([2**63 - 1], I64), "INT64")}, "STEPS"),
-    ("format-4mib", lambda s: {"OUTPUT_FORMAT": (np.array([b"x" * (4 << 20)], np.object_), "BYTES")}, "OUTPUT_FORMAT"),
-    ("format-non-utf8", lambda s: {"OUTPUT_FORMAT": (np.array([b"\xff\xfe"], np.object_), "BYTES")}, "OUTPUT_FORMAT"),
-    (
-        "kv-absurd",
-        lambda s: {
-            "COND_KV": _absurd_kv(s),
-            "UNCOND_KV": None,
-            "INDEX_OFFSET_UNCOND": None,
-            "CFG_SCALE": (np.array([1.0], F32), "FP32"),
-            "STEPS": (np.array([2], I64), "INT64"),
-        },
-        "COND_KV",
-    ),
+    ("format-4mib", lambda s: {"OUTPUT_FORMAT": (np.array([b"x" * (4 << 20)], np.object_), "BYTES")},
+     "OUTPUT_FORMAT"),
+    ("format-non-utf8", lambda s: {"OUTPUT_FORMAT": (np.array([b"\xff\xfe"], np.object_), "BYTES")},
+     "OUTPUT_FORMAT"),
+    ("kv-absurd", lambda s: {"COND_KV": _absurd_kv(s), "UNCOND_KV": None, "INDEX_OFFSET_UNCOND": None,
+                             "CFG_SCALE": (np.array([1.0], F32), "FP32"),
+                             "STEPS": (np.array([2], I64), "INT64")},
+     "COND_KV"),
 ]
 
 
@@ -66,18 +62,12 @@ def _check(err: InferenceServerException, name: str) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_values_are_invalid_arg_naming_the_input(small, case):
     _, build, name = case
-    direct = _refused(lambda: small.grpc.infer("neopp_dense", small.tensors(**build(small)), client_timeout=120))
+    direct = _refused(lambda: small.grpc.infer("neopp_dense", small.tensors(**build(small)),
+                                               client_timeout=120))
     _check(direct, name)
-    via_session = _refused(
-        lambda: small.grpc.infer(
-            "neopp_session",
-            small.tensors(**build(small)),
-            sequence_id=77,
-            sequence_start=True,
-            sequence_end=True,
-            client_timeout=120,
-        )
-    )
+    via_session = _refused(lambda: small.grpc.infer("neopp_session", small.tensors(**build(small)),
+                                                    sequence_id=77, sequence_start=True, sequence_end=True,
+                                                    client_timeout=120))
     _check(via_session, name)
     assert small.grpc.is_server_ready() and small.grpc.is_model_ready("neopp_dense")
 
@@ -85,11 +75,8 @@ def test_bad_values_are_invalid_arg_naming_the_input(small, case):
 @pytest.mark.parametrize("model", [b"\xff\xfeneopp", b"m" * (1 << 20)])
 def test_a_bad_model_name_is_invalid_arg_naming_model(small, model):
     tensors = small.tensors(MODEL=(np.array([model], np.object_), "BYTES"))
-    err = _refused(
-        lambda: small.grpc.infer(
-            "neopp_session", tensors, sequence_id=78, sequence_start=True, sequence_end=True, client_timeout=120
-        )
-    )
+    err = _refused(lambda: small.grpc.infer("neopp_session", tensors, sequence_id=78, sequence_start=True,
+                                            sequence_end=True, client_timeout=120))
     _check(err, "MODEL")
     assert small.grpc.is_model_ready("neopp_session")
 

@@ -11,14 +11,10 @@ import base64
 import http.client
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +23,6 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.ports import free_ports
 from neopp.serving.admin import grpc_headers, http_headers
 from neopp.serving.procs import descendants, ppid, process_group_members, rss_bytes, rss_parts
 from neopp.serving.shm_regions import regions
@@ -35,86 +30,24 @@ from neopp.serving.tritonserver import TritonServer
 from neopp.serving.watchdog import force_reload, model_stub_pids
 from testing import REPO as REPO_ROOT
 from testing.grpc_memory import refused_burst
+from testing.launched import launch
 
 MODEL = "neopp_dense"
 KEY = "test-operator-key-0123456789abcdef"
-SHAPE_BOMB = {"inputs": [{"name": "INDEX_OFFSET_COND", "datatype": "INT64", "shape": [1000000000000], "data": [1]}]}
-
-
-@dataclass
-class Launched:
-    """A running launcher and the server it started (found through the launcher's own output)."""
-
-    proc: subprocess.Popen
-    log: Path
-    http_port: int
-    grpc_port: int
-
-    def text(self) -> str:
-        return self.log.read_text(errors="replace")
-
-    def servers(self) -> list[tuple[int, int, str]]:
-        """(pid, Triton's own HTTP port, shm prefix) of every server this launcher started."""
-        found = re.findall(r"tritonserver pid (\d+), own HTTP on [\d.]+:(\d+) .*?prefix (\S+)", self.text())
-        return [(int(pid), int(port), prefix) for pid, port, prefix in found]
-
-    @property
-    def server_pid(self) -> int:
-        return self.servers()[-1][0]
-
-    def wait_for(self, pattern: str, count: int = 1, timeout: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout
-        while len(re.findall(pattern, self.text())) < count:
-            assert self.proc.poll() is None, f"launcher exited {self.proc.returncode}:\n{self.text()[-4000:]}"
-            assert time.monotonic() < deadline, f"no {pattern!r} x{count} after {timeout}s:\n{self.text()[-4000:]}"
-            time.sleep(0.25)
-
-
-def _stop_launcher(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
+SHAPE_BOMB = {"inputs": [{"name": "INDEX_OFFSET_COND", "datatype": "INT64", "shape": [1000000000000],
+                          "data": [1]}]}
 
 
 @pytest.fixture(scope="module")
 def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("launcher") / "serve.log"
-    http_port, grpc_port, metrics_port = free_ports(3)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT")}
-    env.update(NEOPP_CHECKPOINT=str(tiny_dense), NEOPP_ADMIN_KEY=KEY, PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "neopp.serving.tritonserver",
-        "serve",
-        "--http-port",
-        str(http_port),
-        "--grpc-port",
-        str(grpc_port),
-        "--metrics-port",
-        str(metrics_port),
-        "--max-restarts",
-        "2",
-        "--",
-        "--model-control-mode=explicit",
-        f"--load-model={MODEL}",
-        "--exit-timeout-secs=5",
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, start_new_session=True
-        )
-    handle = Launched(proc, log, http_port, grpc_port)
+    handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY}, (MODEL,), max_restarts=2)
     try:
         handle.wait_for("NeoPP Triton server ready")
         yield handle
     finally:
         servers = handle.servers()
-        _stop_launcher(proc)
-        assert proc.returncode == 0, handle.text()[-4000:]
+        assert handle.stop() == 0, handle.text()[-4000:]
         for pid, _, prefix in servers:
             assert process_group_members(pid) == [], f"server {pid} left processes"
             assert regions(prefix) == [], f"server {pid} left shm regions {regions(prefix)}"
@@ -131,16 +64,12 @@ def kv(launched, tiny_dense: Path):
 def _generate(client, kv: tuple[np.ndarray, np.ndarray], seed: int = 5) -> bytes:
     """One small guided request over ``client``'s protocol; returns the PNG bytes."""
     mod = grpcclient if isinstance(client, grpcclient.InferenceServerClient) else httpclient
-    arrays = {
-        "COND_KV": (kv[0], "BF16"),
-        "UNCOND_KV": (kv[1], "BF16"),
-        "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
-        "INDEX_OFFSET_UNCOND": (np.array([7], np.int64), "INT64"),
-        "SIZE": (np.array([32, 32], np.int64), "INT64"),
-        "STEPS": (np.array([2], np.int64), "INT64"),
-        "SEED": (np.array([seed], np.int64), "INT64"),
-        "OUTPUT_FORMAT": (np.array([b"png"], object), "BYTES"),
-    }
+    arrays = {"COND_KV": (kv[0], "BF16"), "UNCOND_KV": (kv[1], "BF16"),
+              "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
+              "INDEX_OFFSET_UNCOND": (np.array([7], np.int64), "INT64"),
+              "SIZE": (np.array([32, 32], np.int64), "INT64"), "STEPS": (np.array([2], np.int64), "INT64"),
+              "SEED": (np.array([seed], np.int64), "INT64"),
+              "OUTPUT_FORMAT": (np.array([b"png"], object), "BYTES")}
     tensors = []
     for name, (array, dtype) in arrays.items():
         tensor = mod.InferInput(name, list(array.shape), dtype)
@@ -151,9 +80,8 @@ def _generate(client, kv: tuple[np.ndarray, np.ndarray], seed: int = 5) -> bytes
 
 def _http(port: int, path: str, body: dict | None = None, headers: dict | None = None) -> int:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{path}", data=data, headers=headers or {}, method="POST" if data is not None else "GET"
-    )
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers or {},
+                                 method="POST" if data is not None else "GET")
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             return resp.status
@@ -165,17 +93,16 @@ def _upload_request(marker: Path) -> dict:
     """What an attacker sends: a new model whose model.py writes ``marker`` when loaded."""
     code = f"open({str(marker)!r}, 'w').write('ran')\nclass TritonPythonModel:\n    pass\n"
     config = {"name": "uploaded", "backend": "python", "input": [], "output": []}
-    return {"parameters": {"config": json.dumps(config), "file:1/model.py": base64.b64encode(code.encode()).decode()}}
+    return {"parameters": {"config": json.dumps(config),
+                           "file:1/model.py": base64.b64encode(code.encode()).decode()}}
 
 
 def test_admin_apis_need_the_key_over_http(launched, kv, tmp_path):
     port, marker = launched.http_port, tmp_path / "uploaded_code_ran"
-    refused = {
-        "/v2/repository/index": {},
-        "/v2/repository/models/uploaded/load": _upload_request(marker),
-        f"/v2/repository/models/{MODEL}/unload": {},
-        "/v2/systemsharedmemory/region/probe/register": {"key": "/probe", "offset": 0, "byte_size": 64},
-    }
+    refused = {"/v2/repository/index": {}, "/v2/repository/models/uploaded/load": _upload_request(marker),
+               f"/v2/repository/models/{MODEL}/unload": {},
+               "/v2/systemsharedmemory/region/probe/register": {"key": "/probe", "offset": 0,
+                                                                "byte_size": 64}}
     for path, body in refused.items():
         assert _http(port, path, body) == 403, path
     assert _http(port, f"/v2/models/{MODEL}/config") == 403
@@ -194,18 +121,13 @@ def test_admin_apis_need_the_key_over_grpc(launched, kv, tmp_path):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
     marker = tmp_path / "uploaded_code_ran"
     upload = _upload_request(marker)["parameters"]
-    calls = [
-        lambda h: client.get_model_repository_index(headers=h),
-        lambda h: client.load_model(
-            "uploaded",
-            config=upload["config"],
-            headers=h,
-            files={"file:1/model.py": base64.b64decode(upload["file:1/model.py"])},
-        ),
-        lambda h: client.unload_model(MODEL, headers=h),
-        lambda h: client.register_system_shared_memory("probe", "/probe", 64, headers=h),
-        lambda h: client.get_model_config(MODEL, headers=h),
-    ]
+    calls = [lambda h: client.get_model_repository_index(headers=h),
+             lambda h: client.load_model("uploaded", config=upload["config"], headers=h,
+                                         files={"file:1/model.py":
+                                                base64.b64decode(upload["file:1/model.py"])}),
+             lambda h: client.unload_model(MODEL, headers=h),
+             lambda h: client.register_system_shared_memory("probe", "/probe", 64, headers=h),
+             lambda h: client.get_model_config(MODEL, headers=h)]
     try:
         for call in calls:
             with pytest.raises(InferenceServerException) as info:
@@ -238,17 +160,13 @@ def _server_rss(pid: int) -> int:
 
 def _post_oversized(port: int, size: int) -> int | str:
     shape = [2, 2, size // 256, 2, 32]
-    header = json.dumps(
-        {"inputs": [{"name": "COND_KV", "datatype": "BF16", "shape": shape, "parameters": {"binary_data_size": size}}]}
-    ).encode()
+    header = json.dumps({"inputs": [{"name": "COND_KV", "datatype": "BF16", "shape": shape,
+                                     "parameters": {"binary_data_size": size}}]}).encode()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        conn.request(
-            "POST",
-            f"/v2/models/{MODEL}/infer",
-            body=header + bytes(size),
-            headers={"Inference-Header-Content-Length": str(len(header)), "Content-Type": "application/octet-stream"},
-        )
+        conn.request("POST", f"/v2/models/{MODEL}/infer", body=header + bytes(size),
+                     headers={"Inference-Header-Content-Length": str(len(header)),
+                              "Content-Type": "application/octet-stream"})
         return conn.getresponse().status
     except (ConnectionError, http.client.HTTPException) as exc:
         return type(exc).__name__
@@ -264,7 +182,8 @@ def test_refused_oversized_requests_keep_no_memory(launched, kv):
         before = _server_rss(pid)
         answers = [_post_oversized(launched.http_port, 200 * 1024 * 1024) for _ in range(5)]
         after = _server_rss(pid)
-        print(f"RSS of tritonserver and its stubs: {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB; {answers}")
+        print(f"RSS of tritonserver and its stubs: {before / 2**20:.1f} MiB -> "
+              f"{after / 2**20:.1f} MiB; {answers}")
         assert all(a == 413 for a in answers), answers
         assert after < before * 1.10, (before, after)
         assert _generate(client, kv)
@@ -282,10 +201,8 @@ def test_refused_oversized_grpc_requests_keep_no_memory(launched, kv):
         before = rss_parts(process_group_members(pid))
         answers = refused_burst(client, "geometry", 5, 200 * 2**20)
         after = rss_parts(process_group_members(pid))
-        print(
-            f"gRPC, 5 refused 200 MiB requests: RSS of tritonserver and its stubs "
-            f"{before['total'] / 2**20:.1f} -> {after['total'] / 2**20:.1f} MiB"
-        )
+        print(f"gRPC, 5 refused 200 MiB requests: RSS of tritonserver and its stubs "
+              f"{before['total'] / 2**20:.1f} -> {after['total'] / 2**20:.1f} MiB")
         assert all("INVALID_ARGUMENT" in a and "unexpected shape" in a for a in answers), answers
         assert after["total"] < before["total"] * 1.10, (before, after)
         assert _generate(client, kv)
@@ -306,11 +223,9 @@ def test_oversized_prefixes_the_model_refuses_grow_the_region_once(launched, kv)
         first = rss_parts(process_group_members(pid))
         answers += refused_burst(client, "tokens", 3, size)
         second = rss_parts(process_group_members(pid))
-        print(
-            f"gRPC, 2 x 3 refused {size >> 20} MiB prefixes: RSS {before['total'] / 2**20:.1f} -> "
-            f"{first['total'] / 2**20:.1f} -> {second['total'] / 2**20:.1f} MiB "
-            f"(shmem {before['shmem'] / 2**20:.1f} -> {second['shmem'] / 2**20:.1f})"
-        )
+        print(f"gRPC, 2 x 3 refused {size >> 20} MiB prefixes: RSS {before['total'] / 2**20:.1f} -> "
+              f"{first['total'] / 2**20:.1f} -> {second['total'] / 2**20:.1f} MiB "
+              f"(shmem {before['shmem'] / 2**20:.1f} -> {second['shmem'] / 2**20:.1f})")
         assert all("INVALID_ARGUMENT" in a and "exceeds the limit" in a for a in answers), answers
         # the region holds one request (plus a growth step); mapped by two processes, so at most twice
         assert second["shmem"] - before["shmem"] <= 2 * (size + 32 * 2**20), (before, second)
@@ -374,12 +289,8 @@ def test_stop_removes_regions_of_killed_stubs_and_server(tiny_dense, tmp_path):
     then the server killed hard leave them all behind, and ``stop`` removes exactly those."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT")}
     env["NEOPP_CHECKPOINT"] = str(tiny_dense)
-    server = TritonServer(
-        REPO_ROOT / "model_repository",
-        env=env,
-        log_path=tmp_path / "server.log",
-        extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}"],
-    )
+    server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=tmp_path / "server.log",
+                          extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}"])
     with server:
         pid = server.process.pid
         os.kill(model_stub_pids(pid, MODEL)[0], signal.SIGKILL)

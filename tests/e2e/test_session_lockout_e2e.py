@@ -32,16 +32,14 @@ def small(tiny_dense, tmp_path_factory):
 
 
 def start(s: SmallServer, sid: int, **overrides):
-    return s.grpc.infer(SESSION, s.tensors(**overrides), sequence_id=sid, sequence_start=True, client_timeout=LIMIT_S)
+    return s.grpc.infer(SESSION, s.tensors(**overrides), sequence_id=sid, sequence_start=True,
+                        client_timeout=LIMIT_S)
 
 
 def active_sessions(s: SmallServer) -> float:
     text = urllib.request.urlopen(s.server.metrics_url, timeout=10).read().decode()
-    return sum(
-        float(v)
-        for labels, v in re.findall(r"^neopp_sessions_active\{([^}]*)\} (\S+)$", text, re.M)
-        if f'model="{SESSION}"' in labels
-    )
+    return sum(float(v) for labels, v in re.findall(r"^neopp_sessions_active\{([^}]*)\} (\S+)$", text, re.M)
+               if f'model="{SESSION}"' in labels)
 
 
 def test_sessions_never_ended_do_not_lock_out_a_new_one(small):
@@ -54,14 +52,8 @@ def test_sessions_never_ended_do_not_lock_out_a_new_one(small):
     assert int(fresh.as_numpy("TURN")[0]) == 0 and time.monotonic() - began < 30
     assert small.grpc.is_server_ready() and small.grpc.is_model_ready(SESSION)
     # The newest sessions are still served; the model's own count stays at its bound.
-    assert (
-        int(
-            small.grpc.infer(SESSION, small.tensors(), sequence_id=opened[-1], client_timeout=LIMIT_S).as_numpy("TURN")[
-                0
-            ]
-        )
-        == 1
-    )
+    assert int(small.grpc.infer(SESSION, small.tensors(), sequence_id=opened[-1],
+                                client_timeout=LIMIT_S).as_numpy("TURN")[0]) == 1
     assert active_sessions(small) == MAX_SESSIONS
 
 
@@ -75,7 +67,8 @@ def test_failed_first_turns_hold_no_session_and_no_slot(small):
         assert "INDEX_OFFSET_COND" in err.value.message() and "INVALID_ARG" in str(err.value.status())
         assert active_sessions(small) == 0  # a failed first turn leaves no open session
     with pytest.raises(InferenceServerException) as err:  # its next turn must start again
-        small.grpc.infer(SESSION, small.tensors(), sequence_id=2000 + 3 * CANDIDATES - 1, client_timeout=LIMIT_S)
+        small.grpc.infer(SESSION, small.tensors(), sequence_id=2000 + 3 * CANDIDATES - 1,
+                         client_timeout=LIMIT_S)
     assert "unknown session" in err.value.message() and "sequence_start" in err.value.message()
     assert int(start(small, 3000).as_numpy("TURN")[0]) == 0  # the failed starts hold no slot either
     assert active_sessions(small) == 1

@@ -46,9 +46,8 @@ def turn(t, sid: int, seed: int | None = None, start: bool = False, end: bool = 
     extra = {"STEPS": _i64(STEPS), **overrides}
     if seed is not None:
         extra["SEED"] = _i64(seed)
-    return t.grpc.infer(
-        SESSION, t.grpc_tensors(**extra), sequence_id=sid, sequence_start=start, sequence_end=end, client_timeout=120
-    )
+    return t.grpc.infer(SESSION, t.grpc_tensors(**extra), sequence_id=sid, sequence_start=start,
+                        sequence_end=end, client_timeout=120)
 
 
 def session_images(t, sid: int, seeds=SEEDS, end: bool = True) -> list[bytes]:
@@ -77,11 +76,8 @@ def direct_images(t, seeds=SEEDS) -> list[bytes]:
 
 def active_sessions(t) -> float:
     text = urllib.request.urlopen(t.server.metrics_url, timeout=10).read().decode()
-    return sum(
-        float(v)
-        for labels, v in re.findall(r"^neopp_sessions_active\{([^}]*)\} (\S+)$", text, re.M)
-        if f'model="{SESSION}"' in labels
-    )
+    return sum(float(v) for labels, v in re.findall(r'^neopp_sessions_active\{([^}]*)\} (\S+)$', text, re.M)
+               if f'model="{SESSION}"' in labels)
 
 
 def refused(t, sid: int) -> InferenceServerException:
@@ -102,25 +98,10 @@ def test_three_turns_equal_direct_calls_chaining_the_stream(sessions, three_turn
 
 def test_three_turns_equal_offline_multiturn_replay(sessions, three_turns, tmp_path):
     kv = sessions.checkpoint / "sample_kv"
-    turns = [
-        f"{kv / 'cond_kv.pt'},{kv / 'uncond_kv.pt'},{COND_TOKENS},{UNCOND_TOKENS},{s if s is not None else 'none'}"
-        for s in SEEDS
-    ]
-    argv = [
-        "--checkpoint",
-        str(sessions.checkpoint),
-        "--mode",
-        str(MODE_FILE),
-        "--size",
-        "64",
-        "64",
-        "--steps",
-        str(STEPS),
-        "--output-dir",
-        str(tmp_path),
-        "--output-prefix",
-        "chat",
-    ]
+    turns = [f"{kv / 'cond_kv.pt'},{kv / 'uncond_kv.pt'},{COND_TOKENS},{UNCOND_TOKENS},{s if s is not None else 'none'}"
+             for s in SEEDS]
+    argv = ["--checkpoint", str(sessions.checkpoint), "--mode", str(MODE_FILE), "--size", "64", "64",
+            "--steps", str(STEPS), "--output-dir", str(tmp_path), "--output-prefix", "chat"]
     for t in turns:
         argv += ["--turn", t]
     assert replay_kv_multiturn.main(argv) == 0
@@ -193,22 +174,16 @@ def test_generation_errors_reach_the_client_unchanged(sessions):
     with pytest.raises(InferenceServerException) as direct:
         sessions.infer_grpc(**bad)
     with pytest.raises(InferenceServerException) as via_session:
-        sessions.grpc.infer(
-            SESSION, sessions.grpc_tensors(**bad), sequence_id=7001, sequence_start=True, sequence_end=True
-        )
+        sessions.grpc.infer(SESSION, sessions.grpc_tensors(**bad), sequence_id=7001, sequence_start=True,
+                            sequence_end=True)
     assert via_session.value.message() == direct.value.message()
     assert via_session.value.status() == direct.value.status() == "StatusCode.INVALID_ARGUMENT"
 
 
 def test_a_model_not_offered_is_refused_naming_model(sessions):
     with pytest.raises(InferenceServerException, match="MODEL: 'neopp_session' is not a generation model"):
-        sessions.grpc.infer(
-            SESSION,
-            sessions.grpc_tensors(MODEL=np.array([b"neopp_session"], np.object_)),
-            sequence_id=7101,
-            sequence_start=True,
-            sequence_end=True,
-        )
+        sessions.grpc.infer(SESSION, sessions.grpc_tensors(MODEL=np.array([b"neopp_session"], np.object_)),
+                            sequence_id=7101, sequence_start=True, sequence_end=True)
 
 
 @pytest.mark.parametrize("kv_file", ["cond_kv.pt", "cond_kv.replay.safetensors"])
@@ -217,34 +192,10 @@ def test_replay_kv_on_replay_files_equals_the_online_answer(triton, kv_file, tmp
     served = triton.infer_grpc(SEED=_i64(200), STEPS=_i64(STEPS))
     uncond = kv_file.replace("cond_kv", "uncond_kv")
     out = tmp_path / "replayed.png"
-    assert (
-        replay_kv.main(
-            [
-                "--checkpoint",
-                str(triton.checkpoint),
-                "--mode",
-                str(MODE_FILE),
-                "--cond-kv",
-                str(kv / kv_file),
-                "--uncond-kv",
-                str(kv / uncond),
-                "--offset-cond",
-                str(COND_TOKENS),
-                "--offset-uncond",
-                str(UNCOND_TOKENS),
-                "--seed",
-                "200",
-                "--size",
-                "64",
-                "64",
-                "--steps",
-                str(STEPS),
-                "--output",
-                str(out),
-            ]
-        )
-        == 0
-    )
+    assert replay_kv.main(["--checkpoint", str(triton.checkpoint), "--mode", str(MODE_FILE),
+                           "--cond-kv", str(kv / kv_file), "--uncond-kv", str(kv / uncond),
+                           "--offset-cond", str(COND_TOKENS), "--offset-uncond", str(UNCOND_TOKENS),
+                           "--seed", "200", "--size", "64", "64", "--steps", str(STEPS), "--output", str(out)]) == 0
     assert out.read_bytes() == bytes(served.as_numpy("IMAGE")[0])
 
 

@@ -34,7 +34,6 @@ T = P * M  # pixels per side of one image token
 
 # --------------------------------------------------------------------------- checkpoint
 
-
 class RefModel:
     """config.json + the generation tower's weights, as float64 tensors."""
 
@@ -72,8 +71,7 @@ class RefModel:
             with safe_open(str(ckpt_dir / name), framework="pt") as fh:
                 for key in fh.keys():
                     used = key.startswith("fm_modules.") or (
-                        key.startswith("language_model.model.") and "mot_gen" in key
-                    )
+                        key.startswith("language_model.model.") and "mot_gen" in key)
                     if used:
                         raw_w[key] = fh.get_tensor(key)
         self.w = {}
@@ -98,7 +96,6 @@ def as_model(ckpt) -> RefModel:
 
 
 # --------------------------------------------------------------------------- small pieces
-
 
 def rmsnorm(x, weight):
     return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + 1e-6) * weight
@@ -128,7 +125,7 @@ def cut(img, p, channel_last):
     rows = []
     for R in range(H // p):
         for C in range(W // p):
-            blk = img[:, R * p : (R + 1) * p, C * p : (C + 1) * p]
+            blk = img[:, R * p:(R + 1) * p, C * p:(C + 1) * p]
             rows.append((blk.permute(1, 2, 0) if channel_last else blk).reshape(-1))
     return torch.stack(rows)
 
@@ -139,7 +136,7 @@ def uncut_channel_last(z, H, W, p):
     n = 0
     for R in range(H // p):
         for C in range(W // p):
-            img[:, R * p : (R + 1) * p, C * p : (C + 1) * p] = z[n].reshape(p, p, 3).permute(2, 0, 1)
+            img[:, R * p:(R + 1) * p, C * p:(C + 1) * p] = z[n].reshape(p, p, 3).permute(2, 0, 1)
             n += 1
     return img
 
@@ -163,7 +160,7 @@ def conv3x3(x, weight, bias):
     out = bias[:, None, None].expand(weight.shape[0], h, w).clone()
     for dy in range(3):
         for dx in range(3):
-            out += torch.einsum("oc,chw->ohw", weight[:, :, dy, dx], xp[:, dy : dy + h, dx : dx + w])
+            out += torch.einsum("oc,chw->ohw", weight[:, :, dy, dx], xp[:, dy:dy + h, dx:dx + w])
     return out
 
 
@@ -178,7 +175,6 @@ def rotate_pair(out, src, i, j, angle):
 
 
 # --------------------------------------------------------------------------- schedule, noise
-
 
 def shifted_timesteps(steps, shift):
     out = []
@@ -208,7 +204,6 @@ def reference_noise(seed, H, W):
 
 
 # --------------------------------------------------------------------------- tokens in
-
 
 def vision_rope(e, rows, cols, theta):
     """e [N, DV]; first half rotated by column index, second by row; interleaved pairs."""
@@ -261,7 +256,6 @@ def tokens_in(m, img, t, nscale):
 
 # --------------------------------------------------------------------------- decoder layer
 
-
 def rope3d(x, offset, rows, cols, theta, theta_hw):
     """x [L, heads, HD]; rotate-half inside the temporal / row / column segments."""
     HD = x.shape[-1]
@@ -278,7 +272,7 @@ def rope3d(x, offset, rows, cols, theta, theta_hw):
 
 def head_norm(x, w_t, w_hw):
     HD = x.shape[-1]
-    return torch.cat([rmsnorm(x[..., : HD // 2], w_t), rmsnorm(x[..., HD // 2 :], w_hw)], dim=-1)
+    return torch.cat([rmsnorm(x[..., :HD // 2], w_t), rmsnorm(x[..., HD // 2:], w_hw)], dim=-1)
 
 
 def swiglu(b, gate, up, down):
@@ -287,12 +281,8 @@ def swiglu(b, gate, up, down):
 
 def mlp(m, i, b):
     if m.num_experts == 0:
-        return swiglu(
-            b,
-            m.layer(i, "mlp_mot_gen.gate_proj.weight"),
-            m.layer(i, "mlp_mot_gen.up_proj.weight"),
-            m.layer(i, "mlp_mot_gen.down_proj.weight"),
-        )
+        return swiglu(b, m.layer(i, "mlp_mot_gen.gate_proj.weight"), m.layer(i, "mlp_mot_gen.up_proj.weight"),
+                      m.layer(i, "mlp_mot_gen.down_proj.weight"))
     logits = linear(b, m.layer(i, "mlp_mot_gen.gate.weight"))  # [L, E]
     out = torch.zeros_like(b)
     for n in range(b.shape[0]):
@@ -304,12 +294,8 @@ def mlp(m, i, b):
             weights = top.values
         for wgt, e in zip(weights, top.indices.tolist()):
             ex = f"mlp_mot_gen.experts.{e}."
-            out[n] += wgt * swiglu(
-                b[n],
-                m.layer(i, ex + "gate_proj.weight"),
-                m.layer(i, ex + "up_proj.weight"),
-                m.layer(i, ex + "down_proj.weight"),
-            )
+            out[n] += wgt * swiglu(b[n], m.layer(i, ex + "gate_proj.weight"), m.layer(i, ex + "up_proj.weight"),
+                                   m.layer(i, ex + "down_proj.weight"))
     return out
 
 
@@ -329,7 +315,7 @@ def decoder_layer(m, i, hid, kv, offset, rows, cols):
     att = torch.zeros(L, m.NH, m.HD, dtype=F64)
     for n in range(m.NH):
         kvh = n // group
-        scores = (q[:, n] @ K[:, kvh].T) * m.HD**-0.5  # [L, S+L], no mask
+        scores = (q[:, n] @ K[:, kvh].T) * m.HD ** -0.5  # [L, S+L], no mask
         att[:, n] = softmax(scores) @ V[:, kvh]
     hid = hid + linear(att.reshape(L, m.NH * m.HD), m.layer(i, "self_attn.o_proj_mot_gen.weight"))
     b = rmsnorm(hid, m.layer(i, "post_attention_layernorm_mot_gen.weight"))
@@ -337,7 +323,6 @@ def decoder_layer(m, i, hid, kv, offset, rows, cols):
 
 
 # --------------------------------------------------------------------------- head, velocity
-
 
 def head(m, hid, h, w):
     if not m.use_pixel_head:
@@ -372,7 +357,6 @@ def reference_velocity(ckpt, kv_online, offset, x, t, H, W):
 
 # --------------------------------------------------------------------------- guidance, sampling
 
-
 def combine(v_c, v_u, scale, norm):
     v = v_u + scale * (v_c - v_u)
     if norm == "global":
@@ -380,8 +364,7 @@ def combine(v_c, v_u, scale, norm):
         return v * ratio.clamp(0.0, 1.0)
     if norm == "channel":
         ratio = torch.linalg.vector_norm(v_c, dim=-1, keepdim=True) / (
-            torch.linalg.vector_norm(v, dim=-1, keepdim=True) + 1e-8
-        )
+            torch.linalg.vector_norm(v, dim=-1, keepdim=True) + 1e-8)
         return v * ratio.clamp(0.0, 1.0)
     if norm == "none":
         return v
@@ -392,22 +375,8 @@ def uses_guidance(t, enable_cfg, cfg_scale, cfg_interval):
     return bool(enable_cfg and cfg_interval[0] <= t <= cfg_interval[1] and cfg_scale > 1)
 
 
-def reference_generate(
-    ckpt,
-    cond_kv,
-    uncond_kv,
-    off_c,
-    off_u,
-    H,
-    W,
-    noise_unscaled,
-    steps,
-    shift,
-    cfg_scale,
-    cfg_interval,
-    cfg_norm,
-    enable_cfg,
-):
+def reference_generate(ckpt, cond_kv, uncond_kv, off_c, off_u, H, W, noise_unscaled, steps, shift,
+                       cfg_scale, cfg_interval, cfg_norm, enable_cfg):
     """Whole generation; returns the final x, float64 [1, 3, H, W]."""
     m = as_model(ckpt)
     if cfg_norm not in ("global", "channel", "none"):

@@ -48,29 +48,18 @@ class CommTimer:
 def check_heads(config: CheckpointConfig, mode: ModeSpec) -> None:
     sp = mode.seq_p_size
     if config.num_heads % sp or config.num_kv_heads % sp:
-        raise ConfigError(
-            f"mode {mode.name}: seq_p_size {sp} must divide num_attention_heads ({config.num_heads}) "
-            f"and num_key_value_heads ({config.num_kv_heads}) for Ulysses attention"
-        )
+        raise ConfigError(f"mode {mode.name}: seq_p_size {sp} must divide num_attention_heads ({config.num_heads}) "
+                          f"and num_key_value_heads ({config.num_kv_heads}) for Ulysses attention")
 
 
 class UlyssesBranch(BranchContext):
     """A branch whose rank holds one token shard; attention runs on a head shard over all tokens."""
 
-    def __init__(
-        self,
-        kv_online: torch.Tensor,
-        offset: int,
-        grid: Grid,
-        config: CheckpointConfig,
-        device: torch.device,
-        dtype: torch.dtype,
-        mesh: Mesh,
-        timer: CommTimer,
-    ) -> None:
+    def __init__(self, kv_online: torch.Tensor, offset: int, grid: Grid, config: CheckpointConfig,
+                 device: torch.device, dtype: torch.dtype, mesh: Mesh, timer: CommTimer) -> None:
         sp, r = mesh.seq_p_size, mesh.seq_rank
         kv_local = config.num_kv_heads // sp
-        super().__init__(kv_online[:, :, :, r * kv_local : (r + 1) * kv_local], offset, grid, config, device, dtype)
+        super().__init__(kv_online[:, :, :, r * kv_local:(r + 1) * kv_local], offset, grid, config, device, dtype)
         self.mesh, self.timer = mesh, timer
         self.num_tokens = grid.num_tokens
         self.shard = -(-grid.num_tokens // sp)
@@ -112,16 +101,9 @@ class ParallelPipeline(NeoPPPipeline):
     comm: CommTimer
 
     @classmethod
-    def from_pretrained(
-        cls,
-        ckpt_dir: str | Path,
-        mode: ModeSpec | None = None,
-        mesh: Mesh | None = None,
-        device: str | None = None,
-        dtype: torch.dtype | None = None,
-        limits: Limits | None = None,
-        layer_linear=None,
-    ) -> ParallelPipeline:
+    def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeSpec | None = None, mesh: Mesh | None = None,
+                        device: str | None = None, dtype: torch.dtype | None = None, limits: Limits | None = None,
+                        layer_linear=None) -> ParallelPipeline:
         if mesh is None:
             raise ConfigError("ParallelPipeline needs a mesh (see neopp.parallel.mesh)")
         pipe = super().from_pretrained(ckpt_dir, mode, device, dtype, limits, layer_linear)
@@ -155,15 +137,14 @@ class ParallelPipeline(NeoPPPipeline):
         n = branch.num_tokens
         if branch.padded > n:
             hid = torch.cat([hid, hid.new_zeros(branch.padded - n, hid.shape[1])])
-        local = self.transformer.run_layers(hid[branch.start : branch.start + branch.shard], branch)
+        local = self.transformer.run_layers(hid[branch.start:branch.start + branch.shard], branch)
         parts = [torch.empty_like(local) for _ in range(self.mesh.seq_p_size)]
         with self.comm():
             dist.all_gather(parts, local.contiguous(), group=self.mesh.seq_group)
         return self._velocity_from(torch.cat(parts)[:n], z, t, grid)
 
-    def step_velocity(
-        self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int, sampling: SamplingParams
-    ) -> torch.Tensor:
+    def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
+                      sampling: SamplingParams) -> torch.Tensor:
         if not self.cfg_parallel:
             return super().step_velocity(prep, x, z, k, sampling)
         t, first = prep.times[k], self.mesh.cfg_rank == 0
@@ -184,13 +165,8 @@ class ParallelPipeline(NeoPPPipeline):
             dist.all_gather(both, mine.contiguous(), group=self.mesh.cfg_group)
         return combine_guidance(both[0], both[1], sampling.cfg_scale, sampling.cfg_norm)
 
-    def sample(
-        self,
-        req: GenerationRequest,
-        should_stop: StopFn | None = None,
-        on_step: StepFn | None = None,
-        prep: Prepared | None = None,
-    ) -> torch.Tensor:
+    def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
+               prep: Prepared | None = None) -> torch.Tensor:
         """Rank 0's noise for every rank; a stop is agreed by all ranks before each step."""
         noise = req.noise.to(self.device, torch.float32).contiguous()
         with self.comm():

@@ -47,8 +47,8 @@ def start_processes(procs: Sequence[Any]) -> None:
     with _spawn_lock:
         if _spawn_jobs is None:
             _spawn_jobs = queue.Queue()
-            threading.Thread(target=_spawn_loop, args=(_spawn_jobs,), name="neopp-spawner", daemon=True).start()
-
+            threading.Thread(target=_spawn_loop, args=(_spawn_jobs,), name="neopp-spawner",
+                             daemon=True).start()
     def start_all() -> None:
         for p in procs:
             p.start()
@@ -72,7 +72,6 @@ def die_with_parent(parent: int) -> None:
 
 def start_heartbeat(beats: Any, rank: int) -> None:
     """A daemon thread that stamps ``beats[rank]`` every BEAT_S seconds."""
-
     def beat() -> None:
         while True:
             beats[rank] = time.monotonic()

@@ -29,8 +29,8 @@ class Mesh:
     cfg_p_size: int
     seq_p_size: int
     world_group: Any = None
-    cfg_group: Any = None  # the ranks holding the same token shard of the two branches
-    seq_group: Any = None  # the ranks of this rank's branch
+    cfg_group: Any = None     # the ranks holding the same token shard of the two branches
+    seq_group: Any = None     # the ranks of this rank's branch
 
     @property
     def cfg_rank(self) -> int:
@@ -49,15 +49,15 @@ def check_world(mode: ModeSpec, world_size: int) -> None:
         raise ConfigError(
             f"mode {mode.name}: {world_size} worker processes, but the number of worker processes must equal the "
             f"product of the parallel sizes (cfg_p_size {mode.cfg_p_size} x seq_p_size {mode.seq_p_size} "
-            f"= {mode.world_size})"
-        )
+            f"= {mode.world_size})")
 
 
 def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def build_mesh(mode: ModeSpec, rank: int, world_size: int, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Mesh:
+def build_mesh(mode: ModeSpec, rank: int, world_size: int,
+               timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S) -> Mesh:
     """Create the groups; every rank must call this in the same order.
 
     Sub-groups get the same collective timeout as the world group: without it they would
@@ -96,25 +96,12 @@ def rendezvous(rank: int, world_size: int, port: Any, timeout_s: float, host: st
     return dist.TCPStore(host, port.value, world_size, is_master=False, timeout=timeout)
 
 
-def init_mesh(
-    mode: ModeSpec,
-    rank: int,
-    world_size: int,
-    init_method: str | None,
-    device: torch.device,
-    timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
-    store: Any = None,
-) -> Mesh:
+def init_mesh(mode: ModeSpec, rank: int, world_size: int, init_method: str | None, device: torch.device,
+              timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S, store: Any = None) -> Mesh:
     """Join the process group through ``init_method`` (a URL) or an existing ``store``."""
     check_world(mode, world_size)
-    dist.init_process_group(
-        backend_for(device),
-        init_method=init_method,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-    )
+    dist.init_process_group(backend_for(device), init_method=init_method, store=store, rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
     return build_mesh(mode, rank, world_size, timeout_s)
 
 
@@ -126,3 +113,5 @@ def init_mesh_from_env(mode: ModeSpec, device: torch.device | None = None) -> Me
     if world_size == 1 and "MASTER_ADDR" not in os.environ:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_ports(1)[0]), RANK="0")
     return init_mesh(mode, int(os.environ.get("RANK", "0")), world_size, "env://", device)
+
+

@@ -38,7 +38,7 @@ class WorkerFailure(NeoPPError):
 class PoolSpec:
     ckpt_dir: str
     mode: ModeSpec
-    devices: tuple[str, ...]  # one device per rank, e.g. ("cpu", "cpu") or ("cuda:0", "cuda:1")
+    devices: tuple[str, ...]          # one device per rank, e.g. ("cpu", "cpu") or ("cuda:0", "cuda:1")
     dtype: torch.dtype | None = None
     limits: Limits = Limits()
     threads: int | None = None
@@ -52,9 +52,8 @@ class PoolSpec:
         return min(30.0, max(2.0, self.collective_timeout_s / 4))
 
 
-def _worker_main(
-    rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any, cancel: Any, parent: int, beats: Any
-) -> None:
+def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any, cancel: Any, parent: int,
+                 beats: Any) -> None:
     die_with_parent(parent)
     start_heartbeat(beats, rank)
     from .engine import ParallelPipeline
@@ -67,7 +66,8 @@ def _worker_main(
         if device.type == "cuda":
             torch.cuda.set_device(device)
         store = rendezvous(rank, spec.mode.world_size, port, spec.collective_timeout_s)
-        mesh = init_mesh(spec.mode, rank, spec.mode.world_size, None, device, spec.collective_timeout_s, store=store)
+        mesh = init_mesh(spec.mode, rank, spec.mode.world_size, None, device, spec.collective_timeout_s,
+                         store=store)
         pipe = ParallelPipeline.from_pretrained(spec.ckpt_dir, spec.mode, mesh, str(device), spec.dtype, spec.limits)
     except Exception as exc:  # noqa: BLE001 - reported to the instance, which refuses to load
         results.put(("load_error", rank, f"{type(exc).__name__}: {exc}"))
@@ -94,7 +94,7 @@ def _worker_main(
             if rank == 0:
                 results.put(("cancelled", job, str(exc)))
         except InputError as exc:  # e.g. a state gone non-finite: every rank holds the same state and
-            if rank == 0:  # stops at the same step, so the group stays usable
+            if rank == 0:          # stops at the same step, so the group stays usable
                 results.put(("refused", job, str(exc)))
         except Exception as exc:  # noqa: BLE001 - the group may be broken: report and leave
             results.put(("error", job, f"rank {rank}: {type(exc).__name__}: {exc}"))
@@ -132,15 +132,10 @@ class WorkerPool:
         # beyond the reach of the collective timeout. One writer, aligned 64-bit reads.
         self._cancel = self._ctx.Value("q", 0, lock=False)
         self._tasks = [self._ctx.Queue() for _ in range(world)]
-        self._procs = [
-            self._ctx.Process(
-                target=_worker_main,
-                daemon=True,
-                name=f"neopp-rank{r}",
-                args=(r, self.spec, port, self._tasks[r], self._results, self._cancel, os.getpid(), self._beats),
-            )
-            for r in range(world)
-        ]
+        self._procs = [self._ctx.Process(target=_worker_main, daemon=True, name=f"neopp-rank{r}",
+                                         args=(r, self.spec, port, self._tasks[r], self._results, self._cancel,
+                                               os.getpid(), self._beats))
+                       for r in range(world)]
         start_processes(self._procs)
         ready, deadline = set(), time.monotonic() + self.spec.load_timeout_s
         while len(ready) < world:
@@ -150,10 +145,8 @@ class WorkerPool:
                 dead = [p for p in self._procs if not p.is_alive()]
                 if dead or time.monotonic() > deadline:
                     self._kill()
-                    raise ConfigError(
-                        f"mode {self.mode.name}: rank workers failed to start "
-                        f"({'exit code ' + str(dead[0].exitcode) if dead else 'timeout'})"
-                    ) from None
+                    raise ConfigError(f"mode {self.mode.name}: rank workers failed to start "
+                                      f"({'exit code ' + str(dead[0].exitcode) if dead else 'timeout'})") from None
                 continue
             if kind == "load_error":
                 self._kill()
@@ -224,13 +217,8 @@ class WorkerPool:
             return replace(req, uncond_kv=None)
         return replace(req, cond_kv=None)
 
-    def generate(
-        self,
-        req: GenerationRequest,
-        should_stop: StopFn | None = None,
-        on_step: StepFn | None = None,
-        timeout_s: float | None = None,
-    ) -> np.ndarray:
+    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
+                 on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:
         with self._lock:
             steps: list[int] = []
 
@@ -248,9 +236,8 @@ class WorkerPool:
                     raise
             return self._dispatch(req, should_stop, counted, timeout_s)
 
-    def _dispatch(
-        self, req: GenerationRequest, should_stop: StopFn | None, on_step: StepFn, timeout_s: float | None
-    ) -> np.ndarray:
+    def _dispatch(self, req: GenerationRequest, should_stop: StopFn | None, on_step: StepFn,
+                  timeout_s: float | None) -> np.ndarray:
         """Hand the request to every rank (on a healthy pool) and wait for rank 0's answer."""
         self._ensure_healthy()
         self._job += 1
@@ -259,9 +246,8 @@ class WorkerPool:
             q.put((self._job, self._rank_request(req, rank)))
         return self._await(self._job, should_stop, on_step, timeout_s)
 
-    def _await(
-        self, job: int, should_stop: StopFn | None, on_step: StepFn | None, timeout_s: float | None
-    ) -> np.ndarray:
+    def _await(self, job: int, should_stop: StopFn | None, on_step: StepFn | None,
+               timeout_s: float | None) -> np.ndarray:
         deadline = time.monotonic() + (timeout_s or 10 * self.spec.collective_timeout_s)
         next_check = time.monotonic() + SILENCE_CHECK_S
         while True:
@@ -303,8 +289,6 @@ def instance_devices(world_size: int, instance_index: int = 0, gpus: list[int] |
     gpus = gpus if gpus is not None else list(range(torch.cuda.device_count()))
     first = instance_index * world_size
     if first + world_size > len(gpus):
-        raise ConfigError(
-            f"instance {instance_index} needs GPUs {first}..{first + world_size - 1} "
-            f"but only {len(gpus)} are available ({gpus}); lower the instance count"
-        )
-    return tuple(f"cuda:{g}" for g in gpus[first : first + world_size])
+        raise ConfigError(f"instance {instance_index} needs GPUs {first}..{first + world_size - 1} "
+                          f"but only {len(gpus)} are available ({gpus}); lower the instance count")
+    return tuple(f"cuda:{g}" for g in gpus[first:first + world_size])

@@ -56,7 +56,8 @@ def new_front_key() -> str:
 def restriction_args(key: str, front_key: str | None = None) -> list[str]:
     """tritonserver flags: admin APIs need ``key``; with ``front_key``, HTTP's other APIs need it."""
     apis = ",".join(RESTRICTED)
-    args = [f"--http-restricted-api={apis}:{KEY_HEADER}={key}", f"--grpc-restricted-protocol={apis}:{KEY_HEADER}={key}"]
+    args = [f"--http-restricted-api={apis}:{KEY_HEADER}={key}",
+            f"--grpc-restricted-protocol={apis}:{KEY_HEADER}={key}"]
     if front_key:
         args.append(f"--http-restricted-api={','.join(FRONT_ONLY)}:{FRONT_HEADER}={front_key}")
     return args

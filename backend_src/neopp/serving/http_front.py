@@ -21,35 +21,10 @@ from typing import Any
 from .admin import FRONT_HEADER
 
 INFER_PATH = re.compile(r"^/v2/models/[^/?]+(/versions/[^/?]+)?/infer(\?.*)?$")
-HOP_HEADERS = {
-    "connection",
-    "keep-alive",
-    "transfer-encoding",
-    "te",
-    "trailer",
-    "upgrade",
-    "proxy-authorization",
-    "proxy-connection",
-    "host",
-    "content-length",
-    FRONT_HEADER,
-}
-DTYPE_BYTES = {
-    "BOOL": 1,
-    "UINT8": 1,
-    "INT8": 1,
-    "UINT16": 2,
-    "INT16": 2,
-    "FP16": 2,
-    "BF16": 2,
-    "UINT32": 4,
-    "INT32": 4,
-    "FP32": 4,
-    "UINT64": 8,
-    "INT64": 8,
-    "FP64": 8,
-    "BYTES": 1,
-}
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+               "proxy-authorization", "proxy-connection", "host", "content-length", FRONT_HEADER}
+DTYPE_BYTES = {"BOOL": 1, "UINT8": 1, "INT8": 1, "UINT16": 2, "INT16": 2, "FP16": 2, "BF16": 2,
+               "UINT32": 4, "INT32": 4, "FP32": 4, "UINT64": 8, "INT64": 8, "FP64": 8, "BYTES": 1}
 DEFAULT_MAX_BODY = 128 * 1024 * 1024  # two realistic KV prefixes (~44 MB each) and the rest
 DRAIN_LIMIT = 1 << 30  # bodies refused for their size are read and dropped up to this, else cut off
 
@@ -173,15 +148,8 @@ class HttpFront(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(
-        self,
-        host: str,
-        port: int,
-        upstream: tuple[str, int],
-        front_key: str,
-        max_body: int = DEFAULT_MAX_BODY,
-        timeout_s: float = 3600.0,
-    ) -> None:
+    def __init__(self, host: str, port: int, upstream: tuple[str, int], front_key: str,
+                 max_body: int = DEFAULT_MAX_BODY, timeout_s: float = 3600.0) -> None:
         super().__init__((host, port), _Handler)
         self.upstream, self.front_key = upstream, front_key
         self.max_body, self.timeout_s = max_body, timeout_s

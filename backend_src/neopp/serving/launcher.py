@@ -43,36 +43,20 @@ class Supervisor:
         self.restarts = 0
         self.server: TritonServer | None = None
         self.watchdog = None
-        self.front = HttpFront(
-            ns.host,
-            ns.http_port,
-            (LOOPBACK, self.upstream_port),
-            self.front_key,
-            max_body=int(ns.max_body_mib * 1024 * 1024),
-        )
+        self.front = HttpFront(ns.host, ns.http_port, (LOOPBACK, self.upstream_port), self.front_key,
+                               max_body=int(ns.max_body_mib * 1024 * 1024))
 
     def _new_server(self) -> TritonServer:
         ns = self.ns
-        return TritonServer(
-            ns.model_repository,
-            http_port=self.upstream_port,
-            grpc_port=ns.grpc_port,
-            metrics_port=ns.metrics_port,
-            host=ns.host,
-            http_address=LOOPBACK,
-            backend_dir=ns.backend_dir,
-            extra_args=[*KEEP_GOING_ARGS, *self.extra],
-            admin_key=self.key,
-            front_key=self.front_key,
-            shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES),
-        )
+        return TritonServer(ns.model_repository, http_port=self.upstream_port, grpc_port=ns.grpc_port,
+                            metrics_port=ns.metrics_port, host=ns.host, http_address=LOOPBACK,
+                            backend_dir=ns.backend_dir, extra_args=[*KEEP_GOING_ARGS, *self.extra], admin_key=self.key,
+                            front_key=self.front_key, shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES))
 
     def _start_server(self) -> None:
         self.server = self._new_server().start()
-        log(
-            f"tritonserver pid {self.server.process.pid}, own HTTP on {LOOPBACK}:{self.upstream_port} "
-            f"(behind the front), shm region prefix {self.server.shm_prefix}"
-        )
+        log(f"tritonserver pid {self.server.process.pid}, own HTTP on {LOOPBACK}:{self.upstream_port} "
+            f"(behind the front), shm region prefix {self.server.shm_prefix}")
 
     def _stop_server(self) -> None:
         if self.watchdog is not None:
@@ -108,12 +92,10 @@ class Supervisor:
 
     def _announce(self) -> None:
         url, grpc = f"{self.server.client_host}:{self.ns.http_port}", self.server.grpc_url
-        log(
-            f"\nNeoPP Triton server ready:\n"
+        log(f"\nNeoPP Triton server ready:\n"
             f"  HTTP     http://{url}  (client_examples/http_t2i.py --url {url})\n"
             f"  gRPC     {grpc}  (client_examples/grpc_t2i.py --url {grpc})\n"
-            f"  metrics  {self.server.metrics_url}\nCtrl-C stops it."
-        )
+            f"  metrics  {self.server.metrics_url}\nCtrl-C stops it.")
 
     def _wait_exit(self) -> int | None:
         """Block until a stop request (None) or the server's exit (its code)."""
@@ -156,11 +138,8 @@ class Supervisor:
 
     def _restart_after(self, code: int) -> bool:
         """Log the death, clean up, and wait the backoff; False once restarts are used up."""
-        log(
-            f"tritonserver exited with code {code} (signal {-code})"
-            if code < 0
-            else f"tritonserver exited with code {code}"
-        )
+        log(f"tritonserver exited with code {code} (signal {-code})" if code < 0
+            else f"tritonserver exited with code {code}")
         self._stop_server()
         if self.restarts >= self.ns.max_restarts:
             log(f"not restarting: {self.restarts} restarts already (--max-restarts)")
@@ -197,7 +176,8 @@ def serve(ns: argparse.Namespace) -> int:
     return supervisor.run()
 
 
-def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: str, backend_help: str) -> None:
+def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: str,
+                  backend_help: str) -> None:
     s.add_argument("--model-repository", default=default_repo)
     s.add_argument("--http-port", type=int, default=8000)
     s.add_argument("--grpc-port", type=int, default=8001)
@@ -205,16 +185,11 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--host", default=LOOPBACK, help="bind address (0.0.0.0 exposes the server)")
     s.add_argument("--backend-dir", default=None, help=backend_help)
     s.add_argument("--ready-timeout", type=float, default=600.0)
-    s.add_argument(
-        "--no-watchdog",
-        action="store_true",
-        help="do not reload a model whose Python stub died (see neopp.serving.watchdog)",
-    )
-    s.add_argument(
-        "--admin-key-file",
-        default=default_key,
-        help="operator key file, created 0600 if missing ($NEOPP_ADMIN_KEY wins)",
-    )
+    s.add_argument("--no-watchdog", action="store_true",
+                   help="do not reload a model whose Python stub died (see neopp.serving.watchdog)")
+    s.add_argument("--admin-key-file", default=default_key,
+                   help="operator key file, created 0600 if missing ($NEOPP_ADMIN_KEY wins)")
     s.add_argument("--max-restarts", type=int, default=5, help="restarts of a server that died")
     s.add_argument("--max-body-mib", type=float, default=128.0, help="largest HTTP body accepted")
     s.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra tritonserver arguments")
+

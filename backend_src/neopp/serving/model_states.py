@@ -41,12 +41,8 @@ class ModelState:
 
 def repository_index(http_url: str, headers: Mapping[str, str], timeout: float = 10.0) -> list[ModelState]:
     """``POST /v2/repository/index`` of the server at ``http_url`` (host:port)."""
-    req = urllib.request.Request(
-        f"http://{http_url}/v2/repository/index",
-        data=b"{}",
-        method="POST",
-        headers={"Content-Type": "application/json", **headers},
-    )
+    req = urllib.request.Request(f"http://{http_url}/v2/repository/index", data=b"{}", method="POST",
+                                 headers={"Content-Type": "application/json", **headers})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         rows = json.loads(resp.read())
     return [ModelState(r["name"], r.get("state", ""), r.get("reason", "")) for r in rows]

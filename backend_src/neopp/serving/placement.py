@@ -60,16 +60,12 @@ def instance_slices(gpus: tuple[int, ...], world_size: int, instances: int) -> t
     if world_size < 1 or instances < 1:
         raise ConfigError(f"placement needs a positive world size and instance count, got {world_size}, {instances}")
     if len(gpus) % world_size:
-        raise ConfigError(
-            f"parameter gpus: {len(gpus)} GPUs {list(gpus)} are not a multiple of the "
-            f"{world_size} ranks of one instance"
-        )
+        raise ConfigError(f"parameter gpus: {len(gpus)} GPUs {list(gpus)} are not a multiple of the "
+                          f"{world_size} ranks of one instance")
     if len(gpus) != world_size * instances:
-        raise ConfigError(
-            f"parameter gpus: {len(gpus)} GPUs {list(gpus)} give {len(gpus) // world_size} instance(s) "
-            f"of {world_size} ranks, but the instance group has {instances}"
-        )
-    return tuple(gpus[i * world_size : (i + 1) * world_size] for i in range(instances))
+        raise ConfigError(f"parameter gpus: {len(gpus)} GPUs {list(gpus)} give {len(gpus) // world_size} instance(s) "
+                          f"of {world_size} ranks, but the instance group has {instances}")
+    return tuple(gpus[i * world_size:(i + 1) * world_size] for i in range(instances))
 
 
 def _param(config: Mapping[str, Any], key: str) -> str:
@@ -79,32 +75,25 @@ def _param(config: Mapping[str, Any], key: str) -> str:
 
 def _groups(config: Mapping[str, Any]) -> list[tuple[str, int, tuple[int, ...]]]:
     """(kind, count, gpus) per instance group, with Triton's defaults (KIND_AUTO, count 1)."""
-    return [
-        (str(g.get("kind") or "KIND_AUTO"), int(g.get("count") or 1), tuple(int(x) for x in g.get("gpus") or ()))
-        for g in config.get("instance_group") or [{}]
-    ]
+    return [(str(g.get("kind") or "KIND_AUTO"), int(g.get("count") or 1), tuple(int(x) for x in g.get("gpus") or ()))
+            for g in config.get("instance_group") or [{}]]
 
 
 def _check_visible(model: str, gpus: frozenset[int], device_count: int) -> None:
     if gpus and device_count == 0:
-        raise ConfigError(
-            f"{model}: the config places it on GPUs {sorted(gpus)} but CUDA is not available; "
-            "load the default config on machines without GPUs"
-        )
+        raise ConfigError(f"{model}: the config places it on GPUs {sorted(gpus)} but CUDA is not available; "
+                          "load the default config on machines without GPUs")
     missing = sorted(g for g in gpus if g >= device_count)
     if missing:
         raise ConfigError(f"{model}: the config names GPUs {missing} but only {device_count} are visible")
 
 
-def _gpu_groups(
-    model: str, groups: list[tuple[str, int, tuple[int, ...]]], world_size: int, device_count: int
-) -> tuple[tuple[int, ...], ...]:
+def _gpu_groups(model: str, groups: list[tuple[str, int, tuple[int, ...]]], world_size: int,
+                device_count: int) -> tuple[tuple[int, ...], ...]:
     """Triton's own KIND_GPU placement: ``count`` instances on each listed GPU (all when none)."""
     if world_size != 1:
-        raise ConfigError(
-            f"{model}: KIND_GPU places one process per instance; a mode with {world_size} ranks "
-            'needs a KIND_MODEL group and the parameter gpus (e.g. "0,1")'
-        )
+        raise ConfigError(f"{model}: KIND_GPU places one process per instance; a mode with {world_size} ranks "
+                          'needs a KIND_MODEL group and the parameter gpus (e.g. "0,1")')
     out: list[tuple[int, ...]] = []
     for kind, count, gpus in groups:
         if kind == "KIND_GPU" or (kind == "KIND_AUTO" and device_count):
@@ -136,13 +125,11 @@ def check_overlaps(placements: list[Placement], layout: str) -> None:
     """Refuse two models on one GPU unless both declare ``share_gpus``: co-loaded models would
     otherwise compete for memory and compute without anyone having chosen it."""
     for i, a in enumerate(placements):
-        for b in placements[i + 1 :]:
+        for b in placements[i + 1:]:
             common = sorted(a.gpus & b.gpus)
             if common and not (a.share and b.share):
-                raise ConfigError(
-                    f"{a.model} and {b.model} both use GPUs {common} in layout {layout or 'default'}; "
-                    'give them disjoint GPUs or set share_gpus: "true" on both'
-                )
+                raise ConfigError(f"{a.model} and {b.model} both use GPUs {common} in layout {layout or 'default'}; "
+                                  'give them disjoint GPUs or set share_gpus: "true" on both')
 
 
 def backend_devices(placement: Placement, instance_kind: str, instance_index: int) -> tuple[str, list[int]] | None:
@@ -152,15 +139,12 @@ def backend_devices(placement: Placement, instance_kind: str, instance_index: in
     if not placement.gpus or instance_kind.upper().endswith("GPU"):
         return None
     if not 0 <= instance_index < len(placement.instances):
-        raise ConfigError(
-            f"{placement.model}: instance {instance_index} has no GPUs in the layout "
-            f"({len(placement.instances)} instance slices)"
-        )
+        raise ConfigError(f"{placement.model}: instance {instance_index} has no GPUs in the layout "
+                          f"({len(placement.instances)} instance slices)")
     return f"cuda:{placement.instances[instance_index][0]}", [g for gpus in placement.instances for g in gpus]
 
 
 # ---------------------------------------------------------------- the sibling configs on disk
-
 
 def tokenize(text: str) -> list[str]:
     """Protobuf text format tokens, comments and blanks dropped."""
@@ -168,7 +152,7 @@ def tokenize(text: str) -> list[str]:
     while pos < len(text):
         match = _TOKEN.match(text, pos)
         if match is None:
-            raise ConfigError(f"config: cannot read the text at {text[pos : pos + 30]!r}")
+            raise ConfigError(f"config: cannot read the text at {text[pos:pos + 30]!r}")
         pos = match.end()
         token = match.group(0)
         if not token.isspace() and not token.startswith("#"):
@@ -215,18 +199,10 @@ def read_placement_fields(text: str) -> dict[str, Any]:
     except IndexError as exc:
         raise ConfigError("config: the text ends in the middle of a field") from exc
     first = lambda f, key, default: f.get(key, [default])[0]  # noqa: E731
-    groups = [
-        {
-            "kind": first(g, "kind", "KIND_AUTO"),
-            "count": int(first(g, "count", 1)),
-            "gpus": [int(x) for x in g.get("gpus", [])],
-        }
-        for g in fields.get("instance_group", [])
-    ]
-    params = {
-        first(p, "key", ""): {"string_value": first(first(p, "value", {}), "string_value", "")}
-        for p in fields.get("parameters", [])
-    }
+    groups = [{"kind": first(g, "kind", "KIND_AUTO"), "count": int(first(g, "count", 1)),
+               "gpus": [int(x) for x in g.get("gpus", [])]} for g in fields.get("instance_group", [])]
+    params = {first(p, "key", ""): {"string_value": first(first(p, "value", {}), "string_value", "")}
+              for p in fields.get("parameters", [])}
     return {"name": first(fields, "name", ""), "instance_group": groups, "parameters": params}
 
 
@@ -263,10 +239,8 @@ def check_layout(own: Mapping[str, Any], model_dir: Path, world_size: int, devic
             continue
         sibling = _sibling_placement(config, device_count)
         if not sibling.gpus and _param(config, "mode_file") and _param(config, "device").strip().lower() != "cpu":
-            raise ConfigError(
-                f"{placement.model}: {folder} names no GPUs in layout {layout or 'default'} and would "
-                f"take them automatically; give it configs/{layout or 'NAME'}.pbtxt with its GPUs"
-            )
+            raise ConfigError(f"{placement.model}: {folder} names no GPUs in layout {layout or 'default'} and would "
+                              f"take them automatically; give it configs/{layout or 'NAME'}.pbtxt with its GPUs")
         others.append(sibling)
     check_overlaps(others, layout)
     return placement
@@ -280,8 +254,5 @@ def _sibling_placement(config: Mapping[str, Any], device_count: int) -> Placemen
     if listed:
         return Placement(model, (parse_gpu_list(listed),), share)
     groups = _groups(config)
-    return Placement(
-        model,
-        tuple((g,) for kind, _, gpus in groups if kind == "KIND_GPU" for g in (gpus or range(device_count))),
-        share,
-    )
+    return Placement(model, tuple((g,) for kind, _, gpus in groups if kind == "KIND_GPU"
+                                  for g in (gpus or range(device_count))), share)

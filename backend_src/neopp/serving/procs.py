@@ -168,10 +168,6 @@ def restore_malloc_defaults() -> None:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc: the variables meant nothing here
         return
-    for param, value in (
-        (_M_MMAP_THRESHOLD, 32 << 20),
-        (_M_TRIM_THRESHOLD, 64 << 20),
-        (_M_TOP_PAD, 128 << 10),
-        (_M_ARENA_MAX, 8 * (os.cpu_count() or 1)),
-    ):
+    for param, value in ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 64 << 20), (_M_TOP_PAD, 128 << 10),
+                         (_M_ARENA_MAX, 8 * (os.cpu_count() or 1))):
         mallopt(param, value)

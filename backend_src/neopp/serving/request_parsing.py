@@ -181,10 +181,8 @@ def _check_request_bytes(inputs: Mapping[str, Any], limits: Limits) -> None:
     total = sum(sizes.values())
     if total > limits.max_request_bytes:
         biggest = max(sizes, key=sizes.__getitem__)
-        raise InputError(
-            f"{biggest}: the request's inputs hold {total} bytes ({biggest}: {sizes[biggest]}), "
-            f"over the limit max_request_bytes={limits.max_request_bytes}"
-        )
+        raise InputError(f"{biggest}: the request's inputs hold {total} bytes ({biggest}: {sizes[biggest]}), "
+                         f"over the limit max_request_bytes={limits.max_request_bytes}")
 
 
 def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
@@ -203,10 +201,8 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
         if not spec.optional and inputs.get(name) is None:
             raise InputError(f"{name}: required input is missing")
     _check_request_bytes(inputs, limits)
-    req = ParsedRequest(
-        cond_kv=_kv("COND_KV", inputs["COND_KV"]),
-        index_offset_cond=_offset("INDEX_OFFSET_COND", inputs["INDEX_OFFSET_COND"], limits),
-    )
+    req = ParsedRequest(cond_kv=_kv("COND_KV", inputs["COND_KV"]),
+                        index_offset_cond=_offset("INDEX_OFFSET_COND", inputs["INDEX_OFFSET_COND"], limits))
     has_uncond, has_uoff = inputs.get("UNCOND_KV") is not None, inputs.get("INDEX_OFFSET_UNCOND") is not None
     if has_uncond != has_uoff:
         missing = "INDEX_OFFSET_UNCOND" if has_uncond else "UNCOND_KV"
@@ -241,17 +237,13 @@ def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limit
     if inputs.get("STEPS") is not None:
         s["infer_steps"] = _int("STEPS", inputs["STEPS"])
         check_steps(s["infer_steps"], limits, "STEPS")
-    for name, key in (
-        ("CFG_SCALE", "cfg_scale"),
-        ("TIMESTEP_SHIFT", "timestep_shift"),
-        ("IMAGE_GUIDANCE_SCALE", "image_guidance_scale"),
-    ):
+    for name, key in (("CFG_SCALE", "cfg_scale"), ("TIMESTEP_SHIFT", "timestep_shift"),
+                      ("IMAGE_GUIDANCE_SCALE", "image_guidance_scale")):
         if inputs.get(name) is not None:
             s[key] = float(_numeric(name, inputs[name], INPUT_SPECS[name])[0])
     if inputs.get("CFG_INTERVAL") is not None:
-        s["cfg_interval"] = tuple(
-            float(v) for v in _numeric("CFG_INTERVAL", inputs["CFG_INTERVAL"], INPUT_SPECS["CFG_INTERVAL"])
-        )
+        s["cfg_interval"] = tuple(float(v) for v in _numeric("CFG_INTERVAL", inputs["CFG_INTERVAL"],
+                                                             INPUT_SPECS["CFG_INTERVAL"]))
     for name, key in (("CFG_NORM", "cfg_norm"), ("OUTPUT_FORMAT", "output_format")):
         if inputs.get(name) is not None:
             s[key] = _string(name, inputs[name], INPUT_SPECS[name]).lower()
@@ -263,21 +255,13 @@ def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limit
 
 # Which input a SamplingParams field comes from, so the core's messages name the input.
 SAMPLING_INPUT_NAMES = {
-    "infer_steps": "STEPS",
-    "cfg_scale": "CFG_SCALE",
-    "timestep_shift": "TIMESTEP_SHIFT",
-    "cfg_interval": "CFG_INTERVAL",
-    "cfg_norm": "CFG_NORM",
-    "output_format": "OUTPUT_FORMAT",
+    "infer_steps": "STEPS", "cfg_scale": "CFG_SCALE", "timestep_shift": "TIMESTEP_SHIFT",
+    "cfg_interval": "CFG_INTERVAL", "cfg_norm": "CFG_NORM", "output_format": "OUTPUT_FORMAT",
     "image_guidance_scale": "IMAGE_GUIDANCE_SCALE",
 }
 # GenerationRequest field -> input name: the core's errors name fields, clients know inputs.
 REQUEST_INPUT_NAMES = {
-    "cond_kv": "COND_KV",
-    "uncond_kv": "UNCOND_KV",
-    "index_offset_cond": "INDEX_OFFSET_COND",
-    "index_offset_uncond": "INDEX_OFFSET_UNCOND",
-    "size": "SIZE",
-    "task": "TASK",
-    **SAMPLING_INPUT_NAMES,
+    "cond_kv": "COND_KV", "uncond_kv": "UNCOND_KV", "index_offset_cond": "INDEX_OFFSET_COND",
+    "index_offset_uncond": "INDEX_OFFSET_UNCOND", "size": "SIZE",
+    "task": "TASK", **SAMPLING_INPUT_NAMES,
 }

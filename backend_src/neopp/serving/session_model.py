@@ -43,15 +43,8 @@ from .parameters import read_parameters
 from .request_parsing import text_value
 from .sessions import SequenceSlots, SessionTable, TurnPlan, UnknownSession
 
-GENERATION_MODELS = (
-    "neopp_dense",
-    "neopp_dense_fp8",
-    "neopp_dense_cfg",
-    "neopp_dense_cfg_seq",
-    "neopp_dense_8steps",
-    "neopp_moe",
-    "neopp_moe_cfg",
-)
+GENERATION_MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq",
+                     "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg")
 SESSION_PARAMETERS = {
     "default_model": "neopp_dense",
     "allowed_models": ",".join(GENERATION_MODELS),
@@ -71,11 +64,9 @@ def session_parameters(model_config: dict[str, Any]) -> dict[str, str]:
 
 def build_table(params: dict[str, str]) -> SessionTable:
     try:
-        return SessionTable(
-            max_sessions=int(params["max_sessions"]),
-            idle_timeout_s=float(params["session_idle_timeout_s"]),
-            default_seed=int(params["default_seed"]),
-        )
+        return SessionTable(max_sessions=int(params["max_sessions"]),
+                            idle_timeout_s=float(params["session_idle_timeout_s"]),
+                            default_seed=int(params["default_seed"]))
     except ValueError as exc:
         raise ConfigError(f"neopp_session parameters: {exc}") from exc
 
@@ -85,16 +76,13 @@ def build_slots(config: dict[str, Any], table: SessionTable) -> SequenceSlots:
     batching = config.get("sequence_batching") or {}
     capacity = int((batching.get("oldest") or {}).get("max_candidate_sequences") or 0)
     if not capacity:
-        raise ConfigError(
-            "neopp_session: sequence_batching must use the oldest strategy with max_candidate_sequences set"
-        )
+        raise ConfigError("neopp_session: sequence_batching must use the oldest strategy with "
+                          "max_candidate_sequences set")
     reserve = max(1, capacity // 8)
     if table.max_sessions > capacity - reserve:
-        raise ConfigError(
-            f"neopp_session: max_candidate_sequences ({capacity}) must be at least "
-            f"max_sessions ({table.max_sessions}) + {reserve} (an eighth, at least 1), so that "
-            "Triton never runs out of sequence slots before the model drops a session"
-        )
+        raise ConfigError(f"neopp_session: max_candidate_sequences ({capacity}) must be at least "
+                          f"max_sessions ({table.max_sessions}) + {reserve} (an eighth, at least 1), so that "
+                          "Triton never runs out of sequence slots before the model drops a session")
     idle_us = int(batching.get("max_sequence_idle_microseconds") or 1_000_000)
     return SequenceSlots(capacity, reserve, idle_us / 1e6)
 
@@ -154,33 +142,23 @@ class SessionTritonModel:
         self.allowed = tuple(m.strip() for m in params["allowed_models"].split(",") if m.strip())
         self.default_model = params["default_model"].strip()
         if self.default_model not in self.allowed:
-            raise ConfigError(
-                f"parameter default_model: {self.default_model!r} is not in allowed_models {self.allowed}"
-            )
+            raise ConfigError(f"parameter default_model: {self.default_model!r} is not in allowed_models "
+                              f"{self.allowed}")
         idle_us = int((config.get("sequence_batching") or {}).get("max_sequence_idle_microseconds") or 1_000_000)
         if idle_us < self.table.idle_timeout_s * 1e6:
             self.logger.log_warn(
                 f"{self.model_name}: sequence_batching.max_sequence_idle_microseconds ({idle_us}) is shorter than "
-                f"session_idle_timeout_s ({self.table.idle_timeout_s:g} s): Triton releases idle sequences first"
-            )
-        gauge = pb_utils.MetricFamily(
-            name="neopp_sessions_active",
-            kind=pb_utils.MetricFamily.GAUGE,
-            description="Sessions held by neopp_session (per instance, summed)",
-        )
-        turns = pb_utils.MetricFamily(
-            name="neopp_session_turns_total",
-            kind=pb_utils.MetricFamily.COUNTER,
-            description="Images delivered by neopp_session",
-        )
+                f"session_idle_timeout_s ({self.table.idle_timeout_s:g} s): Triton releases idle sequences first")
+        gauge = pb_utils.MetricFamily(name="neopp_sessions_active", kind=pb_utils.MetricFamily.GAUGE,
+                                      description="Sessions held by neopp_session (per instance, summed)")
+        turns = pb_utils.MetricFamily(name="neopp_session_turns_total", kind=pb_utils.MetricFamily.COUNTER,
+                                      description="Images delivered by neopp_session")
         self._families = (gauge, turns)  # a family that is garbage-collected unregisters
         labels = {"model": self.model_name, "instance": args.get("model_instance_name", "")}
         self.active_metric, self.turns_metric = gauge.Metric(labels=labels), turns.Metric(labels=labels)
-        self.logger.log_info(
-            f"{self.model_name}: sessions max={self.table.max_sessions} idle timeout="
-            f"{self.table.idle_timeout_s:g}s default model={self.default_model} "
-            f"default seed={self.table.default_seed}"
-        )
+        self.logger.log_info(f"{self.model_name}: sessions max={self.table.max_sessions} idle timeout="
+                             f"{self.table.idle_timeout_s:g}s default model={self.default_model} "
+                             f"default seed={self.table.default_seed}")
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = [self._turn(request) for request in requests]
@@ -195,14 +173,9 @@ class SessionTritonModel:
     def _send_release(self, session_id: int) -> None:
         """End one dropped session's Triton sequence, so that its batcher slot frees."""
         pb = self.pb
-        result = pb.InferenceRequest(
-            model_name=self.model_name,
-            inputs=[],
-            requested_output_names=["TURN"],
-            request_id=RELEASE_REQUEST_ID,
-            correlation_id=session_id,
-            flags=pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END,
-        ).exec()
+        result = pb.InferenceRequest(model_name=self.model_name, inputs=[], requested_output_names=["TURN"],
+                                     request_id=RELEASE_REQUEST_ID, correlation_id=session_id,
+                                     flags=pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END).exec()
         if result.has_error():  # e.g. Triton's idle bound ended it first
             self.logger.log_verbose(f"{self.model_name}: release of {session_id}: {result.error().message()}")
 
@@ -223,26 +196,20 @@ class SessionTritonModel:
             seed = int(_scalar(inputs["SEED"])) if "SEED" in inputs else None
             if "COND_KV" not in inputs:
                 if not end:
-                    raise InputError(
-                        "COND_KV: required input is missing (only a sequence_end request may leave "
-                        "it out, to close the session without an image)"
-                    )
+                    raise InputError("COND_KV: required input is missing (only a sequence_end request may leave "
+                                     "it out, to close the session without an image)")
                 return self._closed(session_id, request.request_id() == RELEASE_REQUEST_ID)
             session = self.table.open(session_id, seed) if start else self.table.get(session_id)
             model = session.model or self.default_model
             model = _text("MODEL", inputs["MODEL"]) if "MODEL" in inputs else model
             if model not in self.allowed:
-                raise InputError(
-                    f"MODEL: {shown(model)} is not a generation model this server offers; "
-                    f"expected one of {list(self.allowed)}"
-                )
+                raise InputError(f"MODEL: {shown(model)} is not a generation model this server offers; "
+                                 f"expected one of {list(self.allowed)}")
             plan = self.table.plan(session, seed)
             result = self._generate(model, inputs, plan)
             if result.has_error():
-                self.logger.log_warn(
-                    f"{self.model_name}: session {session_id}: {model} refused the turn: "
-                    f"{shown(result.error().message(), 300)}"
-                )
+                self.logger.log_warn(f"{self.model_name}: session {session_id}: {model} refused the turn: "
+                                     f"{shown(result.error().message(), 300)}")
                 return pb.InferenceResponse(error=self._same_error(result.error()))
             image = pb.get_output_tensor_by_name(result, "IMAGE").as_numpy()
             state = pb.get_output_tensor_by_name(result, "NEXT_RNG_STATE").as_numpy()
@@ -253,38 +220,31 @@ class SessionTritonModel:
             return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
         except Exception as exc:  # noqa: BLE001 - the model must stay usable
             self.logger.log_error(f"{self.model_name}: internal error\n{traceback.format_exc()}")
-            return pb.InferenceResponse(
-                error=pb.TritonError(f"internal error: {type(exc).__name__}: {exc}", pb.TritonError.INTERNAL)
-            )
+            return pb.InferenceResponse(error=pb.TritonError(f"internal error: {type(exc).__name__}: {exc}",
+                                                             pb.TritonError.INTERNAL))
         finally:
             if end:
                 self.table.end(session_id)  # freed whether or not the last turn succeeded
         self.turns_metric.increment(1)
-        self.logger.log_info(
-            f"{self.model_name}: session {session_id} turn {turn} by {model} "
-            f"({'seed ' + str(plan.seed) if plan.seed is not None else 'continued'})"
-            f"{' end' if end else ''}"
-        )
-        return pb.InferenceResponse(
-            output_tensors=[
-                pb.Tensor("IMAGE", image),
-                pb.Tensor("TURN", np.array([turn], dtype=np.int64)),
-                pb.Tensor("NEXT_RNG_STATE", state),
-            ]
-        )
+        self.logger.log_info(f"{self.model_name}: session {session_id} turn {turn} by {model} "
+                             f"({'seed ' + str(plan.seed) if plan.seed is not None else 'continued'})"
+                             f"{' end' if end else ''}")
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor("IMAGE", image),
+            pb.Tensor("TURN", np.array([turn], dtype=np.int64)),
+            pb.Tensor("NEXT_RNG_STATE", state),
+        ])
 
     def _closed(self, session_id: Any, released: bool = False) -> Any:
         """Answer of a request that only closes a session: no image (empty IMAGE, TURN -1)."""
         pb = self.pb
         how = "released its Triton slot (dropped earlier)" if released else "closed without an image"
         self.logger.log_info(f"{self.model_name}: session {session_id} {how}")
-        return pb.InferenceResponse(
-            output_tensors=[
-                pb.Tensor("IMAGE", np.array([b""], dtype=np.object_)),
-                pb.Tensor("TURN", np.array([-1], dtype=np.int64)),
-                pb.Tensor("NEXT_RNG_STATE", np.zeros(0, dtype=np.uint8)),
-            ]
-        )
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor("IMAGE", np.array([b""], dtype=np.object_)),
+            pb.Tensor("TURN", np.array([-1], dtype=np.int64)),
+            pb.Tensor("NEXT_RNG_STATE", np.zeros(0, dtype=np.uint8)),
+        ])
 
     def _same_error(self, error: Any) -> Any:
         """The generation model's error with its message and, as far as it can be told, its status.
@@ -304,8 +264,7 @@ class SessionTritonModel:
         else:
             forward.append(pb.Tensor("RNG_STATE", np.frombuffer(plan.rng_state, dtype=np.uint8).copy()))
         started = time.perf_counter()
-        result = pb.InferenceRequest(
-            model_name=model, inputs=forward, requested_output_names=["IMAGE", "NEXT_RNG_STATE"]
-        ).exec()
+        result = pb.InferenceRequest(model_name=model, inputs=forward,
+                                     requested_output_names=["IMAGE", "NEXT_RNG_STATE"]).exec()
         self.logger.log_verbose(f"{self.model_name}: {model} answered in {time.perf_counter() - started:.2f}s")
         return result

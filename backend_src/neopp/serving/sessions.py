@@ -56,9 +56,8 @@ class SessionTable:
     """Sessions by id with an idle timeout and a maximum count; not thread-safe by design
     (a Python-backend instance runs one ``execute`` at a time)."""
 
-    def __init__(
-        self, max_sessions: int, idle_timeout_s: float, default_seed: int, clock: Callable[[], float] = time.monotonic
-    ) -> None:
+    def __init__(self, max_sessions: int, idle_timeout_s: float, default_seed: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if max_sessions < 1:
             raise ConfigError(f"parameter max_sessions: must be >= 1, got {max_sessions}")
         if not idle_timeout_s > 0:
@@ -114,9 +113,8 @@ class SessionTable:
         session = self._sessions.get(session_id)
         if session is None:
             why = self._dropped.get(session_id, "never started or already ended")
-            raise UnknownSession(
-                f"sequence_id {session_id}: unknown session ({why}); start a new session with sequence_start=True"
-            )
+            raise UnknownSession(f"sequence_id {session_id}: unknown session ({why}); "
+                                 "start a new session with sequence_start=True")
         self._sessions.move_to_end(session_id)
         session.last_used = now
         return session
@@ -184,7 +182,8 @@ class SequenceSlots:
     kept in its slot until then, so its next turn still hears why it was dropped.
     """
 
-    def __init__(self, capacity: int, reserve: int, idle_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, capacity: int, reserve: int, idle_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if reserve < 1 or capacity <= reserve:
             raise ConfigError(f"max_candidate_sequences ({capacity}) must exceed its reserve of {reserve}")
         self.threshold = capacity - reserve

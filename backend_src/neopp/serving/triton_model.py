@@ -76,16 +76,8 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "default_task": "t2i",
     **{k: str(v) for k, v in Limits().__dict__.items()},
 }
-_DTYPES = {
-    "auto": None,
-    "": None,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
+_DTYPES = {"auto": None, "": None, "float32": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def project_root(model_dir: Path | str | None, env: Mapping[str, str] | None = None) -> Path:
@@ -104,9 +96,8 @@ def model_env_var(prefix: str, model_name: str) -> str:
     return prefix + "_" + re.sub(r"[^A-Za-z0-9]", "_", model_name).upper()
 
 
-def resolve_deployment_path(
-    params: Mapping[str, str], key: str, env_var: str, model_name: str, root: Path, env: Mapping[str, str] | None = None
-) -> Path:
+def resolve_deployment_path(params: Mapping[str, str], key: str, env_var: str, model_name: str, root: Path,
+                            env: Mapping[str, str] | None = None) -> Path:
     """``<env_var>_<MODEL>``, then ``<env_var>``, then parameter ``key``: the weights a model
     serves are a deployment's choice, so the same repository serves tiny and real ones."""
     env = os.environ if env is None else env
@@ -117,21 +108,20 @@ def resolve_deployment_path(
     return path if path.is_absolute() else root / path
 
 
-def resolve_checkpoint(
-    params: Mapping[str, str], model_name: str, root: Path, env: Mapping[str, str] | None = None
-) -> Path:
+def resolve_checkpoint(params: Mapping[str, str], model_name: str, root: Path,
+                       env: Mapping[str, str] | None = None) -> Path:
     """Per-model env override, then NEOPP_CHECKPOINT, then the ``checkpoint`` parameter."""
     return resolve_deployment_path(params, "checkpoint", "NEOPP_CHECKPOINT", model_name, root, env)
 
 
-def resolve_lora_dir(
-    params: Mapping[str, str], model_name: str, root: Path, env: Mapping[str, str] | None = None
-) -> Path:
+def resolve_lora_dir(params: Mapping[str, str], model_name: str, root: Path,
+                     env: Mapping[str, str] | None = None) -> Path:
     """Per-model env override, then NEOPP_LORA_DIR, then the ``lora_dir`` parameter."""
     return resolve_deployment_path(params, "lora_dir", "NEOPP_LORA_DIR", model_name, root, env)
 
 
-def choose_device(param: str, instance_kind: str, device_id: int, instance_index: int, world_size: int = 1) -> str:
+def choose_device(param: str, instance_kind: str, device_id: int, instance_index: int,
+                  world_size: int = 1) -> str:
     """Map the ``device`` parameter and the instance to a torch device (see module doc)."""
     param = (param or "auto").strip().lower()
     if param == "cpu" or param.startswith("cuda:"):
@@ -190,11 +180,8 @@ class TritonModelSettings:
             checkpoint=resolve_checkpoint(params, name, root),
             mode_file=mode_file if mode_file.is_absolute() else root / mode_file,
             lora_dir=resolve_lora_dir(params, name, root),
-            device_param=params["device"],
-            dtype=_DTYPES[dtype_key],
-            num_threads=_int_param(params, "num_threads"),
-            default_task=task,
-            limits=limits,
+            device_param=params["device"], dtype=_DTYPES[dtype_key],
+            num_threads=_int_param(params, "num_threads"), default_task=task, limits=limits,
             worker_processes=_int_param(params, "worker_processes"),
             collective_timeout_s=float(_int_param(params, "collective_timeout_s")),
         )
@@ -209,10 +196,8 @@ def load_model_mode(settings: TritonModelSettings) -> ModeSpec:
             missing = [e["path"] for e in mode.lora_configs if not Path(e["path"]).is_file()]
             if missing:
                 override = model_env_var("NEOPP_LORA_DIR", settings.model_name)
-                raise ConfigError(
-                    f"LoRA file {missing[0]} does not exist (lora_dir {settings.lora_dir}; "
-                    f"set parameter lora_dir or env {override} / NEOPP_LORA_DIR)"
-                )
+                raise ConfigError(f"LoRA file {missing[0]} does not exist (lora_dir {settings.lora_dir}; "
+                                  f"set parameter lora_dir or env {override} / NEOPP_LORA_DIR)")
             check_loras(generation_shapes(settings.checkpoint), mode.lora_configs)
     except ConfigError as exc:
         raise ConfigError(f"model {settings.model_name}: {exc}") from exc
@@ -263,14 +248,9 @@ class NeoPPTritonModel:
         for name, spec in INPUT_SPECS.items():
             entry = existing.get(name)
             if entry is None:
-                auto_complete_model_config.add_input(
-                    {
-                        "name": name,
-                        "data_type": spec.data_type,
-                        "dims": kv_dims if name in KV_INPUTS else list(spec.dims),
-                        "optional": spec.optional,
-                    }
-                )
+                auto_complete_model_config.add_input({"name": name, "data_type": spec.data_type,
+                                                      "dims": kv_dims if name in KV_INPUTS else list(spec.dims),
+                                                      "optional": spec.optional})
             elif name in KV_INPUTS:
                 dims = [int(d) for d in entry.get("dims", [])]
                 if len(dims) not in (0, 5) or any(d not in (-1, k) for d, k in zip(dims, kv_dims)):
@@ -279,9 +259,8 @@ class NeoPPTritonModel:
         present = {entry["name"] for entry in config.get("output", [])}
         for name, spec in OUTPUT_SPECS.items():
             if name not in present:
-                auto_complete_model_config.add_output(
-                    {"name": name, "data_type": spec.data_type, "dims": list(spec.dims)}
-                )
+                auto_complete_model_config.add_output({"name": name, "data_type": spec.data_type,
+                                                       "dims": list(spec.dims)})
         return auto_complete_model_config
 
     def initialize(self, args: dict[str, str]) -> None:
@@ -298,27 +277,17 @@ class NeoPPTritonModel:
         self.model_name = args.get("model_name", self.settings.model_name)
         self.mode = load_model_mode(self.settings)
         default_size = self.mode.default_size
-        if (
-            max(default_size) > self.settings.limits.max_side
-            or default_size[0] * default_size[1] > self.settings.limits.max_pixels
-        ):
+        if max(default_size) > self.settings.limits.max_side or \
+                default_size[0] * default_size[1] > self.settings.limits.max_pixels:
             raise ConfigError(f"mode {self.mode.name}: default size {default_size} exceeds the model's limits")
         match = re.search(r"_(\d+)$", args.get("model_instance_name", ""))
         instance_index = int(match.group(1)) if match else 0
         if self.settings.worker_processes:
             check_world(self.mode, self.settings.worker_processes)
         device, gpus = self._place(model_config, model_dir, args, instance_index)
-        self.engine = build_engine(
-            self.settings.checkpoint,
-            self.mode,
-            device,
-            self.settings.dtype,
-            self.settings.limits,
-            self._threads(model_config),
-            instance_index,
-            gpus=gpus,
-            collective_timeout_s=self.settings.collective_timeout_s,
-        )
+        self.engine = build_engine(self.settings.checkpoint, self.mode, device, self.settings.dtype,
+                                         self.settings.limits, self._threads(model_config), instance_index,
+                                         gpus=gpus, collective_timeout_s=self.settings.collective_timeout_s)
         self.kv_dims = self.engine.config.kv_dims
         self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
@@ -326,12 +295,10 @@ class NeoPPTritonModel:
         self.logger.log_info(
             f"{self.model_name}: loaded {self.settings.checkpoint} mode={self.mode.name} "
             f"device={self.engine.device} dtype={self.engine.dtype} kv_dims={self.kv_dims} "
-            f"threads={torch.get_num_threads()}"
-        )
+            f"threads={torch.get_num_threads()}")
 
-    def _place(
-        self, model_config: Mapping[str, Any], model_dir: Path | None, args: Mapping[str, str], instance_index: int
-    ) -> tuple[str, list[int] | None]:
+    def _place(self, model_config: Mapping[str, Any], model_dir: Path | None, args: Mapping[str, str],
+               instance_index: int) -> tuple[str, list[int] | None]:
         """The instance's device and, for a layout naming GPUs, the model's GPU list (the rank pool
         takes this instance's slice of it). Checked against the layout's other models first."""
         kind = args.get("model_instance_kind", "CPU")
@@ -341,13 +308,8 @@ class NeoPPTritonModel:
             assigned = backend_devices(placement, kind, instance_index)
             if assigned is not None:
                 return assigned
-        return choose_device(
-            self.settings.device_param,
-            kind,
-            int(args.get("model_instance_device_id", 0) or 0),
-            instance_index,
-            self.mode.world_size,
-        ), None
+        return choose_device(self.settings.device_param, kind, int(args.get("model_instance_device_id", 0) or 0),
+                             instance_index, self.mode.world_size), None
 
     def _threads(self, model_config: Mapping[str, Any]) -> int | None:
         """`num_threads`, or with 0 on a CPU: the cores shared out over every instance's ranks,
@@ -380,7 +342,8 @@ class NeoPPTritonModel:
             self.engine.validate(gen_req)
             gen_req.noise = stream.draw(gen_req.height, gen_req.width)  # only once the request is valid
             stop = lambda: request.is_cancelled() or self._stopping.is_set()  # noqa: E731
-            pixels = self.engine.generate(gen_req, should_stop=stop, on_step=lambda _i, secs: self.metrics.step(secs))
+            pixels = self.engine.generate(gen_req, should_stop=stop,
+                                             on_step=lambda _i, secs: self.metrics.step(secs))
             image = encode_image(pixels, gen_req.sampling.output_format, parsed.resize)
         except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
             return self._refuse(exc, start)
@@ -393,15 +356,12 @@ class NeoPPTritonModel:
             f"prefix={parsed.prefix_tokens}+{0 if parsed.uncond_kv is None else parsed.uncond_kv.shape[2]} tokens "
             f"steps={gen_req.sampling.infer_steps} {gen_req.sampling.output_format} {len(image)} B "
             f"in {seconds * 1e3:.0f} ms end-to-end; "
-            f"{parallelism_note(self.mode, gen_req, self.engine.guidance_plan(gen_req))}"
-        )
+            f"{parallelism_note(self.mode, gen_req, self.engine.guidance_plan(gen_req))}")
         state = np.frombuffer(stream.state(), dtype=np.uint8).copy()
-        return pb.InferenceResponse(
-            output_tensors=[
-                pb.Tensor("IMAGE", np.array([image], dtype=np.object_)),
-                pb.Tensor("NEXT_RNG_STATE", state),
-            ]
-        )
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor("IMAGE", np.array([image], dtype=np.object_)),
+            pb.Tensor("NEXT_RNG_STATE", state),
+        ])
 
     def _refuse(self, exc: Exception, start: float) -> Any:
         """The error response for ``exc``: status and message prefix from its error class."""
@@ -444,12 +404,8 @@ class NeoPPTritonModel:
             stream = NoiseStream.from_state(self.stream.state())
         height, width = parsed.size or self.mode.default_size
         return GenerationRequest(
-            cond_kv=parsed.cond_kv,
-            index_offset_cond=parsed.index_offset_cond,
-            height=height,
-            width=width,
+            cond_kv=parsed.cond_kv, index_offset_cond=parsed.index_offset_cond, height=height, width=width,
             sampling=sampling,
-            uncond_kv=parsed.uncond_kv,
-            index_offset_uncond=parsed.index_offset_uncond,
+            uncond_kv=parsed.uncond_kv, index_offset_uncond=parsed.index_offset_uncond,
             task=parsed.task or self.settings.default_task,
         ), stream

@@ -48,12 +48,8 @@ DEFAULT_BACKEND_DIR = Path("build") / "triton_backends"
 # threshold return the rest. Tritonserver gets both; a generation model's stub undoes the malloc part
 # at load (procs.restore_malloc_defaults): there it cost 20-25% of a denoising step.
 GRPC_POOL_ARG = "--grpc-infer-allocation-pool-size"
-MALLOC_ENV = {
-    "MALLOC_MMAP_THRESHOLD_": "65536",
-    "MALLOC_TRIM_THRESHOLD_": "131072",
-    "MALLOC_TOP_PAD_": "0",
-    "MALLOC_ARENA_MAX": "1",
-}
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_TOP_PAD_": "0",
+              "MALLOC_ARENA_MAX": "1"}
 
 
 class TritonLaunchError(RuntimeError):
@@ -89,13 +85,9 @@ def find_install() -> TritonInstall:
         if not (root / "bin" / "tritonserver").is_file():
             continue
         stub = root / "python_backend_stubs" / python_tag() / "triton_python_backend_stub"
-        install = TritonInstall(
-            site_packages=sp,
-            server_bin=root / "bin" / "tritonserver",
-            python_backend=root / "backends" / "python",
-            stub=stub,
-            libs=sp / "nvidia_pytriton.libs",
-        )
+        install = TritonInstall(site_packages=sp, server_bin=root / "bin" / "tritonserver",
+                                python_backend=root / "backends" / "python", stub=stub,
+                                libs=sp / "nvidia_pytriton.libs")
         for path in (install.python_backend / "libtriton_python.so", stub, install.libs):
             if not path.exists():
                 raise TritonLaunchError(f"nvidia-pytriton install at {sp} lacks {path}")
@@ -136,9 +128,8 @@ def prepend_path(value: str | None, *first: str) -> str:
     return os.pathsep.join(dict.fromkeys(parts))
 
 
-def server_env(
-    install: TritonInstall | None = None, base: dict[str, str] | None = None, malloc_env: dict[str, str] | None = None
-) -> dict[str, str]:
+def server_env(install: TritonInstall | None = None, base: dict[str, str] | None = None,
+               malloc_env: dict[str, str] | None = None) -> dict[str, str]:
     """Environment for tritonserver: interpreter LIBDIR before the wheel's libs, venv bin first,
     and ``malloc_env`` (default MALLOC_ENV) unless ``base`` sets those variables itself."""
     install = install or find_install()
@@ -169,23 +160,13 @@ def _terminate_with_parent() -> None:
 class TritonServer:
     """One tritonserver process: start, wait ready, stop. Usable as a context manager."""
 
-    def __init__(
-        self,
-        model_repository: Path | str,
-        http_port: int | None = None,
-        grpc_port: int | None = None,
-        metrics_port: int | None = None,
-        host: str = LOOPBACK,
-        backend_dir: Path | str | None = None,
-        extra_args: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        log_path: Path | str | None = None,
-        admin_key: str | None = None,
-        front_key: str | None = None,
-        http_address: str | None = None,
-        shm_sizes: tuple[int, int] | None = None,
-        malloc_env: dict[str, str] | None = None,
-    ) -> None:
+    def __init__(self, model_repository: Path | str, http_port: int | None = None,
+                 grpc_port: int | None = None, metrics_port: int | None = None, host: str = LOOPBACK,
+                 backend_dir: Path | str | None = None, extra_args: Sequence[str] = (),
+                 env: dict[str, str] | None = None, log_path: Path | str | None = None,
+                 admin_key: str | None = None, front_key: str | None = None,
+                 http_address: str | None = None, shm_sizes: tuple[int, int] | None = None,
+                 malloc_env: dict[str, str] | None = None) -> None:
         """Ports left as None are picked free; ``env`` is the base environment (default: ours).
 
         ``admin_key`` restricts the administrative APIs (neopp.serving.admin); ``front_key`` makes
@@ -232,21 +213,15 @@ class TritonServer:
 
     def command(self) -> list[str]:
         """The full tritonserver argv (no pool of gRPC request objects unless ``extra_args`` sets one)."""
-        return [
-            str(self.install.server_bin),
-            f"--model-repository={self.model_repository}",
-            f"--backend-directory={self.backend_dir}",
-            f"--http-address={self.http_address}",
-            f"--http-port={self.http_port}",
-            f"--grpc-address={self.host}",
-            f"--grpc-port={self.grpc_port}",
-            f"--metrics-address={self.host}",
-            f"--metrics-port={self.metrics_port}",
-            *backend_args(self.shm_prefix, *(self.shm_sizes or ())),
-            *(restriction_args(self.admin_key, self.front_key) if self.admin_key else []),
-            *([] if any(a.startswith(GRPC_POOL_ARG) for a in self.extra_args) else [f"{GRPC_POOL_ARG}=0"]),
-            *self.extra_args,
-        ]
+        return [str(self.install.server_bin), f"--model-repository={self.model_repository}",
+                f"--backend-directory={self.backend_dir}",
+                f"--http-address={self.http_address}", f"--http-port={self.http_port}",
+                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+                *backend_args(self.shm_prefix, *(self.shm_sizes or ())),
+                *(restriction_args(self.admin_key, self.front_key) if self.admin_key else []),
+                *([] if any(a.startswith(GRPC_POOL_ARG) for a in self.extra_args) else [f"{GRPC_POOL_ARG}=0"]),
+                *self.extra_args]
 
     def start(self) -> TritonServer:
         """Launch in its own process group so its stubs can be found and stopped with it.
@@ -261,15 +236,10 @@ class TritonServer:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")
             out = self._log_file
-        self.process = subprocess.Popen(
-            self.command(),
-            env=self.env,
-            stdout=out,
-            stderr=subprocess.STDOUT if out is not None else None,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=_terminate_with_parent,
-        )
+        self.process = subprocess.Popen(self.command(), env=self.env, stdout=out,
+                                        stderr=subprocess.STDOUT if out is not None else None,
+                                        stdin=subprocess.DEVNULL, start_new_session=True,
+                                        preexec_fn=_terminate_with_parent)
         return self
 
     def is_ready(self) -> bool:
@@ -295,7 +265,8 @@ class TritonServer:
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise TritonLaunchError(
-                    f"tritonserver exited with code {self.process.returncode} before it was ready:\n" + self.log_tail()
+                    f"tritonserver exited with code {self.process.returncode} before it was ready:\n"
+                    + self.log_tail()
                 )
             if self.is_ready():
                 return
@@ -367,16 +338,14 @@ class TritonServer:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m neopp.serving.tritonserver",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog="python -m neopp.serving.tritonserver", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve", help="run tritonserver in the foreground")
     from .launcher import add_arguments
 
-    add_arguments(s, "model_repository", str(Path("build") / "admin.key"), f"default {DEFAULT_BACKEND_DIR}")
+    add_arguments(s, "model_repository", str(Path("build") / "admin.key"),
+                  f"default {DEFAULT_BACKEND_DIR}")
     b = sub.add_parser("prepare-backend", help="only assemble the backend directory and print it")
     b.add_argument("--backend-dir", default=None)
     ns = parser.parse_args(argv)

@@ -133,10 +133,9 @@ class StubWatchdog:
                 recovery = Recovery(model, dead, force_reload(self.client, model, self.admin_key))
             except Exception as exc:  # noqa: BLE001 - reported, retried at the next poll
                 recovery = Recovery(model, dead, 0.0, f"{type(exc).__name__}: {exc}")
-            self.log(
-                f"neopp watchdog: {model}: reload "
-                + (f"failed: {recovery.error}" if recovery.error else f"done in {recovery.reload_s:.2f}s")
-            )
+            self.log(f"neopp watchdog: {model}: reload "
+                     + (f"failed: {recovery.error}" if recovery.error
+                        else f"done in {recovery.reload_s:.2f}s"))
             self._missing_since.pop(model, None)
             self.recoveries.append(recovery)
             done.append(recovery)
@@ -168,9 +167,8 @@ class StubWatchdog:
         self.stop()
 
 
-def start_watchdog(
-    grpc_url: str, server_pid: int, log: Callable[[str], None] = print, admin_key: str | None = None
-) -> StubWatchdog:
+def start_watchdog(grpc_url: str, server_pid: int, log: Callable[[str], None] = print,
+                   admin_key: str | None = None) -> StubWatchdog:
     import tritonclient.grpc as grpcclient
 
     client = grpcclient.InferenceServerClient(grpc_url)
@@ -186,19 +184,15 @@ def find_server_pid() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m neopp.serving.watchdog",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog="python -m neopp.serving.watchdog", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
     parser.add_argument("--server-pid", type=int, help="tritonserver's pid (default: the only one found)")
     parser.add_argument("--admin-key-file", help=f"operator key file (default ${KEY_ENV}; none: no key sent)")
     args = parser.parse_args(argv)
     key = Path(args.admin_key_file).read_text().strip() if args.admin_key_file else os.environ.get(KEY_ENV)
-    watchdog = start_watchdog(
-        args.url, args.server_pid or find_server_pid(), log=lambda m: print(m, flush=True), admin_key=key
-    )
+    watchdog = start_watchdog(args.url, args.server_pid or find_server_pid(),
+                              log=lambda m: print(m, flush=True), admin_key=key)
     try:
         while watchdog._thread is not None and watchdog._thread.is_alive():
             time.sleep(1.0)

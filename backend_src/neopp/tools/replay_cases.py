@@ -37,8 +37,8 @@ class Case:
     """One replay: what the captured KV was made with and how its images were sampled."""
 
     about: str
-    mode: str  # file under configs/neopp/
-    kv: str  # folder under replay_kv/
+    mode: str                                        # file under configs/neopp/
+    kv: str                                          # folder under replay_kv/
     size: tuple[int, int]
     turns: tuple[tuple[int, int | None, int | None], ...]
     checkpoint: str = "checkpoints/neopp"
@@ -52,69 +52,24 @@ class Case:
 MOE = "checkpoints/neopp_moe"
 LORA_DIR = "checkpoints/lora"  # where a mode file's LoRA file names are looked up (as the 8-step model's lora_dir)
 CASES: dict[str, Case] = {
-    "dense_t2i_1k": Case(
-        "dense t2i, three explicitly seeded turns", "neopp_dense.json", "dense_t2i_1k", (1024, 1024), DENSE_CHAT
-    ),
-    "dense_i2i_1k": Case(
-        "dense i2i (the input image is inside both prefixes), one turn",
-        "neopp_dense.json",
-        "dense_i2i_1k",
-        (1024, 1024),
-        ((298, 9, 200),),
-        task="i2i",
-    ),
-    "dense_cfg_parallel_1k": Case(
-        "dense_t2i_1k on 2 CFG ranks: its images must match dense_t2i_1k",
-        "neopp_dense_parallel_cfg.json",
-        "dense_t2i_1k",
-        (1024, 1024),
-        DENSE_CHAT,
-        nproc=2,
-    ),
-    "dense_3turn_2k": Case(
-        "dense 2K chat: seed 200, then the stream continues",
-        "neopp_dense.json",
-        "dense_3turn_2k",
-        (2048, 2048),
-        ((298, 9, 200), (366, 12, None), (441, 15, None)),
-    ),
-    "dense_8steps_lora_2k": Case(
-        "dense 8-step LoRA, CFG off (no uncond prefix)",
-        "neopp_dense_8steps.json",
-        "dense_8steps_2k",
-        (2048, 2048),
-        ((298, None, 200),),
-        cfg_scale=1.0,
-        config=False,
-    ),
-    "moe_t2i_1k": Case(
-        "MoE t2i, one turn",
-        "neopp_moe.json",
-        "moe_t2i_1k",
-        (1024, 1024),
-        MOE_TURN,
-        checkpoint=MOE,
-        cfg_interval=(0.0, 1.0),
-    ),
-    "moe_cfg_parallel_1k": Case(
-        "moe_t2i_1k on 2 CFG ranks",
-        "neopp_moe_parallel_cfg.json",
-        "moe_t2i_1k",
-        (1024, 1024),
-        MOE_TURN,
-        checkpoint=MOE,
-        nproc=2,
-        cfg_interval=(0.0, 1.0),
-    ),
-    "moe_512": Case(
-        "MoE t2i at 512 (SIZE='2048 2048' for the 2K run)",
-        "neopp_moe.json",
-        "moe_512",
-        (512, 512),
-        MOE_TURN,
-        checkpoint=MOE,
-        cfg_interval=(0.0, 1.0),
-    ),
+    "dense_t2i_1k": Case("dense t2i, three explicitly seeded turns", "neopp_dense.json", "dense_t2i_1k",
+                         (1024, 1024), DENSE_CHAT),
+    "dense_i2i_1k": Case("dense i2i (the input image is inside both prefixes), one turn", "neopp_dense.json",
+                         "dense_i2i_1k", (1024, 1024), ((298, 9, 200),), task="i2i"),
+    "dense_cfg_parallel_1k": Case("dense_t2i_1k on 2 CFG ranks: its images must match dense_t2i_1k",
+                                  "neopp_dense_parallel_cfg.json", "dense_t2i_1k", (1024, 1024), DENSE_CHAT,
+                                  nproc=2),
+    "dense_3turn_2k": Case("dense 2K chat: seed 200, then the stream continues", "neopp_dense.json",
+                           "dense_3turn_2k", (2048, 2048), ((298, 9, 200), (366, 12, None), (441, 15, None))),
+    "dense_8steps_lora_2k": Case("dense 8-step LoRA, CFG off (no uncond prefix)", "neopp_dense_8steps.json",
+                                 "dense_8steps_2k", (2048, 2048), ((298, None, 200),),
+                                 cfg_scale=1.0, config=False),
+    "moe_t2i_1k": Case("MoE t2i, one turn", "neopp_moe.json", "moe_t2i_1k", (1024, 1024), MOE_TURN,
+                       checkpoint=MOE, cfg_interval=(0.0, 1.0)),
+    "moe_cfg_parallel_1k": Case("moe_t2i_1k on 2 CFG ranks", "neopp_moe_parallel_cfg.json", "moe_t2i_1k",
+                                (1024, 1024), MOE_TURN, checkpoint=MOE, nproc=2, cfg_interval=(0.0, 1.0)),
+    "moe_512": Case("MoE t2i at 512 (SIZE='2048 2048' for the 2K run)", "neopp_moe.json", "moe_512",
+                    (512, 512), MOE_TURN, checkpoint=MOE, cfg_interval=(0.0, 1.0)),
 }
 
 
@@ -147,26 +102,12 @@ def case_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
         return env.get(var) or str(default)
 
     kv_dir = pick("KV_DIR", f"replay_kv/{case.kv}")
-    argv = [
-        "--checkpoint",
-        pick("CKPT", case.checkpoint),
-        "--lora-dir",
-        pick("LORA_DIR", LORA_DIR),
-        "--mode",
-        pick("MODE", f"configs/neopp/{case.mode}"),
-        "--task",
-        pick("TASK", case.task),
-        "--size",
-        *_words(env, "SIZE", case.size),
-        "--cfg-scale",
-        pick("CFG_SCALE", case.cfg_scale),
-        "--cfg-interval",
-        *_words(env, "CFG_INTERVAL", case.cfg_interval),
-        "--cfg-norm",
-        pick("CFG_NORM", "none"),
-        "--timestep-shift",
-        pick("SHIFT", 3.0),
-    ]
+    argv = ["--checkpoint", pick("CKPT", case.checkpoint), "--lora-dir", pick("LORA_DIR", LORA_DIR),
+            "--mode", pick("MODE", f"configs/neopp/{case.mode}"),
+            "--task", pick("TASK", case.task), "--size", *_words(env, "SIZE", case.size),
+            "--cfg-scale", pick("CFG_SCALE", case.cfg_scale),
+            "--cfg-interval", *_words(env, "CFG_INTERVAL", case.cfg_interval),
+            "--cfg-norm", pick("CFG_NORM", "none"), "--timestep-shift", pick("SHIFT", 3.0)]
     argv += ["--steps", env["STEPS"]] if env.get("STEPS") else []
     argv += [] if case.config else ["--no-cfg"]
     argv += ["--output-dir", pick("OUT_DIR", "outputs/replay"), "--output-prefix", pick("PREFIX", name)]
@@ -183,29 +124,19 @@ def run_case(name: str, extra: Sequence[str], env: Mapping[str, str]) -> int:
     if nproc <= 1:
         print("+ replay_kv_multiturn " + shlex.join(argv), file=sys.stderr, flush=True)
         return replay_kv_multiturn.main(argv)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "neopp.tools.replay_kv_multiturn",
-        *argv,
-    ]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "neopp.tools.replay_kv_multiturn", *argv]
     print("+ " + shlex.join(command), file=sys.stderr, flush=True)
     return subprocess.run(command).returncode
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m neopp.tools.replay_cases",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog="python -m neopp.tools.replay_cases", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("case", nargs="?", choices=sorted(CASES), metavar="CASE", help="a case name (--list)")
     parser.add_argument("--list", action="store_true", help="print the cases and exit")
-    parser.add_argument("flags", nargs=argparse.REMAINDER, help="more replay_kv_multiturn flags, e.g. --device cpu")
+    parser.add_argument("flags", nargs=argparse.REMAINDER,
+                        help="more replay_kv_multiturn flags, e.g. --device cpu")
     args = parser.parse_args(argv)
     if args.list or args.case is None:
         for name, case in sorted(CASES.items()):

@@ -44,28 +44,17 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     """Checkpoint, mode, device and the sampling values a flag may override."""
     parser.add_argument("--checkpoint", required=True, help="checkpoint folder (config.json + safetensors)")
     parser.add_argument("--mode", required=True, help="mode file, e.g. configs/neopp/neopp_dense.json")
-    parser.add_argument(
-        "--lora-dir",
-        type=Path,
-        help="folder of the LoRA files the mode file names (default: the mode file's folder), "
-        "e.g. build/tiny/lora for the tiny checkpoint",
-    )
+    parser.add_argument("--lora-dir", type=Path,
+                        help="folder of the LoRA files the mode file names (default: the mode file's folder), "
+                             "e.g. build/tiny/lora for the tiny checkpoint")
     parser.add_argument("--task", choices=TASKS, default="t2i")
-    parser.add_argument(
-        "--size",
-        type=int,
-        nargs=2,
-        metavar=("HEIGHT", "WIDTH"),
-        help="image size, multiples of 32 (default: the mode's)",
-    )
-    parser.add_argument(
-        "--kv-layout",
-        choices=("auto", "replay", "online"),
-        default="auto",
-        help="layout of the KV files; auto: .pt is replay, safetensors say so in metadata",
-    )
+    parser.add_argument("--size", type=int, nargs=2, metavar=("HEIGHT", "WIDTH"),
+                        help="image size, multiples of 32 (default: the mode's)")
+    parser.add_argument("--kv-layout", choices=("auto", "replay", "online"), default="auto",
+                        help="layout of the KV files; auto: .pt is replay, safetensors say so in metadata")
     parser.add_argument("--device", default="auto", help="auto (cuda if present) | cpu | cuda | cuda:N")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto", help="auto: bfloat16 on GPU, float32 on CPU")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="auto",
+                        help="auto: bfloat16 on GPU, float32 on CPU")
     parser.add_argument("--state-in", type=Path, help="continue the stream saved by --state-out (no seed needed)")
     parser.add_argument("--state-out", type=Path, help="save the stream after the last image (NEXT_RNG_STATE bytes)")
     over = parser.add_argument_group("sampling overrides (default: the mode file's values)")
@@ -111,9 +100,8 @@ class Replayer:
         pipeline = None
         if self.mode.world_size > 1:
             pipeline = self._parallel_pipeline(args.checkpoint, device, dtype)
-        self.runner = NeoPPRunner(
-            args.checkpoint, self.mode, device=device, dtype=dtype, default_task=args.task, pipeline=pipeline
-        )
+        self.runner = NeoPPRunner(args.checkpoint, self.mode, device=device, dtype=dtype,
+                                  default_task=args.task, pipeline=pipeline)
         self.overrides = overrides(args)  # applied on every turn (the runner resets them per call)
         self.runner.set_inference_params(0, **self.overrides)  # checks the flags before any turn
         if args.state_in is not None:
@@ -128,11 +116,9 @@ class Replayer:
 
         n = self.mode.world_size
         if "WORLD_SIZE" not in os.environ:
-            raise ConfigError(
-                f"mode {self.mode.name} runs on {n} processes (cfg_p_size {self.mode.cfg_p_size} x "
-                f"seq_p_size {self.mode.seq_p_size}): start it with "
-                f"torchrun --standalone --nproc_per_node={n} ..."
-            )
+            raise ConfigError(f"mode {self.mode.name} runs on {n} processes (cfg_p_size {self.mode.cfg_p_size} x "
+                              f"seq_p_size {self.mode.seq_p_size}): start it with "
+                              f"torchrun --standalone --nproc_per_node={n} ...")
         check_world(self.mode, int(os.environ["WORLD_SIZE"]))
         if device in (None, "cuda") and torch.cuda.is_available():
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
@@ -149,26 +135,19 @@ class Replayer:
         start = time.perf_counter()
         self._load(turn)
         if turn.seed is None and not self.seeded and self.is_writer:
-            print(
-                "warning: no seed and no --state-in: this image starts from a random stream and will not reproduce",
-                file=sys.stderr,
-            )
+            print("warning: no seed and no --state-in: this image starts from a random stream and will not "
+                  "reproduce", file=sys.stderr)
         self.seeded = True
-        self.runner.set_inference_params(
-            turn.offset_cond, turn.offset_uncond, output_format=output_format(out_path), **self.overrides
-        )
+        self.runner.set_inference_params(turn.offset_cond, turn.offset_uncond, output_format=output_format(out_path),
+                                         **self.overrides)
         if self.is_writer:
             out_path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.runner.generate(
-            seed=turn.seed, size=self.size, task=self.task, save_result_path=str(out_path) if self.is_writer else ""
-        )
+        data = self.runner.generate(seed=turn.seed, size=self.size, task=self.task,
+                                    save_result_path=str(out_path) if self.is_writer else "")
         if self.is_writer:
             how = f"seed {turn.seed}" if turn.seed is not None else "continued stream"
-            print(
-                f"{out_path}  {self.size[0]}x{self.size[1]} {how} offsets {turn.offset_cond}/"
-                f"{turn.offset_uncond} in {time.perf_counter() - start:.1f}s",
-                flush=True,
-            )
+            print(f"{out_path}  {self.size[0]}x{self.size[1]} {how} offsets {turn.offset_cond}/"
+                  f"{turn.offset_uncond} in {time.perf_counter() - start:.1f}s", flush=True)
         return data
 
     def _load(self, turn: Turn) -> None:

@@ -22,9 +22,8 @@ from .replay_common import Turn, add_common_args, parse_optional_int, replay, ru
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="replay_kv", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="replay_kv", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--cond-kv", type=Path, required=True, help="cond prefix (.pt or .safetensors)")
     parser.add_argument("--uncond-kv", type=Path, help="uncond prefix; needed whenever a step uses guidance")
@@ -36,13 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> None:
-    turn = Turn(
-        cond=args.cond_kv,
-        uncond=args.uncond_kv,
-        offset_cond=args.offset_cond,
-        offset_uncond=args.offset_uncond,
-        seed=parse_optional_int(args.seed, "--seed"),
-    )
+    turn = Turn(cond=args.cond_kv, uncond=args.uncond_kv, offset_cond=args.offset_cond,
+                offset_uncond=args.offset_uncond, seed=parse_optional_int(args.seed, "--seed"))
     replay(args, [(turn, args.output)])
 
 

@@ -36,13 +36,9 @@ def parse_turn(text: str) -> Turn:
     offset_cond = parse_optional_int(parts[2], f"--turn {text!r}: OFFSET_COND")
     if offset_cond is None:
         raise InputError(f"--turn {text!r}: OFFSET_COND is required")
-    return Turn(
-        cond=Path(parts[0]),
-        uncond=uncond,
-        offset_cond=offset_cond,
-        offset_uncond=parse_optional_int(parts[3], f"--turn {text!r}: OFFSET_UNCOND"),
-        seed=parse_optional_int(parts[4], f"--turn {text!r}: SEED"),
-    )
+    return Turn(cond=Path(parts[0]), uncond=uncond, offset_cond=offset_cond,
+                offset_uncond=parse_optional_int(parts[3], f"--turn {text!r}: OFFSET_UNCOND"),
+                seed=parse_optional_int(parts[4], f"--turn {text!r}: SEED"))
 
 
 def load_turns(path: Path) -> list[Turn]:
@@ -65,22 +61,16 @@ def load_turns(path: Path) -> list[Turn]:
     for i, item in enumerate(items):
         if not isinstance(item, dict) or "cond" not in item or "offset_cond" not in item:
             raise InputError(f"--turns {path}: turn {i} needs at least 'cond' and 'offset_cond'")
-        turns.append(
-            Turn(
-                cond=resolve(item["cond"]),
-                uncond=resolve(item.get("uncond")),
-                offset_cond=int(item["offset_cond"]),
-                offset_uncond=parse_optional_int(item.get("offset_uncond"), f"turn {i} offset_uncond"),
-                seed=parse_optional_int(item.get("seed"), f"turn {i} seed"),
-            )
-        )
+        turns.append(Turn(cond=resolve(item["cond"]), uncond=resolve(item.get("uncond")),
+                          offset_cond=int(item["offset_cond"]),
+                          offset_uncond=parse_optional_int(item.get("offset_uncond"), f"turn {i} offset_uncond"),
+                          seed=parse_optional_int(item.get("seed"), f"turn {i} seed")))
     return turns
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="replay_kv_multiturn", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog="replay_kv_multiturn", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--turn", action="append", default=[], help="COND,UNCOND,OFFSET_COND,OFFSET_UNCOND,SEED")
     parser.add_argument("--turns", type=Path, help="JSON file of turns (instead of --turn)")
