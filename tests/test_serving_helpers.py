@@ -13,7 +13,7 @@ import torch
 
 from neopp.errors import ConfigError, InputError
 from neopp.limits import Limits
-from neopp.ports import free_ports
+from neopp.ports import ephemeral_range, free_ports
 from neopp.serving.parameters import read_parameters
 from neopp.serving.request_parsing import INPUT_SPECS, parse_request
 from neopp.serving.triton_model import PARAMETER_DEFAULTS, choose_device, resolve_checkpoint
@@ -43,6 +43,7 @@ def test_server_env_puts_interpreter_libdir_first_and_venv_bin_first():
 def test_free_ports_are_distinct_and_bindable():
     ports = free_ports(3)
     assert len(set(ports)) == 3
+    assert all(10000 <= p < ephemeral_range()[0] for p in ports), "outside the range other binds draw from"
     for port in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
