@@ -171,3 +171,28 @@ def restore_malloc_defaults() -> None:
     for param, value in ((_M_MMAP_THRESHOLD, 32 << 20), (_M_TRIM_THRESHOLD, 64 << 20), (_M_TOP_PAD, 128 << 10),
                          (_M_ARENA_MAX, 8 * (os.cpu_count() or 1))):
         mallopt(param, value)
+
+
+def server_option(argv: list[str], name: str) -> str | None:
+    """The value of ``--name=value`` or ``--name value`` in a tritonserver argv (the last one wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg.startswith(f"--{name}="):
+            value = arg.split("=", 1)[1]
+        elif arg == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+    return value
+
+
+def own_server_grpc_url(stub_pid: int | None = None) -> str | None:
+    """Where a stub reaches its own tritonserver over gRPC, read from the server's argv.
+
+    None when gRPC is turned off. A wildcard address is dialled over loopback.
+    """
+    server = ppid(os.getpid() if stub_pid is None else stub_pid)
+    argv = cmdline(server) if server else []
+    if not argv or (server_option(argv, "allow-grpc") or "true").lower() in ("false", "0"):
+        return None
+    host = server_option(argv, "grpc-address") or "0.0.0.0"
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    return f"{host}:{server_option(argv, 'grpc-port') or '8001'}"

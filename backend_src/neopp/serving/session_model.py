@@ -22,6 +22,12 @@ Parameters (``config.pbtxt``):
 A request with ``sequence_end`` and no ``COND_KV`` only closes the session: it answers an
 empty ``IMAGE`` and ``TURN`` -1, so a chat can end without generating one more image.
 
+When the server stops, Triton waits for open sequences, up to its exit timeout. The model
+watches the server's own gRPC port (``StopWatch``; the address is read from the server's
+command line) and, once it says it is exiting, ends every sequence it holds at once, as a
+client's ``sequence_end`` over that port (Triton 2.51 refuses BLS requests while it stops,
+but takes those). A stop with sessions left open is thus quick and graceful.
+
 Errors of the generation model are returned unchanged (same message, same status).
 """
 
@@ -40,8 +46,10 @@ import numpy as np
 from ..errors import ConfigError, InputError, shown
 from .error_status import status_of_message
 from .parameters import read_parameters
+from .procs import own_server_grpc_url
 from .request_parsing import text_value
 from .sessions import SequenceSlots, SessionTable, TurnPlan, UnknownSession
+from .stop_watch import StopWatch, server_exiting
 
 GENERATION_MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq",
                      "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg")
@@ -55,6 +63,9 @@ SESSION_PARAMETERS = {
 CONTROL_INPUTS = ("START", "END", "CORRID")
 NOT_FORWARDED = ("MODEL", "SEED", *CONTROL_INPUTS)
 RELEASE_REQUEST_ID = "neopp-session-release"  # the model's own sequence_end of a dropped session
+STOP_REQUEST_ID = "neopp-session-stop"  # ... of a session still open when the server stops
+CLOSED_WHY = {RELEASE_REQUEST_ID: "released its Triton slot (dropped earlier)",
+              STOP_REQUEST_ID: "ended: the server is stopping"}
 
 
 def session_parameters(model_config: dict[str, Any]) -> dict[str, str]:
@@ -95,24 +106,25 @@ class SlotReleaser:
     on itself.
     """
 
-    def __init__(self, send: Callable[[int], None], logger: Any) -> None:
+    def __init__(self, send: Callable[[int, str], None], logger: Any) -> None:
         self._send, self._logger = send, logger
-        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[int, str] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="neopp-session-release", daemon=True)
         self._thread.start()
 
-    def release(self, session_ids: list[int]) -> None:
+    def release(self, session_ids: list[int], request_id: str = RELEASE_REQUEST_ID) -> None:
         for sid in session_ids:
-            self._queue.put(sid)
+            self._queue.put((sid, request_id))
 
     def close(self, timeout: float = 5.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        while (sid := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            sid, request_id = item
             try:
-                self._send(sid)
+                self._send(sid, request_id)
             except Exception as exc:  # noqa: BLE001 - a failed release only waits for Triton's idle bound
                 self._logger.log_warn(f"neopp_session: releasing sequence {sid} failed: {exc}")
 
@@ -139,6 +151,9 @@ class SessionTritonModel:
         self.table = build_table(params)
         self.slots = build_slots(config, self.table)
         self.releaser = SlotReleaser(self._send_release, self.logger)
+        self._ended_at_stop: set[int] = set()
+        self._stop_client: Any = None
+        self.stop_watch = self._watch_for_stop()
         self.allowed = tuple(m.strip() for m in params["allowed_models"].split(",") if m.strip())
         self.default_model = params["default_model"].strip()
         if self.default_model not in self.allowed:
@@ -164,20 +179,56 @@ class SessionTritonModel:
         responses = [self._turn(request) for request in requests]
         self.active_metric.set(float(len(self.table)))
         self.releaser.release(self.slots.to_release(self.table))
+        if self.stop_watch is not None and self.stop_watch.stopped.is_set():
+            self._end_open_sequences()  # a sequence that began after the stop was noticed
         return responses
 
     def finalize(self) -> None:
+        if self.stop_watch is not None:
+            self.stop_watch.close()
         self.releaser.close()
+        if self._stop_client is not None:
+            self._stop_client.close()
         self.table = None
 
-    def _send_release(self, session_id: int) -> None:
-        """End one dropped session's Triton sequence, so that its batcher slot frees."""
+    def _end_open_sequences(self) -> None:
+        """The server is stopping: end every sequence still open (each one holds the stop up)."""
+        ids = [sid for sid in self.slots.held() if sid not in self._ended_at_stop]
+        if ids:
+            self._ended_at_stop.update(ids)
+            self.logger.log_info(f"{self.model_name}: stopping: ending {len(ids)} open session(s)")
+            self.releaser.release(ids, STOP_REQUEST_ID)
+
+    def _send_release(self, session_id: int, request_id: str) -> None:
+        """End one session's Triton sequence (dropped, or open at stop), so that its slot frees."""
+        if request_id == STOP_REQUEST_ID:
+            self._send_stop_end(session_id)
+            return
         pb = self.pb
         result = pb.InferenceRequest(model_name=self.model_name, inputs=[], requested_output_names=["TURN"],
                                      request_id=RELEASE_REQUEST_ID, correlation_id=session_id,
                                      flags=pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END).exec()
         if result.has_error():  # e.g. Triton's idle bound ended it first
             self.logger.log_verbose(f"{self.model_name}: release of {session_id}: {result.error().message()}")
+
+    def _watch_for_stop(self) -> StopWatch | None:
+        """Watch the server's gRPC port for a stop; without one, open sessions hold a stop up."""
+        url = own_server_grpc_url()
+        try:
+            import tritonclient.grpc as grpcclient
+        except ImportError:
+            url = None
+        if url is None:
+            self.logger.log_warn(f"{self.model_name}: no gRPC port or no tritonclient[grpc]: a stop waits for "
+                                 "sessions left open, up to the server's exit timeout")
+            return None
+        self._stop_client = grpcclient.InferenceServerClient(url)
+        return StopWatch(lambda: server_exiting(self._stop_client), self._end_open_sequences)
+
+    def _send_stop_end(self, session_id: int) -> None:
+        """A client's sequence_end over the server's own gRPC port (BLS is refused while it stops)."""
+        self._stop_client.infer(self.model_name, [], sequence_id=session_id, sequence_end=True,
+                                request_id=STOP_REQUEST_ID, client_timeout=10.0)
 
     # ------------------------------------------------------------------ one turn
 
@@ -198,7 +249,7 @@ class SessionTritonModel:
                 if not end:
                     raise InputError("COND_KV: required input is missing (only a sequence_end request may leave "
                                      "it out, to close the session without an image)")
-                return self._closed(session_id, request.request_id() == RELEASE_REQUEST_ID)
+                return self._closed(session_id, CLOSED_WHY.get(request.request_id(), "closed without an image"))
             session = self.table.open(session_id, seed) if start else self.table.get(session_id)
             model = session.model or self.default_model
             model = _text("MODEL", inputs["MODEL"]) if "MODEL" in inputs else model
@@ -235,10 +286,9 @@ class SessionTritonModel:
             pb.Tensor("NEXT_RNG_STATE", state),
         ])
 
-    def _closed(self, session_id: Any, released: bool = False) -> Any:
+    def _closed(self, session_id: Any, how: str) -> Any:
         """Answer of a request that only closes a session: no image (empty IMAGE, TURN -1)."""
         pb = self.pb
-        how = "released its Triton slot (dropped earlier)" if released else "closed without an image"
         self.logger.log_info(f"{self.model_name}: session {session_id} {how}")
         return pb.InferenceResponse(output_tensors=[
             pb.Tensor("IMAGE", np.array([b""], dtype=np.object_)),

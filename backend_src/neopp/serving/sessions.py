@@ -17,6 +17,7 @@ Pure Python (no Triton import), so the rules are testable without a server.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable
@@ -190,6 +191,7 @@ class SequenceSlots:
         self.idle_s = float(idle_s)
         self._clock = clock
         self._held: OrderedDict[SessionId, float] = OrderedDict()  # id -> last request, LRU first
+        self._lock = threading.Lock()  # execute and the model's stop watch both read it
         self.released_total = 0
 
     def __len__(self) -> int:
@@ -197,25 +199,32 @@ class SequenceSlots:
 
     def seen(self, session_id: SessionId, end: bool) -> None:
         """A request of this sequence reached the model (Triton holds its slot unless it ended)."""
-        if end:
-            self._held.pop(session_id, None)
-            return
-        self._held[session_id] = self._clock()
-        self._held.move_to_end(session_id)
+        with self._lock:
+            if end:
+                self._held.pop(session_id, None)
+                return
+            self._held[session_id] = self._clock()
+            self._held.move_to_end(session_id)
+
+    def held(self) -> list[SessionId]:
+        """Every sequence Triton holds a slot for, as far as this instance knows (oldest first)."""
+        with self._lock:
+            return list(self._held)
 
     def to_release(self, live: Container[SessionId]) -> list[SessionId]:
         """Ids to end now, oldest first; forgets those Triton's own idle bound has freed."""
         now = self._clock()
-        for sid, last in list(self._held.items()):
-            if now - last <= self.idle_s:
-                break
-            del self._held[sid]
-        out: list[SessionId] = []
-        for sid in list(self._held):
-            if len(self._held) <= self.threshold:
-                break
-            if sid not in live:
+        with self._lock:
+            for sid, last in list(self._held.items()):
+                if now - last <= self.idle_s:
+                    break
                 del self._held[sid]
-                out.append(sid)
+            out: list[SessionId] = []
+            for sid in list(self._held):
+                if len(self._held) <= self.threshold:
+                    break
+                if sid not in live:
+                    del self._held[sid]
+                    out.append(sid)
         self.released_total += len(out)
         return out
