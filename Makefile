@@ -13,9 +13,9 @@ setup: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON_BOOTSTRAP) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -r requirements.txt
-	$(PIP) install -q --no-deps -e .
+	$(PIP) install -qq --upgrade pip
+	$(PIP) install -qq -r requirements.txt
+	$(PIP) install -qq --no-deps -e .
 	touch $(STAMP)
 
 tiny: setup

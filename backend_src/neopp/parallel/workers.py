@@ -8,6 +8,7 @@ the request in flight with a clear error, and the pool is rebuilt for the next o
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import threading
@@ -198,6 +199,18 @@ class WorkerPool:
         for p in self._procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
         self._kill()
+        self._release_queues()
+
+    def _release_queues(self) -> None:
+        """Let the queues' named semaphores be unlinked now: a stub leaves without running the
+        finalizers that would, and the resource tracker then reports them as leaked."""
+        queues = [*getattr(self, "_tasks", []), *([self._results] if getattr(self, "_results", None) else [])]
+        for q in queues:
+            q.close()
+            q.cancel_join_thread()  # a rank that is gone reads nothing more: do not wait to flush
+        self._tasks, self._results = [], None
+        del queues, q
+        gc.collect()  # each semaphore's finalizer runs when its last reference goes
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]

@@ -35,6 +35,7 @@ from typing import IO
 from ..ports import LOOPBACK, free_ports
 from .admin import FRONT_HEADER, AdminKeyError, restriction_args
 from .procs import process_group_members
+from .server_log import LogRelay, cpu_only_args, nvidia_driver_present
 from .shm_regions import backend_args, new_prefix, remove_regions
 
 # Relative to the working directory (the checkout for `make serve`), never to the installed package.
@@ -151,6 +152,14 @@ except (OSError, AttributeError):  # not Linux: stop() remains the way out
     _PRCTL = None
 
 
+def _console() -> IO[bytes]:
+    """Our standard output as a binary file of its own (closing it leaves ours open)."""
+    try:
+        return open(os.dup(sys.stdout.fileno()), "wb", buffering=0)
+    except (AttributeError, OSError, ValueError):  # a captured stdout without a descriptor
+        return open(os.devnull, "wb")
+
+
 def _terminate_with_parent() -> None:
     """In the child before exec: ask Linux for SIGTERM when the launching thread exits."""
     if _PRCTL is not None:
@@ -191,8 +200,10 @@ class TritonServer:
         self.shm_prefix = new_prefix()
         self.shm_sizes = shm_sizes
         self.removed_regions: list[str] = []
+        self.gpu_host = nvidia_driver_present()  # else: CPU-only options, and the log relabels one line
         self.process: subprocess.Popen | None = None
         self._log_file: IO[bytes] | None = None
+        self._relay: LogRelay | None = None
 
     @property
     def client_host(self) -> str:
@@ -221,25 +232,27 @@ class TritonServer:
                 *backend_args(self.shm_prefix, *(self.shm_sizes or ())),
                 *(restriction_args(self.admin_key, self.front_key) if self.admin_key else []),
                 *([] if any(a.startswith(GRPC_POOL_ARG) for a in self.extra_args) else [f"{GRPC_POOL_ARG}=0"]),
+                *([] if self.gpu_host else cpu_only_args(self.extra_args)),
                 *self.extra_args]
 
     def start(self) -> TritonServer:
         """Launch in its own process group so its stubs can be found and stopped with it.
 
         The server also gets SIGTERM if the thread that started it dies (Linux parent-death
-        signal), so a launcher killed hard does not leave a server behind.
+        signal), so a launcher killed hard does not leave a server behind. Its output (and its
+        stubs') goes through a ``LogRelay`` to the log file, else to our standard output.
         """
         if self.process is not None:
             raise TritonLaunchError("server already started")
-        out: int | IO[bytes] | None = None
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")
-            out = self._log_file
-        self.process = subprocess.Popen(self.command(), env=self.env, stdout=out,
-                                        stderr=subprocess.STDOUT if out is not None else None,
-                                        stdin=subprocess.DEVNULL, start_new_session=True,
-                                        preexec_fn=_terminate_with_parent)
+        else:
+            self._log_file = _console()
+        self.process = subprocess.Popen(self.command(), env=self.env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        start_new_session=True, preexec_fn=_terminate_with_parent)
+        self._relay = LogRelay(self.process.stdout, self._log_file, relabel_cpu_only=not self.gpu_host)
         return self
 
     def is_ready(self) -> bool:
@@ -300,6 +313,9 @@ class TritonServer:
                     proc.wait(timeout=10)
         self._reap_group(pgid, timeout=10.0)
         self.removed_regions = remove_regions(self.shm_prefix)  # a stub killed hard leaves its region
+        if self._relay is not None:
+            self._relay.join(timeout=10.0)  # every writer is gone: the rest of the output is copied
+            self._relay = None
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
