@@ -23,7 +23,7 @@ the wire instead. Both ways, and both transports, give the same image bytes. The
 POSIX shm created with the standard library (``tritonclient.utils.shared_memory`` needs
 ``pkg_resources``, which recent setuptools no longer ships); Triton opens it by key.
 
-Run ``python client_examples/lightllm_client.py --help`` for a three-turn demo.
+Run as a script, it plays three turns of a chat from KV files (see ``--help``).
 """
 
 from __future__ import annotations
@@ -47,6 +47,15 @@ from tritonclient.grpc import service_pb2
 from tritonclient.grpc._utils import _get_inference_request
 from tritonclient.utils import InferenceServerException
 
+DEMO = """Three turns of one chat from KV files, as LightLLM's image server drives them: the first
+seeded, the next two continuing the session's random stream on the server. A request the
+server refuses is one line on stderr (status and message) and exit code 1.
+
+example (after `make serve`, from the repository root):
+  python client_examples/lightllm_client.py --url localhost:8001 \\
+    --cond-kv build/tiny/dense/sample_kv/cond_kv.pt --uncond-kv build/tiny/dense/sample_kv/uncond_kv.pt \\
+    --offsets 24 7 --size 256 256 --admin-key-file build/admin.key
+"""
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 SAMPLING_INPUTS = {"cfg_scale": ("CFG_SCALE", np.float32), "timestep_shift": ("TIMESTEP_SHIFT", np.float32),
                    "infer_steps": ("STEPS", np.int64), "cfg_interval": ("CFG_INTERVAL", np.float32),
@@ -388,7 +397,7 @@ def _tensor(name: str, arr: np.ndarray) -> grpcclient.InferInput:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Three turns (seed, then continued) from KV files, as LightLLM would drive them."""
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=DEMO, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="localhost:8001")
     parser.add_argument("--stateless", action="store_true", help="call a generation model directly")
     parser.add_argument("--model", help="neopp_session (default) or, with --stateless, a generation model")
@@ -402,7 +411,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from neopp.kv_cache import load_kv_file  # the project's loader: weights_only, either layout
 
-    key = Path(args.admin_key_file).read_text().strip() if args.admin_key_file else None
+    try:
+        key = Path(args.admin_key_file).read_text().strip() if args.admin_key_file else None
+        _demo(args, key, load_kv_file)
+    except InferenceServerException as exc:
+        print(f"{exc.status() or 'error'}: {exc.message()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:  # no server there, a file that cannot be read, ...
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _demo(args: argparse.Namespace, key: str | None, load_kv_file: Any) -> None:
     with NeoPPTritonClient(args.url, model=args.model, stateless=args.stateless, admin_key=key) as client:
         client.set_kvcache(load_kv_file(args.cond_kv), load_kv_file(args.uncond_kv) if args.uncond_kv else None)
         client.set_inference_params(args.offsets[0], args.offsets[1], output_format="png")
@@ -411,7 +432,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             client.generate(seed=None if seed.lower() == "none" else int(seed), save_result_path=path,
                             target_shape=args.size)
             print(f"{path} turn {client.last_turn}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -7,17 +7,29 @@ transport is passed in and only the client itself differs between the two exampl
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
+from tritonclient.utils import InferenceServerException
 
 from neopp.kv_cache import load_kv_file
 
 
-def build_parser(description: str, default_url: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description)
+def example(script: str, url: str) -> str:
+    """A command that works against ``make serve`` on the tiny checkpoint, for ``--help``."""
+    return ("example (after `make serve`, from the repository root):\n"
+            f"  python client_examples/{script} --url {url} \\\n"
+            "    --cond build/tiny/dense/sample_kv/cond_kv.pt --uncond build/tiny/dense/sample_kv/uncond_kv.pt \\\n"
+            "    --offset-cond 24 --offset-uncond 7 --size 256 256 --steps 20 --seed 42 --out out.png")
+
+
+def build_parser(description: str, default_url: str, script: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, epilog=example(script, default_url),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=default_url, help=f"server address (default {default_url})")
     p.add_argument("--model", default="neopp_dense")
     p.add_argument("--cond", required=True, help="cond KV file (.pt or .safetensors)")
@@ -106,3 +118,18 @@ def save_result(args: argparse.Namespace, result: Any) -> Path:
         result.as_numpy("NEXT_RNG_STATE").astype(np.uint8).tofile(args.save_rng_state)
     print(f"wrote {out} ({len(image)} bytes)")
     return out
+
+
+def run_client(main: Callable[[], None]) -> int:
+    """Exit code of a client run: a refused request or an unreachable server is one line on
+    stderr (the status and the server's own message) and exit code 1, never a traceback."""
+    try:
+        main()
+    except InferenceServerException as exc:
+        status = str(exc.status() or "error")
+        print(f"{'HTTP ' + status if status.isdigit() else status}: {exc.message()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:  # no server there, a KV file that cannot be read, ...
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,60 @@
+"""The client examples as a user runs them: a good request writes the image; a request the
+server refuses, or no server at all, is one line on stderr and exit code 1, no traceback;
+``--help`` shows a command that runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neopp.ports import free_ports
+from testing import REPO
+
+CLIENTS = {"grpc_t2i.py": "grpc_url", "http_t2i.py": "http_url"}
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "client_examples" / script), *args], capture_output=True,
+                          text=True, timeout=300, cwd=REPO)
+
+
+def kv_args(triton) -> list[str]:
+    kv = triton.checkpoint / "sample_kv"
+    return ["--cond", str(kv / "cond_kv.pt"), "--offset-cond", "24", "--cfg-scale", "1", "--steps", "1"]
+
+
+@pytest.mark.parametrize("script", sorted(CLIENTS))
+def test_a_good_request_writes_the_image(triton, script: str, tmp_path: Path) -> None:
+    url = getattr(triton.server, CLIENTS[script])
+    done = run(script, "--url", url, *kv_args(triton), "--size", "64", "64", "--out", str(tmp_path / "a.png"))
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("script", sorted(CLIENTS))
+def test_a_refused_request_is_one_line_and_exit_code_1(triton, script: str, tmp_path: Path) -> None:
+    url = getattr(triton.server, CLIENTS[script])
+    done = run(script, "--url", url, *kv_args(triton), "--size", "250", "256", "--out", str(tmp_path / "b.png"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "INVALID_ARGUMENT" in done.stderr or "HTTP 400" in done.stderr
+    assert "SIZE: height must be a positive multiple of 32, got 250" in done.stderr
+    assert not (tmp_path / "b.png").exists()
+
+
+@pytest.mark.parametrize("script", sorted(CLIENTS))
+def test_no_server_is_one_line_and_exit_code_1(triton, script: str) -> None:
+    (port,) = free_ports(1)
+    done = run(script, "--url", f"127.0.0.1:{port}", *kv_args(triton))
+    assert done.returncode == 1 and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("script", [*sorted(CLIENTS), "lightllm_client.py"])
+def test_help_shows_a_command_that_runs_and_not_itself(script: str) -> None:
+    done = run(script, "--help")
+    assert done.returncode == 0
+    assert f"python client_examples/{script} --url localhost:800" in done.stdout
+    assert f"{script} --help" not in done.stdout
