@@ -65,10 +65,15 @@ serve: tiny
 	  -- --model-control-mode=explicit $(foreach m,$(SERVE_MODELS),--load-model=$(m)) \
 	  $(if $(CONFIG),--model-config-name=$(CONFIG))
 
+# perf_analyzer against the server `make serve` runs (same GRPC_PORT); BENCH_ARGS="--own-server" starts one.
 bench-serve: tiny
-	@ldconfig -p | grep -q 'libb64.so.0d' || (apt-get update -qq && apt-get install -y -qq libb64-0d) \
-	  || { echo "perf_analyzer needs libb64.so.0d: apt-get install -y libb64-0d (as root)"; exit 1; }
-	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m bench.perf_analyzer --model neopp_dense $(BENCH_ARGS)
+	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m bench.perf_analyzer --model neopp_dense \
+	  --grpc-url 127.0.0.1:$(GRPC_PORT) $(BENCH_ARGS)
+
+# System libraries, installed only here (as root, Debian/Ubuntu): libb64-0d, which perf_analyzer links.
+.PHONY: deps
+deps:
+	apt-get update -qq && apt-get install -y -qq libb64-0d
 
 # ---- GPU check (needs a CUDA device): every mode the GPU count allows on the 8B geometry, 1024px, 50 steps.
 # GPU_CHECK_ARGS: e.g. --checkpoint /models/SenseNova-U1-8B; smoke run without GPU: --device cpu --layers 2 ...

@@ -1,8 +1,18 @@
-"""Find and run ``perf_analyzer`` (from tritonclient[all]==2.51.0) with the libraries it needs.
+"""Run ``perf_analyzer`` (from tritonclient[all]==2.51.0) against a NeoPP model.
 
-The binary links ``libb64.so.0d`` (Debian package libb64-0d) and ``libcudart.so.12``
-(PyPI nvidia-cuda-runtime-cu12, no GPU touched); neither is on a fresh machine's default
-search path, so the errors here say exactly what to install.
+By default it measures the server ``make serve`` runs (``--grpc-url``, default
+localhost:8001); ``--own-server`` starts one on free ports instead and stops it after. The
+KV geometry comes from the model's metadata, so the same command measures the tiny
+checkpoint and a real one.
+
+Measurement settings fit a small shared machine: one generation takes far longer than a
+usual inference, so windows count requests (``count_windows``) instead of timing a few
+seconds, and a window is stable within 50% of the last ones (perf_analyzer's 10% fails on a
+busy 2-core machine). They are printed before the run; flags after ``--`` override them.
+
+The binary links ``libb64.so.0d`` (Debian package libb64-0d: ``make deps``) and
+``libcudart.so.12`` (PyPI nvidia-cuda-runtime-cu12, no GPU touched); neither is on a fresh
+machine's default search path, so the errors here say exactly what to install.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from client_examples.make_perf_data import perf_input_data
+from neopp.serving.admin import GRPC_HEADER, KEY_ENV
 from neopp.serving.tritonserver import TritonLaunchError, prepend_path, site_packages_candidates, venv_bin
 
 
@@ -47,7 +58,8 @@ def perf_analyzer_command(args: Iterable[str]) -> tuple[list[str], dict[str, str
         exe = Path(found)
     if not _has_libb64():
         raise TritonLaunchError(
-            "perf_analyzer needs libb64.so.0d: apt-get update && apt-get install -y libb64-0d"
+            "perf_analyzer needs libb64.so.0d: run `make deps` as root "
+            "(apt-get update && apt-get install -y libb64-0d)"
         )
     cudart = cuda_runtime_lib_dir()
     if cudart is None:
@@ -65,17 +77,55 @@ def run_perf_analyzer(args: Iterable[str], timeout: float | None = None) -> int:
     return subprocess.run(argv, env=env, timeout=timeout).returncode
 
 
-def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int, size: tuple[int, int],
-          steps: int | None, out_dir: Path, extra: list[str], concurrency: str = "1") -> int:
-    """perf_analyzer against ``model``: on ``grpc_url``, or on a server started here and stopped after.
+# count_windows: a window ends after this many requests; stable: within this % of the last 3.
+MEASUREMENT = {"--measurement-mode": "count_windows", "--measurement-request-count": "20",
+               "--stability-percentage": "50", "--max-trials": "10"}
 
-    The KV geometry comes from the model's metadata, so the same command benchmarks the tiny
-    checkpoint and a real one (env NEOPP_CHECKPOINT).
+
+def measurement_args(extra: list[str]) -> list[str]:
+    """MEASUREMENT, less what the caller's own perf_analyzer flags set."""
+    given = {a.split("=", 1)[0] for a in extra if a.startswith("--")}
+    if "--measurement-interval" in given or "--request-count" in given:
+        given |= {"--measurement-mode", "--measurement-request-count"}
+    return [part for flag, value in MEASUREMENT.items() if flag not in given for part in (flag, value)]
+
+
+def model_kv_shape(grpc_url: str, model: str) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) from the model's metadata; the error says what to start."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        client = grpcclient.InferenceServerClient(grpc_url)
+        if not client.is_model_ready(model):
+            raise TritonLaunchError(f"model {model} is not ready on {grpc_url} (make serve SERVE_MODELS=... "
+                                    "loads it)")
+        meta = client.get_model_metadata(model, as_json=True)
+    except InferenceServerException as exc:
+        raise TritonLaunchError(f"no server answers at {grpc_url} ({exc.message()}): start one with "
+                                "`make serve`, or pass --own-server") from None
+    shape = next(i["shape"] for i in meta["inputs"] if i["name"] == "COND_KV")
+    layers, _, _, kv_heads, head_dim = (int(v) for v in shape)
+    return layers, kv_heads, head_dim
+
+
+def operator_key(key_file: Path) -> str | None:
+    """The operator key perf_analyzer needs to read the model config: $NEOPP_ADMIN_KEY, else the file."""
+    if os.environ.get(KEY_ENV):
+        return os.environ[KEY_ENV].strip()
+    return key_file.read_text().strip() if key_file.is_file() else None
+
+
+def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int, size: tuple[int, int],
+          steps: int | None, out_dir: Path, extra: list[str], concurrency: str = "1",
+          key_file: Path = Path("build/admin.key")) -> int:
+    """perf_analyzer against ``model`` on ``grpc_url``; None: on a server started here, stopped after.
+
+    perf_analyzer reads the model config, which a restricted server (``make serve``) answers
+    only with the operator key: it goes along as a gRPC header and is never printed.
     """
     import json
     from contextlib import ExitStack
-
-    import tritonclient.grpc as grpcclient
 
     from bench.common import REPO as REPO_ROOT
     from neopp.serving.tritonserver import TritonServer
@@ -84,22 +134,23 @@ def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int
         if grpc_url is None:
             server = TritonServer(REPO_ROOT / "model_repository", log_path=out_dir / "tritonserver.log",
                                   extra_args=["--model-control-mode=explicit", f"--load-model={model}"])
+            print(f"starting a server of its own for {model} (log {out_dir / 'tritonserver.log'})", flush=True)
             stack.enter_context(server)
             grpc_url = server.grpc_url
-        meta = grpcclient.InferenceServerClient(grpc_url).get_model_metadata(model, as_json=True)
-        shape = next(i["shape"] for i in meta["inputs"] if i["name"] == "COND_KV")
-        layers, _, _, kv_heads, head_dim = (int(v) for v in shape)
+        layers, kv_heads, head_dim = model_kv_shape(grpc_url, model)
         data_path = out_dir / f"perf_data_{model}.json"
         data = perf_input_data((layers, kv_heads, head_dim), cond_tokens, uncond_tokens or None, size, steps,
                                offsets=(cond_tokens, uncond_tokens))
         data_path.write_text(json.dumps(data))
-        # Count windows: one generation can take seconds, so fixed time windows may see none.
-        window = [] if any(a.startswith("--measurement") for a in extra) else \
-            ["--measurement-mode", "count_windows", "--measurement-request-count", "20"]
+        window = measurement_args(extra)
         args = ["-m", model, "-i", "grpc", "-u", grpc_url, "--input-data", str(data_path),
                 "--concurrency-range", concurrency, *window, *extra]
+        print(f"measuring {model} on {grpc_url}: KV {layers} layers x {kv_heads} heads x {head_dim}, "
+              f"{cond_tokens}+{uncond_tokens} prefix tokens, {size[0]}x{size[1]}, {steps} steps; "
+              f"settings {' '.join(window) or '(yours)'}", flush=True)
         print("perf_analyzer", " ".join(args), flush=True)
-        return run_perf_analyzer(args)
+        key = operator_key(key_file)
+        return run_perf_analyzer([*args, "-H", f"{GRPC_HEADER}:{key}"] if key else args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,7 +158,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=bench.__doc__)
     p.add_argument("--model", default="neopp_dense")
-    p.add_argument("--grpc-url", default=None, help="a running server (default: start one on free ports)")
+    p.add_argument("--grpc-url", default="localhost:8001", help="the server to measure (default: make serve's)")
+    p.add_argument("--own-server", action="store_true", help="start a server on free ports instead, stop it after")
+    p.add_argument("--admin-key-file", type=Path, default=Path("build/admin.key"),
+                   help=f"operator key of the server (default build/admin.key; ${KEY_ENV} wins)")
     p.add_argument("--cond-tokens", type=int, default=256)
     p.add_argument("--uncond-tokens", type=int, default=16)
     p.add_argument("--size", type=int, nargs=2, default=(256, 256), metavar=("H", "W"))
@@ -118,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     ns.out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        return bench(ns.model, ns.grpc_url, ns.cond_tokens, ns.uncond_tokens, tuple(ns.size), ns.steps,
-                     ns.out_dir, ns.extra, ns.concurrency)
+        return bench(ns.model, None if ns.own_server else ns.grpc_url, ns.cond_tokens, ns.uncond_tokens,
+                     tuple(ns.size), ns.steps, ns.out_dir, ns.extra, ns.concurrency, ns.admin_key_file)
     except TritonLaunchError as exc:
         print(f"error: {exc}")
         return 2
