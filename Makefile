@@ -22,9 +22,11 @@ tiny: setup
 	test -f $(TINY_DIR)/dense/config.json -a -f $(TINY_DIR)/lora/neopp_8steps_lora.safetensors \
 	  || $(PY) -m testing.tiny_checkpoint --out $(TINY_DIR)
 
-# The style check (ruff, settings in pyproject.toml) runs first: a violation fails `make test` and CI.
+# The style check (ruff, settings in pyproject.toml; hadolint for the container recipe) runs first:
+# a violation fails `make test` and CI.
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/hadolint docker/Dockerfile
 
 test: lint
 	$(PY) -m pytest -q

@@ -74,11 +74,17 @@ class Launched:
 def launch(log: Path, env: dict[str, str], models: Sequence[str], max_restarts: int = 0) -> Launched:
     """The real launcher, explicit model control, a short exit timeout; ``env`` adds to ours."""
     http_port, grpc_port, metrics_port = free_ports(3)
-    full = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT", "NEOPP_LORA_DIR"))}
-    full.update(PYTHONUNBUFFERED="1", **env)
     cmd = [sys.executable, "-m", "neopp.serving.tritonserver", "serve", "--http-port", str(http_port),
            "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--max-restarts", str(max_restarts),
            "--", "--model-control-mode=explicit", "--exit-timeout-secs=5", *(f"--load-model={m}" for m in models)]
+    return run_launcher(cmd, log, env, http_port, grpc_port)
+
+
+def run_launcher(cmd: Sequence[str], log: Path, env: dict[str, str], http_port: int, grpc_port: int) -> Launched:
+    """``cmd`` (a launcher, or a script that execs one) from the repository root, its output in ``log``."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT", "NEOPP_LORA_DIR"))}
+    full.update(PYTHONUNBUFFERED="1", **env)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=full, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
+        proc = subprocess.Popen(list(cmd), env=full, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                start_new_session=True)
     return Launched(proc, log, http_port, grpc_port)

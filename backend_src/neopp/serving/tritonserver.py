@@ -53,6 +53,10 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "1310
               "MALLOC_ARENA_MAX": "1"}
 
 
+# A tritonserver installed as in NVIDIA's container (bin/, lib/, backends/python/) instead of the wheel.
+SYSTEM_ROOT_ENV = "NEOPP_TRITONSERVER_ROOT"
+
+
 class TritonLaunchError(RuntimeError):
     """The server could not be found, prepared, started or made ready."""
 
@@ -79,8 +83,22 @@ def site_packages_candidates() -> list[Path]:
     return [Path(p) for p in dict.fromkeys(paths) if p and Path(p).is_dir()]
 
 
+def system_install(root: Path) -> TritonInstall:
+    """tritonserver installed under ``root`` as in NVIDIA's container (/opt/tritonserver)."""
+    python_backend = root / "backends" / "python"
+    install = TritonInstall(site_packages=root, server_bin=root / "bin" / "tritonserver",
+                            python_backend=python_backend, stub=python_backend / "triton_python_backend_stub",
+                            libs=root / "lib")
+    for path in (install.server_bin, python_backend / "libtriton_python.so", install.stub):
+        if not path.exists():
+            raise TritonLaunchError(f"${SYSTEM_ROOT_ENV}={root}: no {path}")
+    return install
+
+
 def find_install() -> TritonInstall:
-    """Locate the wheel's tritonserver files; the error says what is missing and why."""
+    """Locate tritonserver: under ``$NEOPP_TRITONSERVER_ROOT`` if set, else the wheel's files."""
+    if os.environ.get(SYSTEM_ROOT_ENV):
+        return system_install(Path(os.environ[SYSTEM_ROOT_ENV]))
     for sp in site_packages_candidates():
         root = sp / "pytriton" / "tritonserver"
         if not (root / "bin" / "tritonserver").is_file():

@@ -1,0 +1,48 @@
+"""The container recipe stays what the README says and what the development machines run: the
+same pinned runtime versions, the Triton release the clients match, loopback-only ports."""
+
+from __future__ import annotations
+
+import re
+
+from testing import REPO
+
+DOCKERFILE = (REPO / "docker" / "Dockerfile").read_text()
+COMPOSE = (REPO / "docker" / "compose.yaml").read_text()
+# NVIDIA's container release for each tritonserver version the clients may pin.
+CONTAINER_OF_SERVER = {"2.51.0": "24.10"}
+
+
+def pins(text: str) -> dict[str, str]:
+    return {name.lower(): version for name, version in re.findall(r"([A-Za-z][\w-]*)(?:\[[\w,]+\])?==([\w.]+)", text)}
+
+
+def test_runtime_pins_equal_the_requirements() -> None:
+    required, image = pins((REPO / "requirements.txt").read_text()), pins(DOCKERFILE)
+    assert set(image) == {"torch", "numpy", "safetensors", "pillow", "tritonclient"}
+    assert all(image[name] == required[name] for name in image), (image, required)
+
+
+def test_base_image_is_the_release_of_the_client_version() -> None:
+    (tag,) = re.findall(r"^FROM nvcr\.io/nvidia/tritonserver:(\S+)-py3$", DOCKERFILE, re.MULTILINE)
+    assert tag == CONTAINER_OF_SERVER[pins((REPO / "requirements.txt").read_text())["tritonclient"]]
+
+
+def test_entry_point_is_the_launcher_with_its_defaults() -> None:
+    script = (REPO / "docker" / "entrypoint.sh").read_text()
+    assert "-m neopp.serving.tritonserver serve" in script and "--admin-key-file" in script
+    assert 'ENTRYPOINT ["/usr/local/bin/neopp-serve"]' in DOCKERFILE
+    assert "NEOPP_TRITONSERVER_ROOT=/opt/tritonserver" in DOCKERFILE
+
+
+def test_compose_publishes_on_loopback_and_mounts_read_only() -> None:
+    ports = re.findall(r'^\s+- "([^"]+)"$', COMPOSE, re.MULTILINE)
+    assert ports and all(p.startswith("127.0.0.1:") for p in ports)
+    assert ":/models/neopp:ro" in COMPOSE
+
+
+def test_readme_uses_this_recipe() -> None:
+    readme = (REPO / "README.md").read_text()
+    assert "docker compose -f docker/compose.yaml up --build" in readme
+    assert "docker run" not in readme or "neopp-triton:0.1.0" in readme
+    assert "pip install torch" not in readme  # no install at container start
