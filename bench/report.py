@@ -29,6 +29,8 @@ SECTIONS = [
      "KV ingest: gRPC vs system shared memory"),
     ("serving", "serving_bench", lambda out: ["--out", out], "serving.md",
      "Triton end to end vs in-process; throughput per instance count"),
+    ("startup", "startup", lambda out: ["--out", out], "startup.md",
+     "Start time and the first request (warm-up at load)"),
     ("8b", "eight_b", lambda out: ["--out", out], "eight_b.md", "8B geometry"),
 ]
 # Run only when named in --only (`make bench-8b`): it writes and reads a 14 GB checkpoint.

@@ -35,6 +35,10 @@ class GenerationCancelled(NeoPPError):
     """The caller asked to stop between two denoising steps."""
 
 
+class WorkerFailure(NeoPPError):
+    """A rank died, a collective failed or timed out; the pool is being rebuilt."""
+
+
 class NonFiniteState(InputError):
     """The denoising state stopped being finite (inf or NaN).
 

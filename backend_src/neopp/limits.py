@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Any
+
+from .errors import InputError, shown
 
 
 @dataclass(frozen=True)
@@ -32,3 +35,20 @@ class Limits:
 CFG_SCALE_MAX_ABS = 100.0
 TIMESTEP_SHIFT_RANGE = (1e-3, 1e3)
 MAX_TEXT_BYTES = 64
+
+
+def text_value(name: str, item: Any) -> str:
+    """One client string, bounded and decoded; a refusal names the input and shows only a prefix.
+
+    Here, not with the request parsing, so the session model reads its strings without torch.
+    """
+    if isinstance(item, (bytes, str)) and len(item) > MAX_TEXT_BYTES:  # numpy's bytes_/str_ included
+        raise InputError(f"{name}: at most {MAX_TEXT_BYTES} bytes, got {len(item)} ({shown(item)})")
+    if isinstance(item, bytes):
+        try:
+            return bytes(item).decode("utf-8").strip()
+        except UnicodeDecodeError as exc:
+            raise InputError(f"{name}: must be UTF-8 text, got {shown(bytes(item))}") from exc
+    if isinstance(item, str):
+        return item.strip()
+    raise InputError(f"{name}: must be a STRING (BYTES) tensor, got {type(item).__name__}")

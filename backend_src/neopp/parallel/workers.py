@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
-from ..errors import ConfigError, GenerationCancelled, InputError, NeoPPError
+from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
 from ..limits import Limits
 from ..modes import ModeSpec
 from ..pipeline import GenerationRequest, StepFn, StopFn
@@ -29,10 +29,6 @@ from .lifeline import die_with_parent, silent_rank, start_heartbeat, start_proce
 
 POLL_S = 0.02
 SILENCE_CHECK_S = 0.2
-
-
-class WorkerFailure(NeoPPError):
-    """A rank died, a collective failed or timed out; the pool is being rebuilt."""
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import ConfigError, GenerationCancelled, InputError
-from ..parallel.workers import WorkerFailure
+from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
 
 
 @dataclass(frozen=True)

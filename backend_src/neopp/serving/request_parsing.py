@@ -9,15 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..errors import SHOWN_CHARS, InputError, shown
-from ..limits import MAX_TEXT_BYTES, Limits
+from ..limits import Limits, text_value
 from ..modes import TASKS, SamplingParams
 from ..request_rules import check_offset, check_side_bounds, check_steps
+
+if TYPE_CHECKING:  # torch is imported where a tensor is handled: the session model never needs it
+    import torch
 
 
 @dataclass(frozen=True)
@@ -85,26 +87,14 @@ def _check_shape(name: str, value: Any, spec: InputSpec) -> None:
 
 
 def _numeric(name: str, value: Any, spec: InputSpec) -> np.ndarray:
+    import torch
+
     arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
     want = _NUMPY_KINDS[spec.data_type]
     if arr.dtype != want:
         raise InputError(f"{name}: datatype must be {spec.data_type[5:]}, got {arr.dtype}")
     _check_shape(name, arr, spec)
     return arr
-
-
-def text_value(name: str, item: Any) -> str:
-    """One client string, bounded and decoded; a refusal names the input and shows only a prefix."""
-    if isinstance(item, (bytes, np.bytes_, str)) and len(item) > MAX_TEXT_BYTES:
-        raise InputError(f"{name}: at most {MAX_TEXT_BYTES} bytes, got {len(item)} ({shown(item)})")
-    if isinstance(item, (bytes, np.bytes_)):
-        try:
-            return bytes(item).decode("utf-8").strip()
-        except UnicodeDecodeError as exc:
-            raise InputError(f"{name}: must be UTF-8 text, got {shown(bytes(item))}") from exc
-    if isinstance(item, str):
-        return item.strip()
-    raise InputError(f"{name}: must be a STRING (BYTES) tensor, got {type(item).__name__}")
 
 
 def _string(name: str, value: Any, spec: InputSpec) -> str:
@@ -123,6 +113,8 @@ def _choice(name: str, value: Any, choices: tuple[str, ...], what: str) -> str:
 
 def _kv(name: str, value: Any) -> torch.Tensor:
     """Only the type here; geometry, length and NaN checks are RequestRules' (validate_kv)."""
+    import torch
+
     if not isinstance(value, torch.Tensor):
         raise InputError(f"{name}: must be a BF16 tensor")
     if value.dtype != torch.bfloat16:
@@ -163,6 +155,8 @@ def _offset(name: str, value: Any, limits: Limits) -> int:
 
 def _nbytes(value: Any) -> int:
     """Bytes an input holds, read from its header (no copy); strings count their payload."""
+    import torch
+
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     arr = np.asarray(value)

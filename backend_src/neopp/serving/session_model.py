@@ -44,10 +44,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, InputError, shown
+from ..limits import text_value
 from .error_status import status_of_message
 from .parameters import read_parameters
 from .procs import own_server_grpc_url
-from .request_parsing import text_value
 from .sessions import SequenceSlots, SessionTable, TurnPlan, UnknownSession
 from .stop_watch import StopWatch, server_exiting
 
@@ -222,7 +222,11 @@ class SessionTritonModel:
             self.logger.log_warn(f"{self.model_name}: no gRPC port or no tritonclient[grpc]: a stop waits for "
                                  "sessions left open, up to the server's exit timeout")
             return None
-        self._stop_client = grpcclient.InferenceServerClient(url)
+        # The port opens only once every model has loaded: without a cap, gRPC's reconnect backoff
+        # grows through a long load and the first check after it could come after the stop.
+        backoff = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                   ("grpc.max_reconnect_backoff_ms", 1000)]
+        self._stop_client = grpcclient.InferenceServerClient(url, channel_args=backoff)
         return StopWatch(lambda: server_exiting(self._stop_client), self._end_open_sequences)
 
     def _send_stop_end(self, session_id: int) -> None:

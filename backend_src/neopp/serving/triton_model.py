@@ -21,7 +21,9 @@ Settings come from ``parameters`` in ``config.pbtxt`` (see :data:`PARAMETER_DEFA
   :mod:`neopp.serving.placement`): instance ``i`` of a KIND_MODEL group takes the ``i``-th slice of
   ``gpus``, and models of one layout on the same GPU are refused unless both share;
 * limits: ``max_side``, ``max_pixels``, ``max_prefix_tokens``, ``max_steps``,
-  ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``.
+  ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``;
+* ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.warmup`),
+  so the first request is as fast as the next ones; ``false`` skips it.
 
 Relative ``checkpoint``/``mode_file``/``lora_dir`` parameters resolve against ``NEOPP_BASE_DIR`` when set,
 else the folder that holds the model repository (the project root), so the same repository
@@ -57,6 +59,7 @@ from ..parallel.mesh import check_world
 from ..pipeline import GenerationRequest
 from ..request_log import parallelism_note
 from ..rng import NoiseStream
+from ..warmup import warm_up
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .metrics import GenerationMetrics
 from .parameters import read_parameters
@@ -74,6 +77,7 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "worker_processes": "0",
     "collective_timeout_s": "120",
     "default_task": "t2i",
+    "warmup": "true",
     **{k: str(v) for k, v in Limits().__dict__.items()},
 }
 _DTYPES = {"auto": None, "": None, "float32": torch.float32, "fp32": torch.float32,
@@ -159,6 +163,7 @@ class TritonModelSettings:
     collective_timeout_s: float
     default_task: str
     limits: Limits
+    warmup: bool = True
 
     @staticmethod
     def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
@@ -184,7 +189,15 @@ class TritonModelSettings:
             num_threads=_int_param(params, "num_threads"), default_task=task, limits=limits,
             worker_processes=_int_param(params, "worker_processes"),
             collective_timeout_s=float(_int_param(params, "collective_timeout_s")),
+            warmup=_bool_param(params, "warmup"),
         )
+
+
+def _bool_param(params: Mapping[str, str], key: str) -> bool:
+    value = params[key].strip().lower()
+    if value not in ("true", "false", "1", "0"):
+        raise ConfigError(f"parameter {key}: must be true or false, got {value!r}")
+    return value in ("true", "1")
 
 
 def load_model_mode(settings: TritonModelSettings) -> ModeSpec:
@@ -292,10 +305,11 @@ class NeoPPTritonModel:
         self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
         self._stopping = stop_on_sigterm(self.logger, self.model_name)
+        warmed = f" warm-up {warm_up(self.engine, self.mode):.2f}s" if self.settings.warmup else ""
         self.logger.log_info(
             f"{self.model_name}: loaded {self.settings.checkpoint} mode={self.mode.name} "
             f"device={self.engine.device} dtype={self.engine.dtype} kv_dims={self.kv_dims} "
-            f"threads={torch.get_num_threads()}")
+            f"threads={torch.get_num_threads()}{warmed}")
 
     def _place(self, model_config: Mapping[str, Any], model_dir: Path | None, args: Mapping[str, str],
                instance_index: int) -> tuple[str, list[int] | None]:
