@@ -4,6 +4,7 @@ naming the model, the file and the first key that does not fit. Real safetensors
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -98,3 +99,42 @@ def test_lora_for_other_geometry_refused_naming_model_file_and_key(tiny: Path, w
     assert message.startswith(f"model {MODEL}: ") and str(wide_lora_dir / LORA) in message
     key = re.search(r"key '([^']+)'", message).group(1)
     assert split_key(key)[0] == first_misfit_base(wide_lora_dir / LORA, tiny / "dense")
+
+
+def test_warmup_parameter_is_on_by_default_and_checked(monkeypatch: pytest.MonkeyPatch, tiny: Path) -> None:
+    monkeypatch.setenv("NEOPP_CHECKPOINT", str(tiny / "dense"))
+    config = shipped_config("neopp_dense")
+    assert TritonModelSettings.from_config(config, REPO / "model_repository" / "neopp_dense").warmup is True
+    config["parameters"]["warmup"] = {"string_value": "false"}
+    assert TritonModelSettings.from_config(config, REPO / "model_repository" / "neopp_dense").warmup is False
+    config["parameters"]["warmup"] = {"string_value": "sometimes"}
+    with pytest.raises(ConfigError, match="parameter warmup: must be true or false"):
+        TritonModelSettings.from_config(config, REPO / "model_repository" / "neopp_dense")
+
+
+def test_warm_up_runs_the_default_size_and_leaves_the_engine_exact(tiny: Path) -> None:
+    """The warm-up changes nothing a request sees: the same seeded request gives the same pixels."""
+    import torch
+
+    from neopp.engines import build_engine
+    from neopp.kv_cache import load_kv_file
+    from neopp.modes import load_mode
+    from neopp.pipeline import GenerationRequest
+    from neopp.rng import NoiseStream
+    from neopp.warmup import warm_up
+
+    mode = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json")
+    mode = dataclasses.replace(mode, default_size=(64, 96))  # a small default for speed
+
+    def seeded(engine) -> torch.Tensor:
+        kv = tiny / "dense" / "sample_kv"
+        req = GenerationRequest(cond_kv=load_kv_file(kv / "cond_kv.pt"), uncond_kv=load_kv_file(kv / "uncond_kv.pt"),
+                                index_offset_cond=24, index_offset_uncond=7, height=64, width=64,
+                                sampling=mode.sampling.replace(infer_steps=2))
+        req.noise = NoiseStream(5).draw(64, 64)
+        return torch.as_tensor(engine.generate(req))
+
+    cold = seeded(build_engine(tiny / "dense", mode, "cpu", threads=1))
+    engine = build_engine(tiny / "dense", mode, "cpu", threads=1)
+    assert warm_up(engine, mode) > 0
+    assert torch.equal(seeded(engine), cold)
