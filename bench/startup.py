@@ -30,6 +30,7 @@ import tritonclient.grpc as grpcclient
 from bench.common import REPO, section_main
 from neopp.kv_cache import load_kv_file
 from neopp.serving.tritonserver import TritonServer
+from testing.loadgen import grpc_inputs
 
 MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_dense_8steps",
           "neopp_moe", "neopp_moe_cfg", "neopp_session")
@@ -68,12 +69,7 @@ def request_inputs(steps: int) -> list[grpcclient.InferInput]:
               "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
               "INDEX_OFFSET_UNCOND": (np.array([7], np.int64), "INT64"),
               "STEPS": (np.array([steps], np.int64), "INT64"), "SEED": (np.array([1], np.int64), "INT64")}
-    out = []
-    for name, (array, datatype) in values.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        out.append(tensor)
-    return out
+    return grpc_inputs(values)
 
 
 def one_start(repo: Path, log: Path, steps: int) -> dict[str, object]:

@@ -21,6 +21,7 @@ from tritonclient.utils import InferenceServerException
 
 from neopp.kv_cache import load_kv_file
 from testing.launched import launch
+from testing.loadgen import grpc_inputs
 
 MODELS = ("neopp_dense", "neopp_dense_cfg", "neopp_session")
 ERROR_LINE = re.compile(r"^E\d{4} |^Error|Traceback|leaked semaphore|Non-graceful|Exit timeout expired|"
@@ -33,12 +34,7 @@ def tensors(kv: Path, size: tuple[int, int] = (64, 64)) -> list[grpcclient.Infer
               "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
               "INDEX_OFFSET_UNCOND": (np.array([7], np.int64), "INT64"),
               "SIZE": (np.array(size, np.int64), "INT64"), "STEPS": (np.array([1], np.int64), "INT64")}
-    out = []
-    for name, (array, datatype) in values.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        out.append(tensor)
-    return out
+    return grpc_inputs(values)
 
 
 def test_served_and_stopped_with_open_sessions_logs_no_error(tiny_dense: Path, tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ from neopp.ports import free_ports
 from neopp.serving.tritonserver import find_install, prepare_backend_dir
 from testing import REPO
 from testing.launched import run_launcher
+from testing.loadgen import grpc_inputs
 
 
 def container_layout(root: Path) -> Path:
@@ -49,11 +50,7 @@ def test_entrypoint_serves_from_a_container_layout(tiny_dense: Path, tmp_path: P
                   "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
                   "CFG_SCALE": (np.array([1.0], np.float32), "FP32"),
                   "SIZE": (np.array([64, 64], np.int64), "INT64"), "STEPS": (np.array([1], np.int64), "INT64")}
-        inputs = []
-        for name, (array, datatype) in values.items():
-            tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
+        inputs = grpc_inputs(values)
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{grpc_port}")
         assert client.infer("neopp_dense", inputs, client_timeout=120).as_numpy("IMAGE")[0][:3] == b"\xff\xd8\xff"
         with_key = client.get_model_config("neopp_dense", headers={
