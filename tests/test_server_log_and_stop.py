@@ -106,3 +106,41 @@ def test_stop_watch_fires_once_and_closes() -> None:
     quiet = StopWatch(lambda: False, lambda: calls.append(2), poll_s=0.01)
     quiet.close()
     assert calls == [1]
+
+
+def test_load_rescue_stops_only_the_stubs_of_a_load_triton_abandoned() -> None:
+    from neopp.serving.load_rescue import StuckLoadWatch
+
+    sleepers = {m: [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(n)]
+                for m, n in (("neopp_dense", 1), ("neopp_dense_cfg", 1), ("neopp_moe", 2), ("neopp_session", 1))}
+    now = [0.0]
+    notes: list[str] = []
+    watch = StuckLoadWatch(0, log=notes.append, stuck_s=30, clock=lambda: now[0],
+                           stubs=lambda _server, model: [p.pid for p in sleepers[model] if p.poll() is None])
+
+    def line(text: str) -> None:
+        watch.feed(f'I1130 08:33:42.977839 5369 {text}\n'.encode())
+
+    try:
+        for model in sleepers:
+            line(f'model_lifecycle.cc:472] "loading: {model}:1"')
+        line('triton_model.py:309] "neopp_dense: loaded /ckpt mode=neopp_dense device=cpu"')  # abandoned by Triton
+        line("model_lifecycle.cc:839] \"successfully loaded 'neopp_dense_cfg'\"")  # relayed before our line
+        line('triton_model.py:309] "neopp_dense_cfg: loaded /ckpt mode=neopp_dense_parallel_cfg"')
+        line('triton_model.py:309] "neopp_moe: loaded /ckpt mode=neopp_moe"')  # one of two instances
+        line('session_model.py:174] "neopp_session: sessions max=1024 idle timeout=600s"')
+        line("model_lifecycle.cc:839] \"successfully loaded 'neopp_session'\"")
+        now[0] = 29.0
+        assert watch.check() == []  # not yet
+        now[0] = 31.0
+        assert watch.check() == ["neopp_dense"] and watch.rescued == ["neopp_dense"]
+        assert sleepers["neopp_dense"][0].wait(timeout=30) == -9
+        assert all(p.poll() is None for m in ("neopp_dense_cfg", "neopp_moe", "neopp_session") for p in sleepers[m])
+        assert len(notes) == 1 and "neopp_dense" in notes[0] and notes[0].startswith("W ")
+        now[0] = 100.0
+        assert watch.check() == []  # handled once
+    finally:
+        for procs in sleepers.values():
+            for p in procs:
+                p.kill()
+                p.wait()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -51,24 +52,36 @@ def relabel(line: bytes) -> bytes:
 
 
 class LogRelay:
-    """Copies the server's output (a pipe) line by line to ``sink``, relabelling when asked.
-
-    Its thread ends when every writer (the server and its stubs) has closed the pipe.
+    """Copies the server's output (a pipe) line by line to ``sink``, relabelling when asked, and
+    hands each line to ``on_line``. Its thread ends when every writer (the server and its stubs)
+    has closed the pipe.
     """
 
-    def __init__(self, source: IO[bytes], sink: IO[bytes], relabel_cpu_only: bool) -> None:
-        self._source, self._sink, self._relabel = source, sink, relabel_cpu_only
+    def __init__(self, source: IO[bytes], sink: IO[bytes], relabel_cpu_only: bool,
+                 on_line: Callable[[bytes], None] | None = None) -> None:
+        self._source, self._sink, self._relabel, self._on_line = source, sink, relabel_cpu_only, on_line
+        self._write_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="tritonserver-log", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         with self._source:
             for line in iter(self._source.readline, b""):
-                try:
-                    self._sink.write(relabel(line) if self._relabel else line)
-                    self._sink.flush()
-                except (OSError, ValueError):  # the sink was closed: keep draining the pipe
-                    pass
+                self._write(relabel(line) if self._relabel else line)
+                if self._on_line is not None:
+                    self._on_line(line)
+
+    def note(self, text: str) -> None:
+        """A line of our own in the server's log."""
+        self._write(text.encode() + b"\n")
+
+    def _write(self, data: bytes) -> None:
+        with self._write_lock:
+            try:
+                self._sink.write(data)
+                self._sink.flush()
+            except (OSError, ValueError):  # the sink was closed: keep draining the pipe
+                pass
 
     def join(self, timeout: float = 10.0) -> bool:
         """Waits for the end of the server's output; False if it is still open after ``timeout``."""

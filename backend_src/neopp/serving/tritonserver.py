@@ -34,6 +34,7 @@ from typing import IO
 
 from ..ports import LOOPBACK, free_ports
 from .admin import FRONT_HEADER, AdminKeyError, restriction_args
+from .load_rescue import StuckLoadWatch
 from .procs import process_group_members
 from .server_log import LogRelay, cpu_only_args, nvidia_driver_present
 from .shm_regions import backend_args, new_prefix, remove_regions
@@ -222,6 +223,7 @@ class TritonServer:
         self.process: subprocess.Popen | None = None
         self._log_file: IO[bytes] | None = None
         self._relay: LogRelay | None = None
+        self.load_watch: StuckLoadWatch | None = None
 
     @property
     def client_host(self) -> str:
@@ -270,7 +272,10 @@ class TritonServer:
         self.process = subprocess.Popen(self.command(), env=self.env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                         start_new_session=True, preexec_fn=_terminate_with_parent)
-        self._relay = LogRelay(self.process.stdout, self._log_file, relabel_cpu_only=not self.gpu_host)
+        self.load_watch = StuckLoadWatch(self.process.pid, log=lambda text: self._relay.note(text))
+        self._relay = LogRelay(self.process.stdout, self._log_file, relabel_cpu_only=not self.gpu_host,
+                               on_line=self.load_watch.feed)
+        self.load_watch.start()
         return self
 
     def is_ready(self) -> bool:
@@ -331,6 +336,8 @@ class TritonServer:
                     proc.wait(timeout=10)
         self._reap_group(pgid, timeout=10.0)
         self.removed_regions = remove_regions(self.shm_prefix)  # a stub killed hard leaves its region
+        if self.load_watch is not None:
+            self.load_watch.close()
         if self._relay is not None:
             self._relay.join(timeout=10.0)  # every writer is gone: the rest of the output is copied
             self._relay = None
