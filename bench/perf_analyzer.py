@@ -25,7 +25,7 @@ from pathlib import Path
 
 from client_examples.make_perf_data import perf_input_data
 from neopp.serving.admin import GRPC_HEADER, KEY_ENV
-from neopp.serving.tritonserver import TritonLaunchError, prepend_path, site_packages_candidates, venv_bin
+from neopp.serving.triton_install import TritonLaunchError, prepend_path, site_packages_candidates, venv_bin
 
 
 def cuda_runtime_lib_dir() -> Path | None:

@@ -30,7 +30,8 @@ from tritonclient.utils import InferenceServerException
 
 from neopp.kv_cache import load_kv_file
 from neopp.serving.procs import process_group_members, rss_parts
-from neopp.serving.tritonserver import GRPC_POOL_ARG, MALLOC_ENV, TritonServer
+from neopp.serving.triton_install import MALLOC_ENV
+from neopp.serving.tritonserver import GRPC_POOL_ARG, TritonServer
 from testing import REPO
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 

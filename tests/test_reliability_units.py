@@ -43,7 +43,7 @@ def test_a_generation_stub_drops_the_servers_malloc_tuning():
     import subprocess
     import sys
 
-    from neopp.serving.tritonserver import MALLOC_ENV
+    from neopp.serving.triton_install import MALLOC_ENV
 
     code = ("import os; from neopp.serving.procs import restore_malloc_defaults; restore_malloc_defaults(); "
             "print(sorted(k for k in os.environ if k.startswith('MALLOC_')))")

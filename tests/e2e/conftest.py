@@ -24,6 +24,7 @@ import tritonclient.http as httpclient
 from PIL import Image
 
 from neopp.kv_cache import load_kv_file
+from neopp.serving.model_states import KEEP_GOING_ARGS
 from neopp.serving.procs import process_group_members
 from neopp.serving.tritonserver import TritonServer
 from testing import REPO as REPO_ROOT
@@ -158,11 +159,16 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
     env["NEOPP_LORA_DIR"] = str(ensure_8steps_lora().parent)
     server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=log_path,
                           extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
+                                      *KEEP_GOING_ARGS,  # a rescued load is retried, not fatal
                                       *(f"--load-model={m}" for m in E2E_MODELS)])
     server.start()
     pgid = server.process.pid
     try:
         server.wait_ready(timeout=600)  # eight models, rank workers included, on a busy host
+        check = grpcclient.InferenceServerClient(server.grpc_url)
+        down = [m for m in E2E_MODELS if not check.is_model_ready(m)]
+        check.close()
+        assert not down, f"models not ready: {down}\n{server.log_tail()}"
         kv = tiny_dense / "sample_kv"
         handle = TritonHandle(server, tiny_dense, load_kv_file(kv / "cond_kv.pt"),
                               load_kv_file(kv / "uncond_kv.pt"), log_path)

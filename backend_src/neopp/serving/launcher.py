@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..ports import LOOPBACK, free_ports
-from .admin import FRONT_HEADER, KEY_HEADER, grpc_headers, load_or_create_key, new_front_key
+from .admin import FRONT_HEADER, KEY_HEADER, load_or_create_key, new_front_key
 from .http_front import HttpFront
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table
 from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
@@ -79,20 +79,6 @@ class Supervisor:
             time.sleep(0.5)
         return False
 
-    def _retry_rescued(self) -> None:
-        """Load again each model whose abandoned first load was rescued (neopp.serving.load_rescue)."""
-        import tritonclient.grpc as grpcclient
-        from tritonclient.utils import InferenceServerException
-
-        watch = self.server.load_watch
-        for model in list(watch.rescued if watch is not None else []):
-            log(f"loading {model} again after its load was rescued")
-            try:
-                with grpcclient.InferenceServerClient(self.server.grpc_url) as client:
-                    client.load_model(model, headers=grpc_headers(self.key))
-            except InferenceServerException as exc:
-                log(f"loading {model} again failed: {exc.message()}")
-
     def _report_models(self) -> bool:
         """Print every model's state; True when at least one is READY (worth serving)."""
         headers = {KEY_HEADER: self.key, FRONT_HEADER: self.front_key}
@@ -137,7 +123,7 @@ class Supervisor:
                     return 0
                 log(f"tritonserver not ready (exit code {self.server.process.poll()}); stopping")
                 return 1
-            self._retry_rescued()
+            self.server.retry_rescued()
             if not self._report_models():
                 log("no model is ready; stopping")
                 return 1

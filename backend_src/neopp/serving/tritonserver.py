@@ -19,150 +19,34 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 from ..ports import LOOPBACK, free_ports
-from .admin import FRONT_HEADER, AdminKeyError, restriction_args
+from .admin import FRONT_HEADER, KEY_HEADER, AdminKeyError, restriction_args
 from .load_rescue import StuckLoadWatch
 from .procs import process_group_members
 from .server_log import LogRelay, cpu_only_args, nvidia_driver_present
 from .shm_regions import backend_args, new_prefix, remove_regions
+from .triton_install import DEFAULT_BACKEND_DIR, TritonLaunchError, find_install, prepare_backend_dir, server_env
 
-# Relative to the working directory (the checkout for `make serve`), never to the installed package.
-DEFAULT_BACKEND_DIR = Path("build") / "triton_backends"
 # What a large gRPC request leaves behind, even one Triton refuses (docs/security.md has the
 # figures). Triton keeps up to 8 request objects for reuse (--grpc-infer-allocation-pool-size),
 # and a reused protobuf message keeps the capacity of its largest input: 8 x the largest request
 # seen. With no pool, the buffers are freed, but glibc's defaults keep them in its arenas (its
 # mmap threshold rises to 32 MiB after the first large free). A fixed 64 KiB threshold makes
 # each larger buffer its own mapping, unmapped on free; one arena, no top pad and a 128 KiB trim
-# threshold return the rest. Tritonserver gets both; a generation model's stub undoes the malloc part
-# at load (procs.restore_malloc_defaults): there it cost 20-25% of a denoising step.
+# threshold return the rest (MALLOC_ENV, in triton_install). Tritonserver gets both; a generation
+# model's stub undoes the malloc part at load (procs.restore_malloc_defaults): there it cost 20-25%
+# of a denoising step.
 GRPC_POOL_ARG = "--grpc-infer-allocation-pool-size"
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072", "MALLOC_TOP_PAD_": "0",
-              "MALLOC_ARENA_MAX": "1"}
-
-
-# A tritonserver installed as in NVIDIA's container (bin/, lib/, backends/python/) instead of the wheel.
-SYSTEM_ROOT_ENV = "NEOPP_TRITONSERVER_ROOT"
-
-
-class TritonLaunchError(RuntimeError):
-    """The server could not be found, prepared, started or made ready."""
-
-
-@dataclass(frozen=True)
-class TritonInstall:
-    """Where the wheel's server files live in the running environment."""
-
-    site_packages: Path
-    server_bin: Path
-    python_backend: Path  # folder with libtriton_python.so + triton_python_backend_utils.py
-    stub: Path  # triton_python_backend_stub for this interpreter's major.minor
-    libs: Path  # <site-packages>/nvidia_pytriton.libs
-
-
-def python_tag() -> str:
-    """``major.minor`` of the running interpreter: selects the matching stub."""
-    return f"{sys.version_info.major}.{sys.version_info.minor}"
-
-
-def site_packages_candidates() -> list[Path]:
-    """purelib/platlib first, then every sys.path entry (covers user installs)."""
-    paths = [sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], *sys.path]
-    return [Path(p) for p in dict.fromkeys(paths) if p and Path(p).is_dir()]
-
-
-def system_install(root: Path) -> TritonInstall:
-    """tritonserver installed under ``root`` as in NVIDIA's container (/opt/tritonserver)."""
-    python_backend = root / "backends" / "python"
-    install = TritonInstall(site_packages=root, server_bin=root / "bin" / "tritonserver",
-                            python_backend=python_backend, stub=python_backend / "triton_python_backend_stub",
-                            libs=root / "lib")
-    for path in (install.server_bin, python_backend / "libtriton_python.so", install.stub):
-        if not path.exists():
-            raise TritonLaunchError(f"${SYSTEM_ROOT_ENV}={root}: no {path}")
-    return install
-
-
-def find_install() -> TritonInstall:
-    """Locate tritonserver: under ``$NEOPP_TRITONSERVER_ROOT`` if set, else the wheel's files."""
-    if os.environ.get(SYSTEM_ROOT_ENV):
-        return system_install(Path(os.environ[SYSTEM_ROOT_ENV]))
-    for sp in site_packages_candidates():
-        root = sp / "pytriton" / "tritonserver"
-        if not (root / "bin" / "tritonserver").is_file():
-            continue
-        stub = root / "python_backend_stubs" / python_tag() / "triton_python_backend_stub"
-        install = TritonInstall(site_packages=sp, server_bin=root / "bin" / "tritonserver",
-                                python_backend=root / "backends" / "python", stub=stub,
-                                libs=sp / "nvidia_pytriton.libs")
-        for path in (install.python_backend / "libtriton_python.so", stub, install.libs):
-            if not path.exists():
-                raise TritonLaunchError(f"nvidia-pytriton install at {sp} lacks {path}")
-        return install
-    raise TritonLaunchError(f"tritonserver not found: install nvidia-pytriton==0.7.0 into {sys.prefix}")
-
-
-def _copy_if_changed(src: Path, dst: Path) -> None:
-    """Copy keeping the mode; skip when size and mtime already match (cheap reruns)."""
-    if dst.exists():
-        s, d = src.stat(), dst.stat()
-        if s.st_size == d.st_size and int(s.st_mtime) == int(d.st_mtime):
-            return
-    tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")  # concurrent preparers do not collide
-    shutil.copy2(src, tmp)
-    os.replace(tmp, dst)
-
-
-def prepare_backend_dir(dest: Path | str | None = None, install: TritonInstall | None = None) -> Path:
-    """Assemble ``<dest>/python/`` so the Python backend finds a stub for this interpreter."""
-    install = install or find_install()
-    dest = Path(dest) if dest is not None else DEFAULT_BACKEND_DIR
-    py_dir = dest / "python"
-    py_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
-        _copy_if_changed(install.python_backend / name, py_dir / name)
-    _copy_if_changed(install.stub, py_dir / "triton_python_backend_stub")
-    return dest
-
-
-def venv_bin() -> Path:
-    """The bin folder of the running interpreter's environment (venv or not)."""
-    return Path(sys.prefix) / "bin"
-
-
-def prepend_path(value: str | None, *first: str) -> str:
-    parts = [p for p in first if p] + [p for p in (value or "").split(os.pathsep) if p]
-    return os.pathsep.join(dict.fromkeys(parts))
-
-
-def server_env(install: TritonInstall | None = None, base: dict[str, str] | None = None,
-               malloc_env: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for tritonserver: interpreter LIBDIR before the wheel's libs, venv bin first,
-    and ``malloc_env`` (default MALLOC_ENV) unless ``base`` sets those variables itself."""
-    install = install or find_install()
-    env = dict(os.environ if base is None else base)
-    for name, value in (MALLOC_ENV if malloc_env is None else malloc_env).items():
-        env.setdefault(name, value)
-    libdir = sysconfig.get_config_var("LIBDIR") or ""
-    env["LD_LIBRARY_PATH"] = prepend_path(env.get("LD_LIBRARY_PATH"), libdir, str(install.libs))
-    env["PATH"] = prepend_path(env.get("PATH"), str(venv_bin()))
-    if sys.prefix != sys.base_prefix:
-        env["VIRTUAL_ENV"] = sys.prefix
-    env.pop("PYTHONHOME", None)
-    return env
 
 
 try:  # resolved here, not in the forked child, where dlopen's lock could be held by another thread
@@ -305,9 +189,33 @@ class TritonServer:
                     + self.log_tail()
                 )
             if self.is_ready():
+                self.retry_rescued()
                 return
             time.sleep(poll)
         raise TritonLaunchError(f"tritonserver not ready after {timeout:.0f}s:\n" + self.log_tail())
+
+    def retry_rescued(self, timeout: float = 600.0) -> list[str]:
+        """Load again every model whose abandoned load was rescued (neopp.serving.load_rescue).
+
+        Only a server that keeps going after a failed load (``--exit-on-error=false
+        --strict-readiness=false``, as the launcher runs it) gets here with one.
+        """
+        if self.load_watch is None or self._relay is None:
+            return []
+        models, self.load_watch.rescued = list(self.load_watch.rescued), []
+        headers = {FRONT_HEADER: self.front_key} if self.front_key else {}
+        headers.update({KEY_HEADER: self.admin_key} if self.admin_key else {})
+        for model in models:
+            self._relay.note(f"I neopp load rescue: loading {model} again")
+            url = f"http://{LOOPBACK if self.front_key else self.client_host}:{self.http_port}" \
+                  f"/v2/repository/models/{model}/load"
+            request = urllib.request.Request(url, data=b"", headers=headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=timeout):
+                    pass
+            except (urllib.error.URLError, OSError) as exc:
+                self._relay.note(f"W neopp load rescue: loading {model} again failed: {exc}")
+        return models
 
     def stop(self, timeout: float = 30.0, drain_s: float | None = None) -> int | None:
         """SIGTERM the server; after ``drain_s`` (default a third of ``timeout``) also its stubs,
