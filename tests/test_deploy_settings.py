@@ -17,7 +17,7 @@ from neopp.checkpoint import generation_shapes
 from neopp.errors import ConfigError
 from neopp.lora import split_key
 from neopp.serving.parameters import read_parameters
-from neopp.serving.triton_model import PARAMETER_DEFAULTS, TritonModelSettings, load_model_mode, resolve_lora_dir
+from neopp.serving.model_settings import PARAMETER_DEFAULTS, TritonModelSettings, load_model_mode, resolve_lora_dir
 from testing import REPO
 from testing.tiny_checkpoint import main as tiny_main
 from testing.tiny_lora import write_mismatched_loras

@@ -1,0 +1,197 @@
+"""A generation model's settings: the ``parameters`` of its ``config.pbtxt``, resolved and checked.
+
+See :data:`PARAMETER_DEFAULTS`:
+
+* ``checkpoint``: checkpoint folder; env ``NEOPP_CHECKPOINT_<MODEL NAME UPPER>`` or
+  ``NEOPP_CHECKPOINT`` overrides it (env paths resolve against the working directory);
+* ``mode_file``: e.g. ``configs/neopp/neopp_dense.json``;
+* ``lora_dir``: the folder a relative LoRA path of the mode file (its ``lora_configs``, shipped
+  as a file name only) resolves against; env ``NEOPP_LORA_DIR_<MODEL NAME UPPER>`` or
+  ``NEOPP_LORA_DIR`` overrides it, as for ``checkpoint``. A LoRA that does not fit the
+  checkpoint is refused at load, naming the model, the LoRA file and the first key that misfits;
+* ``device``: ``auto`` (default) | ``cpu`` | ``cuda`` | ``cuda:N``. ``auto`` picks the
+  instance's GPU for a KIND_GPU instance; otherwise, with CUDA present, GPU
+  ``(instance index * world size) mod device count`` (so the KIND_CPU instances of a group
+  land on disjoint GPUs), and the CPU when there is no CUDA;
+* ``dtype``: ``auto`` (the pipeline's choice: bf16 on GPU, fp32 on CPU) | ``float32`` |
+  ``bfloat16`` | ``float16``; ``num_threads``: torch CPU threads per process, 0 shares the cores out over the
+  model's instances and ranks (on CPUs);
+* ``gpus``, ``share_gpus``, ``layout``: a multi-GPU layout (``configs/<layout>.pbtxt``, see
+  :mod:`neopp.serving.placement`): instance ``i`` of a KIND_MODEL group takes the ``i``-th slice of
+  ``gpus``, and models of one layout on the same GPU are refused unless both share;
+* limits: ``max_side``, ``max_pixels``, ``max_prefix_tokens``, ``max_steps``,
+  ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``;
+* ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.warmup`),
+  so the first request is as fast as the next ones; ``false`` skips it.
+
+Relative ``checkpoint``/``mode_file``/``lora_dir`` parameters resolve against ``NEOPP_BASE_DIR`` when set,
+else the folder that holds the model repository (the project root), so the same repository
+works from a checkout, from a wheel install and when mounted in NVIDIA's tritonserver container.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..checkpoint import generation_shapes
+from ..errors import ConfigError
+from ..limits import Limits
+from ..lora import check_loras
+from ..modes import TASKS, ModeSpec, load_mode
+from .parameters import read_parameters
+
+PARAMETER_DEFAULTS: dict[str, str] = {
+    "checkpoint": "checkpoints/neopp",
+    "mode_file": "configs/neopp/neopp_dense.json",
+    "lora_dir": "checkpoints/lora",
+    "device": "auto",
+    "dtype": "auto",
+    "num_threads": "0",
+    "worker_processes": "0",
+    "collective_timeout_s": "120",
+    "default_task": "t2i",
+    "warmup": "true",
+    **{k: str(v) for k, v in Limits().__dict__.items()},
+}
+_DTYPES = {"auto": None, "": None, "float32": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def project_root(model_dir: Path | str | None, env: Mapping[str, str] | None = None) -> Path:
+    """Where relative parameters resolve: env ``NEOPP_BASE_DIR``, else the folder that holds the
+    model repository (Triton hands each model its own folder), never the installed package."""
+    env = os.environ if env is None else env
+    if env.get("NEOPP_BASE_DIR"):
+        return Path(env["NEOPP_BASE_DIR"]).expanduser().resolve()
+    if model_dir is None:
+        raise ConfigError("the model's folder is unknown: set NEOPP_BASE_DIR or MODEL_DIR in model.py")
+    return Path(model_dir).resolve().parent.parent
+
+
+def model_env_var(prefix: str, model_name: str) -> str:
+    """The per-model override of a setting: ``<prefix>_<MODEL NAME UPPER>``."""
+    return prefix + "_" + re.sub(r"[^A-Za-z0-9]", "_", model_name).upper()
+
+
+def resolve_deployment_path(params: Mapping[str, str], key: str, env_var: str, model_name: str, root: Path,
+                            env: Mapping[str, str] | None = None) -> Path:
+    """``<env_var>_<MODEL>``, then ``<env_var>``, then parameter ``key``: the weights a model
+    serves are a deployment's choice, so the same repository serves tiny and real ones."""
+    env = os.environ if env is None else env
+    for var in (model_env_var(env_var, model_name), env_var):
+        if env.get(var):
+            return Path(env[var]).expanduser().resolve()
+    path = Path(params[key]).expanduser()
+    return path if path.is_absolute() else root / path
+
+
+def resolve_checkpoint(params: Mapping[str, str], model_name: str, root: Path,
+                       env: Mapping[str, str] | None = None) -> Path:
+    """Per-model env override, then NEOPP_CHECKPOINT, then the ``checkpoint`` parameter."""
+    return resolve_deployment_path(params, "checkpoint", "NEOPP_CHECKPOINT", model_name, root, env)
+
+
+def resolve_lora_dir(params: Mapping[str, str], model_name: str, root: Path,
+                     env: Mapping[str, str] | None = None) -> Path:
+    """Per-model env override, then NEOPP_LORA_DIR, then the ``lora_dir`` parameter."""
+    return resolve_deployment_path(params, "lora_dir", "NEOPP_LORA_DIR", model_name, root, env)
+
+
+def choose_device(param: str, instance_kind: str, device_id: int, instance_index: int,
+                  world_size: int = 1) -> str:
+    """Map the ``device`` parameter and the instance to a torch device (see module doc)."""
+    param = (param or "auto").strip().lower()
+    if param == "cpu" or param.startswith("cuda:"):
+        return param
+    if param not in ("auto", "cuda"):
+        raise ConfigError(f"parameter device: {param!r} is not auto, cpu, cuda or cuda:N")
+    if not torch.cuda.is_available():
+        if param == "cuda":
+            raise ConfigError("parameter device: 'cuda' requested but CUDA is not available")
+        return "cpu"
+    if instance_kind.upper().endswith("GPU"):
+        return f"cuda:{device_id}"
+    return f"cuda:{(instance_index * world_size) % torch.cuda.device_count()}"
+
+
+def _int_param(params: Mapping[str, str], key: str) -> int:
+    try:
+        return int(params[key])
+    except ValueError as exc:
+        raise ConfigError(f"parameter {key}: {params[key]!r} is not an integer") from exc
+
+
+@dataclass(frozen=True)
+class TritonModelSettings:
+    """Everything a model instance reads from its config, resolved and checked."""
+
+    model_name: str
+    checkpoint: Path
+    mode_file: Path
+    lora_dir: Path
+    device_param: str
+    dtype: torch.dtype | None
+    num_threads: int
+    worker_processes: int
+    collective_timeout_s: float
+    default_task: str
+    limits: Limits
+    warmup: bool = True
+
+    @staticmethod
+    def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
+        params = read_parameters(model_config, PARAMETER_DEFAULTS)
+        name = str(model_config.get("name", "neopp"))
+        root = project_root(model_dir)
+        mode_file = Path(params["mode_file"]).expanduser()
+        dtype_key = params["dtype"].strip().lower()
+        if dtype_key not in _DTYPES:
+            raise ConfigError(f"parameter dtype: {params['dtype']!r} is not one of {sorted(k for k in _DTYPES if k)}")
+        task = params["default_task"].strip().lower()
+        if task not in TASKS:
+            raise ConfigError(f"parameter default_task: {task!r} is not one of {list(TASKS)}")
+        for key in Limits().__dict__:
+            _int_param(params, key)
+        limits = Limits.from_params(params)
+        return TritonModelSettings(
+            model_name=name,
+            checkpoint=resolve_checkpoint(params, name, root),
+            mode_file=mode_file if mode_file.is_absolute() else root / mode_file,
+            lora_dir=resolve_lora_dir(params, name, root),
+            device_param=params["device"], dtype=_DTYPES[dtype_key],
+            num_threads=_int_param(params, "num_threads"), default_task=task, limits=limits,
+            worker_processes=_int_param(params, "worker_processes"),
+            collective_timeout_s=float(_int_param(params, "collective_timeout_s")),
+            warmup=_bool_param(params, "warmup"),
+        )
+
+
+def _bool_param(params: Mapping[str, str], key: str) -> bool:
+    value = params[key].strip().lower()
+    if value not in ("true", "false", "1", "0"):
+        raise ConfigError(f"parameter {key}: must be true or false, got {value!r}")
+    return value in ("true", "1")
+
+
+def load_model_mode(settings: TritonModelSettings) -> ModeSpec:
+    """The model's mode with its LoRAs found in ``lora_dir`` and checked against the checkpoint's
+    shapes, before any weight is read; a misfit names the model, the LoRA file and the key."""
+    try:
+        mode = load_mode(settings.mode_file, lora_dir=settings.lora_dir)
+        if mode.lora_configs:
+            missing = [e["path"] for e in mode.lora_configs if not Path(e["path"]).is_file()]
+            if missing:
+                override = model_env_var("NEOPP_LORA_DIR", settings.model_name)
+                raise ConfigError(f"LoRA file {missing[0]} does not exist (lora_dir {settings.lora_dir}; "
+                                  f"set parameter lora_dir or env {override} / NEOPP_LORA_DIR)")
+            check_loras(generation_shapes(settings.checkpoint), mode.lora_configs)
+    except ConfigError as exc:
+        raise ConfigError(f"model {settings.model_name}: {exc}") from exc
+    return mode
