@@ -16,8 +16,8 @@ from tritonclient.grpc import model_config_pb2 as mc
 from neopp.checkpoint import generation_shapes
 from neopp.errors import ConfigError
 from neopp.lora import split_key
-from neopp.serving.parameters import read_parameters
 from neopp.serving.model_settings import PARAMETER_DEFAULTS, TritonModelSettings, load_model_mode, resolve_lora_dir
+from neopp.serving.parameters import read_parameters
 from testing import REPO
 from testing.tiny_checkpoint import main as tiny_main
 from testing.tiny_lora import write_mismatched_loras

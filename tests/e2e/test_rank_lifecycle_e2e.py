@@ -15,10 +15,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from conftest import MOE_MODELS, TritonHandle, ensure_8steps_lora
 from tritonclient.utils import InferenceServerException
 
 from neopp.kv_cache import load_kv_file
+from neopp.serving.model_states import KEEP_GOING_ARGS
 from neopp.serving.procs import cmdline, descendants, process_group_members
 from neopp.serving.tritonserver import TritonServer
 from testing import REPO as REPO_ROOT
@@ -37,6 +39,7 @@ def _server(tmp: Path, dense: Path, moe: Path, models: tuple[str, ...], tag: str
     env["NEOPP_LORA_DIR"] = str(ensure_8steps_lora().parent)
     return TritonServer(REPO_ROOT / "model_repository", env=env, log_path=tmp / f"{tag}.log",
                         extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
+                                    *KEEP_GOING_ARGS,  # an abandoned load is rescued and retried
                                     *(f"--load-model={m}" for m in models)])
 
 
@@ -144,6 +147,9 @@ def test_multi_rank_models_start_every_time(tiny_dense: Path, tiny_moe: Path, tm
         try:
             server.wait_ready(timeout=START_LIMIT_S)
             times.append(round(time.monotonic() - started, 1))
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            assert all(client.is_model_ready(m) for m in MULTI_RANK), server.log_tail()
+            client.close()
         finally:
             _stop(server)
     print(f"start times (s): {times}")
