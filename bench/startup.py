@@ -29,7 +29,8 @@ import tritonclient.grpc as grpcclient
 
 from bench.common import REPO, section_main
 from neopp.kv_cache import load_kv_file
-from neopp.serving.tritonserver import TritonServer
+from neopp.serving.model_states import KEEP_GOING_ARGS
+from neopp.serving.tritonserver import TritonLaunchError, TritonServer
 from testing.loadgen import grpc_inputs
 
 MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_dense_8steps",
@@ -77,7 +78,8 @@ def one_start(repo: Path, log: Path, steps: int) -> dict[str, object]:
            "NEOPP_CHECKPOINT_NEOPP_MOE_CFG": str(TINY / "moe"), "NEOPP_LORA_DIR": str(TINY / "lora"),
            "NEOPP_BASE_DIR": str(REPO)}
     server = TritonServer(repo, env={**os.environ, **env}, log_path=log,
-                          extra_args=["--model-control-mode=explicit", *(f"--load-model={m}" for m in MODELS)])
+                          extra_args=["--model-control-mode=explicit", *KEEP_GOING_ARGS,
+                                      *(f"--load-model={m}" for m in MODELS)])
     start = time.monotonic()
     server.start()
     try:
@@ -107,11 +109,17 @@ def body(args) -> str:
     if not (TINY / "dense" / "config.json").exists():
         subprocess.run([sys.executable, "-m", "testing.tiny_checkpoint", "--out", str(TINY)], check=True, cwd=REPO)
     runs: dict[bool, list[dict]] = {False: [], True: []}
+    failures: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
         repos = {w: repository_copy(Path(tmp), w) for w in (False, True)}
         for r in range(args.rounds):
             for warm in (False, True):
-                runs[warm].append(one_start(repos[warm], Path(tmp) / f"log_{r}_{warm}.txt", args.steps))
+                log = Path(tmp) / f"log_{r}_{warm}.txt"
+                try:
+                    runs[warm].append(one_start(repos[warm], log, args.steps))
+                except TritonLaunchError as exc:  # a server that died while starting: say so, start again
+                    failures.append(f"round {r + 1}, warm-up {'on' if warm else 'off'}: {str(exc).splitlines()[0]}")
+                    runs[warm].append(one_start(repos[warm], log, args.steps))
     med = statistics.median
     lines = [f"Models of `make serve` (tiny checkpoints), {args.rounds} round(s), each starting the server "
              "without and then with the warm-up; medians over rounds. Requests: default size (1024x1024), "
@@ -133,6 +141,8 @@ def body(args) -> str:
         lines.append(f"| {model}: first / steady | {first[False] / steady[False]:.2f} | "
                      f"{first[True] / steady[True]:.2f} | |")
     session, torch_s = import_seconds("import neopp.serving.session_model"), import_seconds("import torch")
+    if failures:
+        lines += ["", "Starts that failed and were repeated: " + "; ".join(failures)]
     lines += ["", f"Import of the session model's code: {session:.2f} s (it no longer imports torch; "
               f"`import torch` alone: {torch_s:.2f} s, measured beside it)."]
     return "\n".join(lines)
