@@ -55,8 +55,9 @@ class Supervisor:
 
     def _start_server(self) -> None:
         self.server = self._new_server().start()
+        log(f"tritonserver {self.server.install.server_bin}")
         log(f"tritonserver pid {self.server.process.pid}, own HTTP on {LOOPBACK}:{self.upstream_port} "
-            f"(behind the front), shm region prefix {self.server.shm_prefix}, binary {self.server.install.server_bin}")
+            f"(behind the front), shm region prefix {self.server.shm_prefix}")
 
     def _stop_server(self) -> None:
         if self.watchdog is not None:
