@@ -201,11 +201,18 @@ class WorkerPool:
         """Let the queues' named semaphores be unlinked now: a stub leaves without running the
         finalizers that would, and the resource tracker then reports them as leaked."""
         queues = [*getattr(self, "_tasks", []), *([self._results] if getattr(self, "_results", None) else [])]
+        flushers = []
         for q in queues:
             q.close()
-            q.cancel_join_thread()  # a rank that is gone reads nothing more: do not wait to flush
+            # A queue's feeder thread holds its semaphore until it has flushed (the last item is
+            # the small stop sentinel); wait for it, bounded, in case no rank reads any more.
+            flushers.append(threading.Thread(target=q.join_thread, daemon=True))
+            flushers[-1].start()
+        deadline = time.monotonic() + 2.0
+        for t in flushers:
+            t.join(max(0.0, deadline - time.monotonic()))
         self._tasks, self._results = [], None
-        del queues, q
+        del queues, q, flushers
         gc.collect()  # each semaphore's finalizer runs when its last reference goes
 
     def pids(self) -> list[int]:
