@@ -35,6 +35,8 @@ SECTIONS = [
 ]
 # Run only when named in --only (`make bench-8b`): it writes and reads a 14 GB checkpoint.
 ON_REQUEST = {"8b"}
+# Files that need an argument of their own to be made (their command is in them); stitched in when present.
+BY_HAND = [("startup_baseline.md", "Start time against an earlier checkout")]
 
 
 def body_of(path: Path) -> str:
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
              f"Machine: {machine()}\n\nEvery comparison below was "
              "measured side by side in one run of its section; sections ran one after the other. Each section "
              "names the command that reproduces it alone."]
-    for _key, _, _, filename, title in SECTIONS:
+    for filename, title in [(f, t) for _k, _m, _a, f, t in SECTIONS] + BY_HAND:
         path = out / filename
         if path.is_file():
             parts.append(f"## {title}\n\n{body_of(path)}")

@@ -1,6 +1,7 @@
 """Start time and first-request latency of the served models, warm-up at load off vs on.
 
     python -m bench.startup [--out bench] [--rounds 2] [--steps 4]
+    python -m bench.startup --baseline OTHER_CHECKOUT [--rounds 3]   (bench/startup_baseline.md)
 
 Each round starts the server twice, alternately without and with the warm-up (the ``warmup``
 parameter, set in a copy of the model repository), on the models and tiny checkpoints of
@@ -13,6 +14,7 @@ measured beside a plain ``import torch``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -148,7 +150,54 @@ def body(args) -> str:
     return "\n".join(lines)
 
 
+# Run inside another checkout with its own venv: the same start as one_start, time to ready only.
+_READY_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+from neopp.serving.tritonserver import TritonServer
+root, tiny = Path.cwd(), Path.cwd() / "build" / "tiny"
+env = {**os.environ, "NEOPP_CHECKPOINT": str(tiny / "dense"), "NEOPP_CHECKPOINT_NEOPP_MOE": str(tiny / "moe"),
+       "NEOPP_CHECKPOINT_NEOPP_MOE_CFG": str(tiny / "moe"), "NEOPP_LORA_DIR": str(tiny / "lora")}
+server = TritonServer(root / "model_repository", env=env, log_path=sys.argv[1],
+                      extra_args=["--model-control-mode=explicit", *(f"--load-model={m}" for m in sys.argv[2:])])
+start = time.monotonic(); server.start(); server.wait_ready(900); print(time.monotonic() - start); server.stop()
+"""
+
+
+def ready_seconds(checkout: Path, log: Path) -> float:
+    """Time to ready of ``make serve``'s models started from ``checkout`` (its venv and tiny checkpoints)."""
+    done = subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c", _READY_SCRIPT, str(log), *MODELS],
+                          cwd=checkout, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def baseline_body(args) -> str:
+    """This checkout against ``--baseline`` (an earlier one), started alternately, ``--rounds`` times."""
+    base = Path(args.baseline).resolve()
+    times: dict[str, list[float]] = {"baseline": [], "this": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            times["baseline"].append(ready_seconds(base, Path(tmp) / f"base_{r}.log"))
+            times["this"].append(ready_seconds(REPO, Path(tmp) / f"this_{r}.log"))
+    med = {k: statistics.median(v) for k, v in times.items()}
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=base, capture_output=True, text=True).stdout
+    return (f"Time to ready of the eight models of `make serve` (tiny checkpoints), this checkout against the "
+            f"checkout at `{head.strip()}` (each with its own venv), started alternately {args.rounds} times:\n\n"
+            "| | baseline | this | this / baseline |\n|---|---|---|---|\n"
+            f"| median | {med['baseline']:.1f} s | {med['this']:.1f} s | {med['this'] / med['baseline']:.2f} |\n"
+            f"| each | {', '.join(f'{t:.1f}' for t in times['baseline'])} | "
+            f"{', '.join(f'{t:.1f}' for t in times['this'])} | |")
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if "--baseline" in argv:  # python -m bench.startup --baseline DIR [--rounds N] [--out DIR]
+        i = argv.index("--baseline")
+        baseline, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+        section_main(rest, __doc__, "startup_baseline.md", "Start time against an earlier checkout",
+                     lambda args: baseline_body(argparse.Namespace(**vars(args), baseline=baseline)), rounds=3)
+        return
     section_main(argv, __doc__, "startup.md", "Start time and the first request (warm-up at load)", body,
                  rounds=2, steps=4)
 
