@@ -13,7 +13,6 @@ baseline with a one-token prefix gives the compute floor; ingest = request - bas
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import tempfile
@@ -24,6 +23,7 @@ from safetensors.torch import save_file
 
 from bench.common import REPO, stats, timed, write_report
 from neopp.serving.tritonserver import TritonServer
+from testing import lightllm_client_module
 from testing.tiny_checkpoint import random_kv, tiny_config, tiny_tensors
 
 WIRE, SHM = "gRPC, KV bytes in the request", "system shared memory"
@@ -43,11 +43,8 @@ def write_geometry_checkpoint(out: Path) -> dict:
 
 
 def lightllm_client_class():
-    """The client under test, loaded from client_examples/ (a standalone file, not a package)."""
-    spec = importlib.util.spec_from_file_location("lightllm_client", REPO / "client_examples" / "lightllm_client.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.NeoPPTritonClient
+    """The client under test, loaded from client_examples/ as users run it."""
+    return lightllm_client_module().NeoPPTritonClient
 
 
 def main(argv: Sequence[str] | None = None) -> int:

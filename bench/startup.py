@@ -75,11 +75,16 @@ def request_inputs(steps: int) -> list[grpcclient.InferInput]:
     return grpc_inputs(values)
 
 
+def serve_env(checkout: Path) -> dict[str, str]:
+    """Our environment plus what ``make serve`` sets: the checkout's tiny checkpoints and LoRA."""
+    tiny = checkout / "build" / "tiny"
+    return {**os.environ, "NEOPP_CHECKPOINT": str(tiny / "dense"), "NEOPP_CHECKPOINT_NEOPP_MOE": str(tiny / "moe"),
+            "NEOPP_CHECKPOINT_NEOPP_MOE_CFG": str(tiny / "moe"), "NEOPP_LORA_DIR": str(tiny / "lora"),
+            "NEOPP_BASE_DIR": str(checkout)}
+
+
 def one_start(repo: Path, log: Path, steps: int) -> dict[str, object]:
-    env = {"NEOPP_CHECKPOINT": str(TINY / "dense"), "NEOPP_CHECKPOINT_NEOPP_MOE": str(TINY / "moe"),
-           "NEOPP_CHECKPOINT_NEOPP_MOE_CFG": str(TINY / "moe"), "NEOPP_LORA_DIR": str(TINY / "lora"),
-           "NEOPP_BASE_DIR": str(REPO)}
-    server = TritonServer(repo, env={**os.environ, **env}, log_path=log,
+    server = TritonServer(repo, env=serve_env(REPO), log_path=log,
                           extra_args=["--model-control-mode=explicit", *KEEP_GOING_ARGS,
                                       *(f"--load-model={m}" for m in MODELS)])
     start = time.monotonic()
@@ -152,13 +157,10 @@ def body(args) -> str:
 
 # Run inside another checkout with its own venv: the same start as one_start, time to ready only.
 _READY_SCRIPT = """
-import os, sys, time
+import sys, time
 from pathlib import Path
 from neopp.serving.tritonserver import TritonServer
-root, tiny = Path.cwd(), Path.cwd() / "build" / "tiny"
-env = {**os.environ, "NEOPP_CHECKPOINT": str(tiny / "dense"), "NEOPP_CHECKPOINT_NEOPP_MOE": str(tiny / "moe"),
-       "NEOPP_CHECKPOINT_NEOPP_MOE_CFG": str(tiny / "moe"), "NEOPP_LORA_DIR": str(tiny / "lora")}
-server = TritonServer(root / "model_repository", env=env, log_path=sys.argv[1],
+server = TritonServer(Path.cwd() / "model_repository", log_path=sys.argv[1],
                       extra_args=["--model-control-mode=explicit", *(f"--load-model={m}" for m in sys.argv[2:])])
 start = time.monotonic(); server.start(); server.wait_ready(900); print(time.monotonic() - start); server.stop()
 """
@@ -167,7 +169,7 @@ start = time.monotonic(); server.start(); server.wait_ready(900); print(time.mon
 def ready_seconds(checkout: Path, log: Path) -> float:
     """Time to ready of ``make serve``'s models started from ``checkout`` (its venv and tiny checkpoints)."""
     done = subprocess.run([str(checkout / ".venv" / "bin" / "python"), "-c", _READY_SCRIPT, str(log), *MODELS],
-                          cwd=checkout, capture_output=True, text=True, check=True)
+                          cwd=checkout, env=serve_env(checkout), capture_output=True, text=True, check=True)
     return float(done.stdout.strip().splitlines()[-1])
 
 

@@ -409,21 +409,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-prefix", default="lightllm_turn")
     parser.add_argument("--admin-key-file", help=f"operator key for shared memory (default ${KEY_ENV})")
     args = parser.parse_args(argv)
+    from t2i_common import run_client  # beside this file: found when it runs as a script
+
     from neopp.kv_cache import load_kv_file  # the project's loader: weights_only, either layout
 
-    try:
-        key = Path(args.admin_key_file).read_text().strip() if args.admin_key_file else None
-        _demo(args, key, load_kv_file)
-    except InferenceServerException as exc:
-        print(f"{exc.status() or 'error'}: {exc.message()}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as exc:  # no server there, a file that cannot be read, ...
-        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    return run_client(lambda: _demo(args, load_kv_file))
 
 
-def _demo(args: argparse.Namespace, key: str | None, load_kv_file: Any) -> None:
+def _demo(args: argparse.Namespace, load_kv_file: Any) -> None:
+    key = Path(args.admin_key_file).read_text().strip() if args.admin_key_file else None
     with NeoPPTritonClient(args.url, model=args.model, stateless=args.stateless, admin_key=key) as client:
         client.set_kvcache(load_kv_file(args.cond_kv), load_kv_file(args.uncond_kv) if args.uncond_kv else None)
         client.set_inference_params(args.offsets[0], args.offsets[1], output_format="png")

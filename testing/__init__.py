@@ -4,6 +4,16 @@ Not part of the installed runtime: the tests, ``make soak`` and the benchmarks i
 the repository root.
 """
 
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def lightllm_client_module() -> ModuleType:
+    """``client_examples/lightllm_client.py``, a standalone file (not a package), loaded as users run it."""
+    spec = importlib.util.spec_from_file_location("lightllm_client", REPO / "client_examples" / "lightllm_client.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

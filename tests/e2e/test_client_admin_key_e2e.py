@@ -5,7 +5,6 @@ registration is refused and the same request still succeeds with the KV over the
 from __future__ import annotations
 
 import base64
-import importlib.util
 import os
 from pathlib import Path
 
@@ -16,18 +15,11 @@ from neopp.kv_cache import load_kv_file
 from neopp.serving.admin import KEY_ENV, grpc_headers
 from neopp.serving.tritonserver import TritonServer
 from testing import REPO as REPO_ROOT
+from testing import lightllm_client_module
 
 MODEL = "neopp_dense"
 KEY = "client-test-operator-key-0123456789"
 COND_TOKENS, UNCOND_TOKENS = 24, 7
-
-
-def _lightllm_module():
-    path = REPO_ROOT / "client_examples" / "lightllm_client.py"
-    spec = importlib.util.spec_from_file_location("lightllm_client_key", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +44,7 @@ def _regions(server: TritonServer) -> dict:
 
 def _image(server: TritonServer, tiny_dense: Path, capsys, **client_args) -> tuple[bytes, bool, dict, str]:
     """One stateless 64x64 image; returns it, whether shm was used, the regions while set, the notice."""
-    lightllm = _lightllm_module()
+    lightllm = lightllm_client_module()
     kv = tiny_dense / "sample_kv"
     with lightllm.NeoPPTritonClient(server.grpc_url, stateless=True, model=MODEL, **client_args) as client:
         assert client.use_shm  # loopback: shared memory is the client's first choice

@@ -3,7 +3,6 @@ sessions do not disturb each other, seeds restart, bounds hold, errors pass thro
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import time
@@ -15,6 +14,7 @@ from tritonclient.utils import InferenceServerException
 
 from neopp.tools import replay_kv, replay_kv_multiturn
 from testing import REPO as REPO_ROOT
+from testing import lightllm_client_module
 
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # the e2e fixture's sample KV lengths, used as offsets
 
@@ -199,18 +199,10 @@ def test_replay_kv_on_replay_files_equals_the_online_answer(triton, kv_file, tmp
     assert out.read_bytes() == bytes(served.as_numpy("IMAGE")[0])
 
 
-def _lightllm_module():
-    path = REPO_ROOT / "client_examples" / "lightllm_client.py"
-    spec = importlib.util.spec_from_file_location("lightllm_client", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("stateless", [False, True], ids=["session", "stateless"])
 @pytest.mark.parametrize("shm", [True, False], ids=["shared-memory", "wire"])
 def test_lightllm_client_reproduces_the_three_turns(sessions, three_turns, stateless, shm, tmp_path):
-    lightllm = _lightllm_module()
+    lightllm = lightllm_client_module()
     import base64
 
     with lightllm.NeoPPTritonClient(sessions.server.grpc_url, stateless=stateless, shared_memory=shm) as client:

@@ -31,6 +31,11 @@ POLL_S = 0.02
 SILENCE_CHECK_S = 0.2
 
 
+def _close_and_flush(q: Any) -> None:
+    q.close()
+    q.join_thread()
+
+
 @dataclass(frozen=True)
 class PoolSpec:
     ckpt_dir: str
@@ -201,18 +206,16 @@ class WorkerPool:
         """Let the queues' named semaphores be unlinked now: a stub leaves without running the
         finalizers that would, and the resource tracker then reports them as leaked."""
         queues = [*getattr(self, "_tasks", []), *([self._results] if getattr(self, "_results", None) else [])]
-        flushers = []
-        for q in queues:
-            q.close()
-            # A queue's feeder thread holds its semaphore until it has flushed (the last item is
-            # the small stop sentinel); wait for it, bounded, in case no rank reads any more.
-            flushers.append(threading.Thread(target=q.join_thread, daemon=True))
-            flushers[-1].start()
+        # A queue's feeder thread holds its semaphore until it has flushed (the last item is the
+        # small stop sentinel); wait for it, bounded, in case no rank reads any more.
+        flushers = [threading.Thread(target=_close_and_flush, args=(q,), daemon=True) for q in queues]
+        for t in flushers:
+            t.start()
         deadline = time.monotonic() + 2.0
         for t in flushers:
             t.join(max(0.0, deadline - time.monotonic()))
         self._tasks, self._results = [], None
-        del queues, q, flushers
+        del queues, flushers
         gc.collect()  # each semaphore's finalizer runs when its last reference goes
 
     def pids(self) -> list[int]:
