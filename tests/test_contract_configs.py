@@ -20,10 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
 GENERATION_MODELS = sorted(p.parent.name for p in REPO.glob("*/config.pbtxt") if p.parent.name != "neopp_session")
 
-# The session model takes the generation inputs except RNG_STATE (it owns the stream), with the
+# The session model takes the generation inputs except RNG_STATE and NOISE (it owns the stream), with the
 # prefix inputs optional (a closing sequence_end carries none), plus MODEL; it also returns TURN.
 SESSION_INPUTS = {
-    **{n: InputSpec(s.data_type, s.dims, optional=True) for n, s in INPUT_SPECS.items() if n != "RNG_STATE"},
+    **{n: InputSpec(s.data_type, s.dims, optional=True) for n, s in INPUT_SPECS.items()
+       if n not in ("RNG_STATE", "NOISE")},
     "MODEL": InputSpec("TYPE_STRING", (1,)),
 }
 SESSION_OUTPUTS = {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": InputSpec("TYPE_INT64", (1,)),

@@ -49,6 +49,7 @@ class GenerationRequest:
     uncond_kv: torch.Tensor | None = None
     index_offset_uncond: int | None = None
     task: str = "t2i"
+    noise_scaled: bool = False  # True: ``noise`` is the starting state itself (LightX2V draws it scaled)
 
 
 @dataclass
@@ -161,7 +162,8 @@ class NeoPPPipeline:
         t_size = prep.grid.token_size
         if req.noise is None or tuple(req.noise.shape) != (1, 3, req.height, req.width):
             raise InputError(f"noise: must be drawn with shape (1, 3, {req.height}, {req.width}) before sampling")
-        x = (req.noise.to(torch.float32) * prep.noise_scale).to(self.device)
+        x = req.noise.to(torch.float32) if req.noise_scaled else req.noise.to(torch.float32) * prep.noise_scale
+        x = x.to(self.device)
         z = patchify(x, t_size)
         for k in range(len(prep.times) - 1):
             if should_stop is not None and should_stop():

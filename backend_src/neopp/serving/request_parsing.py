@@ -40,6 +40,7 @@ INPUT_SPECS: dict[str, InputSpec] = {
     "SIZE": InputSpec("TYPE_INT64", (2,)),
     "SEED": InputSpec("TYPE_INT64", (1,)),
     "RNG_STATE": InputSpec("TYPE_UINT8", (-1,)),
+    "NOISE": InputSpec("TYPE_FP32", (1, 3, -1, -1)),
     "TASK": InputSpec("TYPE_STRING", (1,)),
     "CFG_SCALE": InputSpec("TYPE_FP32", (1,)),
     "CFG_INTERVAL": InputSpec("TYPE_FP32", (2,)),
@@ -55,7 +56,10 @@ OUTPUT_SPECS: dict[str, InputSpec] = {
     "NEXT_RNG_STATE": InputSpec("TYPE_UINT8", (-1,)),
 }
 KV_INPUTS = ("COND_KV", "UNCOND_KV")
-TOKEN_PIXELS = 32  # an image token's side in every NeoPP checkpoint; RequestRules checks the real one
+TOKEN_PIXELS = 32
+# NOISE bound: the noise scale is capped at 8 in every NeoPP checkpoint, and a standard normal
+# draw of even 4096x4096x3 values stays far below 20, so a legitimate start is under 200.
+NOISE_MAX_ABS = 1000.0  # an image token's side in every NeoPP checkpoint; RequestRules checks the real one
 
 _NUMPY_KINDS = {"TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_UINT8": np.uint8}
 
@@ -71,6 +75,7 @@ class ParsedRequest:
     size: tuple[int, int] | None = None
     seed: int | None = None
     rng_state: np.ndarray | None = None
+    noise: np.ndarray | None = None  # the starting state itself, [1, 3, H, W] (LightX2V's draw)
     task: str | None = None
     resize: tuple[int, int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams.replace overrides
@@ -209,16 +214,47 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
         req.size = _size(inputs["SIZE"], limits)
     if inputs.get("RESIZE") is not None:
         req.resize = _resize(inputs["RESIZE"], limits)
-    if inputs.get("SEED") is not None and inputs.get("RNG_STATE") is not None:
-        raise InputError("SEED: give SEED or RNG_STATE, not both (SEED starts a stream, RNG_STATE continues one)")
-    if inputs.get("SEED") is not None:
-        req.seed = _int("SEED", inputs["SEED"])
-    if inputs.get("RNG_STATE") is not None:
-        req.rng_state = _numeric("RNG_STATE", inputs["RNG_STATE"], INPUT_SPECS["RNG_STATE"])
+    _parse_randomness(inputs, req)
     if inputs.get("TASK") is not None:
         req.task = _choice("TASK", inputs["TASK"], TASKS, "task")
     _parse_sampling(inputs, req, limits)
     return req
+
+
+def _parse_randomness(inputs: Mapping[str, Any], req: ParsedRequest) -> None:
+    """At most one source of the starting noise: SEED, RNG_STATE or NOISE (else the instance's stream)."""
+    given = [name for name in ("SEED", "RNG_STATE", "NOISE") if inputs.get(name) is not None]
+    if len(given) > 1:
+        raise InputError(f"{given[0]}: give one of SEED, RNG_STATE and NOISE, not both {given[0]} and {given[1]} "
+                         "(SEED starts a stream, RNG_STATE continues one, NOISE is the starting state itself)")
+    if inputs.get("SEED") is not None:
+        req.seed = _int("SEED", inputs["SEED"])
+    if inputs.get("RNG_STATE") is not None:
+        req.rng_state = _numeric("RNG_STATE", inputs["RNG_STATE"], INPUT_SPECS["RNG_STATE"])
+    if inputs.get("NOISE") is not None:
+        req.noise = _noise(inputs["NOISE"], req.size)
+
+
+def _noise(value: Any, size: tuple[int, int] | None) -> np.ndarray:
+    """NOISE: finite, within ``NOISE_MAX_ABS``, and the request's size (checked again against the
+    mode's default size once that is known, in ``check_noise``)."""
+    arr = _numeric("NOISE", value, INPUT_SPECS["NOISE"])
+    if size is not None:
+        check_noise(arr, size)
+    if not np.isfinite(arr).all():
+        raise InputError("NOISE: must be finite (no NaN or Inf)")
+    peak = float(np.abs(arr).max()) if arr.size else 0.0
+    if peak > NOISE_MAX_ABS:
+        raise InputError(f"NOISE: values must lie within -{NOISE_MAX_ABS:g}..{NOISE_MAX_ABS:g} (a scaled normal draw "
+                         f"does), got {peak:g}")
+    return arr
+
+
+def check_noise(noise: np.ndarray, size: tuple[int, int]) -> None:
+    """NOISE's shape is [1, 3, height, width] of the image it starts."""
+    if tuple(noise.shape[2:]) != tuple(size):
+        raise InputError(f"NOISE: shape must be [1, 3, {size[0]}, {size[1]}] for a {size[0]}x{size[1]} image "
+                         f"(SIZE, or the model's default size), got {list(noise.shape)}")
 
 
 def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limits) -> None:
@@ -256,6 +292,6 @@ SAMPLING_INPUT_NAMES = {
 # GenerationRequest field -> input name: the core's errors name fields, clients know inputs.
 REQUEST_INPUT_NAMES = {
     "cond_kv": "COND_KV", "uncond_kv": "UNCOND_KV", "index_offset_cond": "INDEX_OFFSET_COND",
-    "index_offset_uncond": "INDEX_OFFSET_UNCOND", "size": "SIZE",
+    "index_offset_uncond": "INDEX_OFFSET_UNCOND", "size": "SIZE", "noise": "NOISE",
     "task": "TASK", **SAMPLING_INPUT_NAMES,
 }

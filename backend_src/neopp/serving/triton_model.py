@@ -34,7 +34,15 @@ from .metrics import GenerationMetrics
 from .model_settings import TritonModelSettings, choose_device, load_model_mode
 from .placement import backend_devices, check_layout
 from .procs import restore_malloc_defaults
-from .request_parsing import INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, REQUEST_INPUT_NAMES, ParsedRequest, parse_request
+from .request_parsing import (
+    INPUT_SPECS,
+    KV_INPUTS,
+    OUTPUT_SPECS,
+    REQUEST_INPUT_NAMES,
+    ParsedRequest,
+    check_noise,
+    parse_request,
+)
 
 
 def stop_on_sigterm(logger: Any, model_name: str) -> threading.Event:
@@ -174,14 +182,18 @@ class NeoPPTritonModel:
             parsed = parse_request(self._inputs(request), self.settings.limits)
             gen_req, stream = self._generation_request(parsed)
             self.engine.validate(gen_req)
-            gen_req.noise = stream.draw(gen_req.height, gen_req.width)  # only once the request is valid
+            if parsed.noise is not None:  # the client's own starting state (LightX2V's draw); no stream used
+                check_noise(parsed.noise, (gen_req.height, gen_req.width))
+                gen_req.noise, gen_req.noise_scaled = torch.from_numpy(parsed.noise.copy()), True
+            else:
+                gen_req.noise = stream.draw(gen_req.height, gen_req.width)  # only once the request is valid
             stop = lambda: request.is_cancelled() or self._stopping.is_set()  # noqa: E731
             pixels = self.engine.generate(gen_req, should_stop=stop,
                                              on_step=lambda _i, secs: self.metrics.step(secs))
             image = encode_image(pixels, gen_req.sampling.output_format, parsed.resize)
         except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
             return self._refuse(exc, start)
-        if parsed.seed is None and parsed.rng_state is None:
+        if parsed.seed is None and parsed.rng_state is None and parsed.noise is None:
             self.stream = stream  # the instance stream advances only when an image is delivered
         seconds = time.perf_counter() - start
         self.metrics.success(seconds)
