@@ -95,6 +95,14 @@ def test_parse_request_types_values():
     ({"CFG_SCALE": np.array([np.inf], np.float32)}, "CFG_SCALE: must be a finite number"),
     ({"SIZE": np.array([64.0, 64.0], np.float32)}, "SIZE: datatype must be INT64"),
     ({"BOGUS": np.array([1], np.int64)}, "BOGUS: unknown input"),
+    ({"NOISE": np.zeros((1, 3, 8), np.float32)}, "NOISE: shape must be [1, 3, -1, -1]"),
+    ({"NOISE": np.zeros((1, 3, 8, 8), np.float64)}, "NOISE: datatype must be FP32"),
+    ({"SIZE": np.array([64, 64], np.int64), "NOISE": np.zeros((1, 3, 64, 32), np.float32)},
+     "NOISE: shape must be [1, 3, 64, 64]"),
+    ({"NOISE": np.full((1, 3, 8, 8), np.inf, np.float32)}, "NOISE: must be finite"),
+    ({"NOISE": np.full((1, 3, 8, 8), -2e3, np.float32)}, "NOISE: values must lie within"),
+    ({"RNG_STATE": np.zeros(4, np.uint8), "NOISE": np.zeros((1, 3, 8, 8), np.float32)},
+     "not both RNG_STATE and NOISE"),
 ])
 def test_parse_request_errors_name_input_and_rule(overrides, message):
     with pytest.raises(InputError) as info:
@@ -104,7 +112,7 @@ def test_parse_request_errors_name_input_and_rule(overrides, message):
 
 def test_contract_table_is_complete():
     assert set(INPUT_SPECS) == {
-        "COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND", "SIZE", "SEED", "RNG_STATE", "TASK",
-        "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT", "STEPS", "OUTPUT_FORMAT", "RESIZE",
+        "COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND", "SIZE", "SEED", "RNG_STATE", "NOISE",
+        "TASK", "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT", "STEPS", "OUTPUT_FORMAT", "RESIZE",
         "IMAGE_GUIDANCE_SCALE"}
     assert [n for n, s in INPUT_SPECS.items() if not s.optional] == ["COND_KV", "INDEX_OFFSET_COND"]

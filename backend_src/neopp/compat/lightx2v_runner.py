@@ -49,8 +49,8 @@ class StepHooks:
 
     Engines poll ``should_stop`` (before each step in-process, repeatedly for a rank pool or a
     remote server) and report finished steps through ``on_step``; step k's hook is due once
-    k steps are done. A hook that raises stops the engine cleanly (every rank agrees to stop)
-    and its exception is re-raised by ``rethrow``.
+    k steps are done, and ``finish`` calls any left. A hook that raises stops the engine
+    cleanly (every rank agrees to stop) and its exception is re-raised by ``rethrow``.
     """
 
     def __init__(self, hook: Any, total: int) -> None:
@@ -69,6 +69,12 @@ class StepHooks:
 
     def on_step(self, k: int, _seconds: float) -> None:
         self.finished = max(self.finished, k + 1)
+
+    def finish(self) -> None:
+        """The hooks not yet called (an engine that reports no steps), in order, after the result."""
+        self.finished = self.total
+        if self.should_stop():
+            raise self.error
 
     def rethrow(self, exc: GenerationCancelled) -> None:
         if self.error is not None:
@@ -176,6 +182,7 @@ class NeoppRunner:
                 pixels = self.engine.generate(req, should_stop=hooks.should_stop, on_step=hooks.on_step)
             except GenerationCancelled as exc:
                 hooks.rethrow(exc)
+            hooks.finish()
             self.scheduler.image_prediction = pixels_to_prediction(pixels)
             if self.config.get("save_result_for_debug", True):
                 return self.process_images_after_vae_decoder_for_debug()
@@ -204,5 +211,5 @@ class NeoppRunner:
 
 def pixels_to_prediction(pixels: np.ndarray) -> torch.Tensor:
     """uint8 [H, W, 3] -> [1, 3, H, W] in [-1, 1], so ``_denorm`` then x255 and rounding give the pixels back."""
-    x = torch.from_numpy(np.ascontiguousarray(pixels)).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
+    x = torch.from_numpy(np.array(pixels, dtype=np.uint8)).permute(2, 0, 1).unsqueeze(0).to(torch.float32)
     return x / 127.5 - 1.0

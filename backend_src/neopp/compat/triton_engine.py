@@ -63,15 +63,22 @@ class TritonEngine:
 
         call = self.client.async_infer(self.model, request_inputs(req), finished, headers=self.headers,
                                        client_timeout=self.timeout_s)
-        self._wait(call, done, should_stop)
+        self._wait(call, done, should_stop, on_step, req.sampling.infer_steps)
         if outcome.get("error") is not None:
             raise remote_error(outcome["error"])
         data = outcome["result"].as_numpy("IMAGE").reshape(-1)[0]
         return np.asarray(Image.open(io.BytesIO(bytes(data))).convert("RGB"))
 
-    def _wait(self, call: Any, done: threading.Event, should_stop: StopFn | None) -> None:
+    def _wait(self, call: Any, done: threading.Event, should_stop: StopFn | None, on_step: StepFn | None,
+              total: int) -> None:
+        """Poll until the answer; Triton reports no steps, so each poll counts as one (up to the
+        last), which lets a step hook run, and cancel, while the request is in flight."""
         deadline = time.monotonic() + self.timeout_s + 5.0
+        polls = 0
         while not done.wait(POLL_S):
+            polls = min(polls + 1, total - 1)
+            if on_step is not None and polls >= 1:
+                on_step(polls - 1, POLL_S)
             if should_stop is not None and should_stop():
                 call.cancel()
                 raise GenerationCancelled("cancelled by the step hook; the server stops between steps")
