@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import random
 import subprocess
@@ -23,6 +24,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from neopp.compat.lightx2v import LightX2VPipeline
+from neopp.compat.lightx2v_config import LockedConfig, mode_of
 from neopp.errors import ConfigError, InputError
 from testing import REPO
 from testing.lightllm_adapter import AdapterCopy, patch_runner_class, scenario, unpatch_runner_class
@@ -233,3 +235,19 @@ def test_lightllms_sequence_under_torchrun_matches_one_process(ckpt, short_mode,
         a, b = (pixels((tmp_path / d / f"{name}.bin").read_bytes()).astype(int) for d in ("one", "two"))
         assert a.shape == b.shape
         assert np.abs(a - b).max() <= 2, name  # reassociation, and b0 is a JPEG
+
+
+def test_enable_calls_set_the_mode_and_the_json_wins_as_in_lightx2v(ckpt, short_mode, tmp_path):
+    pipe = LightX2VPipeline(model_path=str(ckpt), model_cls="neopp")
+    pipe.enable_quantize(dit_quantized=True, quant_scheme="fp8-sgl")
+    pipe.enable_lora([{"path": str(tmp_path / "x.safetensors"), "strength": 0.5}])
+    pipe.enable_parallel(cfg_p_size=2)
+    raw = Path(short_mode).read_text().replace('"enable_cfg": true', '"enable_cfg": true, "parallel": {}')
+    (tmp_path / "m.json").write_text(raw)
+    config = LockedConfig({**pipe.settings, **json.loads(raw)})
+    mode = mode_of(config, "m", tmp_path, None)
+    assert mode.dit_quantized and mode.dit_quant_scheme == "fp8-sgl"
+    assert mode.lora_configs[0]["strength"] == 0.5
+    assert mode.world_size == 1  # the JSON's "parallel" replaced enable_parallel's, as LightX2V's update does
+    with pytest.raises(ConfigError, match="dit_quantized_ckpt"):
+        pipe.enable_quantize(dit_quantized=True, dit_quantized_ckpt="/x")
