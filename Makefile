@@ -95,3 +95,21 @@ SOAK_SECONDS ?= 600
 .PHONY: soak
 soak: setup
 	$(PY) -m testing.soak --seconds $(SOAK_SECONDS)
+
+# ---- Replays of saved KV (docs/replay.md), no venv to activate. CASE: a case of `make replay-list`,
+# either a replay case (scripts/replay) or a LightX2V launcher name (scripts/lightx2v, `.sh` optional);
+# ARGS go to the tool (e.g. --device cpu); KV_DIR, CKPT, SIZE, STEPS... pass through the environment.
+CASE ?=
+ARGS ?=
+.PHONY: replay replay-list
+replay: setup
+	@name="$(CASE:.sh=)"; test -n "$$name" || { echo "usage: make replay CASE=<name> [ARGS=...]" \
+	  "(make replay-list shows the names)" >&2; exit 2; }; \
+	for dir in scripts/replay scripts/lightx2v; do \
+	  test -f "$$dir/$$name.sh" && exec bash "$$dir/$$name.sh" $(ARGS); done; \
+	echo "error: CASE=$(CASE): no scripts/replay/$$name.sh or scripts/lightx2v/$$name.sh" \
+	  "(make replay-list shows the names)" >&2; exit 2
+
+replay-list: setup
+	@$(PY) -m neopp.tools.replay_cases --list
+	@$(PY) -m neopp.tools.lightx2v_launchers --list

@@ -4,8 +4,10 @@
     python -m neopp.tools.replay_cases --list
 
 `scripts/replay/<case>.sh` call this with their own name, from the repository root. Turn `i`
-reads `$KV_DIR/turn<i>_cond.pt` and, when the turn has an uncond offset, `turn<i>_uncond.pt`;
-images land in `$OUT_DIR/<prefix>_<i>.png`. These environment variables override a case:
+reads `$KV_DIR/turn<i>_cond.pt`, or LightLLM's `to_x2v_cond_kv_<i>_<len>.pt` when that is what
+the folder holds, and, when the turn has an uncond offset, the uncond file named alike; the
+case's offsets are LightLLM's logged ones and win over the lengths in the names. Images land
+in `$OUT_DIR/<prefix>_<i>.png`. These environment variables override a case:
 
     CKPT LORA_DIR MODE NPROC KV_DIR OUT_DIR PREFIX TASK SIZE="H W" CFG_SCALE CFG_INTERVAL="LOW HIGH"
     CFG_NORM SHIFT STEPS SEEDS="200 none none" (one per turn; none continues the stream)
@@ -24,9 +26,12 @@ import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 
 from ..errors import InputError
 from . import replay_kv_multiturn
+from .dump_names import find_dump
 
 DENSE_CHAT = ((298, 9, 200), (366, 12, 201), (441, 15, 202))  # offsets cond/uncond, seed per turn
 MOE_TURN = ((325, 9, 200),)
@@ -49,6 +54,7 @@ class Case:
     config: bool = True
 
 
+REPO = Path(__file__).resolve().parents[3]  # the checkout (the package is installed editable)
 MOE = "checkpoints/neopp_moe"
 LORA_DIR = "checkpoints/lora"  # where a mode file's LoRA file names are looked up (as the 8-step model's lora_dir)
 CASES: dict[str, Case] = {
@@ -94,6 +100,22 @@ def _turns(case: Case, env: Mapping[str, str]) -> list[tuple[object, object, obj
     return [tuple("none" if v is None else v for v in t) for t in turns]
 
 
+def repo_file(path: str) -> str:
+    """A default path of the checkout (a mode file) found from any directory the script runs in."""
+    if Path(path).is_absolute() or Path(path).exists() or not (REPO / path).exists():
+        return path
+    return str(REPO / path)
+
+
+def kv_file(kv_dir: str, branch: str, turn: int) -> str:
+    """`turn<i>_<branch>.pt`, or LightLLM's dump of that turn when only that is in the folder."""
+    plain = f"{kv_dir}/turn{turn}_{branch}.pt"
+    if Path(plain).exists() or not Path(kv_dir).is_dir():
+        return plain
+    dump = find_dump(kv_dir, branch, turn)
+    return plain if dump is None else str(dump)
+
+
 def case_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
     """(process count, replay_kv_multiturn arguments) for case `name` under the overrides in `env`."""
     case = CASES[name]
@@ -103,7 +125,7 @@ def case_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
 
     kv_dir = pick("KV_DIR", f"replay_kv/{case.kv}")
     argv = ["--checkpoint", pick("CKPT", case.checkpoint), "--lora-dir", pick("LORA_DIR", LORA_DIR),
-            "--mode", pick("MODE", f"configs/neopp/{case.mode}"),
+            "--mode", pick("MODE", repo_file(f"configs/neopp/{case.mode}")),
             "--task", pick("TASK", case.task), "--size", *_words(env, "SIZE", case.size),
             "--cfg-scale", pick("CFG_SCALE", case.cfg_scale),
             "--cfg-interval", *_words(env, "CFG_INTERVAL", case.cfg_interval),
@@ -112,22 +134,26 @@ def case_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
     argv += [] if case.config else ["--no-cfg"]
     argv += ["--output-dir", pick("OUT_DIR", "outputs/replay"), "--output-prefix", pick("PREFIX", name)]
     for i, (cond, uncond, seed) in enumerate(_turns(case, env)):
-        uncond_file = "none" if uncond == "none" else f"{kv_dir}/turn{i}_uncond.pt"
-        argv += ["--turn", f"{kv_dir}/turn{i}_cond.pt,{uncond_file},{cond},{uncond},{seed}"]
+        uncond_file = "none" if uncond == "none" else kv_file(kv_dir, "uncond", i)
+        argv += ["--turn", f"{kv_file(kv_dir, 'cond', i)},{uncond_file},{cond},{uncond},{seed}"]
     return int(pick("NPROC", case.nproc)), argv
 
 
-def run_case(name: str, extra: Sequence[str], env: Mapping[str, str]) -> int:
-    """Run one case, in this process or under torchrun; print the command first so it can be rerun."""
-    nproc, argv = case_argv(name, env)
-    argv += list(extra)
+def launch(tool: ModuleType, argv: Sequence[str], nproc: int) -> int:
+    """Run a replay tool here, or under torchrun for a parallel mode; print the command first."""
     if nproc <= 1:
-        print("+ replay_kv_multiturn " + shlex.join(argv), file=sys.stderr, flush=True)
-        return replay_kv_multiturn.main(argv)
+        print(f"+ {tool.__name__.rsplit('.', 1)[-1]} " + shlex.join(argv), file=sys.stderr, flush=True)
+        return tool.main(list(argv))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "neopp.tools.replay_kv_multiturn", *argv]
+               "-m", tool.__name__, *argv]
     print("+ " + shlex.join(command), file=sys.stderr, flush=True)
     return subprocess.run(command).returncode
+
+
+def run_case(name: str, extra: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run one case, in this process or under torchrun."""
+    nproc, argv = case_argv(name, env)
+    return launch(replay_kv_multiturn, argv + list(extra), nproc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
