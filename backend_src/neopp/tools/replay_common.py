@@ -10,7 +10,6 @@ product of its parallel sizes; any other count is refused.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -111,20 +110,11 @@ class Replayer:
         self.task, self.layout = args.task, None if args.kv_layout == "auto" else args.kv_layout
 
     def _parallel_pipeline(self, checkpoint: str, device: str | None, dtype: torch.dtype | None):
-        from ..parallel.engine import ParallelPipeline
-        from ..parallel.mesh import check_world, init_mesh_from_env
+        from ..parallel.torchrun import rank_pipeline
 
-        n = self.mode.world_size
-        if "WORLD_SIZE" not in os.environ:
-            raise ConfigError(f"mode {self.mode.name} runs on {n} processes (cfg_p_size {self.mode.cfg_p_size} x "
-                              f"seq_p_size {self.mode.seq_p_size}): start it with "
-                              f"torchrun --standalone --nproc_per_node={n} ...")
-        check_world(self.mode, int(os.environ["WORLD_SIZE"]))
-        if device in (None, "cuda") and torch.cuda.is_available():
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-        mesh = init_mesh_from_env(self.mode, torch.device(device or "cpu"))
-        self.rank = mesh.rank
-        return ParallelPipeline.from_pretrained(checkpoint, self.mode, mesh, device=device or "cpu", dtype=dtype)
+        pipeline = rank_pipeline(checkpoint, self.mode, device, dtype)
+        self.rank = pipeline.mesh.rank
+        return pipeline
 
     @property
     def is_writer(self) -> bool:
