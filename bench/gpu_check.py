@@ -22,6 +22,7 @@ import torch
 from bench.geometry import MOE_GEOMETRY
 from bench.gpu_modes import CheckSpec, ModeRun, mode_runs, pixel_agreement, release, run_local, run_ranks
 from bench.step_efficiency import BenchGeometry, flops, gemm_shapes
+from neopp.checkpoint_config import CheckpointConfig
 
 # Pixel agreement of a parallel mode with the single-device image, in 8-bit levels: bf16 GEMMs
 # reassociate differently when the branches or tokens are split, and 50 steps compound it.
@@ -31,7 +32,8 @@ TOL_MEAN, TOL_WITHIN2 = 1.0, 0.95
 def step_tflop(spec: CheckSpec, run: ModeRun, cfg_on: bool) -> float:
     """Analytic TFLOP of one step (both branches when guided; MoE counts its top-k experts)."""
     raw = spec.raw_config(run.moe)["llm_config"]
-    mlp = spec.widths(run.moe)[0] * (raw.get("num_experts_per_tok", 1) if run.moe else 1)
+    top_k = CheckpointConfig.from_dict(spec.raw_config(run.moe)).num_experts_per_tok if run.moe else 1
+    mlp = spec.widths(run.moe)[0] * top_k  # the top-k as the tower reads it (gen_ key first)
     geo = BenchGeometry(
         layers=raw["num_hidden_layers"],
         hidden=raw["hidden_size"],

@@ -48,7 +48,7 @@ MODEL = "neopp_dense"
 PATHS = ("in-process", "Triton gRPC", "Triton shared memory", "Triton gRPC, tritonclient-built request")
 TARGETS = {"Triton shared memory": 1.05, "Triton gRPC": 1.15}  # Triton / in-process, realistic KV
 SEED = 1
-E2E_LINE = re.compile(r"in (\d+) ms end-to-end")
+E2E_LINE = re.compile(r"e2e_time_ms=(\d+)")
 # Triton's per-request parts; the model's own time is taken out of compute_infer.
 STAT_KEYS = ("success", "queue", "compute_input", "compute_infer", "compute_output")
 

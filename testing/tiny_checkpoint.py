@@ -25,12 +25,28 @@ MLP_WIDTH, HEAD_WIDTH, PIXEL_CONV1 = 256, 256, 64
 MOE_EXPERTS, MOE_TOP_K = 4, 2
 
 
-def tiny_config(variant: str = "dense") -> dict:
+def tiny_config(variant: str = "dense", overrides: dict | None = None) -> dict:
+    """config.json of a variant; `overrides` sets top-level keys, and keys inside `llm_config` /
+    `vision_config` when given as dicts under those names (a value of None removes the key)."""
     llm = dict(TINY_LLM)
     if variant == "moe":
         llm.update(gen_num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, norm_topk_prob=True)
-    return {"model_type": "neo_chat", "llm_config": llm, "vision_config": dict(TINY_VISION),
-            "patch_size": 16, "use_pixel_head": variant == "pixel"}
+    cfg = {"model_type": "neo_chat", "llm_config": llm, "vision_config": dict(TINY_VISION),
+           "patch_size": 16, "use_pixel_head": variant == "pixel"}
+    for key, value in (overrides or {}).items():
+        if key in ("llm_config", "vision_config"):
+            _edit(cfg[key], value)
+        else:
+            _edit(cfg, {key: value})
+    return cfg
+
+
+def _edit(section: dict, changes: dict) -> None:
+    for key, value in changes.items():
+        if value is None:
+            section.pop(key, None)
+        else:
+            section[key] = value
 
 
 class _Init:
@@ -81,9 +97,10 @@ def tiny_tensors(cfg: dict, seed: int = 0, mlp_width: int = MLP_WIDTH,
                   a + "o_proj_mot_gen.weight": g.linear(D, NH * HD)})
         for norm in ("q_norm_mot_gen", "k_norm_mot_gen", "q_norm_hw_mot_gen", "k_norm_hw_mot_gen"):
             w[a + norm + ".weight"] = g.vec(HD // 2, 1.0)
-        experts = [f"{m}experts.{j}." for j in range(llm.get("gen_num_experts", 0))] or [m]
-        if llm.get("gen_num_experts"):
-            w[m + "gate.weight"] = g.linear(llm["gen_num_experts"], D, 4.0)
+        n_experts = llm.get("gen_num_experts") or llm.get("num_experts") or 0  # the gen key, else the shared one
+        experts = [f"{m}experts.{j}." for j in range(n_experts)] or [m]
+        if n_experts:
+            w[m + "gate.weight"] = g.linear(n_experts, D, 4.0)
         for e in experts:
             w.update({e + "gate_proj.weight": g.linear(mlp_width, D), e + "up_proj.weight": g.linear(mlp_width, D),
                       e + "down_proj.weight": g.linear(D, mlp_width)})
@@ -93,15 +110,18 @@ def tiny_tensors(cfg: dict, seed: int = 0, mlp_width: int = MLP_WIDTH,
     return w
 
 
-def write_tiny_checkpoint(out_dir: str | Path, variant: str = "dense", seed: int = 0) -> Path:
-    """A checkpoint folder; `fp8` stores pre-quantised decoder linears, `sharded` uses an index."""
+def write_tiny_checkpoint(out_dir: str | Path, variant: str = "dense", seed: int = 0,
+                          overrides: dict | None = None) -> Path:
+    """A checkpoint folder; `fp8` stores pre-quantised decoder linears, `sharded` uses an index.
+
+    `overrides` edits config.json as :func:`tiny_config` does (weights follow the edited config)."""
     from neopp.quant import quantize_checkpoint_tensors
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = tiny_config(variant)
+    cfg = tiny_config(variant, overrides)
     tensors = tiny_tensors(cfg, seed)
     if variant == "fp8":
         tensors = quantize_checkpoint_tensors(tensors)

@@ -19,7 +19,8 @@ the effect of real mistakes, measured by mutating the reference (dense,
 t*1000 -> 0.22; vision RoPE rows/columns swapped -> 0.17; 3-D RoPE rows/columns
 swapped -> 1.7e-2; rope_theta_hw replaced by rope_theta -> 1.7e-3;
 tanh-approximate GELU -> 7e-5 (14x the bound).  Not detectable at this
-precision: an RMSNorm eps of 1e-5 instead of 1e-6 (8e-7).  The offsets used
+precision: an RMSNorm eps of 1e-5 instead of 1e-6 (8e-7); test_checkpoint_fidelity
+checks the checkpoint's eps with values large enough to see.  The offsets used
 (<= 311) keep the float32 RoPE angle error (offset * u ~ 2e-5 rad) harmless.
 """
 

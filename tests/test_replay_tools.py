@@ -155,6 +155,8 @@ def test_cfg_parallel_replay_under_torchrun_equals_one_process_and_checks_the_co
     assert ok.returncode == 0, ok.stderr[-3000:]
     for i in range(2):
         assert_close_images(tmp_path / "two" / f"turn_{i}.png", tmp_path / "one" / f"turn_{i}.png")
+    lines = [line for line in ok.stdout.splitlines() if "e2e_time_ms=" in line]  # rank 0 only, one per image
+    assert len(lines) == 2 and all("cfg_parallel=on seq_parallel=off(reason=one_seq_rank)" in ln for ln in lines)
     bad = _torchrun(3, common(ckpt, CFG_MODE) + ["--output-dir", str(tmp_path / "three"), *turns])
     assert bad.returncode != 0
     assert "must equal the product of the parallel sizes" in bad.stdout + bad.stderr

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
 
-NOISE_SCALE_MODES = ("resolution", "dynamic_sqrt", "constant")
+# Modes whose noise grows with the token count; any other mode (upstream names "constant") keeps
+# noise_scale as given. Every mode is capped at noise_scale_max_value, as upstream does.
+SIZE_SCALED_NOISE_MODES = ("resolution", "dynamic", "dynamic_sqrt")
+DEFAULT_RMS_NORM_EPS = 1e-6
+_log = logging.getLogger(__name__)
 
 
 def _get(section: dict, key: str, where: str, default: Any = ..., kind: type = int) -> Any:
@@ -22,6 +28,29 @@ def _get(section: dict, key: str, where: str, default: Any = ..., kind: type = i
         return kind(value) if kind is not bool else bool(value)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"config.json: '{where}{key}' = {value!r} is not {kind.__name__}") from exc
+
+
+def _first_set(section: dict, keys: tuple[str, ...]) -> str | None:
+    """The first of ``keys`` present with a non-null value (upstream treats null as unset)."""
+    return next((k for k in keys if section.get(k) is not None), None)
+
+
+def _moe_sizes(llm: dict) -> tuple[int, int]:
+    """(experts, top-k) of the generation tower's MoE; (0, 0) for a dense tower.
+
+    The official model reads ``gen_num_experts`` / ``gen_num_experts_per_tok`` and falls back
+    to the understanding tower's ``num_experts`` / ``num_experts_per_tok`` when they are unset.
+    """
+    L = "llm_config."
+    key = _first_set(llm, ("gen_num_experts", "num_experts"))
+    experts = _get(llm, key, L) if key else 0
+    if not experts:
+        return 0, 0
+    key = _first_set(llm, ("gen_num_experts_per_tok", "num_experts_per_tok"))
+    if key is None:
+        raise ConfigError("config.json: required key 'llm_config.gen_num_experts_per_tok' (or "
+                          "'llm_config.num_experts_per_tok') is missing for an MoE checkpoint")
+    return experts, _get(llm, key, L)
 
 
 @dataclass(frozen=True)
@@ -49,6 +78,7 @@ class CheckpointConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
+    rms_norm_eps: float = DEFAULT_RMS_NORM_EPS
 
     @property
     def token_size(self) -> int:
@@ -73,7 +103,7 @@ class CheckpointConfig:
         if not isinstance(vision, dict):
             raise ConfigError("config.json: required section 'vision_config' is missing")
         L, V = "llm_config.", "vision_config."
-        num_experts = _get(llm, "gen_num_experts", L, 0)
+        num_experts, top_k = _moe_sizes(llm)
         config = CheckpointConfig(
             num_layers=_get(llm, "num_hidden_layers", L),
             hidden_size=_get(llm, "hidden_size", L),
@@ -93,8 +123,9 @@ class CheckpointConfig:
             add_noise_scale_embedding=_get(raw, "add_noise_scale_embedding", "", True, bool),
             use_pixel_head=_get(raw, "use_pixel_head", "", False, bool),
             num_experts=num_experts,
-            num_experts_per_tok=_get(llm, "num_experts_per_tok", L, 0 if not num_experts else ...),
+            num_experts_per_tok=top_k,
             norm_topk_prob=_get(llm, "norm_topk_prob", L, True, bool),
+            rms_norm_eps=_get(llm, "rms_norm_eps", L, DEFAULT_RMS_NORM_EPS, float),
         )
         config.check()
         return config
@@ -123,8 +154,15 @@ class CheckpointConfig:
             raise ConfigError("config.json: 'num_attention_heads' must be a multiple of 'num_key_value_heads'")
         if self.vision_hidden_size % 4:
             raise ConfigError("config.json: 'vision_config.hidden_size' must be divisible by 4 (2-D RoPE)")
-        if self.noise_scale_mode not in NOISE_SCALE_MODES:
-            raise ConfigError(f"config.json: 'noise_scale_mode' {self.noise_scale_mode!r} is not one of "
-                              f"{NOISE_SCALE_MODES}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ConfigError(f"config.json: 'llm_config.rms_norm_eps' must be a positive finite number, "
+                              f"got {self.rms_norm_eps}")
+        if self.noise_scale_mode not in SIZE_SCALED_NOISE_MODES + ("constant",):
+            # Upstream does not refuse it either: it keeps noise_scale as given (capped).
+            _log.warning("config.json: 'noise_scale_mode' %r is not one of %s; the initial noise uses "
+                         "noise_scale unscaled (capped at noise_scale_max_value), as 'constant' does",
+                         self.noise_scale_mode, SIZE_SCALED_NOISE_MODES + ("constant",))
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ConfigError("config.json: 'llm_config.num_experts_per_tok' must be in 1..gen_num_experts")
+            raise ConfigError(f"config.json: the MoE top-k ('llm_config.gen_num_experts_per_tok', else "
+                              f"'num_experts_per_tok') must be in 1..{self.num_experts} (the expert count), "
+                              f"got {self.num_experts_per_tok}")

@@ -7,13 +7,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-RMS_EPS = 1e-6
+from .checkpoint_config import DEFAULT_RMS_NORM_EPS
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """RMSNorm: float32 statistics, cast back to the input dtype, then the weight (in that order)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_RMS_NORM_EPS) -> torch.Tensor:
+    """RMSNorm: float32 statistics, cast back to the input dtype, then the weight (in that order).
+
+    `eps` is the checkpoint's `llm_config.rms_norm_eps`, shared by every norm of the tower.
+    """
     xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + RMS_EPS)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return normed.to(x.dtype) * weight
 
 
@@ -94,13 +97,13 @@ class DecoderLayer:
         return [self.q_proj, self.k_proj, self.v_proj, self.o_proj] + self.mlp.linears()
 
 
-def split_head_norm(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def split_head_norm(x: torch.Tensor, weights: torch.Tensor, eps: float = DEFAULT_RMS_NORM_EPS) -> torch.Tensor:
     """RMSNorm the temporal half and the spatial half of each head separately.
 
     `weights` is [2, HD/2] (temporal, spatial); one norm over a [..., 2, HD/2] view does both.
     """
     halves = x.view(*x.shape[:-1], 2, x.shape[-1] // 2)
-    return rms_norm(halves, weights).view_as(x)
+    return rms_norm(halves, weights, eps).view_as(x)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -1,33 +1,27 @@
-"""Phrases of the per-request log line, shared by the Triton models and the replay tools.
+"""The per-request log line, shared by the Triton models and the replay tools.
 
-Users read these lines to learn why a parallel mode did or did not split a request, so the
-wording is written once.
+One line per delivered image, space-separated fields a script can grep, e.g. (one line)::
+
+    neopp_dense_cfg: 1024x1024 task=t2i prefix=325+9 tokens steps=50 png 1534511 B
+    e2e_time_ms=9120 cfg_parallel=on seq_parallel=off(reason=one_seq_rank)
+
+The parallel fields come from :func:`neopp.parallel_status.parallel_status`; the wording is
+written once here so the server's log and the replay output read the same.
 """
 
 from __future__ import annotations
 
 from .modes import ModeSpec
+from .parallel_status import parallel_status
 from .pipeline import GenerationRequest
 
 
-def parallelism_note(mode: ModeSpec, req: GenerationRequest, plan: list[bool]) -> str:
-    """One log phrase: was CFG-parallel (and sequence parallelism) active, and if not, why."""
-    guided = sum(plan)
+def request_line(name: str, mode: ModeSpec, req: GenerationRequest, plan: list[bool], image_bytes: int,
+                 seconds: float) -> str:
+    """The log line of one delivered image; `seconds` is its end-to-end time."""
+    uncond_tokens = 0 if req.uncond_kv is None else req.uncond_kv.shape[2]
     s = req.sampling
-    if mode.cfg_p_size < 2:
-        guidance = "cfg-parallel off (mode has cfg_p_size 1)"
-    elif not s.enable_cfg:
-        guidance = "cfg-parallel inactive: guidance disabled (enable_cfg false)"
-    elif s.cfg_scale <= 1.0:
-        guidance = f"cfg-parallel inactive: CFG_SCALE {s.cfg_scale} <= 1"
-    elif req.uncond_kv is None:
-        guidance = "cfg-parallel inactive: no UNCOND_KV"
-    elif guided == 0:
-        guidance = f"cfg-parallel inactive: no step inside cfg_interval {s.cfg_interval}"
-    else:
-        guidance = f"cfg-parallel active on {guided}/{len(plan)} steps"
-        if guided < len(plan):
-            guidance += f" ({len(plan) - guided} outside cfg_interval {s.cfg_interval})"
-    seq = (f"sequence-parallel (ulysses) active on {mode.seq_p_size} ranks per branch" if mode.seq_p_size > 1
-           else "sequence-parallel off")
-    return f"{guidance}; {seq}"
+    status = parallel_status(mode, s, req.uncond_kv is not None, plan)
+    return (f"{name}: {req.height}x{req.width} task={req.task} prefix={req.cond_kv.shape[2]}+{uncond_tokens} tokens "
+            f"steps={s.infer_steps} {s.output_format} {image_bytes} B e2e_time_ms={round(seconds * 1e3)} "
+            f"{status.fields()}")

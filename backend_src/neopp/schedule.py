@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .checkpoint_config import CheckpointConfig
+from .checkpoint_config import SIZE_SCALED_NOISE_MODES, CheckpointConfig
 
 
 def shifted_timesteps(steps: int, shift: float) -> list[float]:
@@ -18,11 +18,15 @@ def shifted_timesteps(steps: int, shift: float) -> list[float]:
 
 
 def initial_noise_scale(config: CheckpointConfig, num_tokens: int) -> float:
-    """How loud the starting noise is; larger images start louder, capped."""
-    init, cap = config.noise_scale, config.noise_scale_max_value
-    ratio = num_tokens / config.noise_scale_base_image_seq_len
-    if config.noise_scale_mode == "resolution":
-        return min(init * math.sqrt(ratio), cap)
-    if config.noise_scale_mode == "dynamic_sqrt":
-        return min(math.sqrt(init * math.sqrt(ratio)), cap)
-    return init
+    """How loud the starting noise is: capped at `noise_scale_max_value` in every mode.
+
+    "resolution" and its alias "dynamic" scale `noise_scale` by sqrt(tokens / base), so larger
+    images start louder; "dynamic_sqrt" takes the square root of that; "constant" (and, as
+    upstream, any other name) keeps `noise_scale` as given.
+    """
+    scale = config.noise_scale
+    if config.noise_scale_mode in SIZE_SCALED_NOISE_MODES:
+        scale *= math.sqrt(num_tokens / config.noise_scale_base_image_seq_len)
+        if config.noise_scale_mode == "dynamic_sqrt":
+            scale = math.sqrt(scale)
+    return min(scale, config.noise_scale_max_value)

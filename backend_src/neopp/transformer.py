@@ -74,19 +74,20 @@ class NeoPPTransformer:
 
     def run_layers(self, hid: torch.Tensor, branch: BranchContext) -> torch.Tensor:
         nh, nkv, hd = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
+        eps = self.config.rms_norm_eps  # upstream ties every norm of the tower (q/k ones too) to it
         for i, layer in enumerate(self.layers):
-            a = rms_norm(hid, layer.input_norm)
+            a = rms_norm(hid, layer.input_norm, eps)
             n = a.shape[0]
-            q = branch.rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm))
-            k = branch.rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm))
+            q = branch.rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm, eps))
+            k = branch.rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm, eps))
             v = layer.v_proj(a).view(n, nkv, hd)
             hid = hid + layer.o_proj(branch.attend(i, q, k, v))
-            hid = hid + layer.mlp(rms_norm(hid, layer.post_norm))
+            hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
         return hid
 
     def predict(self, hid: torch.Tensor, grid: Grid) -> torch.Tensor:
         """Final norm and head: the clean-image prediction [L, T*T*3] in the layout of z."""
-        return self.head(rms_norm(hid, self.final_norm), grid)
+        return self.head(rms_norm(hid, self.final_norm, self.config.rms_norm_eps), grid)
 
     def linears(self) -> list[Linear]:
         return [lin for layer in self.layers for lin in layer.linears()]

@@ -14,7 +14,12 @@ tested against):
 * The noise-scale embedder gets noise_scale / noise_scale_max_value, where
   noise_scale is the initial-noise scale of this image size; it is skipped when
   `add_noise_scale_embedding` is false.
-* "constant" noise-scale mode: noise_scale_init alone, no cap.
+* Initial noise scale, every mode capped at noise_scale_max_value: "resolution" (and
+  its alias "dynamic") init * sqrt(tokens / base); "dynamic_sqrt" the square root of
+  that; "constant", like any other name, init alone.
+* One RMSNorm epsilon, llm_config.rms_norm_eps (1e-6 when absent), for every norm of
+  the tower; MoE sizes from gen_num_experts / gen_num_experts_per_tok, each falling
+  back to num_experts / num_experts_per_tok.
 """
 
 from __future__ import annotations
@@ -48,8 +53,9 @@ class RefModel:
         self.HD = int(llm["head_dim"])
         self.rope_theta = float(llm["rope_theta"])
         self.rope_theta_hw = float(llm["rope_theta_hw"])
-        self.num_experts = int(llm.get("gen_num_experts", 0))
-        self.top_k = int(llm.get("num_experts_per_tok", 0))
+        self.num_experts = int(llm.get("gen_num_experts") or llm.get("num_experts") or 0)
+        self.top_k = int(llm.get("gen_num_experts_per_tok") or llm.get("num_experts_per_tok") or 0)
+        self.eps = float(llm.get("rms_norm_eps", 1e-6))
         self.norm_topk_prob = bool(llm.get("norm_topk_prob", True))
         self.DV = int(vis["hidden_size"])
         self.rope_theta_vision = float(vis["rope_theta_vision"])
@@ -97,8 +103,8 @@ def as_model(ckpt) -> RefModel:
 
 # --------------------------------------------------------------------------- small pieces
 
-def rmsnorm(x, weight):
-    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + 1e-6) * weight
+def rmsnorm(x, weight, eps):
+    return x / torch.sqrt((x * x).mean(dim=-1, keepdim=True) + eps) * weight
 
 
 def gelu(x):
@@ -187,13 +193,11 @@ def shifted_timesteps(steps, shift):
 
 def noise_scale(m: RefModel, num_tokens):
     init = m.noise_scale_init
-    if m.noise_scale_mode == "resolution":
+    if m.noise_scale_mode in ("resolution", "dynamic"):
         return min(init * math.sqrt(num_tokens / m.noise_base), m.noise_max)
     if m.noise_scale_mode == "dynamic_sqrt":
         return min(math.sqrt(init * math.sqrt(num_tokens / m.noise_base)), m.noise_max)
-    if m.noise_scale_mode == "constant":
-        return init
-    raise ValueError(m.noise_scale_mode)
+    return min(init, m.noise_max)
 
 
 def reference_noise(seed, H, W):
@@ -270,9 +274,9 @@ def rope3d(x, offset, rows, cols, theta, theta_hw):
     return out
 
 
-def head_norm(x, w_t, w_hw):
+def head_norm(x, w_t, w_hw, eps):
     HD = x.shape[-1]
-    return torch.cat([rmsnorm(x[..., :HD // 2], w_t), rmsnorm(x[..., HD // 2:], w_hw)], dim=-1)
+    return torch.cat([rmsnorm(x[..., :HD // 2], w_t, eps), rmsnorm(x[..., HD // 2:], w_hw, eps)], dim=-1)
 
 
 def swiglu(b, gate, up, down):
@@ -301,12 +305,14 @@ def mlp(m, i, b):
 
 def decoder_layer(m, i, hid, kv, offset, rows, cols):
     L = hid.shape[0]
-    a = rmsnorm(hid, m.layer(i, "input_layernorm_mot_gen.weight"))
+    a = rmsnorm(hid, m.layer(i, "input_layernorm_mot_gen.weight"), m.eps)
     q = linear(a, m.layer(i, "self_attn.q_proj_mot_gen.weight")).reshape(L, m.NH, m.HD)
     k = linear(a, m.layer(i, "self_attn.k_proj_mot_gen.weight")).reshape(L, m.NKV, m.HD)
     v = linear(a, m.layer(i, "self_attn.v_proj_mot_gen.weight")).reshape(L, m.NKV, m.HD)
-    q = head_norm(q, m.layer(i, "self_attn.q_norm_mot_gen.weight"), m.layer(i, "self_attn.q_norm_hw_mot_gen.weight"))
-    k = head_norm(k, m.layer(i, "self_attn.k_norm_mot_gen.weight"), m.layer(i, "self_attn.k_norm_hw_mot_gen.weight"))
+    q = head_norm(q, m.layer(i, "self_attn.q_norm_mot_gen.weight"), m.layer(i, "self_attn.q_norm_hw_mot_gen.weight"),
+                  m.eps)
+    k = head_norm(k, m.layer(i, "self_attn.k_norm_mot_gen.weight"), m.layer(i, "self_attn.k_norm_hw_mot_gen.weight"),
+                  m.eps)
     q = rope3d(q, offset, rows, cols, m.rope_theta, m.rope_theta_hw)
     k = rope3d(k, offset, rows, cols, m.rope_theta, m.rope_theta_hw)
     K = torch.cat([kv[i, 0].to(F64), k])  # [S+L, NKV, HD]
@@ -318,7 +324,7 @@ def decoder_layer(m, i, hid, kv, offset, rows, cols):
         scores = (q[:, n] @ K[:, kvh].T) * m.HD ** -0.5  # [L, S+L], no mask
         att[:, n] = softmax(scores) @ V[:, kvh]
     hid = hid + linear(att.reshape(L, m.NH * m.HD), m.layer(i, "self_attn.o_proj_mot_gen.weight"))
-    b = rmsnorm(hid, m.layer(i, "post_attention_layernorm_mot_gen.weight"))
+    b = rmsnorm(hid, m.layer(i, "post_attention_layernorm_mot_gen.weight"), m.eps)
     return hid + mlp(m, i, b)
 
 
@@ -349,7 +355,7 @@ def reference_velocity(ckpt, kv_online, offset, x, t, H, W):
     cols = torch.tensor([c for _ in range(h) for c in range(w)], dtype=F64)
     for i in range(m.NL):
         hid = decoder_layer(m, i, hid, kv_online, float(offset), rows, cols)
-    hid = rmsnorm(hid, m["language_model.model.norm_mot_gen.weight"])
+    hid = rmsnorm(hid, m["language_model.model.norm_mot_gen.weight"], m.eps)
     x_pred = head(m, hid, h, w)
     z = cut(img, T, channel_last=True)
     return (x_pred - z) / max(1.0 - float(t), 0.02)

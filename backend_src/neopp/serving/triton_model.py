@@ -26,7 +26,7 @@ from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
 from ..parallel.mesh import check_world
 from ..pipeline import GenerationRequest
-from ..request_log import parallelism_note
+from ..request_log import request_line
 from ..rng import NoiseStream
 from ..warmup import warm_up
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
@@ -197,12 +197,8 @@ class NeoPPTritonModel:
             self.stream = stream  # the instance stream advances only when an image is delivered
         seconds = time.perf_counter() - start
         self.metrics.success(seconds)
-        self.logger.log_info(
-            f"{self.model_name}: {gen_req.height}x{gen_req.width} task={gen_req.task} "
-            f"prefix={parsed.prefix_tokens}+{0 if parsed.uncond_kv is None else parsed.uncond_kv.shape[2]} tokens "
-            f"steps={gen_req.sampling.infer_steps} {gen_req.sampling.output_format} {len(image)} B "
-            f"in {seconds * 1e3:.0f} ms end-to-end; "
-            f"{parallelism_note(self.mode, gen_req, self.engine.guidance_plan(gen_req))}")
+        self.logger.log_info(request_line(self.model_name, self.mode, gen_req, self.engine.guidance_plan(gen_req),
+                                          len(image), seconds))
         state = np.frombuffer(stream.state(), dtype=np.uint8).copy()
         return pb.InferenceResponse(output_tensors=[
             pb.Tensor("IMAGE", np.array([image], dtype=np.object_)),

@@ -21,6 +21,9 @@ import torch
 from ..errors import ConfigError, InputError
 from ..kv_cache import load_kv_file
 from ..modes import CFG_NORMS, TASKS, ModeSpec, load_mode
+from ..pipeline import GenerationRequest
+from ..request_log import request_line
+from ..request_rules import plan_of
 from ..rng import NoiseStream
 from ..runner import NeoPPRunner
 
@@ -123,7 +126,7 @@ class Replayer:
     def generate(self, turn: Turn, out_path: Path) -> bytes:
         """One image written to `out_path` (by rank 0); the stream moves on as on the server."""
         start = time.perf_counter()
-        self._load(turn)
+        cond, uncond = self._load(turn)
         if turn.seed is None and not self.seeded and self.is_writer:
             print("warning: no seed and no --state-in: this image starts from a random stream and will not "
                   "reproduce", file=sys.stderr)
@@ -135,15 +138,24 @@ class Replayer:
         data = self.runner.generate(seed=turn.seed, size=self.size, task=self.task,
                                     save_result_path=str(out_path) if self.is_writer else "")
         if self.is_writer:
-            how = f"seed {turn.seed}" if turn.seed is not None else "continued stream"
-            print(f"{out_path}  {self.size[0]}x{self.size[1]} {how} offsets {turn.offset_cond}/"
-                  f"{turn.offset_uncond} in {time.perf_counter() - start:.1f}s", flush=True)
+            print(self._line(turn, cond, uncond, out_path, len(data), time.perf_counter() - start), flush=True)
         return data
 
-    def _load(self, turn: Turn) -> None:
+    def _line(self, turn: Turn, cond: torch.Tensor, uncond: torch.Tensor | None, out_path: Path, size: int,
+              seconds: float) -> str:
+        """The server's per-request line for this image, then where it went and from which seed."""
+        req = GenerationRequest(cond_kv=cond, index_offset_cond=turn.offset_cond, height=self.size[0],
+                                width=self.size[1], sampling=self.runner.sampling, uncond_kv=uncond,
+                                index_offset_uncond=turn.offset_uncond, task=self.task)
+        seed = turn.seed if turn.seed is not None else "continued"
+        return (f"{request_line(self.mode.name, self.mode, req, plan_of(req.sampling), size, seconds)} "
+                f"output={out_path} seed={seed} offsets={turn.offset_cond}/{turn.offset_uncond}")
+
+    def _load(self, turn: Turn) -> tuple[torch.Tensor, torch.Tensor | None]:
         cond = load_kv_file(turn.cond, self.layout)
         uncond = load_kv_file(turn.uncond, self.layout) if turn.uncond is not None else None
         self.runner.set_kvcache(cond, uncond)
+        return cond, uncond
 
     def save_state(self, path: Path | None) -> None:
         if path is not None and self.is_writer:
