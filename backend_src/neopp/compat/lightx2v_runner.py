@@ -11,6 +11,8 @@ a pool of rank processes, or a Triton server.
 from __future__ import annotations
 
 import base64
+import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -26,10 +28,12 @@ from ..image_io import encode_image
 from ..kv_cache import load_kv_file
 from ..modes import ModeSpec, SamplingParams, normalise_format
 from ..pipeline import GenerationRequest
+from ..request_log import request_line
 from ..schedule import initial_noise_scale
 from .lightx2v_config import LockedConfig
 from .lightx2v_rng import draw_start
 
+log = logging.getLogger("neopp.compat.lightx2v")
 SAVE_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
 
@@ -173,6 +177,7 @@ class NeoppRunner:
     def run_pipeline(self, input_info: SimpleNamespace) -> Any:
         """Validate, draw the start from the global generator, run the steps, hand the image to the hook."""
         self.input_info = input_info
+        start = time.perf_counter()
         try:
             req = self._request(input_info)
             self.engine.validate(req)  # before the draw: a refused request leaves the global RNG alone
@@ -185,8 +190,13 @@ class NeoppRunner:
             hooks.finish()
             self.scheduler.image_prediction = pixels_to_prediction(pixels)
             if self.config.get("save_result_for_debug", True):
-                return self.process_images_after_vae_decoder_for_debug()
-            return self.process_images_after_vae_decoder()
+                result = self.process_images_after_vae_decoder_for_debug()
+            else:
+                result = self.process_images_after_vae_decoder()
+            size = len(result) if isinstance(result, (bytes, str)) else 0
+            log.info(request_line(self.mode.name, self.mode, req, self.engine.guidance_plan(req), size,
+                                  time.perf_counter() - start))
+            return result
         finally:
             self.clear_kvcache()
 
