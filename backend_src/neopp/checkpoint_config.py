@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError
+from .json_file import read_json_object
 
 # Modes whose noise grows with the token count; any other mode (upstream names "constant") keeps
 # noise_scale as given. Every mode is capped at noise_scale_max_value, as upstream does.
@@ -132,14 +132,7 @@ class CheckpointConfig:
 
     @staticmethod
     def from_checkpoint(ckpt_dir: str | Path) -> CheckpointConfig:
-        path = Path(ckpt_dir) / "config.json"
-        if not path.is_file():
-            raise ConfigError(f"checkpoint: {path} does not exist")
-        try:
-            raw = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"config.json: not valid JSON ({exc})") from exc
-        return CheckpointConfig.from_dict(raw)
+        return CheckpointConfig.from_dict(read_json_object(Path(ckpt_dir) / "config.json", "checkpoint config"))
 
     def check(self) -> None:
         """Reject geometry the computation cannot run, naming the key."""

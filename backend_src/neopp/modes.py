@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field, fields
 from dataclasses import replace as dc_replace
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, InputError, shown
+from .json_file import read_json_object
 from .limits import CFG_SCALE_MAX_ABS, TIMESTEP_SHIFT_RANGE
 
 CFG_NORMS = ("global", "channel", "none")
@@ -164,11 +164,6 @@ def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None,
 def load_mode(path: str | Path, lora_dir: str | Path | None = None) -> ModeSpec:
     """A mode file; its relative LoRA paths resolve against ``lora_dir`` (else the file's folder)."""
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"mode file {path} does not exist")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"mode file {path}: not valid JSON ({exc})") from exc
+    raw = read_json_object(path, "mode file")
     return mode_from_dict(raw, name=path.stem, base_dir=path.parent,
                           lora_dir=None if lora_dir is None else Path(lora_dir))

@@ -7,13 +7,13 @@ on that, so a write to a locked config is an error here too, not a silent change
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..json_file import read_json_object
 from ..modes import ModeSpec, mode_from_dict
 
 # Keys of the config that only LightX2V's debug paths read; accepted so LightLLM's calls work.
@@ -82,16 +82,7 @@ class LockedConfig(dict):
 
 def read_config_json(path: str | Path) -> dict[str, Any]:
     """A LightX2V/NeoPP mode JSON (the layout of this project's ``configs/neopp/*.json``)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config_json {path} does not exist")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"config_json {path}: not valid JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config_json {path}: must hold a JSON object")
-    return raw
+    return read_json_object(path, "config_json")
 
 
 def mode_of(config: Mapping[str, Any], name: str, base_dir: Path | None, lora_dir: Path | None) -> ModeSpec:
