@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
+from ..guidance import COND, IMAGE, UNCOND, guided_branches
 from ..limits import Limits
 from ..modes import ModeSpec
 from ..pipeline import GenerationRequest, StepFn, StopFn
@@ -226,15 +227,20 @@ class WorkerPool:
         self.rules.validate(req)
 
     def guidance_plan(self, req: GenerationRequest) -> list[bool]:
-        return plan_of(req.sampling)
+        return plan_of(req.sampling, req.image_editing)
 
     def _rank_request(self, req: GenerationRequest, rank: int) -> GenerationRequest:
-        """Each rank gets only the KV its branch needs."""
+        """Each rank gets only the KV of the branches it runs (offsets all stay: they are small)."""
         if self.mode.cfg_p_size < 2:
             return req
+        from .engine import cfg_layout
+
+        image = req.image_editing
+        mine = cfg_layout(guided_branches(req.sampling, image))[rank // self.mode.seq_p_size]
         if rank // self.mode.seq_p_size == 0:
-            return replace(req, uncond_kv=None)
-        return replace(req, cond_kv=None)
+            mine = (COND, *mine)
+        kept = {f"{name}_kv": getattr(req, f"{name}_kv") if name in mine else None for name in (COND, UNCOND, IMAGE)}
+        return replace(req, **kept)
 
     def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
                  on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:
