@@ -230,17 +230,7 @@ class WorkerPool:
         return plan_of(req.sampling, req.image_editing)
 
     def _rank_request(self, req: GenerationRequest, rank: int) -> GenerationRequest:
-        """Each rank gets only the KV of the branches it runs (offsets all stay: they are small)."""
-        if self.mode.cfg_p_size < 2:
-            return req
-        from .engine import cfg_layout
-
-        image = req.image_editing
-        mine = cfg_layout(guided_branches(req.sampling, image))[rank // self.mode.seq_p_size]
-        if rank // self.mode.seq_p_size == 0:
-            mine = (COND, *mine)
-        kept = {f"{name}_kv": getattr(req, f"{name}_kv") if name in mine else None for name in (COND, UNCOND, IMAGE)}
-        return replace(req, **kept)
+        return rank_request(self.mode, req, rank)
 
     def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
                  on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:
@@ -305,6 +295,22 @@ class WorkerPool:
                 raise InputError(info)
             elif kind == "error":
                 raise self._fail_and_rebuild(self._death_notice() or f"generation failed in {info}")
+
+
+def rank_request(mode: ModeSpec, req: GenerationRequest, rank: int,
+                 three: tuple[tuple[str, ...], ...] | None = None) -> GenerationRequest:
+    """What rank ``rank`` is sent: only the KV of the branches it runs under the three-branch
+    layout ``three`` (default: the engine's); the offsets all stay, so every rank plans alike."""
+    if mode.cfg_p_size < 2:
+        return req
+    from .engine import THREE_BRANCH_LAYOUT, cfg_layout
+
+    cfg_rank = rank // mode.seq_p_size
+    mine = cfg_layout(guided_branches(req.sampling, req.image_editing), three or THREE_BRANCH_LAYOUT)[cfg_rank]
+    if cfg_rank == 0:
+        mine = (COND, *mine)  # unguided steps run cond on CFG rank 0
+    return replace(req, **{f"{name}_kv": getattr(req, f"{name}_kv") if name in mine else None
+                           for name in (COND, UNCOND, IMAGE)})
 
 
 def instance_devices(world_size: int, instance_index: int = 0, gpus: list[int] | None = None) -> tuple[str, ...]:
