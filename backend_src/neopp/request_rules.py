@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import InputError, shown
-from .guidance import IMAGE, UNCOND, guidance_plan, guided_branches
+from .guidance import UNCOND, guidance_plan, guided_branches
 from .kv_cache import validate_kv
 from .limits import Limits
 from .modes import TASKS, SamplingParams
@@ -67,19 +67,17 @@ def image_branch_refusal(sampling: SamplingParams) -> str:
             "or set image_guidance_scale to 1")
 
 
-def missing_branch_reason(name: str, sampling: SamplingParams, image: bool) -> str:
-    """Why a guided step needs branch ``name``, in the request's own values."""
+def uncond_reason(sampling: SamplingParams, image: bool) -> str:
+    """Why this request's guided steps read the uncond branch, in its own values."""
     s = sampling
     where = f"inside cfg_interval {s.cfg_interval}"
     if not image:
         return (f"guidance is on for some steps (cfg_scale {s.cfg_scale} > 1 {where}); "
                 "send it, or set cfg_scale <= 1")
-    if name == UNCOND:
-        relation = "==" if s.cfg_scale == s.image_guidance_scale else "!="
-        return (f"image_guidance_scale {s.image_guidance_scale:g} {relation} cfg_scale {s.cfg_scale:g} and != 1: "
-                f"image-editing guidance reads the uncond branch (empty prompt, no image) at the steps {where}; "
-                "send it, or set image_guidance_scale to 1")
-    return f"image-editing guidance reads the image branch at the steps {where}"
+    relation = "==" if s.cfg_scale == s.image_guidance_scale else "!="
+    return (f"image_guidance_scale {s.image_guidance_scale:g} {relation} cfg_scale {s.cfg_scale:g} and != 1: "
+            f"image-editing guidance reads the uncond branch (empty prompt, no image) at the steps {where}; "
+            "send it, or set image_guidance_scale to 1")
 
 
 @dataclass(frozen=True)
@@ -121,14 +119,13 @@ class RequestRules:
 
     @staticmethod
     def check_branches_present(req: GenerationRequest) -> None:
-        """Every branch a guided step of this request reads must have been sent."""
+        """The uncond branch, when a guided step of this request reads it, must have been sent
+        (the image branch cannot be missing: sending it is what selects image-editing guidance)."""
         image = req.image_kv is not None
-        if not any(plan_of(req.sampling, image)):
+        if not any(plan_of(req.sampling, image)) or UNCOND not in guided_branches(req.sampling, image):
             return
-        sent = {UNCOND: req.uncond_kv, IMAGE: req.image_kv}
-        for name in guided_branches(req.sampling, image)[1:]:
-            if sent[name] is None:
-                raise InputError(f"{name}_kv: required because {missing_branch_reason(name, req.sampling, image)}")
+        if req.uncond_kv is None:
+            raise InputError(f"uncond_kv: required because {uncond_reason(req.sampling, image)}")
 
     def check_size(self, height: int, width: int, field: str = "size") -> None:
         """Bounds, then what the checkpoint needs: whole tokens and enough vision positions."""

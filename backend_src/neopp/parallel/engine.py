@@ -28,7 +28,8 @@ from ..transformer import BranchContext
 from .mesh import Mesh
 
 # Which branches each of the 2 CFG ranks runs at a step that needs three: cond stays on rank 0
-# (where unguided steps run it); the pairing was chosen by measuring (bench/cfg_layout.py).
+# (where unguided steps run it) and the two shorter prefixes share rank 1. Measured against the
+# other pairings (bench/cfg_layout.py, bench/RESULTS.md): as fast or faster; cond+image the slowest.
 THREE_BRANCH_LAYOUT: tuple[tuple[str, ...], tuple[str, ...]] = ((COND,), (UNCOND, IMAGE))
 
 
@@ -138,11 +139,11 @@ class ParallelPipeline(NeoPPPipeline):
             return super().branch(kv, offset, grid)
         return UlyssesBranch(kv, offset, grid, self.config, self.device, self.dtype, self.mesh, self.comm)
 
-    def layout(self, prep_or_guided: Prepared | tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
-        guided = prep_or_guided.guided if isinstance(prep_or_guided, Prepared) else prep_or_guided
-        return cfg_layout(guided, self.three_branch_layout)
+    three_branch_layout = THREE_BRANCH_LAYOUT  # a benchmark or test may try another pairing
 
-    three_branch_layout = THREE_BRANCH_LAYOUT
+    def layout(self, prep: Prepared) -> tuple[tuple[str, ...], ...]:
+        """Which branches each CFG rank runs at this request's guided steps."""
+        return cfg_layout(prep.guided, self.three_branch_layout)
 
     def prepare(self, req: GenerationRequest, names: tuple[str, ...] | None = None) -> Prepared:
         """This CFG rank lays out only its own branches (rank 0 always has cond)."""
