@@ -11,6 +11,7 @@ the open interval moving the result by far more than that.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 from neopp.errors import InputError
 from neopp.guidance import combine
+from neopp.limits import Limits
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
@@ -170,3 +172,15 @@ def test_image_kv_is_checked_like_uncond(pipe, changes, message):
 def test_disabled_guidance_refuses_an_image_scale():
     with pytest.raises(InputError, match=r"^image_guidance_scale: 2 refused; guidance is disabled"):
         SamplingParams(enable_cfg=False, image_guidance_scale=2.0)
+    with pytest.raises(InputError, match=r"^image_guidance_scale: must be within -100..100"):
+        SamplingParams(image_guidance_scale=101.0)
+
+
+def test_image_kv_length_is_bounded(pipe):
+    rules = pipe.rules
+    pipe.rules = replace(rules, limits=Limits(max_prefix_tokens=21))  # the image prefix has 22 tokens
+    try:
+        with pytest.raises(InputError, match=r"^image_kv: .*limit"):
+            _validate(pipe, "three-branches", cond_kv=kv(20, seed=1), index_offset_cond=20)
+    finally:
+        pipe.rules = rules
