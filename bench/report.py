@@ -24,6 +24,8 @@ SECTIONS = [
      "Denoising-step efficiency against the machine's matmul rate"),
     ("scaling", "scaling", lambda out: ["--out", out], "scaling.md", "Growth with image and prefix length; memory"),
     ("cfg", "cfg_bench", lambda out: ["--out", out], "cfg.md", "Sequential vs batched vs CFG-parallel guidance"),
+    ("cfg_layout", "cfg_layout", lambda out: ["--out", out], "cfg_layout.md",
+     "Three-branch guidance on 2 CFG ranks: branch pairing"),
     ("modes", "modes_bench", lambda out: ["--out", out], "modes.md", "Modes: FP8 memory, step time, MoE dispatch"),
     ("kv_ingest", "kv_ingest", lambda out: ["--out", str(Path(out) / "kv_ingest.md")], "kv_ingest.md",
      "KV ingest: gRPC vs system shared memory"),

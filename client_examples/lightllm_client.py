@@ -1,6 +1,7 @@
 """A drop-in for the in-process NeoPP runner that LightLLM's image server calls, over Triton gRPC.
 
-LightLLM calls ``set_kvcache(cond, uncond)``, ``set_inference_params(...)`` and
+LightLLM calls ``set_kvcache(cond, uncond)`` (image editing: ``set_kvcache_i2i(cond, text_uncond,
+img_uncond)``), ``set_inference_params(...)`` and
 ``generate(seed=None, save_result_path="", target_shape=[h, w])`` (base64 image back).
 This class offers the same calls against the Triton server, in one of two ways:
 
@@ -59,7 +60,7 @@ example (after `make serve`, from the repository root):
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 SAMPLING_INPUTS = {"cfg_scale": ("CFG_SCALE", np.float32), "timestep_shift": ("TIMESTEP_SHIFT", np.float32),
                    "infer_steps": ("STEPS", np.int64), "cfg_interval": ("CFG_INTERVAL", np.float32),
-                   "resize": ("RESIZE", np.int64)}
+                   "resize": ("RESIZE", np.int64), "image_guidance_scale": ("IMAGE_GUIDANCE_SCALE", np.float32)}
 STRING_INPUTS = {"cfg_norm": "CFG_NORM", "output_format": "OUTPUT_FORMAT", "task": "TASK"}
 KEY_ENV = "NEOPP_ADMIN_KEY"
 GRPC_KEY_HEADER = "triton-grpc-protocol-neopp-admin-key"  # the header neopp-admin-key, as Triton's gRPC wants it
@@ -81,7 +82,7 @@ def _bf16(kv: Any) -> torch.Tensor:
 
 
 class _KVSharedMemory:
-    """One POSIX shared-memory segment holding cond and uncond, registered with the server."""
+    """One POSIX shared-memory segment holding the request's prefixes, registered with the server."""
 
     def __init__(self, client: grpcclient.InferenceServerClient, tensors: list[torch.Tensor],
                  admin_key: str | None = None) -> None:
@@ -167,6 +168,7 @@ class NeoPPTritonClient:
         self.rng_state: np.ndarray | None = None  # stateless mode: the stream to continue
         self.last_turn: int | None = None
         self._kv: list[torch.Tensor] = []
+        self._kv_names: list[str] = []  # the input each entry of _kv is sent as
         self._shm: _KVSharedMemory | None = None
         self._params: dict[str, Any] = {}
 
@@ -174,7 +176,13 @@ class NeoPPTritonClient:
 
     def set_kvcache(self, cond: Any, uncond: Any = None) -> None:
         """Prefixes in the online layout [layers, 2, seq, kv_heads, head_dim] (torch or numpy)."""
-        self._kv = [_bf16(cond)] + ([_bf16(uncond)] if uncond is not None else [])
+        self.set_kvcache_i2i(cond, uncond)
+
+    def set_kvcache_i2i(self, cond: Any, text_uncond: Any = None, img_uncond: Any = None) -> None:
+        """Image editing: prompt + images, the empty prompt, and the images without the prompt."""
+        given = (("COND_KV", cond), ("UNCOND_KV", text_uncond), ("IMAGE_KV", img_uncond))
+        self._kv_names = [name for name, kv in given if kv is not None]
+        self._kv = [_bf16(kv) for _, kv in given if kv is not None]
         if not self.use_shm:
             return
         if self._shm is not None and self._shm.fits(self._kv):
@@ -201,14 +209,26 @@ class NeoPPTritonClient:
                              cfg_norm: str | None = None, timestep_shift: float | None = None,
                              infer_steps: int | None = None, output_format: str | None = None,
                              enable_cfg: bool | None = None, resize: Sequence[int] | None = None,
-                             task: str | None = None, **_unused: Any) -> None:
-        """Offsets and overrides of the following turns; what is left out keeps the server's mode values."""
+                             task: str | None = None, image_guidance_scale: float | None = None,
+                             index_offset_image: int | None = None, **unknown: Any) -> None:
+        """Offsets and overrides of the following turns; what is left out keeps the server's mode values.
+
+        Every value is sent or refused, never dropped: an unknown name raises ValueError.
+        """
+        if unknown:
+            raise ValueError(f"{sorted(unknown)[0]}: unknown inference parameter; this client sends "
+                             f"{sorted(SAMPLING_INPUTS) + sorted(STRING_INPUTS) + ['enable_cfg']}")
         if enable_cfg is False:
+            if image_guidance_scale is not None and image_guidance_scale != 1.0:  # the server's own wording
+                raise ValueError(f"image_guidance_scale: {image_guidance_scale:g} refused; guidance is disabled "
+                                 "(enable_cfg false, e.g. the 8-step mode), only 1.0 is accepted")
             cfg_scale = 1.0  # no step uses guidance; the uncond prefix is then not needed
         given = dict(cfg_interval=cfg_interval, cfg_scale=cfg_scale, cfg_norm=cfg_norm, timestep_shift=timestep_shift,
-                     infer_steps=infer_steps, output_format=output_format, resize=resize, task=task)
+                     infer_steps=infer_steps, output_format=output_format, resize=resize, task=task,
+                     image_guidance_scale=image_guidance_scale)
         self._params = {"index_offset_cond": int(index_offset_cond),
                         "index_offset_uncond": None if index_offset_uncond is None else int(index_offset_uncond),
+                        "index_offset_image": None if index_offset_image is None else int(index_offset_image),
                         **{k: v for k, v in given.items() if v is not None}}
 
     def generate(self, seed: int | None = None, save_result_path: str = "", target_shape: Sequence[int] | None = None,
@@ -298,7 +318,7 @@ class NeoPPTritonClient:
     def _inputs(self, size: Sequence[int] | None) -> list[grpcclient.InferInput]:
         p = self._params
         inputs = []
-        for i, (name, kv) in enumerate(zip(("COND_KV", "UNCOND_KV"), self._kv)):
+        for i, (name, kv) in enumerate(zip(self._kv_names, self._kv)):
             tensor = grpcclient.InferInput(name, list(kv.shape), "BF16")
             if self._shm is not None:
                 self._shm.attach(tensor, i)
@@ -306,10 +326,14 @@ class NeoPPTritonClient:
                 _set_bf16(tensor, kv, self.raw_bf16)
             inputs.append(tensor)
         inputs.append(_tensor("INDEX_OFFSET_COND", np.array([p["index_offset_cond"]], np.int64)))
-        if len(self._kv) > 1:
-            if p["index_offset_uncond"] is None:
-                raise ValueError("index_offset_uncond is required with an uncond KV")
-            inputs.append(_tensor("INDEX_OFFSET_UNCOND", np.array([p["index_offset_uncond"]], np.int64)))
+        for branch in ("uncond", "image"):
+            offset, has_kv = p[f"index_offset_{branch}"], f"{branch.upper()}_KV" in self._kv_names
+            if offset is None and has_kv:
+                raise ValueError(f"index_offset_{branch} is required with an {branch} KV")
+            # LightLLM passes the uncond offset even when it sends no uncond KV (guidance off); an
+            # image offset without the image KV is sent, so the server refuses it by name.
+            if offset is not None and (has_kv or branch == "image"):
+                inputs.append(_tensor(f"INDEX_OFFSET_{branch.upper()}", np.array([offset], np.int64)))
         if size is not None:
             inputs.append(_tensor("SIZE", np.array([int(v) for v in size], np.int64)))
         for key, (name, dtype) in SAMPLING_INPUTS.items():

@@ -151,7 +151,8 @@ class AdapterCopy:
 
 
 def scenario(kv: dict[str, torch.Tensor]) -> list[tuple[str, X2IParams]]:
-    """Two interleaved sessions: A seeds, B seeds, A continues (restored), B continues at another size."""
+    """Two interleaved sessions: A seeds, B seeds, A continues (restored), B continues at another size;
+    with an ``image`` prefix, a third session edits with three-branch guidance (image scale 2)."""
     base = dict(cond=kv["cond"], cond_len=int(kv["cond"].shape[2]), uncond=kv["uncond"],
                 uncond_len=int(kv["uncond"].shape[2]))
     return [
@@ -159,7 +160,9 @@ def scenario(kv: dict[str, torch.Tensor]) -> list[tuple[str, X2IParams]]:
         ("b0", X2IParams(**base, session_id=2, first_image=True, seed=22, output_format="jpeg")),
         ("a1", X2IParams(**base, session_id=1, first_image=False, r_height=48, r_width=80)),
         ("b1", X2IParams(**base, session_id=2, first_image=False, height=64, width=96, cfg_norm="channel")),
-    ]
+    ] + ([("c0", X2IParams(**base, session_id=3, first_image=True, seed=33, image=kv["image"],
+                          image_len=int(kv["image"].shape[2]) + 2, image_guidance_scale=2.0))]
+         if "image" in kv else [])
 
 
 def main(argv: list[str] | None = None) -> int:

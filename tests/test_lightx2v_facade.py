@@ -8,6 +8,7 @@ the independent reference).
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -33,7 +34,7 @@ from tests.reference import neopp_reference as ref
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 kv = partial(random_kv, tiny_config("dense"))  # bf16 online layout, as LightLLM hands it over
-COND, UNCOND = kv(12, 1), kv(5, 2)
+COND, UNCOND, IMAGE = kv(12, 1), kv(5, 2), kv(9, 3)
 DENSE = str(REPO / "configs" / "neopp" / "neopp_dense.json")
 CFG2 = str(REPO / "configs" / "neopp" / "neopp_dense_parallel_cfg.json")
 STEPS = 3
@@ -80,15 +81,17 @@ def test_interleaved_sessions_continue_exactly_as_uninterrupted(ckpt, short_mode
     """LightLLM's save/restore of the global RNG: B's seeding between A's images changes nothing for A."""
     images = {}
     adapter = AdapterCopy(str(ckpt), short_mode)
-    for name, param in scenario({"cond": COND, "uncond": UNCOND}):
+    for name, param in scenario({"cond": COND, "uncond": UNCOND, "image": IMAGE}):
         images[name] = base64.b64decode(adapter.process(param)[0])
     alone = AdapterCopy(str(ckpt), short_mode)
-    steps = dict(scenario({"cond": COND, "uncond": UNCOND}))
+    steps = dict(scenario({"cond": COND, "uncond": UNCOND, "image": IMAGE}))
     uninterrupted = [base64.b64decode(alone.process(steps[n])[0]) for n in ("a0", "a1")]
     assert [images["a0"], images["a1"]] == uninterrupted
     assert images["a1"] != images["a0"]  # the second image continues the stream, it does not repeat it
     assert pixels(images["a1"]).shape == (48, 80, 3)  # set_resolution went through LightLLM's own hook
     assert images["b0"][:3] == b"\xff\xd8\xff"  # output_format jpeg
+    one_scale = dataclasses.replace(steps["c0"], image_guidance_scale=1.0, session_id=4)
+    assert base64.b64decode(alone.process(one_scale)[0]) != images["c0"]  # the image scale is honoured
 
 
 def test_an_integer_seed_draws_lightx2vs_noise_from_the_global_generators(ckpt, short_mode):
@@ -221,7 +224,8 @@ def test_lightllms_sequence_under_torchrun_matches_one_process(ckpt, short_mode,
     """LightLLM starts one x2v process per rank; each runs the same calls on its ParallelPipeline."""
     cfg2 = tmp_path / "neopp_dense_parallel_cfg.json"
     cfg2.write_text(Path(CFG2).read_text().replace('"infer_steps": 50', f'"infer_steps": {STEPS}'))
-    save_file({"cond": COND.contiguous(), "uncond": UNCOND.contiguous()}, str(tmp_path / "kv.safetensors"))
+    prefixes = {"cond": COND, "uncond": UNCOND, "image": IMAGE}
+    save_file({k: v.contiguous() for k, v in prefixes.items()}, str(tmp_path / "kv.safetensors"))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     common = ["-m", "testing.lightllm_adapter", "--model-path", str(ckpt), "--kv", str(tmp_path / "kv.safetensors")]
     one = subprocess.run([sys.executable, *common, "--config-json", short_mode, "--out-dir", str(tmp_path / "one")],
@@ -231,7 +235,7 @@ def test_lightllms_sequence_under_torchrun_matches_one_process(ckpt, short_mode,
                           *common, "--config-json", str(cfg2), "--out-dir", str(tmp_path / "two")],
                          capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
     assert two.returncode == 0, two.stderr[-3000:]
-    for name in ("a0", "b0", "a1", "b1"):
+    for name in ("a0", "b0", "a1", "b1", "c0"):
         a, b = (pixels((tmp_path / d / f"{name}.bin").read_bytes()).astype(int) for d in ("one", "two"))
         assert a.shape == b.shape
         assert np.abs(a - b).max() <= 2, name  # reassociation, and b0 is a JPEG

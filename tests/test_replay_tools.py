@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from neopp.kv_cache import load_kv_file
 from neopp.runner import NeoPPRunner
 from neopp.tools import replay_kv, replay_kv_multiturn
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
@@ -102,6 +103,24 @@ def test_a_flag_overrides_the_mode_value(ckpt, tmp_path):
     # CFG off needs no uncond prefix at all
     assert replay_kv.main(common(ckpt) + ["--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--offset-cond", "24",
                                           "--seed", "3", "--no-cfg", "--output", str(tmp_path / "nocfg.png")]) == 0
+
+
+def test_image_editing_replay_equals_the_runner_and_refuses_without_the_image_branch(ckpt, tmp_path, capsys):
+    image_kv = write_sample_kv(tmp_path / "img", "dense", cond_tokens=15, seed=7)["cond_pt"]
+    kv = ckpt / "kv"
+    base = common(ckpt) + ["--cond-kv", str(kv / "cond_kv.pt"), "--uncond-kv", str(kv / "uncond_kv.pt"),
+                           "--offset-cond", "24", "--offset-uncond", "7", "--seed", "3",
+                           "--image-guidance-scale", "2"]
+    out = tmp_path / "edit.png"
+    assert replay_kv.main(base + ["--image-kv", str(image_kv), "--offset-image", "15", "--output", str(out)]) == 0
+    runner = NeoPPRunner(ckpt, DENSE_MODE)
+    runner.set_kvcache_i2i(*(load_kv_file(p) for p in (kv / "cond_kv.pt", kv / "uncond_kv.pt", image_kv)))
+    runner.set_inference_params(24, 7, infer_steps=2, output_format="png", image_guidance_scale=2.0,
+                                index_offset_image=15)
+    assert runner.generate(seed=3, size=(64, 64)) == out.read_bytes()
+    capsys.readouterr()
+    assert replay_kv.main(base + ["--output", str(tmp_path / "x.png")]) == 2
+    assert "image_guidance_scale: 2 refused without the image branch" in capsys.readouterr().err
 
 
 def test_8steps_mode_finds_its_lora_through_lora_dir(ckpt, tmp_path, capsys):

@@ -123,9 +123,9 @@ def test_unsupported_task_is_refused(ckpt, task):
 
 
 @pytest.mark.parametrize("scale", [0.0, 1.5, 7.0])
-def test_image_guidance_is_refused(ckpt, scale):
+def test_image_guidance_without_image_branch_is_refused(ckpt, scale):
     runner = make_runner(ckpt)
-    with pytest.raises(InputError, match=r"three-branch.*not implemented"):
+    with pytest.raises(InputError, match=r"^image_guidance_scale: .* refused without the image branch"):
         runner.set_inference_params(OFF_C, OFF_U, image_guidance_scale=scale)
         runner.generate(seed=1)
     runner.set_inference_params(OFF_C, OFF_U, image_guidance_scale=1.0)

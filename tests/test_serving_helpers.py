@@ -87,6 +87,12 @@ def test_parse_request_types_values():
     ({"COND_KV": None}, "COND_KV: required"),
     ({"COND_KV": torch.zeros(2, 2, 3, 2, 32)}, "COND_KV: datatype must be BF16"),
     ({"UNCOND_KV": torch.zeros(2, 2, 3, 2, 32, dtype=torch.bfloat16)}, "INDEX_OFFSET_UNCOND: required together"),
+    ({"IMAGE_KV": torch.zeros(2, 2, 3, 2, 32, dtype=torch.bfloat16)}, "INDEX_OFFSET_IMAGE: required together"),
+    ({"INDEX_OFFSET_IMAGE": np.array([3], np.int64)}, "IMAGE_KV: required together"),
+    ({"IMAGE_KV": torch.zeros(2, 2, 3, 2, 32), "INDEX_OFFSET_IMAGE": np.array([3], np.int64)},
+     "IMAGE_KV: datatype must be BF16"),
+    ({"IMAGE_KV": torch.zeros(2, 2, 3, 2, 32, dtype=torch.bfloat16), "INDEX_OFFSET_IMAGE": np.array([-1], np.int64)},
+     "INDEX_OFFSET_IMAGE: -1 is out of range"),
     ({"SEED": np.array([1], np.int64), "RNG_STATE": np.zeros(4, np.uint8)}, "not both"),
     ({"STEPS": np.array([201], np.int64)}, "STEPS: must be in 1..200"),
     ({"RESIZE": np.array([-1, 8], np.int64)}, "RESIZE: [height, width] must be positive"),
@@ -114,5 +120,5 @@ def test_contract_table_is_complete():
     assert set(INPUT_SPECS) == {
         "COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND", "SIZE", "SEED", "RNG_STATE", "NOISE",
         "TASK", "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT", "STEPS", "OUTPUT_FORMAT", "RESIZE",
-        "IMAGE_GUIDANCE_SCALE"}
+        "IMAGE_GUIDANCE_SCALE", "IMAGE_KV", "INDEX_OFFSET_IMAGE"}
     assert [n for n, s in INPUT_SPECS.items() if not s.optional] == ["COND_KV", "INDEX_OFFSET_COND"]

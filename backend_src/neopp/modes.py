@@ -60,10 +60,12 @@ class SamplingParams:
         if self.output_format not in OUTPUT_FORMATS:
             raise InputError(f"output_format: unknown format {shown(self.output_format)}; "
                              f"expected one of {OUTPUT_FORMATS}")
-        if self.image_guidance_scale != 1.0:
-            raise InputError(
-                f"image_guidance_scale: {self.image_guidance_scale} refused; three-branch (image) guidance "
-                "is not implemented by this runner, only 1.0 is accepted")
+        if abs(self.image_guidance_scale) > CFG_SCALE_MAX_ABS:
+            raise InputError(f"image_guidance_scale: must be within -{CFG_SCALE_MAX_ABS:g}..{CFG_SCALE_MAX_ABS:g}, "
+                             f"got {self.image_guidance_scale:g}")
+        if self.image_guidance_scale != 1.0 and not self.enable_cfg:
+            raise InputError(f"image_guidance_scale: {self.image_guidance_scale:g} refused; guidance is disabled "
+                             "(enable_cfg false, e.g. the 8-step mode), only 1.0 is accepted")
 
     def replace(self, **overrides: Any) -> SamplingParams:
         """A validated copy; `None` values keep the current field."""

@@ -19,7 +19,7 @@ from .checkpoint import default_dtype, load_checkpoint
 from .checkpoint_config import CheckpointConfig
 from .embeddings import Grid, patchify, unpatchify
 from .errors import ConfigError, GenerationCancelled, InputError, NonFiniteState
-from .guidance import combine_guidance, guidance_plan
+from .guidance import COND, IMAGE, UNCOND, combine, guidance_plan, guided_branches
 from .image_io import to_pixels
 from .limits import Limits
 from .lora import apply_loras_
@@ -33,7 +33,6 @@ StopFn = Callable[[], bool]
 StepFn = Callable[[int, float], None]
 # Batched CFG wins where matmuls are short (few tokens); see bench/RESULTS.md.
 BATCH_CFG_MAX_TOKENS = 4096
-
 
 
 @dataclass
@@ -50,6 +49,19 @@ class GenerationRequest:
     index_offset_uncond: int | None = None
     task: str = "t2i"
     noise_scaled: bool = False  # True: ``noise`` is the starting state itself (LightX2V draws it scaled)
+    image_kv: torch.Tensor | None = None  # image-editing guidance: the input images without the prompt
+    index_offset_image: int | None = None
+
+    @property
+    def image_editing(self) -> bool:
+        """Image-editing guidance is selected by sending the image branch. A CFG rank that does
+        not run that branch gets its offset without the KV, so it plans the same steps."""
+        return self.image_kv is not None or self.index_offset_image is not None
+
+    def branch_input(self, name: str) -> tuple[torch.Tensor | None, int | None]:
+        """The prefix and index offset of branch ``name`` (cond, uncond or image)."""
+        return {COND: (self.cond_kv, self.index_offset_cond), UNCOND: (self.uncond_kv, self.index_offset_uncond),
+                IMAGE: (self.image_kv, self.index_offset_image)}[name]
 
 
 @dataclass
@@ -60,8 +72,17 @@ class Prepared:
     times: list[float]
     plan: list[bool]
     noise_scale: float
-    cond: BranchContext | None
-    uncond: BranchContext | None
+    branches: dict[str, BranchContext]  # the branches this process runs, by name
+    guided: tuple[str, ...] = (COND, UNCOND)  # the branches a guided step combines, cond first
+    image: bool = False  # image-editing guidance
+
+    @property
+    def cond(self) -> BranchContext | None:
+        return self.branches.get(COND)
+
+    @property
+    def uncond(self) -> BranchContext | None:
+        return self.branches.get(UNCOND)
 
 
 class NeoPPPipeline:
@@ -103,7 +124,7 @@ class NeoPPPipeline:
 
     # ---- preparation ------------------------------------------------------------------
     def guidance_plan(self, req: GenerationRequest) -> list[bool]:
-        return plan_of(req.sampling)
+        return plan_of(req.sampling, req.image_editing)
 
     def grid(self, height: int, width: int) -> Grid:
         c = self.config
@@ -113,16 +134,17 @@ class NeoPPPipeline:
     def branch(self, kv: torch.Tensor, offset: int, grid: Grid) -> BranchContext:
         return BranchContext(kv, offset, grid, self.config, self.device, self.dtype)
 
-    def prepare(self, req: GenerationRequest, need_cond: bool = True, need_uncond: bool | None = None) -> Prepared:
-        s = req.sampling
+    def prepare(self, req: GenerationRequest, names: tuple[str, ...] | None = None) -> Prepared:
+        """Lay out the branches ``names`` (default: cond, plus what guided steps read, if any)."""
+        s, image = req.sampling, req.image_editing
         grid = self.grid(req.height, req.width)
         times = shifted_timesteps(s.infer_steps, s.timestep_shift)
-        plan = guidance_plan(s, times)
-        if need_uncond is None:
-            need_uncond = any(plan)
-        cond = self.branch(req.cond_kv, req.index_offset_cond, grid) if need_cond else None
-        uncond = self.branch(req.uncond_kv, req.index_offset_uncond, grid) if need_uncond else None
-        return Prepared(grid, times, plan, initial_noise_scale(self.config, grid.num_tokens), cond, uncond)
+        plan = guidance_plan(s, times, image)
+        guided = guided_branches(s, image)
+        if names is None:
+            names = guided if any(plan) else (COND,)
+        branches = {name: self.branch(*req.branch_input(name), grid) for name in names}
+        return Prepared(grid, times, plan, initial_noise_scale(self.config, grid.num_tokens), branches, guided, image)
 
     # ---- the loop ---------------------------------------------------------------------
     def velocity(self, hid: torch.Tensor, z: torch.Tensor, t: float, branch: BranchContext, grid: Grid) -> torch.Tensor:
@@ -139,17 +161,20 @@ class NeoPPPipeline:
         t = prep.times[k]
         hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
         if not prep.plan[k]:
-            return self.velocity(hid, z, t, prep.cond, prep.grid)
-        if self.batch_cfg(prep.grid.num_tokens):
-            both = self.transformer.run_layers(torch.cat([hid, hid]), BatchedBranches([prep.cond, prep.uncond]))
-            v_c, v_u = (self._velocity_from(h, z, t, prep.grid) for h in both.split(hid.shape[0]))
-        else:
-            v_c = self.velocity(hid, z, t, prep.cond, prep.grid)
-            v_u = self.velocity(hid, z, t, prep.uncond, prep.grid)
-        return combine_guidance(v_c, v_u, sampling.cfg_scale, sampling.cfg_norm)
+            return self.velocity(hid, z, t, prep.branches[COND], prep.grid)
+        return combine(self.branch_velocities(hid, z, t, prep, prep.guided), sampling, prep.image)
+
+    def branch_velocities(self, hid: torch.Tensor, z: torch.Tensor, t: float, prep: Prepared,
+                          names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Velocities of several branches at one step: one batch, or one pass each."""
+        if len(names) > 1 and self.batch_cfg(prep.grid.num_tokens):
+            batch = BatchedBranches([prep.branches[n] for n in names])
+            out = self.transformer.run_layers(torch.cat([hid] * len(names)), batch).split(hid.shape[0])
+            return {n: self._velocity_from(h, z, t, prep.grid) for n, h in zip(names, out)}
+        return {n: self.velocity(hid, z, t, prep.branches[n], prep.grid) for n in names}
 
     def batch_cfg(self, num_tokens: int) -> bool:
-        """Run both branches as one batch? `cfg_batching` is on, off, or auto (by token count)."""
+        """Run a step's branches as one batch? `cfg_batching` is on, off, or auto (by token count)."""
         if self.cfg_batching == "auto":
             return num_tokens <= BATCH_CFG_MAX_TOKENS
         return self.cfg_batching == "on"

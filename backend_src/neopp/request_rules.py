@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import InputError, shown
-from .guidance import guidance_plan
+from .guidance import UNCOND, guidance_plan, guided_branches
 from .kv_cache import validate_kv
 from .limits import Limits
 from .modes import TASKS, SamplingParams
@@ -55,9 +55,29 @@ def check_steps(steps: int, limits: Limits, field: str = "infer_steps") -> None:
         raise InputError(f"{field}: must be in 1..{limits.max_steps}, got {steps}")
 
 
-def plan_of(sampling: SamplingParams) -> list[bool]:
-    """Which steps run guidance for these sampling values."""
-    return guidance_plan(sampling, shifted_timesteps(sampling.infer_steps, sampling.timestep_shift))
+def plan_of(sampling: SamplingParams, image: bool = False) -> list[bool]:
+    """Which steps run guidance for these sampling values (``image``: an image-editing request)."""
+    return guidance_plan(sampling, shifted_timesteps(sampling.infer_steps, sampling.timestep_shift), image)
+
+
+def image_branch_refusal(sampling: SamplingParams) -> str:
+    """The one message for image guidance asked for without the image branch (every path uses it)."""
+    return (f"image_guidance_scale: {sampling.image_guidance_scale:g} refused without the image branch "
+            "(image_kv / IMAGE_KV with its index offset: the input images without the prompt); send it, "
+            "or set image_guidance_scale to 1")
+
+
+def uncond_reason(sampling: SamplingParams, image: bool) -> str:
+    """Why this request's guided steps read the uncond branch, in its own values."""
+    s = sampling
+    where = f"inside cfg_interval {s.cfg_interval}"
+    if not image:
+        return (f"guidance is on for some steps (cfg_scale {s.cfg_scale} > 1 {where}); "
+                "send it, or set cfg_scale <= 1")
+    relation = "==" if s.cfg_scale == s.image_guidance_scale else "!="
+    return (f"image_guidance_scale {s.image_guidance_scale:g} {relation} cfg_scale {s.cfg_scale:g} and != 1: "
+            f"image-editing guidance reads the uncond branch (empty prompt, no image) at the steps {where}; "
+            "send it, or set image_guidance_scale to 1")
 
 
 @dataclass(frozen=True)
@@ -82,10 +102,30 @@ class RequestRules:
             if req.index_offset_uncond is None:
                 raise InputError("index_offset_uncond: required when uncond_kv is given")
             check_offset(req.index_offset_uncond, self.limits, "index_offset_uncond")
-        if any(plan_of(req.sampling)) and req.uncond_kv is None:
-            raise InputError(f"uncond_kv: required because guidance is on for some steps "
-                             f"(cfg_scale {req.sampling.cfg_scale} > 1 inside cfg_interval "
-                             f"{req.sampling.cfg_interval}); send it, or set cfg_scale <= 1")
+        self.check_image_branch(req)
+        self.check_branches_present(req)
+
+    def check_image_branch(self, req: GenerationRequest) -> None:
+        """IMAGE_KV checked like the uncond prefix; its offset comes with it, never alone."""
+        if req.image_kv is not None:
+            validate_kv(req.image_kv, self.config.kv_dims, "image_kv", self.limits.max_prefix_tokens)
+            if req.index_offset_image is None:
+                raise InputError("index_offset_image: required when image_kv is given")
+            check_offset(req.index_offset_image, self.limits, "index_offset_image")
+        elif req.index_offset_image is not None:
+            raise InputError("index_offset_image: given without image_kv; send both or neither")
+        elif req.sampling.image_guidance_scale != 1.0:
+            raise InputError(image_branch_refusal(req.sampling))
+
+    @staticmethod
+    def check_branches_present(req: GenerationRequest) -> None:
+        """The uncond branch, when a guided step of this request reads it, must have been sent
+        (the image branch cannot be missing: sending it is what selects image-editing guidance)."""
+        image = req.image_kv is not None
+        if not any(plan_of(req.sampling, image)) or UNCOND not in guided_branches(req.sampling, image):
+            return
+        if req.uncond_kv is None:
+            raise InputError(f"uncond_kv: required because {uncond_reason(req.sampling, image)}")
 
     def check_size(self, height: int, width: int, field: str = "size") -> None:
         """Bounds, then what the checkpoint needs: whole tokens and enough vision positions."""

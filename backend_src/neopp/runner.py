@@ -42,12 +42,19 @@ class NeoPPRunner:
         self.stream = NoiseStream()
         self._cond: torch.Tensor | None = None
         self._uncond: torch.Tensor | None = None
+        self._image: torch.Tensor | None = None
         self._offsets: tuple[int | None, int | None] = (None, None)
+        self._offset_image: int | None = None
         self._resize: tuple[int, int] | None = None
 
     def set_kvcache(self, cond: torch.Tensor, uncond: torch.Tensor | None = None) -> None:
         """Prefixes in the online layout [layers, 2, seq, kv_heads, head_dim]."""
-        self._cond, self._uncond = cond, uncond
+        self._cond, self._uncond, self._image = cond, uncond, None
+
+    def set_kvcache_i2i(self, cond: torch.Tensor, text_uncond: torch.Tensor | None = None,
+                        img_uncond: torch.Tensor | None = None) -> None:
+        """Image editing: prompt + images, empty prompt, and the images alone (online layout)."""
+        self._cond, self._uncond, self._image = cond, text_uncond, img_uncond
 
     def load_kvcache(self, cond_path: str | Path, uncond_path: str | Path | None = None) -> None:
         """Prefixes from replay-layout files (`.pt` or safetensors)."""
@@ -57,7 +64,7 @@ class NeoPPRunner:
                              cfg_interval: Any = _KEEP, cfg_scale: Any = _KEEP, cfg_norm: Any = _KEEP,
                              timestep_shift: Any = _KEEP, output_format: Any = _KEEP, infer_steps: Any = _KEEP,
                              enable_cfg: Any = _KEEP, image_guidance_scale: Any = _KEEP,
-                             resize: Any = _KEEP) -> None:
+                             resize: Any = _KEEP, index_offset_image: int | None = None) -> None:
         """Offsets of this turn; values given here override the mode's for this turn only."""
         overrides = {k: v for k, v in dict(cfg_interval=cfg_interval, cfg_scale=cfg_scale, cfg_norm=cfg_norm,
                                            timestep_shift=timestep_shift, output_format=output_format,
@@ -65,6 +72,7 @@ class NeoPPRunner:
                                            image_guidance_scale=image_guidance_scale).items() if v is not _KEEP}
         self.sampling = self.mode_sampling.replace(**overrides)
         self._offsets = (index_offset_cond, index_offset_uncond)
+        self._offset_image = index_offset_image
         if resize is not _KEEP:
             self._resize = tuple(resize) if resize else None
 
@@ -82,7 +90,8 @@ class NeoPPRunner:
             self.stream.reseed(seed)
         req = GenerationRequest(cond_kv=self._cond, uncond_kv=self._uncond, index_offset_cond=self._offsets[0],
                                 index_offset_uncond=self._offsets[1], height=height, width=width,
-                                sampling=self.sampling, task=task or self.default_task)
+                                sampling=self.sampling, task=task or self.default_task,
+                                image_kv=self._image, index_offset_image=self._offset_image)
         self.pipeline.validate(req)  # before drawing, so a refused request does not advance the stream
         req.noise = self.stream.draw(height, width)
         data = encode_image(self.pipeline.generate(req), self.sampling.output_format, self._resize)

@@ -65,7 +65,16 @@ CASES = [
     ("rng-state-short", lambda t: {"RNG_STATE": np.zeros(10, np.uint8)}, "RNG_STATE", "bytes"),
     ("seed-and-rng-state", lambda t: {"SEED": np.array([1], I64), "RNG_STATE": np.zeros(10, np.uint8)}, "SEED",
      "not both"),
-    ("image-guidance", lambda t: {"IMAGE_GUIDANCE_SCALE": np.array([2.0], F32)}, "IMAGE_GUIDANCE_SCALE", "refused"),
+    ("image-guidance-without-image-kv", lambda t: {"IMAGE_GUIDANCE_SCALE": np.array([2.0], F32)},
+     "IMAGE_GUIDANCE_SCALE", "refused without the image branch (image_kv / IMAGE_KV"),
+    ("image-kv-without-offset", lambda t: {"IMAGE_KV": _kv(t)}, "INDEX_OFFSET_IMAGE", "required together"),
+    ("image-kv-nan", lambda t: {"IMAGE_KV": _kv(t, nan=1), "INDEX_OFFSET_IMAGE": np.array([3], I64)}, "IMAGE_KV",
+     "NaN"),
+    ("image-offset-too-large", lambda t: {"IMAGE_KV": _kv(t), "INDEX_OFFSET_IMAGE": np.array([10**9], I64)},
+     "INDEX_OFFSET_IMAGE", "range"),
+    ("three-branches-without-uncond", lambda t: {"IMAGE_KV": _kv(t), "INDEX_OFFSET_IMAGE": np.array([3], I64),
+                                                 "IMAGE_GUIDANCE_SCALE": np.array([2.0], F32), "UNCOND_KV": None,
+                                                 "INDEX_OFFSET_UNCOND": None}, "UNCOND_KV", "image_guidance_scale 2"),
 ]
 
 
@@ -102,3 +111,14 @@ def test_failed_request_does_not_advance_the_instance_stream(triton):
     after = triton.infer_grpc()
     replay = triton.infer_grpc(RNG_STATE=before.as_numpy("NEXT_RNG_STATE"))
     assert after.as_numpy("IMAGE")[0] == replay.as_numpy("IMAGE")[0]
+
+
+def test_8step_mode_refuses_image_guidance_even_with_the_image_branch(triton):
+    """Guidance is off in the 8-step mode (enable_cfg false): IMAGE_GUIDANCE_SCALE != 1 is refused."""
+    tensors = triton.grpc_tensors(IMAGE_KV=_kv(triton), INDEX_OFFSET_IMAGE=np.array([3], I64),
+                                  IMAGE_GUIDANCE_SCALE=np.array([2.0], F32))
+    with pytest.raises(InferenceServerException) as info:
+        triton.grpc.infer("neopp_dense_8steps", tensors)
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value
+    assert "IMAGE_GUIDANCE_SCALE: 2 refused; guidance is disabled" in info.value.message()
+    assert triton.grpc.infer("neopp_dense_8steps", triton.grpc_tensors(SEED=np.array([9], I64))) is not None

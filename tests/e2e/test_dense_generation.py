@@ -27,6 +27,8 @@ def test_metadata_reports_checkpoint_kv_geometry(triton):
     shapes = {i["name"]: [int(d) for d in i["shape"]] for i in meta["inputs"]}
     assert shapes["COND_KV"] == [layers, 2, -1, kv_heads, head_dim]
     assert shapes["UNCOND_KV"] == [layers, 2, -1, kv_heads, head_dim]
+    assert shapes["IMAGE_KV"] == [layers, 2, -1, kv_heads, head_dim]
+    assert shapes["INDEX_OFFSET_IMAGE"] == [1]
     http_meta = triton.http.get_model_metadata("neopp_dense")
     assert {o["name"]: o["datatype"] for o in http_meta["outputs"]} == {"IMAGE": "BYTES", "NEXT_RNG_STATE": "UINT8"}
 

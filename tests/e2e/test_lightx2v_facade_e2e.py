@@ -12,6 +12,7 @@ from tritonclient.utils import InferenceServerException
 from neopp.compat.lightx2v import LightX2VPipeline
 from testing import REPO
 from testing.lightllm_adapter import AdapterCopy, patch_runner_class, scenario, unpatch_runner_class
+from testing.tiny_checkpoint import random_kv, tiny_config
 
 DENSE = str(REPO / "configs" / "neopp" / "neopp_dense.json")
 
@@ -31,12 +32,12 @@ def images(adapter: AdapterCopy, kv: dict) -> dict[str, bytes]:
 
 
 def test_lightllms_sequence_gives_the_same_bytes_in_process_and_over_triton(triton, lightllm_patches):
-    kv = {"cond": triton.cond, "uncond": triton.uncond}
+    kv = {"cond": triton.cond, "uncond": triton.uncond, "image": random_kv(tiny_config("dense"), 9, 3)}
     local = images(AdapterCopy(str(triton.checkpoint), DENSE), kv)
     remote = images(AdapterCopy(str(triton.checkpoint), DENSE, server_url=triton.server.grpc_url,
                                 triton_model="neopp_dense"), kv)
     assert remote == local
-    assert len(set(local.values())) == 4
+    assert len(set(local.values())) == 5  # c0 edits with the image branch (three-branch guidance)
 
 
 def test_a_step_hook_that_raises_cancels_the_remote_request(triton):

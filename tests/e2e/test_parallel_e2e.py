@@ -8,6 +8,7 @@ may differ by at most 1 level of 255, and almost all must be identical.
 
 from __future__ import annotations
 
+import base64
 import io
 import re
 import signal
@@ -16,11 +17,15 @@ import time
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
+from conftest import COND_TOKENS, DEFAULT_SIZE, DEFAULT_STEPS, UNCOND_TOKENS
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
+from testing import lightllm_client_module
 from testing.faults import rank_pids, signal_own
+from testing.tiny_checkpoint import random_kv, tiny_config
 
 STEPS_METRIC = "neopp_denoising_steps_total"
 PARALLEL = ("neopp_dense_cfg", "neopp_dense_cfg_seq")
@@ -51,6 +56,37 @@ def test_parallel_model_equals_single_device(triton, model, case):
     assert got.shape == expected.shape
     diff = np.abs(got - expected)
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+
+
+def test_image_editing_gives_the_same_png_on_dense_and_cfg(triton):
+    """Three branches (IMAGE_GUIDANCE_SCALE 2 != CFG_SCALE): batched on one device, or spread over
+    2 CFG ranks with one rank carrying two; the same PNG bytes either way."""
+    image_kv = random_kv(tiny_config("dense"), 15, seed=5).float().numpy()
+    edit = {"SEED": np.array([31], np.int64), "IMAGE_KV": (image_kv, "BF16"),
+            "INDEX_OFFSET_IMAGE": np.array([15], np.int64), "IMAGE_GUIDANCE_SCALE": np.array([2.0], np.float32)}
+    dense = infer(triton, "neopp_dense", **edit).as_numpy("IMAGE")[0]
+    assert infer(triton, "neopp_dense_cfg", **edit).as_numpy("IMAGE")[0] == dense
+    assert dense[:8] == b"\x89PNG\r\n\x1a\n"
+    # the image branch and its scale enter the result
+    assert infer(triton, "neopp_dense", SEED=edit["SEED"]).as_numpy("IMAGE")[0] != dense
+    other_scale = dict(edit, IMAGE_GUIDANCE_SCALE=np.array([1.5], np.float32))
+    assert infer(triton, "neopp_dense", **other_scale).as_numpy("IMAGE")[0] != dense
+
+    # LightLLM's calls through the client: the image branch and its scale are sent, not dropped
+    lightllm = lightllm_client_module()
+    with lightllm.NeoPPTritonClient(triton.server.grpc_url, stateless=True, model="neopp_dense",
+                                    shared_memory=False) as client:
+        client.set_kvcache_i2i(triton.cond, triton.uncond, torch.from_numpy(image_kv))
+        client.set_inference_params(COND_TOKENS, UNCOND_TOKENS, infer_steps=DEFAULT_STEPS, output_format="png",
+                                    image_guidance_scale=2.0, index_offset_image=15)
+        assert base64.b64decode(client.generate(seed=31, target_shape=list(DEFAULT_SIZE))) == dense
+        client.set_kvcache(triton.cond, triton.uncond)
+        with pytest.raises(InferenceServerException, match="IMAGE_KV: required together with INDEX_OFFSET_IMAGE"):
+            client.generate(seed=31, target_shape=list(DEFAULT_SIZE))  # the offset alone is not dropped
+        client.set_inference_params(COND_TOKENS, UNCOND_TOKENS, infer_steps=DEFAULT_STEPS, output_format="png",
+                                    image_guidance_scale=2.0)
+        with pytest.raises(InferenceServerException, match="IMAGE_GUIDANCE_SCALE: 2 refused without the image"):
+            client.generate(seed=31, target_shape=list(DEFAULT_SIZE))
 
 
 def test_log_states_whether_cfg_parallel_was_active(triton):

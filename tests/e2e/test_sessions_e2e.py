@@ -15,6 +15,7 @@ from tritonclient.utils import InferenceServerException
 from neopp.tools import replay_kv, replay_kv_multiturn
 from testing import REPO as REPO_ROOT
 from testing import lightllm_client_module
+from testing.tiny_checkpoint import random_kv, tiny_config
 
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # the e2e fixture's sample KV lengths, used as offsets
 
@@ -178,6 +179,17 @@ def test_generation_errors_reach_the_client_unchanged(sessions):
                             sequence_end=True)
     assert via_session.value.message() == direct.value.message()
     assert via_session.value.status() == direct.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+def test_an_image_editing_turn_passes_the_image_branch_through(sessions):
+    """IMAGE_KV, INDEX_OFFSET_IMAGE and IMAGE_GUIDANCE_SCALE reach the generation model unchanged."""
+    edit = {"IMAGE_KV": (random_kv(tiny_config("dense"), 9, seed=4).float().numpy(), "BF16"),
+            "INDEX_OFFSET_IMAGE": _i64(9), "IMAGE_GUIDANCE_SCALE": np.array([2.0], np.float32)}
+    via_session = turn(sessions, 7002, seed=5, start=True, end=True, **edit)
+    direct = sessions.infer_grpc(STEPS=_i64(STEPS), SEED=_i64(5), **edit)
+    assert bytes(via_session.as_numpy("IMAGE")[0]) == bytes(direct.as_numpy("IMAGE")[0])
+    plain = sessions.infer_grpc(STEPS=_i64(STEPS), SEED=_i64(5))
+    assert bytes(plain.as_numpy("IMAGE")[0]) != bytes(direct.as_numpy("IMAGE")[0])
 
 
 def test_a_model_not_offered_is_refused_naming_model(sessions):

@@ -364,7 +364,11 @@ def reference_velocity(ckpt, kv_online, offset, x, t, H, W):
 # --------------------------------------------------------------------------- guidance, sampling
 
 def combine(v_c, v_u, scale, norm):
-    v = v_u + scale * (v_c - v_u)
+    return clamp_to_cond(v_u + scale * (v_c - v_u), v_c, norm)
+
+
+def clamp_to_cond(v, v_c, norm):
+    """Scale the guided v down (never up) to the norm of the cond velocity."""
     if norm == "global":
         ratio = torch.linalg.vector_norm(v_c) / (torch.linalg.vector_norm(v) + 1e-8)
         return v * ratio.clamp(0.0, 1.0)
@@ -398,6 +402,62 @@ def reference_generate(ckpt, cond_kv, uncond_kv, off_c, off_u, H, W, noise_unsca
         z = cut(x[0], T, channel_last=True) + (ts[k + 1] - t) * v
         x = uncut_channel_last(z, H, W, T)[None]
     return x
+
+
+# --------------------------------------------------------------------------- image editing (three branches)
+# Branches: cond = prompt + input images, uncond = empty prompt (no image), image = the input
+# images without the prompt.  s = cfg_scale, s_img = image_guidance_scale.
+
+def image_step_is_guided(t, enable_cfg, s, s_img, cfg_interval):
+    """Open interval (low < t < high), or every step when low is exactly 0; never when both scales are 1."""
+    if not enable_cfg or (s == 1 and s_img == 1):
+        return False
+    low, high = cfg_interval
+    return (low < t < high) or low == 0
+
+
+def image_step_branches(s, s_img):
+    """The branches a guided image-editing step evaluates besides cond."""
+    if s_img == 1:
+        return ["image"]
+    if s == s_img:
+        return ["uncond"]
+    return ["uncond", "image"]
+
+
+def image_guided_velocity(v, s, s_img, norm):
+    """v: branch name -> velocity.  The formula of each case, then the clamp when a scale exceeds 1."""
+    v_c = v["cond"]
+    if s_img == 1:
+        out = v["image"] + s * (v_c - v["image"])
+    elif s == s_img:
+        out = v["uncond"] + s * (v_c - v["uncond"])
+    else:
+        out = v["uncond"] + s * (v_c - v["image"]) + s_img * (v["image"] - v["uncond"])
+    if s > 1 or s_img > 1:
+        return clamp_to_cond(out, v_c, norm)
+    return out
+
+
+def reference_generate_image_edit(ckpt, prefixes, H, W, noise_unscaled, steps, shift, s, s_img,
+                                  cfg_interval, cfg_norm, enable_cfg):
+    """Whole image-editing generation.  prefixes: name -> (kv_online, offset).
+    Returns the final x (float64 [1, 3, H, W]) and, per step, the branches it evaluated."""
+    m = as_model(ckpt)
+    ts = shifted_timesteps(steps, shift)
+    x = noise_scale(m, (H // T) * (W // T)) * noise_unscaled.to(F64).reshape(1, 3, H, W)
+    ran = []
+    for k in range(steps):
+        t = ts[k]
+        names = ["cond"]
+        if image_step_is_guided(t, enable_cfg, s, s_img, cfg_interval):
+            names += image_step_branches(s, s_img)
+        v = {name: reference_velocity(m, prefixes[name][0], prefixes[name][1], x, t, H, W) for name in names}
+        step_v = v["cond"] if len(names) == 1 else image_guided_velocity(v, s, s_img, cfg_norm)
+        z = cut(x[0], T, channel_last=True) + (ts[k + 1] - t) * step_v
+        x = uncut_channel_last(z, H, W, T)[None]
+        ran.append(names)
+    return x, ran
 
 
 def reference_pixels(x):

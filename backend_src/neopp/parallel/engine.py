@@ -20,12 +20,27 @@ import torch.distributed as dist
 from ..checkpoint_config import CheckpointConfig
 from ..embeddings import Grid
 from ..errors import ConfigError
-from ..guidance import combine_guidance
+from ..guidance import COND, IMAGE, UNCOND, combine
 from ..limits import Limits
 from ..modes import ModeSpec, SamplingParams
 from ..pipeline import GenerationRequest, NeoPPPipeline, Prepared, StepFn, StopFn
 from ..transformer import BranchContext
 from .mesh import Mesh
+
+# Which branches each of the 2 CFG ranks runs at a step that needs three: cond stays on rank 0
+# (where unguided steps run it) and the two shorter prefixes share rank 1. Measured against the
+# other pairings (bench/cfg_layout.py, bench/RESULTS.md): as fast or faster; cond+image the slowest.
+THREE_BRANCH_LAYOUT: tuple[tuple[str, ...], tuple[str, ...]] = ((COND,), (UNCOND, IMAGE))
+
+
+def cfg_layout(guided: tuple[str, ...],
+               three: tuple[tuple[str, ...], ...] = THREE_BRANCH_LAYOUT) -> tuple[tuple[str, ...], ...]:
+    """The branches of a guided step spread over 2 CFG ranks: one each, or ``three`` for three."""
+    if len(guided) == 2:
+        return (guided[:1], guided[1:])
+    if sorted(sum(three, ())) != sorted(guided) or COND not in three[0]:
+        raise ConfigError(f"three-branch layout {three} must place {guided} once each, cond on rank 0")
+    return three
 
 
 class CommTimer:
@@ -124,12 +139,24 @@ class ParallelPipeline(NeoPPPipeline):
             return super().branch(kv, offset, grid)
         return UlyssesBranch(kv, offset, grid, self.config, self.device, self.dtype, self.mesh, self.comm)
 
-    def prepare(self, req: GenerationRequest, need_cond: bool = True, need_uncond: bool | None = None) -> Prepared:
+    three_branch_layout = THREE_BRANCH_LAYOUT  # a benchmark or test may try another pairing
+
+    def layout(self, prep: Prepared) -> tuple[tuple[str, ...], ...]:
+        """Which branches each CFG rank runs at this request's guided steps."""
+        return cfg_layout(prep.guided, self.three_branch_layout)
+
+    def prepare(self, req: GenerationRequest, names: tuple[str, ...] | None = None) -> Prepared:
+        """This CFG rank lays out only its own branches (rank 0 always has cond)."""
         if not self.cfg_parallel:
-            return super().prepare(req)
-        guided = any(self.guidance_plan(req))
-        first = self.mesh.cfg_rank == 0
-        return super().prepare(req, need_cond=first, need_uncond=guided and not first)
+            return super().prepare(req, names)
+        prep = super().prepare(req, names=())
+        rank = self.mesh.cfg_rank
+        if any(prep.plan):
+            mine = self.layout(prep)[rank]
+        else:
+            mine = (COND,) if rank == 0 else ()
+        prep.branches = {n: self.branch(*req.branch_input(n), prep.grid) for n in mine}
+        return prep
 
     def velocity(self, hid: torch.Tensor, z: torch.Tensor, t: float, branch: BranchContext, grid: Grid) -> torch.Tensor:
         if not isinstance(branch, UlyssesBranch):
@@ -159,11 +186,17 @@ class ParallelPipeline(NeoPPPipeline):
                 dist.broadcast(v, src=self.mesh.global_rank(0, self.mesh.seq_rank), group=self.mesh.cfg_group)
             return v
         hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
-        mine = self.velocity(hid, z, t, prep.cond if first else prep.uncond, prep.grid)
-        both = [torch.empty_like(mine) for _ in range(self.mesh.cfg_p_size)]
+        layout = self.layout(prep)
+        mine = layout[self.mesh.cfg_rank]
+        vs = self.branch_velocities(hid, z, t, prep, mine)
+        # Equal-sized pieces for all_gather: a rank with fewer branches pads with zeros.
+        width = max(len(names) for names in layout)
+        sent = torch.stack([vs[n] for n in mine] + [torch.zeros_like(z)] * (width - len(mine)))
+        got = [torch.empty_like(sent) for _ in range(self.mesh.cfg_p_size)]
         with self.comm():
-            dist.all_gather(both, mine.contiguous(), group=self.mesh.cfg_group)
-        return combine_guidance(both[0], both[1], sampling.cfg_scale, sampling.cfg_norm)
+            dist.all_gather(got, sent, group=self.mesh.cfg_group)
+        every = {n: got[r][i] for r, names in enumerate(layout) for i, n in enumerate(names)}
+        return combine(every, sampling, prep.image)
 
     def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
                prep: Prepared | None = None) -> torch.Tensor:

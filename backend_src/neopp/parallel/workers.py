@@ -21,6 +21,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
+from ..guidance import COND, IMAGE, UNCOND, guided_branches
 from ..limits import Limits
 from ..modes import ModeSpec
 from ..pipeline import GenerationRequest, StepFn, StopFn
@@ -226,15 +227,10 @@ class WorkerPool:
         self.rules.validate(req)
 
     def guidance_plan(self, req: GenerationRequest) -> list[bool]:
-        return plan_of(req.sampling)
+        return plan_of(req.sampling, req.image_editing)
 
     def _rank_request(self, req: GenerationRequest, rank: int) -> GenerationRequest:
-        """Each rank gets only the KV its branch needs."""
-        if self.mode.cfg_p_size < 2:
-            return req
-        if rank // self.mode.seq_p_size == 0:
-            return replace(req, uncond_kv=None)
-        return replace(req, cond_kv=None)
+        return rank_request(self.mode, req, rank)
 
     def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
                  on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:
@@ -299,6 +295,22 @@ class WorkerPool:
                 raise InputError(info)
             elif kind == "error":
                 raise self._fail_and_rebuild(self._death_notice() or f"generation failed in {info}")
+
+
+def rank_request(mode: ModeSpec, req: GenerationRequest, rank: int,
+                 three: tuple[tuple[str, ...], ...] | None = None) -> GenerationRequest:
+    """What rank ``rank`` is sent: only the KV of the branches it runs under the three-branch
+    layout ``three`` (default: the engine's); the offsets all stay, so every rank plans alike."""
+    if mode.cfg_p_size < 2:
+        return req
+    from .engine import THREE_BRANCH_LAYOUT, cfg_layout
+
+    cfg_rank = rank // mode.seq_p_size
+    mine = cfg_layout(guided_branches(req.sampling, req.image_editing), three or THREE_BRANCH_LAYOUT)[cfg_rank]
+    if cfg_rank == 0:
+        mine = (COND, *mine)  # unguided steps run cond on CFG rank 0
+    return replace(req, **{f"{name}_kv": getattr(req, f"{name}_kv") if name in mine else None
+                           for name in (COND, UNCOND, IMAGE)})
 
 
 def instance_devices(world_size: int, instance_index: int = 0, gpus: list[int] | None = None) -> tuple[str, ...]:

@@ -50,16 +50,18 @@ INPUT_SPECS: dict[str, InputSpec] = {
     "OUTPUT_FORMAT": InputSpec("TYPE_STRING", (1,)),
     "RESIZE": InputSpec("TYPE_INT64", (2,)),
     "IMAGE_GUIDANCE_SCALE": InputSpec("TYPE_FP32", (1,)),
+    "IMAGE_KV": InputSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
+    "INDEX_OFFSET_IMAGE": InputSpec("TYPE_INT64", (1,)),
 }
 OUTPUT_SPECS: dict[str, InputSpec] = {
     "IMAGE": InputSpec("TYPE_STRING", (1,)),
     "NEXT_RNG_STATE": InputSpec("TYPE_UINT8", (-1,)),
 }
-KV_INPUTS = ("COND_KV", "UNCOND_KV")
-TOKEN_PIXELS = 32
+KV_INPUTS = ("COND_KV", "UNCOND_KV", "IMAGE_KV")
+TOKEN_PIXELS = 32  # an image token's side in every NeoPP checkpoint; RequestRules checks the real one
 # NOISE bound: the noise scale is capped at 8 in every NeoPP checkpoint, and a standard normal
 # draw of even 4096x4096x3 values stays far below 20, so a legitimate start is under 200.
-NOISE_MAX_ABS = 1000.0  # an image token's side in every NeoPP checkpoint; RequestRules checks the real one
+NOISE_MAX_ABS = 1000.0
 
 _NUMPY_KINDS = {"TYPE_INT64": np.int64, "TYPE_FP32": np.float32, "TYPE_UINT8": np.uint8}
 
@@ -72,6 +74,8 @@ class ParsedRequest:
     index_offset_cond: int
     uncond_kv: torch.Tensor | None = None
     index_offset_uncond: int | None = None
+    image_kv: torch.Tensor | None = None
+    index_offset_image: int | None = None
     size: tuple[int, int] | None = None
     seed: int | None = None
     rng_state: np.ndarray | None = None
@@ -202,14 +206,8 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
     _check_request_bytes(inputs, limits)
     req = ParsedRequest(cond_kv=_kv("COND_KV", inputs["COND_KV"]),
                         index_offset_cond=_offset("INDEX_OFFSET_COND", inputs["INDEX_OFFSET_COND"], limits))
-    has_uncond, has_uoff = inputs.get("UNCOND_KV") is not None, inputs.get("INDEX_OFFSET_UNCOND") is not None
-    if has_uncond != has_uoff:
-        missing = "INDEX_OFFSET_UNCOND" if has_uncond else "UNCOND_KV"
-        other = "UNCOND_KV" if has_uncond else "INDEX_OFFSET_UNCOND"
-        raise InputError(f"{missing}: required together with {other}")
-    if has_uncond:
-        req.uncond_kv = _kv("UNCOND_KV", inputs["UNCOND_KV"])
-        req.index_offset_uncond = _offset("INDEX_OFFSET_UNCOND", inputs["INDEX_OFFSET_UNCOND"], limits)
+    req.uncond_kv, req.index_offset_uncond = _optional_branch(inputs, "UNCOND", limits)
+    req.image_kv, req.index_offset_image = _optional_branch(inputs, "IMAGE", limits)
     if inputs.get("SIZE") is not None:
         req.size = _size(inputs["SIZE"], limits)
     if inputs.get("RESIZE") is not None:
@@ -219,6 +217,18 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
         req.task = _choice("TASK", inputs["TASK"], TASKS, "task")
     _parse_sampling(inputs, req, limits)
     return req
+
+
+def _optional_branch(inputs: Mapping[str, Any], branch: str, limits: Limits) -> tuple[Any, int | None]:
+    """An optional prefix (``<branch>_KV``) and its offset (``INDEX_OFFSET_<branch>``): both or neither."""
+    kv_name, off_name = f"{branch}_KV", f"INDEX_OFFSET_{branch}"
+    has_kv, has_off = inputs.get(kv_name) is not None, inputs.get(off_name) is not None
+    if has_kv != has_off:
+        missing, other = (off_name, kv_name) if has_kv else (kv_name, off_name)
+        raise InputError(f"{missing}: required together with {other}")
+    if not has_kv:
+        return None, None
+    return _kv(kv_name, inputs[kv_name]), _offset(off_name, inputs[off_name], limits)
 
 
 def _parse_randomness(inputs: Mapping[str, Any], req: ParsedRequest) -> None:
@@ -292,6 +302,7 @@ SAMPLING_INPUT_NAMES = {
 # GenerationRequest field -> input name: the core's errors name fields, clients know inputs.
 REQUEST_INPUT_NAMES = {
     "cond_kv": "COND_KV", "uncond_kv": "UNCOND_KV", "index_offset_cond": "INDEX_OFFSET_COND",
-    "index_offset_uncond": "INDEX_OFFSET_UNCOND", "size": "SIZE", "noise": "NOISE",
+    "index_offset_uncond": "INDEX_OFFSET_UNCOND", "image_kv": "IMAGE_KV", "index_offset_image": "INDEX_OFFSET_IMAGE",
+    "size": "SIZE", "noise": "NOISE",
     "task": "TASK", **SAMPLING_INPUT_NAMES,
 }

@@ -73,7 +73,7 @@ class NeoPPTritonModel:
 
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
-        """Narrow COND_KV/UNCOND_KV to ``[layers, 2, -1, kv_heads, head_dim]`` of the checkpoint.
+        """Narrow COND_KV/UNCOND_KV/IMAGE_KV to ``[layers, 2, -1, kv_heads, head_dim]`` of the checkpoint.
 
         Metadata then reports the exact geometry and Triton itself rejects a wrong layout.
         Inputs/outputs missing from config.pbtxt are added from the contract table.
@@ -249,5 +249,6 @@ class NeoPPTritonModel:
             cond_kv=parsed.cond_kv, index_offset_cond=parsed.index_offset_cond, height=height, width=width,
             sampling=sampling,
             uncond_kv=parsed.uncond_kv, index_offset_uncond=parsed.index_offset_uncond,
+            image_kv=parsed.image_kv, index_offset_image=parsed.index_offset_image,
             task=parsed.task or self.settings.default_task,
         ), stream

@@ -40,6 +40,8 @@ class Turn:
     uncond: Path | None = None
     offset_uncond: int | None = None
     seed: int | None = None
+    image: Path | None = None  # image editing: the input images without the prompt
+    offset_image: int | None = None
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -65,6 +67,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     over.add_argument("--cfg-interval", type=float, nargs=2, metavar=("LOW", "HIGH"))
     over.add_argument("--cfg-norm", choices=CFG_NORMS)
     over.add_argument("--timestep-shift", type=float)
+    over.add_argument("--image-guidance-scale", type=float,
+                      help="image editing: the image branch's scale; other than 1 needs the image-branch KV")
     over.add_argument("--enable-cfg", dest="enable_cfg", action="store_true", default=None)
     over.add_argument("--no-cfg", dest="enable_cfg", action="store_false")
 
@@ -80,7 +84,8 @@ def parse_optional_int(text: str | None, what: str) -> int | None:
 
 def overrides(args: argparse.Namespace) -> dict:
     """Only the sampling flags that were given."""
-    keys = ("infer_steps", "cfg_scale", "cfg_interval", "cfg_norm", "timestep_shift", "enable_cfg")
+    keys = ("infer_steps", "cfg_scale", "cfg_interval", "cfg_norm", "timestep_shift", "enable_cfg",
+            "image_guidance_scale")
     return {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
 
 
@@ -132,7 +137,7 @@ class Replayer:
                   "reproduce", file=sys.stderr)
         self.seeded = True
         self.runner.set_inference_params(turn.offset_cond, turn.offset_uncond, output_format=output_format(out_path),
-                                         **self.overrides)
+                                         index_offset_image=turn.offset_image, **self.overrides)
         if self.is_writer:
             out_path.parent.mkdir(parents=True, exist_ok=True)
         data = self.runner.generate(seed=turn.seed, size=self.size, task=self.task,
@@ -154,7 +159,10 @@ class Replayer:
     def _load(self, turn: Turn) -> tuple[torch.Tensor, torch.Tensor | None]:
         cond = load_kv_file(turn.cond, self.layout)
         uncond = load_kv_file(turn.uncond, self.layout) if turn.uncond is not None else None
-        self.runner.set_kvcache(cond, uncond)
+        if turn.image is None:
+            self.runner.set_kvcache(cond, uncond)
+        else:
+            self.runner.set_kvcache_i2i(cond, uncond, load_kv_file(turn.image, self.layout))
         return cond, uncond
 
     def save_state(self, path: Path | None) -> None:

@@ -7,7 +7,9 @@ Example (dense, 1K, seed 200)::
         --seed 200 --size 1024 1024 --output out/dense_t2i.png
 
 Sampling values come from the mode file; `--steps`, `--cfg-scale`, `--cfg-interval`,
-`--cfg-norm`, `--timestep-shift`, `--no-cfg` override one each. Without `--seed` the stream
+`--cfg-norm`, `--timestep-shift`, `--image-guidance-scale`, `--no-cfg` override one each.
+Image editing adds the image branch (the input images without the prompt): `--image-kv` and
+`--offset-image`; `--image-guidance-scale` other than 1 needs it. Without `--seed` the stream
 continues: from `--state-in` (a previous run's `--state-out`), else from a random one.
 A parallel mode runs under `torchrun --standalone --nproc_per_node=N`.
 """
@@ -29,6 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--uncond-kv", type=Path, help="uncond prefix; needed whenever a step uses guidance")
     parser.add_argument("--offset-cond", type=int, required=True, help="index offset of the cond branch")
     parser.add_argument("--offset-uncond", type=int, help="index offset of the uncond branch")
+    parser.add_argument("--image-kv", type=Path, help="image editing: the image-branch prefix (images, no prompt)")
+    parser.add_argument("--offset-image", type=int, help="index offset of the image branch")
     parser.add_argument("--seed", help="integer seed; omitted or 'none': continue the stream")
     parser.add_argument("--output", type=Path, required=True, help="image path (.png, .jpg, .webp)")
     return parser
@@ -36,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> None:
     turn = Turn(cond=args.cond_kv, uncond=args.uncond_kv, offset_cond=args.offset_cond,
-                offset_uncond=args.offset_uncond, seed=parse_optional_int(args.seed, "--seed"))
+                offset_uncond=args.offset_uncond, seed=parse_optional_int(args.seed, "--seed"),
+                image=args.image_kv, offset_image=args.offset_image)
     replay(args, [(turn, args.output)])
 
 
