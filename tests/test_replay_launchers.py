@@ -114,7 +114,7 @@ def test_dense_launchers(tiny, tmp_path):
         assert_close(out / f"dense_cfg_parallel_1k_{i}.png", out / f"dense_t2i_1k_{i}.png")
     chat = [decoded(out / f"dense_3turn_2k_{i}.png") for i in range(3)]
     assert len({c.tobytes() for c in chat}) == 3
-    assert "offsets 366/12" in logs["dense_3turn_2k"] and "offsets 441/15" in logs["dense_3turn_2k"]
+    assert "offsets=366/12" in logs["dense_3turn_2k"] and "offsets=441/15" in logs["dense_3turn_2k"]
     for path in ("neopp_dense_i2i_1k.png", "dense_i2i_1k_0.png", "dense_8steps_lora_2k_0.png"):
         decoded(out / path)
 
@@ -124,7 +124,7 @@ def test_moe_launchers(tiny, tmp_path):
     out = tmp_path / "out"
     env = user_env(tiny / "moe", kv, out)
     for script in ("run_neopp_moe_t2i_1k", "run_neopp_moe_t2i_1k_cfg2", "run_neopp_moe_t2i_512"):
-        assert "offsets 325/9" in run_script(f"lightx2v/{script}.sh", env)
+        assert "offsets=325/9" in run_script(f"lightx2v/{script}.sh", env)
     for name in ("moe_t2i_1k", "moe_cfg_parallel_1k", "moe_512"):
         run_script(f"replay/{name}.sh", env)
     assert_close(out / "neopp_moe_t2i_1k_cfg2.png", out / "neopp_moe_t2i_1k.png")
