@@ -133,20 +133,33 @@ class NeoPPPipeline:
         x_pred = self.transformer.predict(hid, grid).float()
         return x_pred.sub_(z).div_(max(1.0 - t, 0.02))  # x_pred is a fresh tensor: no temporaries
 
+    def step_branches(self, prep: Prepared, k: int) -> list[BranchContext | None]:
+        """The branches step k runs, in the order `combine_step` takes their velocities.
+
+        The one place that says which branches a step needs: the step batcher asks it too, so a
+        new guidance branch is added here and in `combine_step` only. A rank of the CFG-parallel
+        engine holds None for the branches another rank computes.
+        """
+        return [prep.cond, prep.uncond] if prep.plan[k] else [prep.cond]
+
+    def combine_step(self, velocities: list[torch.Tensor], sampling: SamplingParams) -> torch.Tensor:
+        """The step's velocity from its branches' ones (as `step_branches` orders them)."""
+        if len(velocities) == 1:
+            return velocities[0]
+        return combine_guidance(velocities[0], velocities[1], sampling.cfg_scale, sampling.cfg_norm)
+
     def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
                       sampling: SamplingParams) -> torch.Tensor:
         """The (guided) velocity of step k; the parallel engine overrides this."""
         t = prep.times[k]
         hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
-        if not prep.plan[k]:
-            return self.velocity(hid, z, t, prep.cond, prep.grid)
-        if self.batch_cfg(prep.grid.num_tokens):
-            both = self.transformer.run_layers(torch.cat([hid, hid]), BatchedBranches([prep.cond, prep.uncond]))
-            v_c, v_u = (self._velocity_from(h, z, t, prep.grid) for h in both.split(hid.shape[0]))
+        branches = self.step_branches(prep, k)
+        if len(branches) > 1 and self.batch_cfg(prep.grid.num_tokens):
+            out = self.transformer.run_layers(torch.cat([hid] * len(branches)), BatchedBranches(branches))
+            vs = [self._velocity_from(h, z, t, prep.grid) for h in out.split(hid.shape[0])]
         else:
-            v_c = self.velocity(hid, z, t, prep.cond, prep.grid)
-            v_u = self.velocity(hid, z, t, prep.uncond, prep.grid)
-        return combine_guidance(v_c, v_u, sampling.cfg_scale, sampling.cfg_norm)
+            vs = [self.velocity(hid, z, t, b, prep.grid) for b in branches]
+        return self.combine_step(vs, sampling)
 
     def batch_cfg(self, num_tokens: int) -> bool:
         """Run both branches as one batch? `cfg_batching` is on, off, or auto (by token count)."""
