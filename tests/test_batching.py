@@ -13,8 +13,6 @@ control below).
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 import torch
@@ -24,10 +22,8 @@ from neopp.batching import StepBatcher, start
 from neopp.embeddings import patchify, unpatchify
 from neopp.errors import GenerationCancelled, NonFiniteState
 from neopp.image_io import to_pixels
-from neopp.kv_cache import load_kv_file
-from neopp.modes import SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
-from neopp.rng import NoiseStream
+from neopp.pipeline import NeoPPPipeline
+from testing.stream_requests import Collector, assert_pixels_match, make, mixed
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
 TIMEOUT_S = 60
@@ -41,28 +37,6 @@ def setup(tmp_path_factory):
            for i, (c, u) in enumerate([(21, 5), (9, 3), (14, 7)])]
     pipe = NeoPPPipeline.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
     return pipe, kvs
-
-
-def assert_pixels_match(got: np.ndarray, want: np.ndarray, what: str = "") -> None:
-    """Equal up to a last-bit flip on a rounding boundary (see the module docstring)."""
-    assert got.shape == want.shape, what
-    diff = np.abs(got.astype(np.int16) - want.astype(np.int16))
-    assert diff.max() <= 1 and (diff > 0).mean() < 0.01, f"{what}: max {diff.max()}, {(diff > 0).mean():.2%} differ"
-
-
-def make(kvs, i: int, height: int, width: int, steps: int, seed: int, **sampling) -> GenerationRequest:
-    kv = kvs[i]
-    return GenerationRequest(cond_kv=load_kv_file(kv["cond_pt"]), uncond_kv=load_kv_file(kv["uncond_pt"]),
-                             index_offset_cond=30 + i, index_offset_uncond=4 + i, height=height, width=width,
-                             noise=NoiseStream(seed).draw(height, width),
-                             sampling=SamplingParams(infer_steps=steps, **sampling))
-
-
-def mixed(kvs) -> list[GenerationRequest]:
-    """Different sizes, step counts, prefixes; guided, unguided and partly guided."""
-    return [make(kvs, 0, 64, 96, 3, 1, cfg_norm="channel"),
-            make(kvs, 1, 96, 64, 2, 2, enable_cfg=False),
-            make(kvs, 2, 64, 64, 4, 3, cfg_interval=(0.3, 0.8), cfg_scale=3.0)]
 
 
 def test_requests_joining_midway_equal_solo(setup):
@@ -93,21 +67,6 @@ def test_batched_velocity_is_not_the_neighbours(setup):
     active = [start(pipe, i, r) for i, r in enumerate(reqs)]
     batcher.step(active)
     assert (active[0].z - active[1].z).abs().max().item() > 1e-2
-
-
-class Collector:
-    """Events of one request, and a cancel switch the test flips from ``emit``."""
-
-    def __init__(self, cancel_after: int | None = None) -> None:
-        self.events, self.done = [], threading.Event()
-        self.cancel_after, self.cancel = cancel_after, False
-
-    def emit(self, ev) -> None:
-        self.events.append(ev)
-        if self.cancel_after is not None and ev.step >= self.cancel_after:
-            self.cancel = True
-        if ev.last:
-            self.done.set()
 
 
 def run_engine(pipe, reqs, collectors, preview_every=0, **kwargs):
