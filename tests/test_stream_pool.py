@@ -9,11 +9,14 @@ the state's range, so such differences can only flip a value sitting on a roundi
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 import torch
 
 from neopp.batch_engine import BatchingEngine, EngineHooks, build_stream_engine
-from neopp.errors import GenerationCancelled
+from neopp.errors import GenerationCancelled, WorkerFailure
 from neopp.modes import load_mode
 from neopp.pipeline import NeoPPPipeline
 from testing.stream_requests import Collector, assert_pixels_match, make, mixed
@@ -90,3 +93,28 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_dead_rank_fails_the_live_requests_and_the_pool_recovers(setup):
+    ckpt, pipe, kvs = setup
+    pool = build_stream_engine(ckpt, load_mode(MODES["cfg"]), dtype=torch.float32, threads=1)
+    try:
+        victim = pool.pids()[1]
+        c = Collector()
+
+        def emit(ev):
+            c.emit(ev)
+            if ev.step == 1 and not ev.last:
+                os.kill(victim, signal.SIGKILL)  # a rank this test's pool started
+
+        pool.submit(make(kvs, 0, 64, 64, 30, 5), emit, lambda: False)
+        assert c.done.wait(TIMEOUT_S)
+        assert isinstance(c.events[-1].error, WorkerFailure), c.events[-1]
+        after = Collector()
+        req = make(kvs, 1, 64, 64, 2, 6)
+        pool.submit(req, after.emit, lambda: False)
+        assert after.done.wait(TIMEOUT_S)
+        assert victim not in pool.pids()
+        assert_pixels_match(after.events[-1].final, pipe.generate(req), "after the rebuild")
+    finally:
+        pool.close()

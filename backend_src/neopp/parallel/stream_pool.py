@@ -121,6 +121,7 @@ class StreamPool(WorkerPool):
             if not ok or final is not None or error is not None:
                 with self._lock:
                     self._tickets.pop(job, None)
+                    self._told.discard(job)
                 if not ok:  # the caller is gone: stop computing for it
                     self._told.add(job)
                     self._tasks[0].put(("cancel", job))
