@@ -99,11 +99,13 @@ def test_engine_cancels_one_of_three_and_the_others_stay_exact(setup):
 
 def test_budget_runs_an_oversized_request_alone(setup):
     pipe, kvs, ckpt = setup
-    reqs = mixed(kvs)[:2]
-    collectors = [Collector(), Collector()]
+    reqs = mixed(kvs)
+    collectors = [Collector(), Collector(), Collector()]
+    collectors[2].cancel = True  # cancelled while queued behind the others
     _, sizes, _ = run_engine(pipe, reqs, collectors, token_budget=1)
     assert set(sizes) == {1}
     assert_pixels_match(collectors[1].events[-1].final, pipe.generate(reqs[1]))
+    assert [(e.step, type(e.error)) for e in collectors[2].events] == [(0, GenerationCancelled)]
 
 
 def reference_previews(ckpt, req) -> list[np.ndarray]:

@@ -124,6 +124,7 @@ class BatchingEngine(StreamEngine):
             active = [(t, a) for t, a in active if not self._dropped(t, a.k, a.total)]
             if waiting is not None and self._dropped(waiting[0], 0, waiting[1].total):
                 waiting = None
+            self._drop_queued()
             waiting = self._admit(active, waiting)
             if active:
                 active = self._step(active)
@@ -137,6 +138,15 @@ class BatchingEngine(StreamEngine):
             return False
         send(ticket, StepEvent(k, total, error=GenerationCancelled(f"cancelled before step {k + 1} of {total}")))
         return True
+
+    def _drop_queued(self) -> None:
+        """Queued requests are polled too, so a cancelled one does not wait for its turn to leave."""
+        with self._cv:
+            queued = list(self._queue)
+        gone = {t.job for t in queued if self._dropped(t, 0, t.req.sampling.infer_steps)}
+        if gone:
+            with self._cv:
+                self._queue = deque(t for t in self._queue if t.job not in gone)
 
     def _admit(self, active: list[tuple[Ticket, Active]],
                waiting: tuple[Ticket, Active] | None) -> tuple[Ticket, Active] | None:
