@@ -20,7 +20,6 @@ import torch.distributed as dist
 from ..checkpoint_config import CheckpointConfig
 from ..embeddings import Grid
 from ..errors import ConfigError
-from ..guidance import combine_guidance
 from ..limits import Limits
 from ..modes import ModeSpec, SamplingParams
 from ..pipeline import GenerationRequest, NeoPPPipeline, Prepared, StepFn, StopFn
@@ -163,7 +162,7 @@ class ParallelPipeline(NeoPPPipeline):
         both = [torch.empty_like(mine) for _ in range(self.mesh.cfg_p_size)]
         with self.comm():
             dist.all_gather(both, mine.contiguous(), group=self.mesh.cfg_group)
-        return combine_guidance(both[0], both[1], sampling.cfg_scale, sampling.cfg_norm)
+        return self.combine_step(both, sampling)
 
     def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
                prep: Prepared | None = None) -> torch.Tensor:
