@@ -8,7 +8,6 @@ metrics, and fails every live request with `WorkerFailure` when a rank dies or f
 
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 import time
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..batch_engine import EngineHooks, Ticket, is_cancelled, send
+from ..batch_engine import DEFAULT_TOKEN_BUDGET, EngineHooks, Ticket, is_cancelled, send
 from ..checkpoint import default_dtype
 from ..checkpoint_config import CheckpointConfig
 from ..errors import GenerationCancelled, WorkerFailure
@@ -31,7 +30,6 @@ from .lifeline import silent_rank
 from .stream_workers import ERRORS, StreamPoolSpec, _stream_rank_main
 from .workers import POLL_S, SILENCE_CHECK_S, WorkerPool, instance_devices
 
-log = logging.getLogger(__name__)
 CLOSE_WAIT_S = 10.0
 
 
@@ -138,8 +136,9 @@ class StreamPool(WorkerPool):
 
 
 def build_stream_pool(ckpt_dir: str | Path, mode: ModeSpec, dtype: torch.dtype | None = None,
-                      limits: Limits | None = None, threads: int | None = None, token_budget: int = 16384,
-                      hooks: EngineHooks | None = None, instance_index: int = 0, gpus: list[int] | None = None,
+                      limits: Limits | None = None, threads: int | None = None,
+                      token_budget: int = DEFAULT_TOKEN_BUDGET, hooks: EngineHooks | None = None,
+                      instance_index: int = 0, gpus: list[int] | None = None,
                       collective_timeout_s: float = 120.0) -> StreamPool:
     """A `StreamPool` for a mode with several ranks (as `engines.build_engine` builds a `WorkerPool`)."""
     limits = limits or Limits()

@@ -12,7 +12,6 @@ layers; a sum over the CFG group of zero-filled buffers gives every rank every v
 
 from __future__ import annotations
 
-import logging
 import os
 import queue
 import time
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..batch_engine import DEFAULT_TOKEN_BUDGET
 from ..batching import Active, BranchKey, StepBatcher, fits, start, step_cost
 from ..errors import GenerationCancelled, InputError, NeoPPError, NonFiniteState
 from ..pipeline import GenerationRequest
@@ -31,13 +31,20 @@ from ..transformer import BranchContext
 from .engine import UlyssesBranch
 from .workers import PoolSpec, load_rank
 
-log = logging.getLogger(__name__)
 ERRORS = {"cancelled": GenerationCancelled, "nonfinite": NonFiniteState, "input": InputError}
+
+
+def error_kind(exc: Exception) -> str:
+    """How an event's error crosses to the parent (by name, rebuilt there with its message)."""
+    for kind, cls in ERRORS.items():
+        if type(exc) is cls:
+            return kind
+    return "input" if isinstance(exc, InputError) else "failure"
 
 
 @dataclass(frozen=True)
 class StreamPoolSpec(PoolSpec):
-    token_budget: int = 16384
+    token_budget: int = DEFAULT_TOKEN_BUDGET
 
 
 class ParallelStepBatcher(StepBatcher):
@@ -174,7 +181,7 @@ class RankLoop:
     def _event(self, job: int, ev: StepEvent) -> None:
         if not self.lead:
             return
-        kind = None if ev.error is None else next((k for k, c in ERRORS.items() if type(ev.error) is c), "input")
+        kind = None if ev.error is None else error_kind(ev.error)
         self.results.put(("event", job, (ev.step, ev.total, ev.preview, ev.final, kind,
                                          None if ev.error is None else str(ev.error))))
 
