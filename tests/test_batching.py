@@ -19,7 +19,7 @@ import torch
 
 from neopp.batch_engine import BatchingEngine, EngineHooks
 from neopp.batching import StepBatcher, start
-from neopp.errors import GenerationCancelled, NonFiniteState
+from neopp.errors import GenerationCancelled, InputError, NonFiniteState
 from neopp.pipeline import NeoPPPipeline
 from testing.stream_requests import Collector, assert_pixels_match, make, mixed
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
@@ -143,3 +143,14 @@ def test_non_finite_request_fails_alone(setup):
     assert isinstance(collectors[1].events[-1].error, NonFiniteState)
     for i, c in zip((0, 1), (collectors[0], collectors[2])):
         assert_pixels_match(c.events[-1].final, pipe.generate(reqs[i]))
+
+
+def test_a_request_that_cannot_start_fails_alone(setup):
+    pipe, kvs, ckpt = setup
+    good, bad = make(kvs, 0, 64, 64, 2, 3), make(kvs, 1, 64, 64, 2, 4)
+    bad.noise = None
+    collectors = [Collector(), Collector()]
+    run_engine(pipe, [bad, good], collectors, preview_every=0)
+    assert [(e.step, type(e.error)) for e in collectors[0].events] == [(0, InputError)]
+    assert "noise" in str(collectors[0].events[0].error)
+    assert_pixels_match(collectors[1].events[-1].final, pipe.generate(good))

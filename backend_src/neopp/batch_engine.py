@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from .batching import Active, StepBatcher, fits, start, step_cost
-from .errors import GenerationCancelled, NeoPPError
+from .errors import GenerationCancelled
 from .limits import Limits
 from .modes import ModeSpec
 from .pipeline import GenerationRequest, NeoPPPipeline, set_threads
@@ -128,9 +128,9 @@ class BatchingEngine(StreamEngine):
             waiting = self._admit(active, waiting)
             if active:
                 active = self._step(active)
-        leaving = [t for t, _ in active] + ([waiting[0]] if waiting else []) + queued
-        for ticket in leaving:
-            send(ticket, StepEvent(0, ticket.req.sampling.infer_steps,
+        leaving = [(t, a.k) for t, a in active] + [(t, 0) for t in ([waiting[0]] if waiting else []) + queued]
+        for ticket, done in leaving:
+            send(ticket, StepEvent(done, ticket.req.sampling.infer_steps,
                                    error=GenerationCancelled("the engine closed before the request finished")))
 
     def _dropped(self, ticket: Ticket, k: int, total: int) -> bool:
@@ -176,7 +176,7 @@ class BatchingEngine(StreamEngine):
                 continue
             try:
                 return ticket, start(self.pipe, ticket.job, ticket.req, ticket.preview_every, ticket.submitted)
-            except NeoPPError as exc:
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory preparing it: this request fails alone
                 send(ticket, StepEvent(0, total, error=exc))
 
     def _step(self, active: list[tuple[Ticket, Active]]) -> list[tuple[Ticket, Active]]:
