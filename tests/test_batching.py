@@ -154,3 +154,14 @@ def test_a_request_that_cannot_start_fails_alone(setup):
     assert [(e.step, type(e.error)) for e in collectors[0].events] == [(0, InputError)]
     assert "noise" in str(collectors[0].events[0].error)
     assert_pixels_match(collectors[1].events[-1].final, pipe.generate(good))
+
+
+def test_the_token_budget_bounds_each_step(setup):
+    """Tokens x branches: 12 (guided 64x96), 6 (unguided 96x64), 4 or 8 (64x64, partly guided)."""
+    pipe, kvs, ckpt = setup
+    reqs = mixed(kvs)
+    collectors = [Collector() for _ in reqs]
+    _, sizes, _ = run_engine(pipe, reqs, collectors, token_budget=18)
+    assert max(sizes) <= 2 and sum(sizes) >= 3  # never all three at once; every request ran
+    for req, c in zip(reqs, collectors):
+        assert_pixels_match(c.events[-1].final, pipe.generate(req))
