@@ -155,14 +155,34 @@ class NeoPPPipeline:
         x_pred = self.transformer.predict(hid, grid).float()
         return x_pred.sub_(z).div_(max(1.0 - t, 0.02))  # x_pred is a fresh tensor: no temporaries
 
+    def step_branch_names(self, prep: Prepared, k: int) -> tuple[str, ...]:
+        """The branches step k runs, cond first: the one place that says so.
+
+        The step batcher asks it too, so a guidance rule lives in `neopp.guidance` only.
+        """
+        return prep.guided if prep.plan[k] else (COND,)
+
+    def step_branches(self, prep: Prepared, k: int) -> list[BranchContext | None]:
+        """The contexts of `step_branch_names`, in order; a rank of the CFG-parallel engine holds
+        None for the branches another rank computes."""
+        return [prep.branches.get(name) for name in self.step_branch_names(prep, k)]
+
+    def combine_step(self, prep: Prepared, k: int, velocities: list[torch.Tensor],
+                     sampling: SamplingParams) -> torch.Tensor:
+        """The step's velocity from its branches' ones (ordered as `step_branch_names`)."""
+        names = self.step_branch_names(prep, k)
+        if len(names) == 1:
+            return velocities[0]
+        return combine(dict(zip(names, velocities)), sampling, prep.image)
+
     def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
                       sampling: SamplingParams) -> torch.Tensor:
         """The (guided) velocity of step k; the parallel engine overrides this."""
         t = prep.times[k]
         hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
-        if not prep.plan[k]:
-            return self.velocity(hid, z, t, prep.branches[COND], prep.grid)
-        return combine(self.branch_velocities(hid, z, t, prep, prep.guided), sampling, prep.image)
+        names = self.step_branch_names(prep, k)
+        vs = self.branch_velocities(hid, z, t, prep, names)
+        return self.combine_step(prep, k, [vs[n] for n in names], sampling)
 
     def branch_velocities(self, hid: torch.Tensor, z: torch.Tensor, t: float, prep: Prepared,
                           names: tuple[str, ...]) -> dict[str, torch.Tensor]:

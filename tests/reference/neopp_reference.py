@@ -386,8 +386,11 @@ def uses_guidance(t, enable_cfg, cfg_scale, cfg_interval):
 
 
 def reference_generate(ckpt, cond_kv, uncond_kv, off_c, off_u, H, W, noise_unscaled, steps, shift,
-                       cfg_scale, cfg_interval, cfg_norm, enable_cfg):
-    """Whole generation; returns the final x, float64 [1, 3, H, W]."""
+                       cfg_scale, cfg_interval, cfg_norm, enable_cfg, previews=None):
+    """Whole generation; returns the final x, float64 [1, 3, H, W].
+
+    ``previews``, a list, receives after each step the clean image the step's (guided)
+    velocity points at, x + max(1 - t, 0.02) v, as [1, 3, H, W]."""
     m = as_model(ckpt)
     if cfg_norm not in ("global", "channel", "none"):
         raise ValueError(f"unknown cfg_norm {cfg_norm!r}")
@@ -399,6 +402,9 @@ def reference_generate(ckpt, cond_kv, uncond_kv, off_c, off_u, H, W, noise_unsca
         if uses_guidance(t, enable_cfg, cfg_scale, cfg_interval):
             v_u = reference_velocity(m, uncond_kv, off_u, x, t, H, W)
             v = combine(v, v_u, cfg_scale, cfg_norm)
+        if previews is not None:
+            x_pred = cut(x[0], T, channel_last=True) + max(1.0 - t, 0.02) * v
+            previews.append(uncut_channel_last(x_pred, H, W, T)[None])
         z = cut(x[0], T, channel_last=True) + (ts[k + 1] - t) * v
         x = uncut_channel_last(z, H, W, T)[None]
     return x

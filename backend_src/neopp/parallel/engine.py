@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..checkpoint_config import CheckpointConfig
 from ..embeddings import Grid
 from ..errors import ConfigError
-from ..guidance import COND, IMAGE, UNCOND, combine
+from ..guidance import COND, IMAGE, UNCOND
 from ..limits import Limits
 from ..modes import ModeSpec, SamplingParams
 from ..pipeline import GenerationRequest, NeoPPPipeline, Prepared, StepFn, StopFn
@@ -196,7 +196,7 @@ class ParallelPipeline(NeoPPPipeline):
         with self.comm():
             dist.all_gather(got, sent, group=self.mesh.cfg_group)
         every = {n: got[r][i] for r, names in enumerate(layout) for i, n in enumerate(names)}
-        return combine(every, sampling, prep.image)
+        return self.combine_step(prep, k, [every[n] for n in self.step_branch_names(prep, k)], sampling)
 
     def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
                prep: Prepared | None = None) -> torch.Tensor:

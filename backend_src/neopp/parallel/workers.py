@@ -55,8 +55,10 @@ class PoolSpec:
         return min(30.0, max(2.0, self.collective_timeout_s / 4))
 
 
-def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any, cancel: Any, parent: int,
-                 beats: Any) -> None:
+def load_rank(rank: int, spec: PoolSpec, port: Any, results: Any, parent: int, beats: Any) -> Any:
+    """A rank's start: tie it to the instance, join the mesh, load the weights, say ready.
+
+    Returns the rank's `ParallelPipeline`, or None after reporting a load error."""
     die_with_parent(parent)
     start_heartbeat(beats, rank)
     from .engine import ParallelPipeline
@@ -74,8 +76,16 @@ def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any,
         pipe = ParallelPipeline.from_pretrained(spec.ckpt_dir, spec.mode, mesh, str(device), spec.dtype, spec.limits)
     except Exception as exc:  # noqa: BLE001 - reported to the instance, which refuses to load
         results.put(("load_error", rank, f"{type(exc).__name__}: {exc}"))
-        return
+        return None
     results.put(("ready", rank, None))
+    return pipe
+
+
+def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any, cancel: Any, parent: int,
+                 beats: Any) -> None:
+    pipe = load_rank(rank, spec, port, results, parent, beats)
+    if pipe is None:
+        return
     while True:
         try:
             task = tasks.get(timeout=1.0)
@@ -107,6 +117,9 @@ def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any,
 class WorkerPool:
     """A `GenerationEngine` whose steps run in rank processes (one per GPU on a GPU host)."""
 
+    # What each rank process runs; the streaming pool runs its batched loop on the same ranks.
+    worker_main = staticmethod(_worker_main)
+
     def __init__(self, spec: PoolSpec, rules: RequestRules) -> None:
         self.spec = spec
         self.mode = spec.mode
@@ -135,7 +148,7 @@ class WorkerPool:
         # beyond the reach of the collective timeout. One writer, aligned 64-bit reads.
         self._cancel = self._ctx.Value("q", 0, lock=False)
         self._tasks = [self._ctx.Queue() for _ in range(world)]
-        self._procs = [self._ctx.Process(target=_worker_main, daemon=True, name=f"neopp-rank{r}",
+        self._procs = [self._ctx.Process(target=self.worker_main, daemon=True, name=f"neopp-rank{r}",
                                          args=(r, self.spec, port, self._tasks[r], self._results, self._cancel,
                                                os.getpid(), self._beats))
                        for r in range(world)]

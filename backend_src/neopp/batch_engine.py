@@ -1,0 +1,210 @@
+"""`BatchingEngine`: a `StreamEngine` that runs many requests at once, batched step by step.
+
+A scheduler thread owns the active set. At each step boundary it drops cancelled requests
+(with a `GenerationCancelled` event), admits queued ones in arrival order while the token
+budget allows, runs one batched step and lets finished or failed requests leave. A request
+bigger than the whole budget still runs, alone, so no size starves.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .batching import Active, StepBatcher, fits, start, step_cost
+from .errors import GenerationCancelled
+from .limits import Limits
+from .modes import ModeSpec
+from .pipeline import GenerationRequest, NeoPPPipeline, set_threads
+from .streaming import CancelledFn, EmitFn, StepEvent, StreamEngine
+
+log = logging.getLogger(__name__)
+
+# Tokens x branches one step may carry: 8 guided 512x512 requests (1024 tokens each, 2 branches).
+DEFAULT_TOKEN_BUDGET = 16384
+
+
+@dataclass
+class EngineHooks:
+    """Optional metrics callbacks (the serving layer feeds histograms with them)."""
+
+    queue_wait: Callable[[float], None] | None = None   # seconds from submit to joining a batch
+    batch_size: Callable[[int], None] | None = None     # requests in one step
+    step_seconds: Callable[[float], None] | None = None  # wall time of one batched step
+
+    def call(self, name: str, value: float) -> None:
+        hook = getattr(self, name)
+        if hook is not None:
+            try:
+                hook(value)
+            except Exception:  # noqa: BLE001 - a broken metric must not stop generation
+                log.exception("metrics hook %s failed", name)
+
+
+@dataclass
+class Ticket:
+    """A submitted request with the callbacks that report it."""
+
+    job: int
+    req: GenerationRequest
+    emit: EmitFn
+    cancelled: CancelledFn
+    preview_every: int
+    submitted: float
+
+
+def send(ticket: Ticket, event: StepEvent) -> bool:
+    """Emit one event; False when the caller's emit failed (the request is then dropped)."""
+    try:
+        ticket.emit(event)
+        return True
+    except Exception:  # noqa: BLE001 - one caller's failure must not stop the others
+        log.exception("emit failed for streaming request %d; dropping it", ticket.job)
+        return False
+
+
+def is_cancelled(ticket: Ticket) -> bool:
+    try:
+        return bool(ticket.cancelled())
+    except Exception:  # noqa: BLE001 - a failing probe counts as a cancellation
+        log.exception("cancelled() failed for streaming request %d", ticket.job)
+        return True
+
+
+class BatchingEngine(StreamEngine):
+    """Single-process step batcher behind a scheduler thread."""
+
+    def __init__(self, pipe: NeoPPPipeline, token_budget: int = DEFAULT_TOKEN_BUDGET,
+                 hooks: EngineHooks | None = None) -> None:
+        if token_budget < 1:
+            raise ValueError(f"token_budget: must be positive, got {token_budget}")
+        self.pipe, self.token_budget, self.hooks = pipe, token_budget, hooks or EngineHooks()
+        self.batcher = StepBatcher(pipe)
+        self._cv = threading.Condition()
+        self._queue: deque[Ticket] = deque()
+        self._closed = False
+        self._jobs = 0
+        self._thread = threading.Thread(target=self._loop, name="neopp-batching", daemon=True)
+        self._thread.start()
+
+    def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
+        with self._cv:
+            self._jobs += 1
+            ticket = Ticket(self._jobs, req, emit, cancelled, preview_every, time.monotonic())
+            if not self._closed:
+                self._queue.append(ticket)
+                self._cv.notify()
+                return
+        send(ticket, StepEvent(0, req.sampling.infer_steps, error=GenerationCancelled("the engine is closed")))
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join()
+
+    # ---- the scheduler -------------------------------------------------------------------
+    def _loop(self) -> None:
+        active: list[tuple[Ticket, Active]] = []
+        waiting: tuple[Ticket, Active] | None = None  # prepared head of the queue that did not fit
+        while True:
+            with self._cv:
+                while not self._closed and not self._queue and not active and waiting is None:
+                    self._cv.wait()
+                if self._closed:
+                    queued, self._queue = list(self._queue), deque()
+                    break
+            active = [(t, a) for t, a in active if not self._dropped(t, a.k, a.total)]
+            if waiting is not None and self._dropped(waiting[0], 0, waiting[1].total):
+                waiting = None
+            self._drop_queued()
+            waiting = self._admit(active, waiting)
+            if active:
+                active = self._step(active)
+        leaving = [(t, a.k) for t, a in active] + [(t, 0) for t in ([waiting[0]] if waiting else []) + queued]
+        for ticket, done in leaving:
+            send(ticket, StepEvent(done, ticket.req.sampling.infer_steps,
+                                   error=GenerationCancelled("the engine closed before the request finished")))
+
+    def _dropped(self, ticket: Ticket, k: int, total: int) -> bool:
+        if not is_cancelled(ticket):
+            return False
+        send(ticket, StepEvent(k, total, error=GenerationCancelled(f"cancelled before step {k + 1} of {total}")))
+        return True
+
+    def _drop_queued(self) -> None:
+        """Queued requests are polled too, so a cancelled one does not wait for its turn to leave."""
+        with self._cv:
+            queued = list(self._queue)
+        gone = {t.job for t in queued if self._dropped(t, 0, t.req.sampling.infer_steps)}
+        if gone:
+            with self._cv:
+                self._queue = deque(t for t in self._queue if t.job not in gone)
+
+    def _admit(self, active: list[tuple[Ticket, Active]],
+               waiting: tuple[Ticket, Active] | None) -> tuple[Ticket, Active] | None:
+        """Admit in arrival order while the budget allows; return the prepared head that waits."""
+        used = sum(step_cost(self.pipe, a) for _, a in active)
+        while True:
+            if waiting is None:
+                waiting = self._next_prepared()
+                if waiting is None:
+                    return None
+            cost = step_cost(self.pipe, waiting[1])
+            if not fits(used, cost, self.token_budget, alone=not active):
+                return waiting
+            self.hooks.call("queue_wait", time.monotonic() - waiting[0].submitted)
+            active.append(waiting)
+            used += cost
+            waiting = None
+
+    def _next_prepared(self) -> tuple[Ticket, Active] | None:
+        while True:
+            with self._cv:
+                if not self._queue:
+                    return None
+                ticket = self._queue.popleft()
+            total = ticket.req.sampling.infer_steps
+            if self._dropped(ticket, 0, total):
+                continue
+            try:
+                return ticket, start(self.pipe, ticket.job, ticket.req, ticket.preview_every, ticket.submitted)
+            except Exception as exc:  # noqa: BLE001 - e.g. out of memory preparing it: this request fails alone
+                send(ticket, StepEvent(0, total, error=exc))
+
+    def _step(self, active: list[tuple[Ticket, Active]]) -> list[tuple[Ticket, Active]]:
+        began = time.perf_counter()
+        try:
+            events = self.batcher.step([a for _, a in active])
+        except Exception as exc:  # noqa: BLE001 - a failure of the shared pass fails its batch only
+            log.exception("batched step failed")
+            for ticket, a in active:
+                send(ticket, StepEvent(a.k, a.total, error=exc))
+            return []
+        self.hooks.call("step_seconds", time.perf_counter() - began)
+        self.hooks.call("batch_size", len(active))
+        return [(t, a) for (t, a), ev in zip(active, events) if send(t, ev) and not ev.last]
+
+
+def build_stream_engine(ckpt_dir: str | Path, mode: ModeSpec, device: str | None = None,
+                        dtype: torch.dtype | None = None, limits: Limits | None = None, threads: int | None = None,
+                        token_budget: int = DEFAULT_TOKEN_BUDGET, hooks: EngineHooks | None = None,
+                        instance_index: int = 0, gpus: list[int] | None = None,
+                        collective_timeout_s: float = 120.0) -> StreamEngine:
+    """A `BatchingEngine` for a 1-process mode, a `StreamPool` of rank processes otherwise."""
+    limits = limits or Limits()
+    set_threads(threads)
+    if mode.world_size == 1:
+        pipe = NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype, limits)
+        return BatchingEngine(pipe, token_budget, hooks)
+    from .parallel.stream_pool import build_stream_pool
+
+    return build_stream_pool(ckpt_dir, mode, dtype, limits, threads, token_budget, hooks, instance_index, gpus,
+                             collective_timeout_s)

@@ -1,0 +1,143 @@
+"""Step-level batching: several requests advance one denoising step together.
+
+Each request keeps its own prepared branches, time grid, state and step index. One batched
+step embeds every request on its own grid at its own t, runs the decoder layers ONCE over the
+concatenation of every (request, branch) token set (`BatchedBranches` attends each branch over
+its own prefix), then per request applies the head, the pipeline's guidance combination and
+the Euler update. Which branches a request runs at a step comes from the pipeline
+(`step_branches`), so guidance rules live in one place.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .embeddings import patchify, unpatchify
+from .errors import InputError, NeoPPError
+from .image_io import to_pixels
+from .pipeline import GenerationRequest, NeoPPPipeline, Prepared, check_finite
+from .streaming import StepEvent
+from .transformer import BatchedBranches, BranchContext
+
+# Velocity of (request index in the batch, branch index in its step plan).
+BranchKey = tuple[int, int]
+
+
+@dataclass
+class Active:
+    """One request inside the batcher: its preparation, its float32 state and its step index."""
+
+    job: int
+    req: GenerationRequest
+    prep: Prepared
+    z: torch.Tensor                 # [tokens, T*T*3] float32, the state the Euler update moves
+    x: torch.Tensor                 # [1, 3, H, W], the same state as an image
+    preview_every: int = 0
+    k: int = 0
+    submitted: float = field(default_factory=time.monotonic)
+
+    @property
+    def total(self) -> int:
+        return len(self.prep.times) - 1
+
+    def wants_preview(self, done: int) -> bool:
+        return self.preview_every > 0 and done % self.preview_every == 0 and done < self.total
+
+
+def start(pipe: NeoPPPipeline, job: int, req: GenerationRequest, preview_every: int = 0,
+          submitted: float | None = None) -> Active:
+    """Prepare a request's branches and its starting state (as `NeoPPPipeline.sample` does)."""
+    if req.noise is None or tuple(req.noise.shape) != (1, 3, req.height, req.width):
+        raise InputError(f"noise: must be drawn with shape (1, 3, {req.height}, {req.width}) before sampling")
+    if not isinstance(preview_every, int) or preview_every < 0:
+        raise InputError(f"preview_every: must be a non-negative integer, got {preview_every!r}")
+    prep = pipe.prepare(req)
+    x = req.noise.to(torch.float32) if req.noise_scaled else req.noise.to(torch.float32) * prep.noise_scale
+    x = x.to(pipe.device)
+    z = patchify(x, prep.grid.token_size)
+    return Active(job, req, prep, z, x, preview_every, 0, submitted if submitted is not None else time.monotonic())
+
+
+def step_cost(pipe: NeoPPPipeline, a: Active) -> int:
+    """Tokens the layers carry for this request at its next step: tokens x branches."""
+    return a.prep.grid.num_tokens * len(pipe.step_branches(a.prep, a.k))
+
+
+def fits(used: int, cost: int, budget: int, alone: bool) -> bool:
+    """A request joins if the budget allows; one bigger than the budget runs, but alone."""
+    return alone or used + cost <= budget
+
+
+class StepBatcher:
+    """Runs one batched step over a list of active requests (single process)."""
+
+    def __init__(self, pipe: NeoPPPipeline) -> None:
+        self.pipe = pipe
+
+    # ---- what a subclass (a CFG-parallel rank) changes -------------------------------
+    def owns(self, j: int, branch: BranchContext | None) -> bool:
+        """Does this process compute branch j of a step? Here: all of them."""
+        return branch is not None
+
+    def exchange(self, batch: list[Active], plans: list[list[BranchContext | None]],
+                 velocities: dict[BranchKey, torch.Tensor]) -> dict[BranchKey, torch.Tensor]:
+        """Complete the velocities other processes computed (nothing to do in one process)."""
+        return velocities
+
+    def layer_input(self, hid: torch.Tensor, branch: BranchContext) -> torch.Tensor:
+        return hid
+
+    def layer_output(self, out: torch.Tensor, branch: BranchContext) -> torch.Tensor:
+        return out
+
+    # ---- the step --------------------------------------------------------------------
+    @torch.inference_mode()
+    def velocities(self, batch: list[Active]) -> tuple[list[list[BranchContext | None]],
+                                                       dict[BranchKey, torch.Tensor]]:
+        """Every (request, branch) velocity of the step, the layers run once for all."""
+        pipe = self.pipe
+        plans = [pipe.step_branches(a.prep, a.k) for a in batch]
+        owned: list[tuple[int, int, BranchContext]] = [(i, j, b) for i, bs in enumerate(plans)
+                                                       for j, b in enumerate(bs) if self.owns(j, b)]
+        out: dict[BranchKey, torch.Tensor] = {}
+        if owned:
+            hids = {i: pipe.transformer.embed(batch[i].x.to(pipe.dtype), batch[i].prep.times[batch[i].k],
+                                              batch[i].prep.noise_scale, batch[i].prep.grid)
+                    for i in sorted({i for i, _, _ in owned})}
+            inputs = [self.layer_input(hids[i], b) for i, _, b in owned]
+            hidden = pipe.transformer.run_layers(torch.cat(inputs), BatchedBranches([b for _, _, b in owned]))
+            for (i, j, b), h in zip(owned, hidden.split([t.shape[0] for t in inputs])):
+                a = batch[i]
+                out[i, j] = pipe._velocity_from(self.layer_output(h, b), a.z, a.prep.times[a.k], a.prep.grid)
+        return plans, self.exchange(batch, plans, out)
+
+    @torch.inference_mode()
+    def step(self, batch: list[Active]) -> list[StepEvent]:
+        """Advance every request one step; one event per request, in batch order.
+
+        A request whose state goes non-finite gets its error event alone; the others go on.
+        """
+        plans, vs = self.velocities(batch)
+        return [self._advance(a, [vs[i, j] for j in range(len(plans[i]))]) for i, a in enumerate(batch)]
+
+    def _advance(self, a: Active, velocities: list[torch.Tensor]) -> StepEvent:
+        pipe, prep, k = self.pipe, a.prep, a.k
+        try:
+            v = pipe.combine_step(prep, k, velocities, a.req.sampling)
+            done, t_size = k + 1, prep.grid.token_size
+            preview = None
+            if a.wants_preview(done):  # the clean-image prediction behind the guided velocity
+                x_pred = a.z + max(1.0 - prep.times[k], 0.02) * v
+                preview = to_pixels(unpatchify(x_pred, a.req.height, a.req.width, t_size))
+            a.z.add_(v, alpha=prep.times[k + 1] - prep.times[k])
+            check_finite(a.z, done, a.total)
+        except NeoPPError as exc:
+            return StepEvent(k, a.total, error=exc)
+        a.x = unpatchify(a.z, a.req.height, a.req.width, t_size)
+        a.k = done
+        final = to_pixels(a.x) if done == a.total else None
+        return StepEvent(done, a.total, preview=preview, final=final)
+

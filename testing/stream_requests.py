@@ -1,0 +1,55 @@
+"""Requests and event collectors shared by the streaming-engine tests.
+
+Pixels are compared as `max diff <= 1 level on < 1% of pixels`: batching changes only how many
+rows the float32 GEMMs carry, which can flip a value sitting on a rounding boundary (measured
+in tests/test_batching.py's docstring); a wrong request, t, grid or prefix differs by tens of
+levels almost everywhere.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from neopp.kv_cache import load_kv_file
+from neopp.modes import SamplingParams
+from neopp.pipeline import GenerationRequest
+from neopp.rng import NoiseStream
+
+
+def assert_pixels_match(got: np.ndarray, want: np.ndarray, what: str = "") -> None:
+    """Equal up to a last-bit flip on a rounding boundary (see the module docstring)."""
+    assert got.shape == want.shape, what
+    diff = np.abs(got.astype(np.int16) - want.astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01, f"{what}: max {diff.max()}, {(diff > 0).mean():.2%} differ"
+
+
+def make(kvs, i: int, height: int, width: int, steps: int, seed: int, **sampling) -> GenerationRequest:
+    kv = kvs[i]
+    return GenerationRequest(cond_kv=load_kv_file(kv["cond_pt"]), uncond_kv=load_kv_file(kv["uncond_pt"]),
+                             index_offset_cond=30 + i, index_offset_uncond=4 + i, height=height, width=width,
+                             noise=NoiseStream(seed).draw(height, width),
+                             sampling=SamplingParams(infer_steps=steps, **sampling))
+
+
+def mixed(kvs) -> list[GenerationRequest]:
+    """Different sizes, step counts, prefixes; guided, unguided and partly guided."""
+    return [make(kvs, 0, 64, 96, 3, 1, cfg_norm="channel"),
+            make(kvs, 1, 96, 64, 2, 2, enable_cfg=False),
+            make(kvs, 2, 64, 64, 4, 3, cfg_interval=(0.3, 0.8), cfg_scale=3.0)]
+
+
+class Collector:
+    """Events of one request, and a cancel switch the test flips from ``emit``."""
+
+    def __init__(self, cancel_after: int | None = None) -> None:
+        self.events, self.done = [], threading.Event()
+        self.cancel_after, self.cancel = cancel_after, False
+
+    def emit(self, ev) -> None:
+        self.events.append(ev)
+        if self.cancel_after is not None and ev.step >= self.cancel_after:
+            self.cancel = True
+        if ev.last:
+            self.done.set()

@@ -1,0 +1,167 @@
+"""Step batching (one process) against solo generation, request by request.
+
+Each request's final pixels from a shared batched step must equal its solo
+`NeoPPPipeline.generate` pixels. Batching changes only how many rows the layers' float32 GEMMs
+carry; the CPU GEMM kernels block a taller matrix differently, so a row's sums may be
+reassociated and differ in the last bit. Measured on this tree's tiny checkpoint (12 batches
+of 4 mixed requests, 2-4 steps, 64-96 px): states differ by at most 3.5e-6, and 6 of 1,105,920
+pixel values (0.0005%) flip by one level where a value sits on a rounding boundary. So pixels
+are compared as `max diff <= 1 level on < 1% of pixels`; a request that saw another one's
+tokens, a wrong t, grid or prefix differs by tens of levels almost everywhere (the negative
+control below).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from neopp.batch_engine import BatchingEngine, EngineHooks
+from neopp.batching import StepBatcher, start
+from neopp.errors import GenerationCancelled, InputError, NonFiniteState
+from neopp.pipeline import NeoPPPipeline
+from testing.stream_requests import Collector, assert_pixels_match, make, mixed
+from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+from tests.reference import neopp_reference as ref
+
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("batching")
+    ckpt = write_tiny_checkpoint(root / "dense", "dense", seed=3)
+    kvs = [write_sample_kv(root / f"kv{i}", "dense", cond_tokens=c, uncond_tokens=u, seed=i)
+           for i, (c, u) in enumerate([(21, 5), (9, 3), (14, 7)])]
+    pipe = NeoPPPipeline.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+    return pipe, kvs, ckpt
+
+
+def test_requests_joining_midway_equal_solo(setup):
+    pipe, kvs, ckpt = setup
+    reqs = mixed(kvs)
+    solo = [pipe.generate(r) for r in reqs]
+    batcher = StepBatcher(pipe)
+    joins = {0: [0], 1: [1], 2: [2]}  # boundary -> requests joining there
+    active, finals, boundary = [], {}, 0
+    while active or boundary in joins:
+        active += [start(pipe, i, reqs[i]) for i in joins.get(boundary, [])]
+        events = batcher.step(active)
+        for a, ev in zip(active, events):
+            assert ev.error is None
+            if ev.final is not None:
+                finals[a.job] = ev.final
+        active = [a for a, ev in zip(active, events) if not ev.last]
+        boundary += 1
+    for i, pixels in enumerate(solo):
+        assert_pixels_match(finals[i], pixels, f"request {i}")
+
+
+def test_batched_velocity_is_not_the_neighbours(setup):
+    """Negative control: two different requests in one batch get different states."""
+    pipe, kvs, ckpt = setup
+    reqs = [make(kvs, 0, 64, 64, 2, 5), make(kvs, 1, 64, 64, 2, 5)]
+    batcher = StepBatcher(pipe)
+    active = [start(pipe, i, r) for i, r in enumerate(reqs)]
+    batcher.step(active)
+    assert (active[0].z - active[1].z).abs().max().item() > 1e-2
+
+
+def run_engine(pipe, reqs, collectors, preview_every=0, **kwargs):
+    waits, sizes, steps = [], [], []
+    hooks = EngineHooks(queue_wait=waits.append, batch_size=sizes.append, step_seconds=steps.append)
+    engine = BatchingEngine(pipe, hooks=hooks, **kwargs)
+    try:
+        for r, c in zip(reqs, collectors):
+            engine.submit(r, c.emit, lambda c=c: c.cancel, preview_every)
+        for c in collectors:
+            assert c.done.wait(TIMEOUT_S)
+    finally:
+        engine.close()
+    return waits, sizes, steps
+
+
+def test_engine_cancels_one_of_three_and_the_others_stay_exact(setup):
+    pipe, kvs, ckpt = setup
+    reqs = mixed(kvs)
+    solo = [pipe.generate(r) for r in reqs]
+    collectors = [Collector(), Collector(), Collector(cancel_after=1)]
+    waits, sizes, steps = run_engine(pipe, reqs, collectors)
+    for i in (0, 1):
+        evs = collectors[i].events
+        assert [e.step for e in evs] == list(range(1, reqs[i].sampling.infer_steps + 1))
+        assert_pixels_match(evs[-1].final, solo[i])
+    last = collectors[2].events[-1]
+    assert isinstance(last.error, GenerationCancelled) and last.step < reqs[2].sampling.infer_steps
+    assert len(waits) == 3 and max(sizes) >= 2 and len(steps) == len(sizes)
+
+
+def test_budget_runs_an_oversized_request_alone(setup):
+    pipe, kvs, ckpt = setup
+    reqs = mixed(kvs)
+    collectors = [Collector(), Collector(), Collector()]
+    collectors[2].cancel = True  # cancelled while queued behind the others
+    _, sizes, _ = run_engine(pipe, reqs, collectors, token_budget=1)
+    assert set(sizes) == {1}
+    assert_pixels_match(collectors[1].events[-1].final, pipe.generate(reqs[1]))
+    assert [(e.step, type(e.error)) for e in collectors[2].events] == [(0, GenerationCancelled)]
+
+
+def reference_previews(ckpt, req) -> list[np.ndarray]:
+    """Preview pixels after each step from the independent float64 reference."""
+    s, out = req.sampling, []
+    ref.reference_generate(ckpt, req.cond_kv, req.uncond_kv, req.index_offset_cond, req.index_offset_uncond,
+                           req.height, req.width, req.noise, s.infer_steps, s.timestep_shift, s.cfg_scale,
+                           s.cfg_interval, s.cfg_norm, s.enable_cfg, previews=out)
+    return [ref.reference_pixels(x) for x in out]
+
+
+def test_previews_equal_the_reference_prediction(setup):
+    """A preview is the clean image behind the step's guided velocity (float32 vs float64: a
+    value on a rounding boundary may flip, as in test_reference_equivalence)."""
+    pipe, kvs, ckpt = setup
+    reqs = [make(kvs, 0, 64, 96, 4, 7), make(kvs, 2, 64, 64, 4, 8, enable_cfg=False)]
+    collectors = [Collector(), Collector()]
+    run_engine(pipe, reqs, collectors, preview_every=2)
+    for req, c in zip(reqs, collectors):
+        expected = reference_previews(ckpt, req)
+        previews = {e.step: e.preview for e in c.events if e.preview is not None}
+        assert sorted(previews) == [2]  # step 4 is the last: it carries the final image instead
+        assert_pixels_match(previews[2], expected[1], "preview after step 2")
+        assert np.abs(previews[2].astype(int) - expected[2].astype(int)).max() > 1  # a step later differs
+
+
+def test_non_finite_request_fails_alone(setup):
+    pipe, kvs, ckpt = setup
+    reqs = mixed(kvs)[:2]
+    bad = make(kvs, 0, 64, 64, 2, 9)
+    big = float(torch.finfo(torch.bfloat16).max)  # finite, but the state overflows to inf
+    bad.cond_kv, bad.uncond_kv = torch.full_like(bad.cond_kv, big), torch.full_like(bad.uncond_kv, big)
+    collectors = [Collector(), Collector(), Collector()]
+    run_engine(pipe, [reqs[0], bad, reqs[1]], collectors)
+    assert isinstance(collectors[1].events[-1].error, NonFiniteState)
+    for i, c in zip((0, 1), (collectors[0], collectors[2])):
+        assert_pixels_match(c.events[-1].final, pipe.generate(reqs[i]))
+
+
+def test_a_request_that_cannot_start_fails_alone(setup):
+    pipe, kvs, ckpt = setup
+    good, bad = make(kvs, 0, 64, 64, 2, 3), make(kvs, 1, 64, 64, 2, 4)
+    bad.noise = None
+    collectors = [Collector(), Collector()]
+    run_engine(pipe, [bad, good], collectors, preview_every=0)
+    assert [(e.step, type(e.error)) for e in collectors[0].events] == [(0, InputError)]
+    assert "noise" in str(collectors[0].events[0].error)
+    assert_pixels_match(collectors[1].events[-1].final, pipe.generate(good))
+
+
+def test_the_token_budget_bounds_each_step(setup):
+    """Tokens x branches: 12 (guided 64x96), 6 (unguided 96x64), 4 or 8 (64x64, partly guided)."""
+    pipe, kvs, ckpt = setup
+    reqs = mixed(kvs)
+    collectors = [Collector() for _ in reqs]
+    _, sizes, _ = run_engine(pipe, reqs, collectors, token_budget=18)
+    assert max(sizes) <= 2 and sum(sizes) >= 3  # never all three at once; every request ran
+    for req, c in zip(reqs, collectors):
+        assert_pixels_match(c.events[-1].final, pipe.generate(req))

@@ -1,0 +1,121 @@
+"""The batched loop on CFG-parallel rank processes (real processes, gloo) against one process.
+
+Tolerance: as in test_parallel_engine, ranks run the same float32 layer code on their branches
+(or token shards); the CFG sum adds exact zeros, so only GEMM blocking (row counts, Ulysses
+head shards) reassociates float32 sums: a few ulps, which test_parallel_engine bounds by 1e-4 on
+the states. One pixel level is 2/255 of the state's range, so such differences can only flip a
+value sitting on a rounding boundary: `max diff <= 1 level on < 1% of pixels`, as in
+test_batching.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+from neopp.batch_engine import BatchingEngine, EngineHooks, build_stream_engine
+from neopp.errors import GenerationCancelled, WorkerFailure
+from neopp.modes import load_mode
+from neopp.pipeline import NeoPPPipeline
+from testing.stream_requests import Collector, assert_pixels_match, make, mixed
+from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+
+MODES = {"cfg": "configs/neopp/neopp_dense_parallel_cfg.json",
+         "cfg_seq": "configs/neopp/neopp_dense_parallel_cfg_seq.json"}
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("stream_pool")
+    ckpt = write_tiny_checkpoint(root / "dense", "dense", seed=3)
+    kvs = [write_sample_kv(root / f"kv{i}", "dense", cond_tokens=c, uncond_tokens=u, seed=i)
+           for i, (c, u) in enumerate([(21, 5), (9, 3), (14, 7)])]
+    pipe = NeoPPPipeline.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+    return ckpt, pipe, kvs
+
+
+def run(engine, reqs, collectors, preview_every=0) -> None:
+    try:
+        for r, c in zip(reqs, collectors):
+            engine.submit(r, c.emit, lambda c=c: c.cancel, preview_every)
+        for c in collectors:
+            assert c.done.wait(TIMEOUT_S), "a request never ended"
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("name", ["cfg", "cfg_seq"])
+def test_pool_equals_single_process_batching(setup, name):
+    ckpt, pipe, kvs = setup
+    reqs = mixed(kvs) + [make(kvs, 1, 64, 64, 4, 11)]
+    single = [Collector() for _ in reqs]
+    run(BatchingEngine(pipe), reqs, single, preview_every=2)
+    sizes: list[int] = []
+    pool = build_stream_engine(ckpt, load_mode(MODES[name]), dtype=torch.float32, threads=1,
+                               hooks=EngineHooks(batch_size=sizes.append))
+    pids = pool.pids()
+    assert len(pids) == load_mode(MODES[name]).world_size
+    collectors = [Collector() for _ in reqs[:3]] + [Collector(cancel_after=1)]
+    run(pool, reqs, collectors, preview_every=2)
+    for i in range(3):
+        got, want = collectors[i].events, single[i].events
+        assert [e.step for e in got] == [e.step for e in want] == list(range(1, reqs[i].sampling.infer_steps + 1))
+        assert_pixels_match(got[-1].final, want[-1].final, f"request {i} final")
+        for g, w in zip(got, want):
+            assert (g.preview is None) == (w.preview is None)
+            if g.preview is not None:
+                assert_pixels_match(g.preview, w.preview, f"request {i} preview at {g.step}")
+    last = collectors[3].events[-1]
+    assert isinstance(last.error, GenerationCancelled) and last.step < 4
+    assert max(sizes) >= 2, "the pool never batched two requests"
+    assert all(not _alive(p) for p in pids)
+
+
+def test_pool_close_cancels_what_is_queued(setup):
+    ckpt, _, kvs = setup
+    pool = build_stream_engine(ckpt, load_mode(MODES["cfg"]), dtype=torch.float32, threads=1)
+    c = Collector()
+    pool.submit(make(kvs, 0, 64, 64, 40, 5), c.emit, lambda: False)
+    pool.close()
+    assert c.done.wait(TIMEOUT_S)
+    assert isinstance(c.events[-1].error, GenerationCancelled)
+    late = Collector()
+    pool.submit(make(kvs, 0, 64, 64, 2, 5), late.emit, lambda: False)
+    assert isinstance(late.events[-1].error, GenerationCancelled)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_dead_rank_fails_the_live_requests_and_the_pool_recovers(setup):
+    ckpt, pipe, kvs = setup
+    pool = build_stream_engine(ckpt, load_mode(MODES["cfg"]), dtype=torch.float32, threads=1)
+    try:
+        victim = pool.pids()[1]
+        c = Collector()
+
+        def emit(ev):
+            c.emit(ev)
+            if ev.step == 1 and not ev.last:
+                os.kill(victim, signal.SIGKILL)  # a rank this test's pool started
+
+        pool.submit(make(kvs, 0, 64, 64, 30, 5), emit, lambda: False)
+        assert c.done.wait(TIMEOUT_S)
+        assert isinstance(c.events[-1].error, WorkerFailure), c.events[-1]
+        after = Collector()
+        req = make(kvs, 1, 64, 64, 2, 6)
+        pool.submit(req, after.emit, lambda: False)
+        assert after.done.wait(TIMEOUT_S)
+        assert victim not in pool.pids()
+        assert_pixels_match(after.events[-1].final, pipe.generate(req), "after the rebuild")
+    finally:
+        pool.close()
