@@ -382,8 +382,12 @@ def uses_guidance(t, enable_cfg, cfg_scale, cfg_interval):
 
 
 def reference_generate(ckpt, cond_kv, uncond_kv, off_c, off_u, H, W, noise_unscaled, steps, shift,
-                       cfg_scale, cfg_interval, cfg_norm, enable_cfg):
-    """Whole generation; returns the final x, float64 [1, 3, H, W]."""
+                       cfg_scale, cfg_interval, cfg_norm, enable_cfg, predictions=None):
+    """Whole generation; returns the final x, float64 [1, 3, H, W].
+
+    ``predictions``, a list, receives each step's clean-image estimate [1, 3, H, W]: the state
+    moved all the way to t = 1 along that step's (guided) velocity, z + max(1 - t, 0.02) * v.
+    """
     m = as_model(ckpt)
     if cfg_norm not in ("global", "channel", "none"):
         raise ValueError(f"unknown cfg_norm {cfg_norm!r}")
@@ -395,6 +399,9 @@ def reference_generate(ckpt, cond_kv, uncond_kv, off_c, off_u, H, W, noise_unsca
         if uses_guidance(t, enable_cfg, cfg_scale, cfg_interval):
             v_u = reference_velocity(m, uncond_kv, off_u, x, t, H, W)
             v = combine(v, v_u, cfg_scale, cfg_norm)
+        if predictions is not None:
+            predictions.append(uncut_channel_last(cut(x[0], T, channel_last=True) + max(1.0 - t, 0.02) * v,
+                                                  H, W, T)[None])
         z = cut(x[0], T, channel_last=True) + (ts[k + 1] - t) * v
         x = uncut_channel_last(z, H, W, T)[None]
     return x
