@@ -200,6 +200,24 @@ def test_sse_through_the_front_streams_steps_previews_and_the_plain_image(triton
     assert events[-1][0] - events[0][0] > 0.1, "events arrived together: the front buffered the stream"
 
 
+def test_closing_the_sse_connection_stops_the_generation(triton, front):
+    start = triton.metric(STEPS, model=STREAM)
+    cancelled_before = triton.metric("neopp_failures_total", model=STREAM, **CANCELLED)
+    body = {"COND_KV_B64": _b64_kv(triton.cond), "UNCOND_KV_B64": _b64_kv(triton.uncond),
+            "INDEX_OFFSET_COND": COND_TOKENS, "INDEX_OFFSET_UNCOND": UNCOND_TOKENS, "SIZE": [1024, 1024],
+            "STEPS": 200, "SEED": 4}
+    conn = http.client.HTTPConnection(LOOPBACK, front, timeout=180)
+    conn.request("POST", f"/v2/models/{STREAM}/generate_stream", body=json.dumps(body))
+    resp = conn.getresponse()
+    assert json.loads(resp.readline()[6:])["STEP"] == 1
+    conn.sock.close()  # the client leaves; the front notices at its next write and closes upstream
+    conn.close()
+    cancelled = triton.wait_metric("neopp_failures_total", cancelled_before + 1, timeout=120, model=STREAM,
+                                   **CANCELLED)
+    assert cancelled == cancelled_before + 1, "Triton never cancelled the request of the closed connection"
+    assert 1 <= triton.metric(STEPS, model=STREAM) - start < 200
+
+
 def test_sse_refusal_and_bf16_json_limits(triton, front):
     body = {"COND_KV_B64": "not base64!", "INDEX_OFFSET_COND": COND_TOKENS, "CFG_SCALE": 1.0}
     status, events = sse(front, STREAM, body)
