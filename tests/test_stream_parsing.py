@@ -83,6 +83,11 @@ def test_refusals_name_the_input_and_the_rule(extra, message):
         parse_stream_request(inputs(**extra), LIMITS, DIMS)
 
 
+def test_preview_size_stays_within_a_smaller_max_side():
+    with pytest.raises(InputError, match=r"^PREVIEW_SIZE: \[height, width\] must each be 1..512, got \[600, 10\]"):
+        parse_stream_request(inputs(PREVIEW_SIZE=np.array([600, 10], np.int64)), Limits(max_side=512), DIMS)
+
+
 def test_base64_text_is_bounded_before_decoding():
     big = np.array([b"A" * (2 << 20)], np.object_)
     with pytest.raises(InputError, match="^COND_KV_B64: the request's inputs hold .* over the limit max_request_bytes"):

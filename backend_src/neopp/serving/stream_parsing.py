@@ -46,7 +46,7 @@ STREAM_OUTPUT_SPECS: dict[str, InputSpec] = {
 B64_INPUTS = {"COND_KV_B64": "COND_KV", "UNCOND_KV_B64": "UNCOND_KV"}
 STREAM_ONLY = ("PREVIEW_EVERY", "PREVIEW_SIZE", "BASE64_OUTPUT", *B64_INPUTS)
 DEFAULT_PREVIEW_SIDE = 256  # the longer side of a default preview (never larger than the image)
-PREVIEW_MAX_SIDE = 1024
+PREVIEW_MAX_SIDE = 1024  # and never over the model's max_side
 
 
 @dataclass(frozen=True)
@@ -74,10 +74,11 @@ def _preview_every(value: Any, limits: Limits) -> int:
     return every
 
 
-def _preview_size(value: Any) -> tuple[int, int]:
+def _preview_size(value: Any, limits: Limits) -> tuple[int, int]:
     height, width = _ints("PREVIEW_SIZE", value, 2)
-    if not (1 <= height <= PREVIEW_MAX_SIDE and 1 <= width <= PREVIEW_MAX_SIDE):
-        raise InputError(f"PREVIEW_SIZE: [height, width] must each be 1..{PREVIEW_MAX_SIDE}, got [{height}, {width}]")
+    most = min(PREVIEW_MAX_SIDE, limits.max_side)
+    if not (1 <= height <= most and 1 <= width <= most):
+        raise InputError(f"PREVIEW_SIZE: [height, width] must each be 1..{most}, got [{height}, {width}]")
     return height, width
 
 
@@ -133,7 +134,7 @@ def parse_stream_request(inputs: Mapping[str, Any], limits: Limits,
     parsed = parse_request(plain, limits)
     options = StreamOptions(
         preview_every=_preview_every(inputs["PREVIEW_EVERY"], limits) if inputs.get("PREVIEW_EVERY") is not None else 0,
-        preview_size=_preview_size(inputs["PREVIEW_SIZE"]) if inputs.get("PREVIEW_SIZE") is not None else None,
+        preview_size=_preview_size(inputs["PREVIEW_SIZE"], limits) if inputs.get("PREVIEW_SIZE") is not None else None,
         base64_output=_flag("BASE64_OUTPUT", inputs["BASE64_OUTPUT"]) if inputs.get("BASE64_OUTPUT") is not None
         else False,
     )
