@@ -9,6 +9,9 @@ import io
 import json
 import queue
 import re
+import signal
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -23,6 +26,7 @@ from PIL import Image
 
 from neopp.ports import LOOPBACK, free_ports
 from neopp.serving.http_front import HttpFront
+from testing import REPO
 
 I64 = np.int64
 STREAM, CFG_STREAM = "neopp_dense_stream", "neopp_dense_cfg_stream"
@@ -132,6 +136,37 @@ def test_cancelling_the_stream_stops_between_steps_and_the_model_goes_on(triton)
     assert final(results[-1]) and triton.image(results[-1]).size == (64, 64)
     assert triton.metric(STEPS, model=STREAM) == start + ran + 4, "the cancelled generation kept stepping"
     assert triton.grpc.is_model_ready(STREAM)
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "client-killed"])
+def test_a_client_that_stops_or_dies_stops_the_generation(triton, how, tmp_path):
+    """stream_grpc.py: Ctrl-C cancels the stream; a killed client closes it. Either way the work stops."""
+    start = triton.metric(STEPS, model=STREAM)
+    cancelled_before = triton.metric("neopp_failures_total", model=STREAM, **CANCELLED)
+    kv = triton.checkpoint / "sample_kv"
+    client = subprocess.Popen(
+        [sys.executable, str(REPO / "client_examples" / "stream_grpc.py"), "--url", triton.server.grpc_url,
+         "--cond", str(kv / "cond_kv.pt"), "--uncond", str(kv / "uncond_kv.pt"), "--offset-cond", "24",
+         "--offset-uncond", "7", "--size", "1024", "1024", "--steps", "200", "--seed", "4",
+         "--out", str(tmp_path / "never.png")], stderr=subprocess.PIPE, cwd=REPO)
+    try:
+        seen, deadline = b"", time.monotonic() + 180
+        while b"1/200" not in seen and time.monotonic() < deadline and client.poll() is None:
+            seen += client.stderr.read(1)
+        assert b"1/200" in seen, seen[-200:]
+        client.send_signal(how)
+        client.wait(timeout=60)
+    finally:
+        if client.poll() is None:
+            client.kill()
+            client.wait(timeout=30)
+    cancelled = triton.wait_metric("neopp_failures_total", cancelled_before + 1, timeout=120, model=STREAM,
+                                   **CANCELLED)
+    assert cancelled == cancelled_before + 1, "the server never cancelled the stream of the gone client"
+    assert 1 <= triton.metric(STEPS, model=STREAM) - start < 200
+    assert not (tmp_path / "never.png").exists()
+    if how == signal.SIGINT:
+        assert client.returncode == 1 and b"cancelled by the user" in seen + client.stderr.read()
 
 
 @pytest.mark.parametrize("overrides, message", [
