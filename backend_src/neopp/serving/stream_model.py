@@ -2,9 +2,10 @@
 
 ``execute`` parses and validates each request exactly as the plain models do, draws its noise,
 hands it to a :class:`~neopp.streaming.StreamEngine` and returns; the engine's events become
-responses on the request's sender: one per step (``STEP``/``TOTAL_STEPS``, sometimes a JPEG
-``PREVIEW``), then the last one with ``IMAGE`` and ``NEXT_RNG_STATE`` and the final flag. A
-refused, failed or cancelled request gets one error response with the final flag instead.
+responses on the request's sender, on a delivery thread so that the engine never waits for
+them: one per step (``STEP``/``TOTAL_STEPS``, sometimes a JPEG ``PREVIEW``), then the last one
+with ``IMAGE`` and ``NEXT_RNG_STATE`` and the final flag. A refused, failed or cancelled request
+gets one error response with the final flag instead.
 The serving code knows only the StreamEngine protocol; ``make_stream_engine`` is the one
 place that picks the engine.
 """
@@ -27,6 +28,7 @@ from ..stream_sequential import build_sequential_stream_engine
 from ..streaming import StepEvent, StreamEngine
 from .metrics import StreamMetrics
 from .request_parsing import KV_INPUTS, check_noise
+from .stream_delivery import Delivery
 from .stream_parsing import (
     STREAM_INPUT_SPECS,
     STREAM_OUTPUT_SPECS,
@@ -68,6 +70,7 @@ class NeoPPStreamModel(NeoPPTritonModel):
     def initialize(self, args: dict[str, str]) -> None:
         super().initialize(args)
         self.stream_metrics = StreamMetrics(self.pb, self.model_name)
+        self.delivery = Delivery(self._emit)
         self.stream_engine: StreamEngine | None = make_stream_engine(
             self.engine, on_queue_wait=self.stream_metrics.queue_wait, on_batch=self.stream_metrics.batch,
             on_step_time=self._step_time)
@@ -87,6 +90,7 @@ class NeoPPStreamModel(NeoPPTritonModel):
         if self.stream_engine is not None:
             self.stream_engine.close()
         self.stream_engine = None
+        self.delivery.close()  # after the engine: its cancellation events are delivered too
         super().finalize()
 
     # ------------------------------------------------------------------ one request
@@ -116,11 +120,11 @@ class NeoPPStreamModel(NeoPPTritonModel):
                                                                                              gen_req.width),
                      parsed.resize, np.frombuffer(stream.state(), dtype=np.uint8).copy(), start)
         cancelled = lambda: sender.is_cancelled() or self._stopping.is_set()  # noqa: E731
-        self.stream_engine.submit(gen_req, lambda event: self._emit(call, event), cancelled,
+        self.stream_engine.submit(gen_req, lambda event: self.delivery.put(call, event), cancelled,
                                   preview_every=options.preview_every)
 
     def _emit(self, call: _Call, event: StepEvent) -> None:
-        """One engine event -> one response (the engine's thread)."""
+        """One engine event -> one response (the delivery thread)."""
         try:
             if event.error is not None:
                 raise event.error
