@@ -80,7 +80,7 @@ class NeoPPStreamModel(NeoPPTritonModel):
         self.stream_metrics.step_time(seconds)
 
     def execute(self, requests: list[Any]) -> None:
-        """Accept each request and return at once; responses follow from the engine's thread."""
+        """Accept each request and return at once; its responses follow from the delivery thread."""
         for request in requests:
             self._accept(request)
         return None
