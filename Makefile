@@ -49,7 +49,7 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 HOST ?= 127.0.0.1
 SERVE_MODELS ?= neopp_dense neopp_dense_fp8 neopp_dense_cfg neopp_dense_cfg_seq neopp_dense_8steps \
-                neopp_moe neopp_moe_cfg neopp_session
+                neopp_moe neopp_moe_cfg neopp_session neopp_dense_stream neopp_dense_cfg_stream
 NEOPP_CHECKPOINT ?= $(abspath $(TINY_DIR)/dense)
 NEOPP_MOE_CHECKPOINT ?= $(abspath $(TINY_DIR)/moe)
 NEOPP_LORA_DIR ?= $(if $(filter $(abspath $(TINY_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(TINY_DIR)/lora))

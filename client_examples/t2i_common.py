@@ -19,16 +19,16 @@ from tritonclient.utils import InferenceServerException
 from neopp.kv_cache import load_kv_file
 
 
-def example(script: str, url: str) -> str:
+def example(script: str, url: str, extra: str = "") -> str:
     """A command that works against ``make serve`` on the tiny checkpoint, for ``--help``."""
     return ("example (after `make serve`, from the repository root):\n"
             f"  python client_examples/{script} --url {url} \\\n"
             "    --cond build/tiny/dense/sample_kv/cond_kv.pt --uncond build/tiny/dense/sample_kv/uncond_kv.pt \\\n"
-            "    --offset-cond 24 --offset-uncond 7 --size 256 256 --steps 20 --seed 42 --out out.png")
+            f"    --offset-cond 24 --offset-uncond 7 --size 256 256 --steps 20 --seed 42 --out out.png{extra}")
 
 
-def build_parser(description: str, default_url: str, script: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, epilog=example(script, default_url),
+def build_parser(description: str, default_url: str, script: str, example_extra: str = "") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, epilog=example(script, default_url, example_extra),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--url", default=default_url, help=f"server address (default {default_url})")
     p.add_argument("--model", default="neopp_dense")

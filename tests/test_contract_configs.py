@@ -15,10 +15,13 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from neopp.modes import load_mode
 from neopp.serving.request_parsing import INPUT_SPECS, OUTPUT_SPECS, InputSpec
+from neopp.serving.stream_parsing import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
-GENERATION_MODELS = sorted(p.parent.name for p in REPO.glob("*/config.pbtxt") if p.parent.name != "neopp_session")
+ALL_MODELS = sorted(p.parent.name for p in REPO.glob("*/config.pbtxt"))
+STREAM_MODELS = [m for m in ALL_MODELS if m.endswith("_stream")]  # decoupled twins of plain models
+GENERATION_MODELS = [m for m in ALL_MODELS if m != "neopp_session" and m not in STREAM_MODELS]
 
 # The session model takes the generation inputs except RNG_STATE and NOISE (it owns the stream), with the
 # prefix inputs optional (a closing sequence_end carries none), plus MODEL; it also returns TURN.
@@ -51,6 +54,7 @@ def params(cfg: mc.ModelConfig) -> dict[str, str]:
 def test_every_contract_model_is_shipped():
     assert GENERATION_MODELS == ["neopp_dense", "neopp_dense_8steps", "neopp_dense_cfg", "neopp_dense_cfg_seq",
                                  "neopp_dense_fp8", "neopp_moe", "neopp_moe_cfg"]
+    assert STREAM_MODELS == ["neopp_dense_cfg_stream", "neopp_dense_stream"]
 
 
 @pytest.mark.parametrize("model", GENERATION_MODELS)
@@ -60,9 +64,26 @@ def test_generation_config_matches_contract(model):
     assert table(cfg.input) == INPUT_SPECS
     assert [e.name for e in cfg.input] == list(INPUT_SPECS), "inputs listed in the table's order"
     assert outputs_table(cfg.output) == {n: InputSpec(s.data_type, s.dims) for n, s in OUTPUT_SPECS.items()}
+    assert not cfg.model_transaction_policy.decoupled, "plain models answer once"
 
 
-@pytest.mark.parametrize("model", GENERATION_MODELS)
+@pytest.mark.parametrize("model", STREAM_MODELS)
+def test_stream_config_matches_contract_and_its_plain_twin(model):
+    cfg, twin = parse(model), parse(model.removesuffix("_stream"))
+    assert cfg.name == model and cfg.backend == "python" and cfg.model_transaction_policy.decoupled
+    assert table(cfg.input) == STREAM_INPUT_SPECS
+    assert [e.name for e in cfg.input] == list(STREAM_INPUT_SPECS), "inputs listed in the table's order"
+    assert outputs_table(cfg.output) == {n: InputSpec(s.data_type, s.dims) for n, s in STREAM_OUTPUT_SPECS.items()}
+    # every input of the twin, the same way, except COND_KV: optional, as COND_KV_B64 may replace it
+    mine, plain = table(cfg.input), table(twin.input)
+    assert {n: s for n, s in mine.items() if n in plain and n != "COND_KV"} == \
+        {n: s for n, s in plain.items() if n != "COND_KV"}
+    assert mine["COND_KV"] == InputSpec("TYPE_BF16", plain["COND_KV"].dims, optional=True)
+    assert params(cfg) == params(twin) and cfg.max_batch_size == twin.max_batch_size == 0
+    assert list(cfg.instance_group) == list(twin.instance_group)
+
+
+@pytest.mark.parametrize("model", GENERATION_MODELS + STREAM_MODELS)
 def test_worker_processes_match_mode(model):
     p = params(parse(model))
     mode = load_mode(ROOT / p["mode_file"])

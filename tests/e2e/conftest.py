@@ -32,7 +32,7 @@ from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, 
 from testing.tiny_lora import write_tiny_loras
 
 E2E_MODELS = ("neopp_dense", "neopp_session", "neopp_dense_fp8", "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg",
-              "neopp_dense_cfg", "neopp_dense_cfg_seq")
+              "neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_dense_stream", "neopp_dense_cfg_stream")
 MOE_MODELS = ("neopp_moe", "neopp_moe_cfg")  # served from the tiny MoE checkpoint
 MODEL = "neopp_dense"
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # write_sample_kv defaults; also used as the offsets
@@ -164,7 +164,7 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
     server.start()
     pgid = server.process.pid
     try:
-        server.wait_ready(timeout=600)  # eight models, rank workers included, on a busy host
+        server.wait_ready(timeout=600)  # ten models, rank workers included, on a busy host
         check = grpcclient.InferenceServerClient(server.grpc_url)
         down = [m for m in E2E_MODELS if not check.is_model_ready(m)]
         check.close()

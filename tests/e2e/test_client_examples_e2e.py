@@ -9,11 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from neopp.ports import free_ports
 from testing import REPO
 
 CLIENTS = {"grpc_t2i.py": "grpc_url", "http_t2i.py": "http_url"}
+STREAM_CLIENTS = {"stream_grpc.py": "grpc_url", "stream_http.py": "http_url"}
 
 
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
@@ -52,9 +54,42 @@ def test_no_server_is_one_line_and_exit_code_1(triton, script: str) -> None:
     assert done.returncode == 1 and "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("script", [*sorted(CLIENTS), "lightllm_client.py"])
+@pytest.mark.parametrize("script", [*sorted(CLIENTS), *sorted(STREAM_CLIENTS), "lightllm_client.py"])
 def test_help_shows_a_command_that_runs_and_not_itself(script: str) -> None:
     done = run(script, "--help")
     assert done.returncode == 0
     assert f"python client_examples/{script} --url localhost:800" in done.stdout
     assert f"{script} --help" not in done.stdout
+
+
+@pytest.mark.parametrize("script", sorted(STREAM_CLIENTS))
+def test_a_streamed_request_shows_progress_and_writes_previews_and_the_image(triton, script: str,
+                                                                             tmp_path: Path) -> None:
+    url = getattr(triton.server, STREAM_CLIENTS[script])
+    kv = triton.checkpoint / "sample_kv"
+    done = run(script, "--url", url, "--cond", str(kv / "cond_kv.pt"), "--uncond", str(kv / "uncond_kv.pt"),
+               "--offset-cond", "24", "--offset-uncond", "7", "--steps", "4", "--seed", "5", "--size", "64", "64",
+               "--preview-every", "2", "--preview-size", "32", "48", "--preview-dir", str(tmp_path / "p"),
+               "--out", str(tmp_path / "s.png"))
+    assert done.returncode == 0, done.stderr
+    assert "4/4" in done.stderr and (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+    previews = sorted(p.name for p in (tmp_path / "p").iterdir())
+    assert previews == ["step_002.jpg", "step_004.jpg"]
+    assert Image.open(tmp_path / "p" / "step_002.jpg").size == (48, 32)
+    # the same image as the plain model's for the same inputs
+    plain = run(script.replace("stream_", "").replace(".py", "_t2i.py"), "--url", url, "--cond",
+                str(kv / "cond_kv.pt"), "--uncond", str(kv / "uncond_kv.pt"), "--offset-cond", "24",
+                "--offset-uncond", "7", "--steps", "4", "--seed", "5", "--size", "64", "64",
+                "--out", str(tmp_path / "plain.png"))
+    assert plain.returncode == 0, plain.stderr
+    assert (tmp_path / "plain.png").read_bytes() == (tmp_path / "s.png").read_bytes()
+
+
+@pytest.mark.parametrize("script", sorted(STREAM_CLIENTS))
+def test_a_refused_stream_is_one_line_and_exit_code_1(triton, script: str, tmp_path: Path) -> None:
+    url = getattr(triton.server, STREAM_CLIENTS[script])
+    done = run(script, "--url", url, *kv_args(triton), "--preview-every", "-1", "--out", str(tmp_path / "b.png"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()]
+    assert "PREVIEW_EVERY: must be 0 (no previews)" in done.stderr
+    assert not (tmp_path / "b.png").exists()

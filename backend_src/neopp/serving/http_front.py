@@ -6,7 +6,8 @@ makes it allocate 8 TB and abort (``std::bad_alloc``). 2.51 has no option that b
 the body size. The front refuses, before anything reaches Triton, a body over ``max_body``
 bytes (unread, 413) and an infer request whose inputs declare more bytes than ``max_body`` or,
 for JSON data, more elements than the body could hold (400). Everything else is relayed
-unchanged, with the per-server key that Triton's own HTTP port requires.
+unchanged, with the per-server key that Triton's own HTTP port requires; server-sent events
+(``generate_stream``) are relayed as they arrive.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from .admin import FRONT_HEADER
 
+EVENT_STREAM = "text/event-stream"
 INFER_PATH = re.compile(r"^/v2/models/[^/?]+(/versions/[^/?]+)?/infer(\?.*)?$")
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                "proxy-authorization", "proxy-connection", "host", "content-length", FRONT_HEADER}
@@ -132,13 +134,33 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             conn.request(self.command, self.path, body=body or None, headers=headers)
             resp = conn.getresponse()
-            data = resp.read()
             kept = [(k, v) for k, v in resp.getheaders() if k.lower() not in HOP_HEADERS]
+            if (resp.getheader("Content-Type") or "").startswith(EVENT_STREAM):
+                return self._relay_events(resp, kept)
+            data = resp.read()
         except (OSError, http.client.HTTPException) as exc:
             return self._reply(502, json.dumps({"error": f"server unavailable: {exc}"}).encode())
         finally:
             conn.close()
         self._reply(resp.status, data, kept)
+
+    def _relay_events(self, resp: http.client.HTTPResponse, headers: list[tuple[str, str]]) -> None:
+        """Server-sent events (``generate_stream``) go out as they arrive, one chunk each, never
+        buffered: a client sees every progress event when Triton sends it."""
+        self.send_response(resp.status)
+        for key, value in headers:
+            self.send_header(key, value)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.close_connection = True  # a client gone mid-stream leaves nothing to reuse
+        try:
+            while chunk := resp.read1(1 << 16):
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:  # the client left; closing the upstream connection ends the relay
+            pass
 
     do_GET = do_POST = do_PUT = do_DELETE = do_HEAD = _relay
 

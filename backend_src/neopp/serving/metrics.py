@@ -50,3 +50,35 @@ class GenerationMetrics:
 
     def failure(self, reason: str) -> None:
         self._failures.get(reason, self._failures["internal"]).increment(1)
+
+
+# Histograms of the streaming models (Triton 2.51's Python backend has HISTOGRAM families:
+# ``family.Metric(labels, buckets=[...])`` then ``observe``), fed by the stream engine's callbacks.
+SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]
+BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+_HISTOGRAMS = {
+    "queue_wait": ("neopp_stream_queue_wait_seconds", "Seconds a streaming request waited before its first step",
+                   SECONDS_BUCKETS),
+    "batch": ("neopp_stream_batch_size", "Requests run together per engine step", BATCH_BUCKETS),
+    "step_time": ("neopp_stream_step_seconds", "Seconds per denoising step of a streaming request", SECONDS_BUCKETS),
+}
+
+
+class StreamMetrics:
+    """Queue wait, batch size and step time as histograms labelled by model."""
+
+    def __init__(self, pb_utils: Any, model_name: str) -> None:
+        kind = pb_utils.MetricFamily.HISTOGRAM
+        self._families = {key: pb_utils.MetricFamily(name=name, description=desc, kind=kind)
+                          for key, (name, desc, _) in _HISTOGRAMS.items()}
+        self._metrics = {key: self._families[key].Metric(labels={"model": model_name}, buckets=list(buckets))
+                         for key, (_, _, buckets) in _HISTOGRAMS.items()}
+
+    def queue_wait(self, seconds: float) -> None:
+        self._metrics["queue_wait"].observe(float(seconds))
+
+    def batch(self, size: int) -> None:
+        self._metrics["batch"].observe(float(size))
+
+    def step_time(self, seconds: float) -> None:
+        self._metrics["step_time"].observe(float(seconds))

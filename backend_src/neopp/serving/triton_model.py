@@ -39,6 +39,7 @@ from .request_parsing import (
     KV_INPUTS,
     OUTPUT_SPECS,
     REQUEST_INPUT_NAMES,
+    InputSpec,
     ParsedRequest,
     check_noise,
     parse_request,
@@ -70,6 +71,8 @@ class NeoPPTritonModel:
     """Triton Python-backend model for one NeoPP generation mode (contract inputs/outputs)."""
 
     MODEL_DIR: Path | None = None  # model.py sets it to its model folder
+    INPUTS: dict[str, InputSpec] = INPUT_SPECS  # the input and output tables auto-complete declares
+    OUTPUTS: dict[str, InputSpec] = OUTPUT_SPECS
 
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
@@ -86,7 +89,7 @@ class NeoPPTritonModel:
             raise ConfigError(f"model {settings.model_name}: checkpoint {settings.checkpoint}: {exc}") from exc
         kv_dims = [layers, 2, -1, kv_heads, head_dim]
         existing = {entry["name"]: entry for entry in config.get("input", [])}
-        for name, spec in INPUT_SPECS.items():
+        for name, spec in cls.INPUTS.items():
             entry = existing.get(name)
             if entry is None:
                 auto_complete_model_config.add_input({"name": name, "data_type": spec.data_type,
@@ -98,7 +101,7 @@ class NeoPPTritonModel:
                     raise ValueError(f"{name}: config.pbtxt dims {dims} contradict the checkpoint's {kv_dims}")
                 entry["dims"] = kv_dims  # in place: add_input refuses to change declared dims
         present = {entry["name"] for entry in config.get("output", [])}
-        for name, spec in OUTPUT_SPECS.items():
+        for name, spec in cls.OUTPUTS.items():
             if name not in present:
                 auto_complete_model_config.add_output({"name": name, "data_type": spec.data_type,
                                                        "dims": list(spec.dims)})

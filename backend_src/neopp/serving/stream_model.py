@@ -1,0 +1,183 @@
+"""What a streaming (decoupled) NeoPP model's ``model.py`` does: progress, previews, final image.
+
+``execute`` parses and validates each request exactly as the plain models do, draws its noise,
+hands it to a :class:`~neopp.streaming.StreamEngine` and returns; the engine's events become
+responses on the request's sender, on a delivery thread so that the engine never waits for
+them: one per step (``STEP``/``TOTAL_STEPS``, sometimes a JPEG ``PREVIEW``), then the last one
+with ``IMAGE`` and ``NEXT_RNG_STATE`` and the final flag. A refused, failed or cancelled request
+gets one error response with the final flag instead.
+The serving code knows only the StreamEngine protocol; ``make_stream_engine`` is the one
+place that picks the engine.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import GenerationCancelled
+from ..image_io import encode_image
+from ..pipeline import GenerationRequest
+from ..request_log import request_line
+from ..stream_sequential import build_sequential_stream_engine
+from ..streaming import StepEvent, StreamEngine
+from .metrics import StreamMetrics
+from .request_parsing import KV_INPUTS, check_noise
+from .stream_delivery import Delivery
+from .stream_parsing import (
+    STREAM_INPUT_SPECS,
+    STREAM_OUTPUT_SPECS,
+    StreamOptions,
+    default_preview_size,
+    parse_stream_request,
+)
+from .triton_model import NeoPPTritonModel
+
+# The engine the streaming models run; swapping in a batching engine is this one line.
+make_stream_engine = build_sequential_stream_engine
+PREVIEW_QUALITY = 85
+
+
+@dataclass
+class _Call:
+    """One accepted request: where its responses go and how its final image is delivered."""
+
+    sender: Any
+    req: GenerationRequest
+    options: StreamOptions
+    preview_size: tuple[int, int]
+    resize: tuple[int, int] | None
+    rng_state: np.ndarray
+    start: float
+
+
+class NeoPPStreamModel(NeoPPTritonModel):
+    """Decoupled Triton Python-backend model streaming one NeoPP mode."""
+
+    INPUTS = STREAM_INPUT_SPECS
+    OUTPUTS = STREAM_OUTPUT_SPECS
+
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
+        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        return super().auto_complete_config(auto_complete_model_config)
+
+    def initialize(self, args: dict[str, str]) -> None:
+        super().initialize(args)
+        self.stream_metrics = StreamMetrics(self.pb, self.model_name)
+        self.delivery = Delivery(self._emit)
+        self.stream_engine: StreamEngine | None = make_stream_engine(
+            self.engine, on_queue_wait=self.stream_metrics.queue_wait, on_batch=self.stream_metrics.batch,
+            on_step_time=self._step_time)
+
+    def _step_time(self, seconds: float) -> None:
+        self.metrics.step(seconds)
+        self.stream_metrics.step_time(seconds)
+
+    def execute(self, requests: list[Any]) -> None:
+        """Accept each request and return at once; its responses follow from the delivery thread."""
+        for request in requests:
+            self._accept(request)
+        return None
+
+    def finalize(self) -> None:
+        """Queued and running streams end with CANCELLED before the engine's workers stop."""
+        if self.stream_engine is not None:
+            self.stream_engine.close()
+        self.stream_engine = None
+        self.delivery.close()  # after the engine: its cancellation events are delivered too
+        super().finalize()
+
+    # ------------------------------------------------------------------ one request
+
+    def _accept(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        start = time.perf_counter()
+        try:
+            if self._stopping.is_set() or self.stream_engine is None:
+                raise GenerationCancelled("request cancelled before generation started")
+            parsed, options = parse_stream_request(self._inputs(request), self.settings.limits, self.kv_dims)
+            gen_req, stream = self._generation_request(parsed)
+            self.engine.validate(gen_req)
+            if parsed.noise is not None:
+                check_noise(parsed.noise, (gen_req.height, gen_req.width))
+                gen_req.noise, gen_req.noise_scaled = torch.from_numpy(parsed.noise.copy()), True
+            else:
+                gen_req.noise = stream.draw(gen_req.height, gen_req.width)
+        except Exception as exc:  # noqa: BLE001 - every refusal is answered; the model stays usable
+            self._send(sender, self._refuse(exc, start), final=True)
+            return
+        if parsed.seed is None and parsed.rng_state is None and parsed.noise is None:
+            # Streams run concurrently, so the instance stream moves on when a request is accepted
+            # (the plain models move it when the image is delivered); no two requests share a draw.
+            self.stream = stream
+        call = _Call(sender, gen_req, options, options.preview_size or default_preview_size(gen_req.height,
+                                                                                             gen_req.width),
+                     parsed.resize, np.frombuffer(stream.state(), dtype=np.uint8).copy(), start)
+        cancelled = lambda: sender.is_cancelled() or self._stopping.is_set()  # noqa: E731
+        self.stream_engine.submit(gen_req, lambda event: self.delivery.put(call, event), cancelled,
+                                  preview_every=options.preview_every)
+
+    def _emit(self, call: _Call, event: StepEvent) -> None:
+        """One engine event -> one response (the delivery thread)."""
+        try:
+            if event.error is not None:
+                raise event.error
+            if event.final is not None:
+                response = self._final(call, event)
+            else:
+                response = self._progress(call, event)
+        except Exception as exc:  # noqa: BLE001 - the request ends with its error
+            self._send(call.sender, self._refuse(exc, call.start), final=True)
+            return
+        self._send(call.sender, response, final=event.final is not None)
+
+    def _progress(self, call: _Call, event: StepEvent) -> Any:
+        tensors = self._step_tensors(event)
+        if event.preview is not None:
+            jpeg = encode_image(event.preview, "jpeg", call.preview_size, quality=PREVIEW_QUALITY)
+            tensors.append(self.pb.Tensor("PREVIEW", self._bytes(call, jpeg)))
+        return self.pb.InferenceResponse(output_tensors=tensors)
+
+    def _final(self, call: _Call, event: StepEvent) -> Any:
+        req = call.req
+        image = encode_image(event.final, req.sampling.output_format, call.resize)
+        seconds = time.perf_counter() - call.start
+        self.metrics.success(seconds)
+        self.logger.log_info(request_line(self.model_name, self.mode, req, self.engine.guidance_plan(req),
+                                          len(image), seconds))
+        return self.pb.InferenceResponse(output_tensors=[
+            self.pb.Tensor("IMAGE", self._bytes(call, image)),
+            self.pb.Tensor("NEXT_RNG_STATE", call.rng_state),
+            *self._step_tensors(event),
+        ])
+
+    def _step_tensors(self, event: StepEvent) -> list[Any]:
+        return [self.pb.Tensor("STEP", np.array([event.step], dtype=np.int64)),
+                self.pb.Tensor("TOTAL_STEPS", np.array([event.total], dtype=np.int64))]
+
+    @staticmethod
+    def _bytes(call: _Call, data: bytes) -> np.ndarray:
+        """A BYTES [1] tensor: the encoded bytes, or their base64 text when the request asked."""
+        return np.array([base64.b64encode(data) if call.options.base64_output else data], dtype=np.object_)
+
+    def _send(self, sender: Any, response: Any, final: bool) -> None:
+        flags = self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        try:
+            sender.send(response, flags=flags)
+        except Exception as exc:  # noqa: BLE001 - a stream the client closed; nothing left to tell it
+            self.logger.log_warn(f"{self.model_name}: response not delivered: {exc}")
+
+    def _inputs(self, request: Any) -> dict[str, Any]:
+        """As the plain models, with the KV copied: the request's buffers may be released once
+        ``execute`` returns, while the request still waits in the engine's queue."""
+        out = super()._inputs(request)
+        for name in KV_INPUTS:
+            if name in out:
+                out[name] = out[name].clone()
+        return out

@@ -1,0 +1,61 @@
+"""Streamed text-to-image over gRPC: a progress bar while the server denoises, optional JPEG
+previews (--preview-every, --preview-dir), then the image file. Ctrl-C cancels the request on
+the server (it stops between two steps). A refused request is one line on stderr and exit code 1."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from stream_common import save_preview, show_progress, stream_parser
+from t2i_common import request_inputs, run_client, save_result
+from tritonclient.utils import InferenceServerException
+
+
+def stream_inputs(args) -> list[grpcclient.InferInput]:
+    """The t2i request plus PREVIEW_EVERY and, if given, PREVIEW_SIZE."""
+    inputs = request_inputs(args) + [("PREVIEW_EVERY", np.array([args.preview_every], np.int64), "INT64")]
+    if args.preview_size:
+        inputs.append(("PREVIEW_SIZE", np.array(args.preview_size, np.int64), "INT64"))
+    tensors = []
+    for name, array, datatype in inputs:
+        tensors.append(grpcclient.InferInput(name, list(array.shape), datatype))
+        tensors[-1].set_data_from_numpy(array)
+    return tensors
+
+
+def main() -> None:
+    args = stream_parser(__doc__, "localhost:8001", "stream_grpc.py").parse_args()
+    client = grpcclient.InferenceServerClient(args.url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        client.async_stream_infer(args.model, stream_inputs(args))
+        deadline = time.monotonic() + args.timeout
+        while True:
+            try:
+                result, error = answers.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                raise InferenceServerException(f"no answer within --timeout {args.timeout:g}s") from None
+            if error is not None:
+                raise error
+            step, total = int(result.as_numpy("STEP")[0]), int(result.as_numpy("TOTAL_STEPS")[0])
+            if result.as_numpy("IMAGE") is not None:
+                save_result(args, result)
+                return
+            show_progress(step, total)
+            preview = result.as_numpy("PREVIEW")
+            if preview is not None:
+                save_preview(args, step, preview[0])
+    except KeyboardInterrupt:
+        client.stop_stream(cancel_requests=True)
+        raise InferenceServerException("cancelled by the user") from None
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_client(main))
