@@ -4,8 +4,8 @@ A streaming model takes every input of its plain twin (``INPUT_SPECS``) and adds
 
 * ``PREVIEW_EVERY`` / ``PREVIEW_SIZE``: how often and how large a progress response carries a
   JPEG of the current clean-image prediction;
-* ``COND_KV_B64`` / ``UNCOND_KV_B64``: the KV prefix as base64 text of its raw bfloat16 bytes,
-  because Triton's ``generate_stream`` endpoint (HTTP/SSE) builds tensors from JSON values and
+* ``COND_KV_B64`` / ``UNCOND_KV_B64`` / ``IMAGE_KV_B64``: a KV prefix as base64 text of its raw
+  bfloat16 bytes, because Triton's ``generate_stream`` endpoint (HTTP/SSE) builds tensors from JSON values and
   JSON has no BF16. ``COND_KV`` is therefore optional here: a request gives one of the two;
 * ``BASE64_OUTPUT``: 1 makes ``IMAGE`` and ``PREVIEW`` base64 text, which JSON (SSE) can carry.
 
@@ -35,6 +35,7 @@ STREAM_INPUT_SPECS: dict[str, InputSpec] = {
     "PREVIEW_SIZE": InputSpec("TYPE_INT64", (2,)),
     "COND_KV_B64": InputSpec("TYPE_STRING", (1,)),
     "UNCOND_KV_B64": InputSpec("TYPE_STRING", (1,)),
+    "IMAGE_KV_B64": InputSpec("TYPE_STRING", (1,)),
     "BASE64_OUTPUT": InputSpec("TYPE_INT64", (1,)),
 }
 STREAM_OUTPUT_SPECS: dict[str, InputSpec] = {
@@ -43,7 +44,7 @@ STREAM_OUTPUT_SPECS: dict[str, InputSpec] = {
     "TOTAL_STEPS": InputSpec("TYPE_INT64", (1,)),
     "PREVIEW": InputSpec("TYPE_STRING", (1,)),
 }
-B64_INPUTS = {"COND_KV_B64": "COND_KV", "UNCOND_KV_B64": "UNCOND_KV"}
+B64_INPUTS = {"COND_KV_B64": "COND_KV", "UNCOND_KV_B64": "UNCOND_KV", "IMAGE_KV_B64": "IMAGE_KV"}
 STREAM_ONLY = ("PREVIEW_EVERY", "PREVIEW_SIZE", "BASE64_OUTPUT", *B64_INPUTS)
 DEFAULT_PREVIEW_SIDE = 256  # the longer side of a default preview (never larger than the image)
 PREVIEW_MAX_SIDE = 1024  # and never over the model's max_side
