@@ -42,10 +42,10 @@ def main() -> None:
             if error is not None:
                 raise error
             step, total = int(result.as_numpy("STEP")[0]), int(result.as_numpy("TOTAL_STEPS")[0])
-            if result.as_numpy("IMAGE") is not None:
+            show_progress(step, total)
+            if result.as_numpy("IMAGE") is not None:  # the last step's response carries the image
                 save_result(args, result)
                 return
-            show_progress(step, total)
             preview = result.as_numpy("PREVIEW")
             if preview is not None:
                 save_preview(args, step, preview[0])

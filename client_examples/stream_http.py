@@ -77,10 +77,10 @@ def _error_text(body: bytes) -> str:
 def main() -> None:
     args = stream_parser(__doc__, "localhost:8000", "stream_http.py").parse_args()
     for event in events(args, json_body(args)):
-        if "IMAGE" in event:
+        show_progress(event["STEP"], event["TOTAL_STEPS"])
+        if "IMAGE" in event:  # the last step's event carries the image
             save_result(args, FinalEvent(event))
             return
-        show_progress(event["STEP"], event["TOTAL_STEPS"])
         if "PREVIEW" in event:
             save_preview(args, event["STEP"], base64.b64decode(event["PREVIEW"]))
     raise InferenceServerException("the stream ended without an image")

@@ -33,7 +33,6 @@ StopFn = Callable[[], bool]
 StepFn = Callable[[int, float], None]
 # (step index, prediction thunk): the thunk returns step k's clean-image estimate [1, 3, H, W]; valid
 # only during the call (the state moves on right after), so a preview costs nothing unless asked for.
-PredictionFn = Callable[[int, Callable[[], torch.Tensor]], None]
 # Batched CFG wins where matmuls are short (few tokens); see bench/RESULTS.md.
 BATCH_CFG_MAX_TOKENS = 4096
 
@@ -204,7 +203,7 @@ class NeoPPPipeline:
 
     @torch.inference_mode()
     def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
-               prep: Prepared | None = None, on_prediction: PredictionFn | None = None) -> torch.Tensor:
+               prep: Prepared | None = None) -> torch.Tensor:
         """Run every step; the state stays float32 whatever the run dtype."""
         prep = prep or self.prepare(req)
         t_size = prep.grid.token_size
@@ -218,10 +217,6 @@ class NeoPPPipeline:
                 raise GenerationCancelled(f"cancelled before step {k + 1} of {len(prep.times) - 1}")
             start = time.perf_counter()
             v = self.step_velocity(prep, x, z, k, req.sampling)
-            if on_prediction is not None:  # x_pred = z + max(1 - t, 0.02) * v, as the velocity was formed
-                t_k = prep.times[k]
-                on_prediction(k, lambda v=v, t_k=t_k: unpatchify(z + max(1.0 - t_k, 0.02) * v, req.height,
-                                                                 req.width, t_size))
             z.add_(v, alpha=prep.times[k + 1] - prep.times[k])
             check_finite(z, k + 1, len(prep.times) - 1)
             x = unpatchify(z, req.height, req.width, t_size)

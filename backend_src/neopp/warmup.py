@@ -10,22 +10,24 @@ instance's random stream and the metrics are untouched).
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
 
 from .engines import GenerationEngine
+from .errors import ConfigError
 from .image_io import encode_image
 from .modes import ModeSpec
 from .pipeline import GenerationRequest
 from .rng import NoiseStream
+from .streaming import StepEvent, StreamEngine
 
 PREFIX_TOKENS = 16
 
 
-def warm_up(engine: GenerationEngine, mode: ModeSpec, prefix_tokens: int = PREFIX_TOKENS) -> float:
-    """Seconds one warm-up generation took."""
-    start = time.perf_counter()
+def warm_up_request(engine: GenerationEngine, mode: ModeSpec, prefix_tokens: int = PREFIX_TOKENS) -> GenerationRequest:
+    """One guided step at the default size on a small synthetic prefix, validated, noise drawn."""
     layers, kv_heads, head_dim = engine.config.kv_dims
     gen = torch.Generator().manual_seed(0)
 
@@ -38,5 +40,32 @@ def warm_up(engine: GenerationEngine, mode: ModeSpec, prefix_tokens: int = PREFI
                             sampling=mode.sampling.replace(infer_steps=1, cfg_interval=(0.0, 1.0)))
     engine.validate(req)
     req.noise = NoiseStream(0).draw(height, width)
+    return req
+
+
+def warm_up(engine: GenerationEngine, mode: ModeSpec, prefix_tokens: int = PREFIX_TOKENS) -> float:
+    """Seconds one warm-up generation took."""
+    start = time.perf_counter()
+    req = warm_up_request(engine, mode, prefix_tokens)
     encode_image(engine.generate(req), mode.sampling.output_format, None)
+    return time.perf_counter() - start
+
+
+def warm_up_stream(stream: StreamEngine, engine: GenerationEngine, mode: ModeSpec, timeout_s: float = 600.0) -> float:
+    """The same warm-up through a streaming engine (its batched loop and, for a pool, its ranks)."""
+    start = time.perf_counter()
+    done = threading.Event()
+    last: list[StepEvent] = []
+
+    def emit(event: StepEvent) -> None:
+        if event.last:
+            last.append(event)
+            done.set()
+
+    stream.submit(warm_up_request(engine, mode), emit, lambda: False)
+    if not done.wait(timeout_s):
+        raise ConfigError(f"mode {mode.name}: the warm-up generation did not finish within {timeout_s:.0f} s")
+    if last[0].error is not None:
+        raise last[0].error
+    encode_image(last[0].final, mode.sampling.output_format, None)
     return time.perf_counter() - start

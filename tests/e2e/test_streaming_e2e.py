@@ -72,6 +72,10 @@ def step_of(result: Any) -> tuple[int, int]:
     return int(result.as_numpy("STEP")[0]), int(result.as_numpy("TOTAL_STEPS")[0])
 
 
+def png_pixels(data: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(data)), dtype=np.int16)
+
+
 def plain(triton, model: str, **overrides: Any) -> Any:
     return triton.grpc.infer(model, triton.grpc_tensors(**overrides), client_timeout=180)
 
@@ -81,9 +85,9 @@ def test_steps_in_order_previews_and_the_plain_model_s_image(triton):
     answers = stream(triton, STREAM, PREVIEW_EVERY=np.array([2], I64), PREVIEW_SIZE=np.array([48, 40], I64), **ask)
     assert all(error is None for _, error in answers), [e for _, e in answers if e]
     results = [r for r, _ in answers]
-    assert [step_of(r) for r in results] == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5), (5, 5)]
-    assert [final(r) for r in results] == [False] * 5 + [True]
-    assert ["PREVIEW" in outputs(r) for r in results[:-1]] == [False, True, False, True, False]
+    assert [step_of(r) for r in results] == [(1, 5), (2, 5), (3, 5), (4, 5), (5, 5)]  # one response a step
+    assert [final(r) for r in results] == [False] * 4 + [True]
+    assert ["PREVIEW" in outputs(r) for r in results[:-1]] == [False, True, False, True]
     assert all("IMAGE" not in outputs(r) for r in results[:-1])
     for r in results[1:4:2]:
         preview = Image.open(io.BytesIO(r.as_numpy("PREVIEW")[0]))
@@ -93,12 +97,12 @@ def test_steps_in_order_previews_and_the_plain_model_s_image(triton):
     np.testing.assert_array_equal(results[-1].as_numpy("NEXT_RNG_STATE"), want.as_numpy("NEXT_RNG_STATE"))
 
 
-def test_cfg_stream_gives_the_plain_cfg_model_s_image_with_progress_only(triton):
+def test_cfg_stream_gives_the_plain_cfg_model_s_image_with_progress_and_previews(triton):
     ask = dict(SEED=np.array([12], I64), STEPS=np.array([3], I64))
     results = [r for r, error in stream(triton, CFG_STREAM, PREVIEW_EVERY=np.array([1], I64), **ask)
                if error is None]
-    assert [step_of(r) for r in results] == [(1, 3), (2, 3), (3, 3), (3, 3)] and final(results[-1])
-    assert all("PREVIEW" not in outputs(r) for r in results)  # rank pools report steps, not predictions
+    assert [step_of(r) for r in results] == [(1, 3), (2, 3), (3, 3)] and final(results[-1])
+    assert ["PREVIEW" in outputs(r) for r in results] == [True, True, False]  # the last carries the image
     assert results[-1].as_numpy("IMAGE")[0] == plain(triton, "neopp_dense_cfg", **ask).as_numpy("IMAGE")[0]
 
 
@@ -118,8 +122,11 @@ def test_four_concurrent_streams_each_give_their_own_plain_image(triton):
     for seed in seeds:
         last, error = got[seed][-1]
         assert error is None and final(last), error
-        assert [step_of(r)[0] for r, _ in got[seed]] == [1, 2, 3, 4, 4]
-        assert last.as_numpy("IMAGE")[0] == want[seed], f"seed {seed}: not the plain model's image"
+        assert [step_of(r)[0] for r, _ in got[seed]] == [1, 2, 3, 4]
+        # Streams that overlap share steps; float32 products over more rows may round one pixel
+        # level differently (measured: 6 of 1.1M values), so batched images are compared as pixels.
+        diff = np.abs(png_pixels(last.as_numpy("IMAGE")[0]) - png_pixels(want[seed]))
+        assert diff.max() <= 1 and (diff > 0).mean() < 0.01, f"seed {seed}: not the plain model's image"
     assert len(set(want.values())) == 4
 
 
@@ -222,9 +229,9 @@ def test_sse_through_the_front_streams_steps_previews_and_the_plain_image(triton
             "STEPS": steps, "SEED": 31, "OUTPUT_FORMAT": "png", "PREVIEW_EVERY": 20, "BASE64_OUTPUT": 1}
     status, events = sse(front, STREAM, body)
     assert status == 200 and all("error" not in e for _, e in events), events[:1]
-    assert [e["STEP"] for _, e in events] == [*range(1, steps + 1), steps]
+    assert [e["STEP"] for _, e in events] == [*range(1, steps + 1)]
     previews = [e["PREVIEW"] for _, e in events if "PREVIEW" in e]
-    assert [e["STEP"] for _, e in events[:-1] if "PREVIEW" in e] == [20, 40, 60]
+    assert [e["STEP"] for _, e in events[:-1] if "PREVIEW" in e] == [20, 40]
     for text in previews:
         assert Image.open(io.BytesIO(base64.b64decode(text))).size == (64, 64)  # default: the image's own size
     want = plain(triton, "neopp_dense", SEED=np.array([31], I64), STEPS=np.array([steps], I64))
@@ -279,7 +286,8 @@ def test_stream_histograms_on_the_metrics_port(triton):
 
     assert "# TYPE neopp_stream_step_seconds histogram" in text
     requests = value("neopp_stream_queue_wait_seconds_count")
-    assert requests >= 1 and value("neopp_stream_batch_size_count") == requests
-    assert value("neopp_stream_batch_size_bucket", le="1") == requests  # the sequential engine runs one at a time
-    assert value("neopp_stream_step_seconds_count") >= 4 and value("neopp_stream_step_seconds_sum") > 0
+    steps = value("neopp_stream_step_seconds_count")
+    assert requests >= 1 and steps >= 4 and value("neopp_stream_step_seconds_sum") > 0
+    assert value("neopp_stream_batch_size_count") == steps  # one observation per batched step
+    assert value("neopp_stream_batch_size_sum") >= steps  # each step runs at least one request
     assert value("neopp_stream_queue_wait_seconds_bucket", le="+Inf") == requests

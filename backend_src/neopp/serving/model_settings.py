@@ -23,6 +23,8 @@ See :data:`PARAMETER_DEFAULTS`:
   ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``;
 * ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.warmup`),
   so the first request is as fast as the next ones; ``false`` skips it.
+* ``token_budget`` (streaming models): image tokens x branches one batched step may hold; a
+  request joins a running batch at a step boundary while the sum stays within it.
 
 Relative ``checkpoint``/``mode_file``/``lora_dir`` parameters resolve against ``NEOPP_BASE_DIR`` when set,
 else the folder that holds the model repository (the project root), so the same repository
@@ -40,6 +42,7 @@ from typing import Any
 
 import torch
 
+from ..batch_engine import DEFAULT_TOKEN_BUDGET
 from ..checkpoint import generation_shapes
 from ..errors import ConfigError
 from ..limits import Limits
@@ -58,6 +61,7 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "collective_timeout_s": "120",
     "default_task": "t2i",
     "warmup": "true",
+    "token_budget": str(DEFAULT_TOKEN_BUDGET),
     **{k: str(v) for k, v in Limits().__dict__.items()},
 }
 _DTYPES = {"auto": None, "": None, "float32": torch.float32, "fp32": torch.float32,
@@ -144,6 +148,7 @@ class TritonModelSettings:
     default_task: str
     limits: Limits
     warmup: bool = True
+    token_budget: int = DEFAULT_TOKEN_BUDGET
 
     @staticmethod
     def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
@@ -170,6 +175,7 @@ class TritonModelSettings:
             worker_processes=_int_param(params, "worker_processes"),
             collective_timeout_s=float(_int_param(params, "collective_timeout_s")),
             warmup=_bool_param(params, "warmup"),
+            token_budget=_int_param(params, "token_budget"),
         )
 
 

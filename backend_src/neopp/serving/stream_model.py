@@ -3,11 +3,11 @@
 ``execute`` parses and validates each request exactly as the plain models do, draws its noise,
 hands it to a :class:`~neopp.streaming.StreamEngine` and returns; the engine's events become
 responses on the request's sender, on a delivery thread so that the engine never waits for
-them: one per step (``STEP``/``TOTAL_STEPS``, sometimes a JPEG ``PREVIEW``), then the last one
-with ``IMAGE`` and ``NEXT_RNG_STATE`` and the final flag. A refused, failed or cancelled request
+them: one per step (``STEP``/``TOTAL_STEPS``, sometimes a JPEG ``PREVIEW``); the last step's
+carries ``IMAGE`` and ``NEXT_RNG_STATE`` and the final flag. A refused, failed or cancelled request
 gets one error response with the final flag instead.
-The serving code knows only the StreamEngine protocol; ``make_stream_engine`` is the one
-place that picks the engine.
+Requests run on a batching engine (``neopp.batch_engine``): a request joins the running batch
+at the next step boundary, within the model's ``token_budget``.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..batch_engine import BatchingEngine, EngineHooks, build_stream_engine
+from ..engines import GenerationEngine
 from ..errors import GenerationCancelled
 from ..image_io import encode_image
 from ..pipeline import GenerationRequest
 from ..request_log import request_line
-from ..stream_sequential import build_sequential_stream_engine
 from ..streaming import StepEvent, StreamEngine
+from ..warmup import warm_up_stream
 from .metrics import StreamMetrics
 from .request_parsing import KV_INPUTS, check_noise
 from .stream_delivery import Delivery
@@ -38,8 +40,6 @@ from .stream_parsing import (
 )
 from .triton_model import NeoPPTritonModel
 
-# The engine the streaming models run; swapping in a batching engine is this one line.
-make_stream_engine = build_sequential_stream_engine
 PREVIEW_QUALITY = 85
 
 
@@ -68,16 +68,39 @@ class NeoPPStreamModel(NeoPPTritonModel):
         return super().auto_complete_config(auto_complete_model_config)
 
     def initialize(self, args: dict[str, str]) -> None:
+        self.stream_engine: StreamEngine | None = None
         super().initialize(args)
-        self.stream_metrics = StreamMetrics(self.pb, self.model_name)
+        self._counting = True
         self.delivery = Delivery(self._emit)
-        self.stream_engine: StreamEngine | None = make_stream_engine(
-            self.engine, on_queue_wait=self.stream_metrics.queue_wait, on_batch=self.stream_metrics.batch,
-            on_step_time=self._step_time)
+
+    def _build_engine(self, device: str, gpus: list[int] | None, instance_index: int,
+                      threads: int | None) -> GenerationEngine:
+        """A batching engine (rank pool for a parallel mode); requests are checked on the engine
+        that runs them, so the plain path's rules and geometry are the same."""
+        self.stream_metrics = StreamMetrics(self.pb, self.model_name)
+        self._counting = False  # the warm-up leaves the metrics untouched
+        hooks = EngineHooks(queue_wait=self._queue_wait, batch_size=self._batch, step_seconds=self._step_time)
+        self.stream_engine = build_stream_engine(
+            self.settings.checkpoint, self.mode, device, self.settings.dtype, self.settings.limits, threads,
+            token_budget=self.settings.token_budget, hooks=hooks, instance_index=instance_index, gpus=gpus,
+            collective_timeout_s=self.settings.collective_timeout_s)
+        return self.stream_engine.pipe if isinstance(self.stream_engine, BatchingEngine) else self.stream_engine
+
+    def _warm_up(self) -> float:
+        return warm_up_stream(self.stream_engine, self.engine, self.mode)
+
+    def _queue_wait(self, seconds: float) -> None:
+        if self._counting:
+            self.stream_metrics.queue_wait(seconds)
+
+    def _batch(self, size: int) -> None:
+        if self._counting:
+            self.stream_metrics.batch(size)
 
     def _step_time(self, seconds: float) -> None:
-        self.metrics.step(seconds)
-        self.stream_metrics.step_time(seconds)
+        if self._counting:
+            self.metrics.step(seconds)
+            self.stream_metrics.step_time(seconds)
 
     def execute(self, requests: list[Any]) -> None:
         """Accept each request and return at once; its responses follow from the delivery thread."""
@@ -89,6 +112,8 @@ class NeoPPStreamModel(NeoPPTritonModel):
         """Queued and running streams end with CANCELLED before the engine's workers stop."""
         if self.stream_engine is not None:
             self.stream_engine.close()
+            if self.engine is self.stream_engine:  # a rank pool is both; close it once
+                self.engine = None
         self.stream_engine = None
         self.delivery.close()  # after the engine: its cancellation events are delivered too
         super().finalize()

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..checkpoint_config import CheckpointConfig
-from ..engines import build_engine
+from ..engines import GenerationEngine, build_engine
 from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
 from ..parallel.mesh import check_world
@@ -129,18 +129,25 @@ class NeoPPTritonModel:
         if self.settings.worker_processes:
             check_world(self.mode, self.settings.worker_processes)
         device, gpus = self._place(model_config, model_dir, args, instance_index)
-        self.engine = build_engine(self.settings.checkpoint, self.mode, device, self.settings.dtype,
-                                         self.settings.limits, self._threads(model_config), instance_index,
-                                         gpus=gpus, collective_timeout_s=self.settings.collective_timeout_s)
+        self.engine = self._build_engine(device, gpus, instance_index, self._threads(model_config))
         self.kv_dims = self.engine.config.kv_dims
         self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
         self._stopping = stop_on_sigterm(self.logger, self.model_name)
-        warmed = f" warm-up {warm_up(self.engine, self.mode):.2f}s" if self.settings.warmup else ""
+        warmed = f" warm-up {self._warm_up():.2f}s" if self.settings.warmup else ""
         self.logger.log_info(
             f"{self.model_name}: loaded {self.settings.checkpoint} mode={self.mode.name} "
             f"device={self.engine.device} dtype={self.engine.dtype} kv_dims={self.kv_dims} "
             f"threads={torch.get_num_threads()}{warmed}")
+
+    def _build_engine(self, device: str, gpus: list[int] | None, instance_index: int,
+                      threads: int | None) -> GenerationEngine:
+        """The engine requests run on (the streaming models build a batching one instead)."""
+        return build_engine(self.settings.checkpoint, self.mode, device, self.settings.dtype, self.settings.limits,
+                            threads, instance_index, gpus=gpus, collective_timeout_s=self.settings.collective_timeout_s)
+
+    def _warm_up(self) -> float:
+        return warm_up(self.engine, self.mode)
 
     def _place(self, model_config: Mapping[str, Any], model_dir: Path | None, args: Mapping[str, str],
                instance_index: int) -> tuple[str, list[int] | None]:
