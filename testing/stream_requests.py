@@ -9,13 +9,24 @@ levels almost everywhere.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
+import torch
 
 from neopp.kv_cache import load_kv_file
 from neopp.modes import SamplingParams
-from neopp.pipeline import GenerationRequest
+from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
+from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+
+
+def tiny_setup(root: Path) -> tuple[Path, NeoPPPipeline, list[dict[str, Path]]]:
+    """A tiny dense checkpoint, its float32 pipeline and three prefixes of different lengths."""
+    ckpt = write_tiny_checkpoint(root / "dense", "dense", seed=3)
+    kvs = [write_sample_kv(root / f"kv{i}", "dense", cond_tokens=c, uncond_tokens=u, seed=i)
+           for i, (c, u) in enumerate([(21, 5), (9, 3), (14, 7)])]
+    return ckpt, NeoPPPipeline.from_pretrained(ckpt, device="cpu", dtype=torch.float32), kvs
 
 
 def assert_pixels_match(got: np.ndarray, want: np.ndarray, what: str = "") -> None:

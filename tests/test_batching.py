@@ -20,9 +20,7 @@ import torch
 from neopp.batch_engine import BatchingEngine, EngineHooks
 from neopp.batching import StepBatcher, start
 from neopp.errors import GenerationCancelled, InputError, NonFiniteState
-from neopp.pipeline import NeoPPPipeline
-from testing.stream_requests import Collector, assert_pixels_match, make, mixed
-from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+from testing.stream_requests import Collector, assert_pixels_match, make, mixed, tiny_setup
 from tests.reference import neopp_reference as ref
 
 TIMEOUT_S = 60
@@ -30,11 +28,7 @@ TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("batching")
-    ckpt = write_tiny_checkpoint(root / "dense", "dense", seed=3)
-    kvs = [write_sample_kv(root / f"kv{i}", "dense", cond_tokens=c, uncond_tokens=u, seed=i)
-           for i, (c, u) in enumerate([(21, 5), (9, 3), (14, 7)])]
-    pipe = NeoPPPipeline.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
+    ckpt, pipe, kvs = tiny_setup(tmp_path_factory.mktemp("batching"))
     return pipe, kvs, ckpt
 
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as tmp
 
 from neopp.kv_cache import load_kv_file
 from neopp.modes import load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
-from neopp.ports import free_ports
 from neopp.rng import NoiseStream
+from testing.ranks import run_ranks
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
 MODES = {"cfg": "configs/neopp/neopp_dense_parallel_cfg.json",
@@ -63,24 +62,8 @@ def _rank(rank: int, world: int, port: int, ckpt: str, kv: dict, mode_path: str,
 
 
 def _run_ranks(world: int, ckpt, kv, mode_path: str, interval) -> dict:
-    ctx = tmp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_ports(1)[0]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, str(ckpt), kv, mode_path, interval, out))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, vs, final = out.get(timeout=120)
-            results[rank] = (torch.from_numpy(vs), torch.from_numpy(final))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results
+    results = run_ranks(_rank, world, (str(ckpt), kv, mode_path, interval), timeout_s=120)
+    return {rank: (torch.from_numpy(vs), torch.from_numpy(final)) for rank, (vs, final) in results.items()}
 
 
 @pytest.mark.parametrize("name,world", [("cfg", 2), ("cfg_seq", 4)])

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as tmp
 
 from neopp.modes import load_mode
-from neopp.ports import free_ports
+from testing.ranks import run_ranks
 from testing.tiny_checkpoint import write_tiny_checkpoint
 from tests.reference import neopp_reference as ref
 from tests.test_image_guidance import CASES, SHIFT, STEPS, X_RTOL, H, W, image_request, x_err
@@ -53,23 +52,8 @@ def _rank(rank: int, world: int, port: int, ckpt: str, out) -> None:
 
 
 def _run_ranks(world: int, ckpt) -> dict:
-    ctx = tmp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_ports(1)[0]
-    procs = [ctx.Process(target=_rank, args=(r, world, port, str(ckpt), out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    try:
-        for _ in range(world):
-            rank, finals = out.get(timeout=300)
-            results[rank] = [torch.from_numpy(x) for x in finals]
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return results
+    results = run_ranks(_rank, world, (str(ckpt),), timeout_s=300)
+    return {rank: [torch.from_numpy(x) for x in finals] for rank, (finals,) in results.items()}
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,7 @@ import torch
 from neopp.batch_engine import BatchingEngine, EngineHooks, build_stream_engine
 from neopp.errors import GenerationCancelled, WorkerFailure
 from neopp.modes import load_mode
-from neopp.pipeline import NeoPPPipeline
-from testing.stream_requests import Collector, assert_pixels_match, make, mixed
-from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
+from testing.stream_requests import Collector, assert_pixels_match, make, mixed, tiny_setup
 
 MODES = {"cfg": "configs/neopp/neopp_dense_parallel_cfg.json",
          "cfg_seq": "configs/neopp/neopp_dense_parallel_cfg_seq.json"}
@@ -30,12 +28,7 @@ TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("stream_pool")
-    ckpt = write_tiny_checkpoint(root / "dense", "dense", seed=3)
-    kvs = [write_sample_kv(root / f"kv{i}", "dense", cond_tokens=c, uncond_tokens=u, seed=i)
-           for i, (c, u) in enumerate([(21, 5), (9, 3), (14, 7)])]
-    pipe = NeoPPPipeline.from_pretrained(ckpt, device="cpu", dtype=torch.float32)
-    return ckpt, pipe, kvs
+    return tiny_setup(tmp_path_factory.mktemp("stream_pool"))
 
 
 def run(engine, reqs, collectors, preview_every=0) -> None:
