@@ -206,7 +206,7 @@ def report_body(rows: dict, previews: dict, loaded: dict, after: dict, settings:
              "divides by whole-second windows, too coarse for runs this short), after 2 warm-up requests per "
              "model and size; the three configurations "
              "measured one after the other at every point, their order rotating. Windows are kept short so the "
-             f"whole run takes about a quarter of an hour on this {cores}-core machine (this one: "
+             f"whole run stays within about a quarter of an hour on this {cores}-core machine (this one: "
              f"{s['minutes']:.1f} min{', `--quick` matrix' if s['quick'] else ''}).", "",
              *throughput_table(rows), ""]
     if plot:
