@@ -31,6 +31,8 @@ SECTIONS = [
      "KV ingest: gRPC vs system shared memory"),
     ("serving", "serving_bench", lambda out: ["--out", out], "serving.md",
      "Triton end to end vs in-process; throughput per instance count"),
+    ("continuous_batching", "streaming_serving", lambda out: ["--out", out], "streaming_serving.md",
+     "Continuous batching on Triton: one batching instance vs one and two plain instances"),
     ("startup", "startup", lambda out: ["--out", out], "startup.md",
      "Start time and the first request (warm-up at load)"),
     ("8b", "eight_b", lambda out: ["--out", out], "eight_b.md", "8B geometry"),
