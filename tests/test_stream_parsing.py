@@ -16,6 +16,7 @@ from neopp.serving.stream_parsing import (
     decode_kv_b64,
     default_preview_size,
     parse_stream_request,
+    refuse_input_like_parameters,
 )
 from testing.tiny_checkpoint import random_kv, tiny_config
 
@@ -117,3 +118,13 @@ def test_base64_prefix_over_the_token_limit_is_refused_before_decoding():
     junk = np.array([b"!" * (512 * 8 * 4 // 3)], np.object_)
     with pytest.raises(InputError, match=r"^IMAGE_KV_B64: .* over the limit max_prefix_tokens=4"):
         parse_stream_request(inputs(IMAGE_KV_B64=junk, INDEX_OFFSET_IMAGE=np.array([1], np.int64)), limits, DIMS)
+
+
+def test_parameters_spelt_like_inputs_are_refused():
+    # what Triton hands the model for generate_stream's {"PREVIEW_EVRY": 1, ...}: a parameter
+    with pytest.raises(InputError, match=r"^PREVIEW_EVRY: unknown input; expected names from \['BASE64_OUTPUT'"):
+        refuse_input_like_parameters('{"PREVIEW_EVRY": 1}')
+    with pytest.raises(InputError, match="^SEEED: unknown input"):
+        refuse_input_like_parameters({"priority": 0, "SEEED": 3})
+    for fine in ("", "{}", '{"priority": 0, "triton_enable_empty_final_response": true}', None):
+        refuse_input_like_parameters(fine)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -147,6 +149,23 @@ def parse_stream_request(inputs: Mapping[str, Any], limits: Limits,
         else False,
     )
     return parsed, options
+
+
+INPUT_LIKE = re.compile(r"^[A-Z][A-Z0-9_]*$")  # every input of the contract is spelt so; parameters never are
+
+
+def refuse_input_like_parameters(parameters: str | Mapping[str, Any] | None) -> None:
+    """``generate_stream`` turns a JSON field that names no input into a request parameter, and
+    Triton passes parameters on without a word; an upper-case one is a misspelt or unsupported
+    input (``PREVIEW_EVRY``), refused as the plain parser refuses an unknown input."""
+    if not parameters:
+        return
+    params = json.loads(parameters) if isinstance(parameters, (str, bytes)) else parameters
+    if not isinstance(params, Mapping):
+        return
+    for name in sorted(params):
+        if isinstance(name, str) and INPUT_LIKE.match(name):
+            raise InputError(f"{name[:40]}: unknown input; expected names from {sorted(STREAM_INPUT_SPECS)}")
 
 
 def default_preview_size(height: int, width: int) -> tuple[int, int]:
