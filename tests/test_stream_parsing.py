@@ -114,6 +114,8 @@ def test_base64_prefix_over_the_token_limit_is_refused_before_decoding():
     assert at_limit[0].cond_kv.shape[2] == 4
     with pytest.raises(InputError, match=r"^COND_KV_B64: .* hold at least 5 tokens .* max_prefix_tokens=4"):
         parse_stream_request(inputs(COND_KV=None, COND_KV_B64=b64(random_kv(CFG, 5, seed=2))), limits, DIMS)
+    with pytest.raises(InputError, match=r"^COND_KV_B64: 4096 characters of base64 hold at least 6 tokens"):
+        parse_stream_request(inputs(COND_KV=None, COND_KV_B64=b64(random_kv(CFG, 6, seed=2))), limits, DIMS)
     # the length alone decides: text that is not even base64 is refused for its size, never decoded
     junk = np.array([b"!" * (512 * 8 * 4 // 3)], np.object_)
     with pytest.raises(InputError, match=r"^IMAGE_KV_B64: .* over the limit max_prefix_tokens=4"):

@@ -109,7 +109,8 @@ def decode_kv_b64(name: str, value: Any, kv_dims: tuple[int, int, int],
         raise InputError(f"{name}: must be a STRING (BYTES) tensor holding base64 text")
     layers, kv_heads, head_dim = kv_dims
     row = layers * 2 * kv_heads * head_dim * 2  # bytes of one token over every layer, K and V
-    fewest = (len(text) * 3 // 4 - 2) // row  # tokens the text holds at least (padding: <= 2 bytes)
+    pad = min(2, len(text) - len(text.rstrip(b"=" if isinstance(text, bytes) else "=")))
+    fewest = (len(text) // 4 * 3 - pad) // row  # exact for valid base64, a lower bound otherwise
     if max_tokens is not None and fewest > max_tokens:
         raise InputError(f"{name}: {len(text)} characters of base64 hold at least {fewest} tokens of {row} bytes, "
                          f"over the limit max_prefix_tokens={max_tokens}")
