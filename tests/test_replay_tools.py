@@ -120,7 +120,7 @@ def test_image_editing_replay_equals_the_runner_and_refuses_without_the_image_br
     assert runner.generate(seed=3, size=(64, 64)) == out.read_bytes()
     capsys.readouterr()
     assert replay_kv.main(base + ["--output", str(tmp_path / "x.png")]) == 2
-    assert "image_guidance_scale: 2 refused without the image branch" in capsys.readouterr().err
+    assert "error: --image-guidance-scale: 2 refused without the image branch" in capsys.readouterr().err
 
 
 def test_8steps_mode_finds_its_lora_through_lora_dir(ckpt, tmp_path, capsys):
@@ -133,6 +133,17 @@ def test_8steps_mode_finds_its_lora_through_lora_dir(ckpt, tmp_path, capsys):
     assert (tmp_path / "8.png").read_bytes() != (tmp_path / "d.png").read_bytes(), "the LoRA was merged"
     assert replay_kv.main(argv + ["--output", str(tmp_path / "x.png")]) == 2
     assert loras["neopp_8steps_lora"].name in capsys.readouterr().err
+
+
+def test_a_refused_flag_value_names_the_flag(ckpt, tmp_path, capsys):
+    # what a launcher's STEPS=-3 becomes; the message names the flag, not the internal field
+    argv = ["--checkpoint", str(ckpt), "--mode", str(DENSE_MODE), "--size", "64", "64",
+            "--cond-kv", str(ckpt / "kv" / "cond_kv.pt"), "--offset-cond", "24", "--seed", "1",
+            "--output", str(tmp_path / "x.png")]
+    for flag, value in (("--steps", "-3"), ("--cfg-scale", "nan"), ("--timestep-shift", "0")):
+        capsys.readouterr()
+        assert replay_kv.main(argv + [flag, value]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {flag}: "), flag
 
 
 def test_errors_are_one_clear_line(ckpt, tmp_path, capsys):

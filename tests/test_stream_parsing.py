@@ -16,6 +16,7 @@ from neopp.serving.stream_parsing import (
     decode_kv_b64,
     default_preview_size,
     parse_stream_request,
+    refuse_input_like_parameters,
 )
 from testing.tiny_checkpoint import random_kv, tiny_config
 
@@ -105,3 +106,27 @@ def test_decode_shape_comes_from_the_checkpoint():
                                         ((1000, 30), (256, 8))])
 def test_default_preview_size_scales_the_longer_side_to_256(size, want):
     assert default_preview_size(*size) == want
+
+
+def test_base64_prefix_over_the_token_limit_is_refused_before_decoding():
+    limits = Limits(max_steps=50, max_request_bytes=1 << 20, max_prefix_tokens=4)
+    at_limit = parse_stream_request(inputs(COND_KV=None, COND_KV_B64=b64(random_kv(CFG, 4, seed=2))), limits, DIMS)
+    assert at_limit[0].cond_kv.shape[2] == 4
+    with pytest.raises(InputError, match=r"^COND_KV_B64: .* hold at least 5 tokens .* max_prefix_tokens=4"):
+        parse_stream_request(inputs(COND_KV=None, COND_KV_B64=b64(random_kv(CFG, 5, seed=2))), limits, DIMS)
+    with pytest.raises(InputError, match=r"^COND_KV_B64: 4096 characters of base64 hold at least 6 tokens"):
+        parse_stream_request(inputs(COND_KV=None, COND_KV_B64=b64(random_kv(CFG, 6, seed=2))), limits, DIMS)
+    # the length alone decides: text that is not even base64 is refused for its size, never decoded
+    junk = np.array([b"!" * (512 * 8 * 4 // 3)], np.object_)
+    with pytest.raises(InputError, match=r"^IMAGE_KV_B64: .* over the limit max_prefix_tokens=4"):
+        parse_stream_request(inputs(IMAGE_KV_B64=junk, INDEX_OFFSET_IMAGE=np.array([1], np.int64)), limits, DIMS)
+
+
+def test_parameters_spelt_like_inputs_are_refused():
+    # what Triton hands the model for generate_stream's {"PREVIEW_EVRY": 1, ...}: a parameter
+    with pytest.raises(InputError, match=r"^PREVIEW_EVRY: unknown input; expected names from \['BASE64_OUTPUT'"):
+        refuse_input_like_parameters('{"PREVIEW_EVRY": 1}')
+    with pytest.raises(InputError, match="^SEEED: unknown input"):
+        refuse_input_like_parameters({"priority": 0, "SEEED": 3})
+    for fine in ("", "{}", '{"priority": 0, "triton_enable_empty_final_response": true}', None):
+        refuse_input_like_parameters(fine)

@@ -273,6 +273,16 @@ def test_sse_refusal_and_bf16_json_limits(triton, front):
     conn.close()
 
 
+
+def test_sse_field_naming_no_input_is_refused_not_ignored(triton, front):
+    # generate_stream turns an unknown JSON field into a request parameter; a misspelt input must
+    # not run silently without what it asked for
+    body = {"COND_KV_B64": _b64_kv(triton.cond), "INDEX_OFFSET_COND": COND_TOKENS, "CFG_SCALE": 1.0,
+            "SIZE": [64, 64], "STEPS": 2, "BASE64_OUTPUT": 1, "PREVIEW_EVRY": 1}
+    status, events = sse(front, STREAM, body)
+    assert status == 400 and len(events) == 1, events
+    assert events[0][1]["error"].startswith("PREVIEW_EVRY: unknown input; expected names from"), events
+
 def test_stream_histograms_on_the_metrics_port(triton):
     assert final(stream(triton, STREAM, SEED=np.array([41], I64))[-1][0])
     text = urllib.request.urlopen(triton.server.metrics_url, timeout=10).read().decode()

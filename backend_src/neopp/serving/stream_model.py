@@ -37,6 +37,7 @@ from .stream_parsing import (
     StreamOptions,
     default_preview_size,
     parse_stream_request,
+    refuse_input_like_parameters,
 )
 from .triton_model import NeoPPTritonModel
 
@@ -200,7 +201,9 @@ class NeoPPStreamModel(NeoPPTritonModel):
 
     def _inputs(self, request: Any) -> dict[str, Any]:
         """As the plain models, with the KV copied: the request's buffers may be released once
-        ``execute`` returns, while the request still waits in the engine's queue."""
+        ``execute`` returns, while the request still waits in the engine's queue. A JSON field of
+        ``generate_stream`` that names no input arrives as a parameter and is refused here."""
+        refuse_input_like_parameters(request.parameters())
         out = super()._inputs(request)
         for name in KV_INPUTS:
             if name in out:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -90,11 +92,14 @@ def _flag(name: str, value: Any) -> bool:
     return bool(flag)
 
 
-def decode_kv_b64(name: str, value: Any, kv_dims: tuple[int, int, int]) -> torch.Tensor:
+def decode_kv_b64(name: str, value: Any, kv_dims: tuple[int, int, int],
+                  max_tokens: int | None = None) -> torch.Tensor:
     """Base64 of raw little-endian bfloat16 bytes -> ``[layers, 2, seq, kv_heads, head_dim]``.
 
     Only the sequence length is free; the other dims are the checkpoint's, so the byte count
-    must be a whole number of token rows. The caller has bounded the text's size already.
+    must be a whole number of token rows. The caller has bounded the text's size already; the
+    token count follows from the text's length, so ``max_tokens`` is checked before decoding
+    (a prefix over the limit is never materialised, and the error names the input sent).
     """
     arr = np.asarray(value, dtype=np.object_)
     if arr.shape != (1,):
@@ -102,12 +107,17 @@ def decode_kv_b64(name: str, value: Any, kv_dims: tuple[int, int, int]) -> torch
     text = arr[0]
     if not isinstance(text, (bytes, str)):
         raise InputError(f"{name}: must be a STRING (BYTES) tensor holding base64 text")
+    layers, kv_heads, head_dim = kv_dims
+    row = layers * 2 * kv_heads * head_dim * 2  # bytes of one token over every layer, K and V
+    pad = min(2, len(text) - len(text.rstrip(b"=" if isinstance(text, bytes) else "=")))
+    fewest = (len(text) // 4 * 3 - pad) // row  # exact for valid base64, a lower bound otherwise
+    if max_tokens is not None and fewest > max_tokens:
+        raise InputError(f"{name}: {len(text)} characters of base64 hold at least {fewest} tokens of {row} bytes, "
+                         f"over the limit max_prefix_tokens={max_tokens}")
     try:
         raw = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise InputError(f"{name}: must be base64 text (standard alphabet, padded): {exc}") from None
-    layers, kv_heads, head_dim = kv_dims
-    row = layers * 2 * kv_heads * head_dim * 2  # bytes of one token over every layer, K and V
     if not raw or len(raw) % row:
         raise InputError(f"{name}: {len(raw)} decoded bytes are not a positive whole number of tokens of "
                          f"{row} bytes (bf16 [{layers}, 2, seq, {kv_heads}, {head_dim}])")
@@ -129,7 +139,7 @@ def parse_stream_request(inputs: Mapping[str, Any], limits: Limits,
             continue
         if inputs.get(kv_name) is not None:
             raise InputError(f"{b64_name}: give one of {kv_name} and {b64_name}, not both")
-        plain[kv_name] = decode_kv_b64(b64_name, inputs[b64_name], kv_dims)
+        plain[kv_name] = decode_kv_b64(b64_name, inputs[b64_name], kv_dims, limits.max_prefix_tokens)
     if plain.get("COND_KV") is None:
         raise InputError("COND_KV: required input is missing (or COND_KV_B64, its base64 form)")
     parsed = parse_request(plain, limits)
@@ -140,6 +150,23 @@ def parse_stream_request(inputs: Mapping[str, Any], limits: Limits,
         else False,
     )
     return parsed, options
+
+
+INPUT_LIKE = re.compile(r"^[A-Z][A-Z0-9_]*$")  # every input of the contract is spelt so; parameters never are
+
+
+def refuse_input_like_parameters(parameters: str | Mapping[str, Any] | None) -> None:
+    """``generate_stream`` turns a JSON field that names no input into a request parameter, and
+    Triton passes parameters on without a word; an upper-case one is a misspelt or unsupported
+    input (``PREVIEW_EVRY``), refused as the plain parser refuses an unknown input."""
+    if not parameters:
+        return
+    params = json.loads(parameters) if isinstance(parameters, (str, bytes)) else parameters
+    if not isinstance(params, Mapping):
+        return
+    for name in sorted(params):
+        if isinstance(name, str) and INPUT_LIKE.match(name):
+            raise InputError(f"{name[:40]}: unknown input; expected names from {sorted(STREAM_INPUT_SPECS)}")
 
 
 def default_preview_size(height: int, width: int) -> tuple[int, int]:

@@ -193,7 +193,21 @@ def run_main(run, argv: Sequence[str] | None, parser: argparse.ArgumentParser) -
     args = parser.parse_args(argv)
     try:
         run(args)
-    except (InputError, ConfigError) as exc:
+    except InputError as exc:
+        print(f"error: {exc.named(given_flags(args))}", file=sys.stderr)
+        return 2
+    except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+# Sampling field -> the flag that overrides it, so a refused value names what the user typed.
+SAMPLING_FLAGS = {"infer_steps": "--steps", "cfg_scale": "--cfg-scale", "cfg_interval": "--cfg-interval",
+                  "cfg_norm": "--cfg-norm", "timestep_shift": "--timestep-shift",
+                  "image_guidance_scale": "--image-guidance-scale"}
+
+
+def given_flags(args: argparse.Namespace) -> dict[str, str]:
+    """The sampling fields a flag set (a mode file's own value keeps its field name)."""
+    return {field: flag for field, flag in SAMPLING_FLAGS.items() if getattr(args, field, None) is not None}
