@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -111,3 +112,14 @@ class PeakRSS:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, rss_bytes())
+
+
+def save_figure(fig: Any, path: Path, title: str | None = None) -> None:
+    """Title, tight layout, a 100-dpi PNG, and the figure closed (pyplot keeps it otherwise)."""
+    import matplotlib.pyplot as plt
+
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

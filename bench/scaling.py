@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from bench.cfg_bench import write_checkpoint
-from bench.common import REPO, PeakRSS, rss_bytes, section_main, stats
+from bench.common import REPO, PeakRSS, rss_bytes, save_figure, section_main, stats
 from bench.step_efficiency import BenchGeometry, build_pipeline
 from neopp.modes import SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
@@ -86,10 +86,7 @@ def _plot(series: dict, path: Path) -> None:
     for ax in (a, b):
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle("NeoPP step time (one branch)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, "NeoPP step time (one branch)")
 
 
 def memory_child(ckpt: str, layers: int, dtype_name: str, size: int, prefix: int) -> dict:

@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 import tritonclient.grpc as grpcclient
 
-from bench.common import REPO, stats, write_report
+from bench.common import REPO, save_figure, stats, write_report
 from bench.kv_ingest import lightllm_client_class, write_geometry_checkpoint
 from bench.perf_analyzer import perf_input_data, run_perf_analyzer
 from neopp.image_io import encode_image
@@ -217,9 +217,7 @@ def plot_latency(times: dict, path: Path) -> None:
     ax.set(ylabel="ms per request (median, min-max)", title="NeoPP request latency: Triton vs in-process")
     ax.legend()
     ax.grid(True, axis="y", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ---------------------------------------------------------------- (b) throughput
@@ -336,10 +334,7 @@ def plot_throughput(rows: dict, threads: int, path: Path) -> None:
         ax.set_xticks(sorted({k[1] for k in rows}))
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("neopp_dense on Triton (perf_analyzer, gRPC)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, "neopp_dense on Triton (perf_analyzer, gRPC)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.common import save_figure
 from bench.geometry import config_8b, tower_shapes
 from bench.step_efficiency import BenchGeometry, flops, gemm_shapes
 from neopp.checkpoint_config import CheckpointConfig
@@ -256,8 +257,5 @@ def plot_throughput(rows: dict, path: Path) -> bool:
         ax.set_xticks(cs)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("Continuous batching on Triton (perf_analyzer, gRPC)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, "Continuous batching on Triton (perf_analyzer, gRPC)")
     return True

@@ -85,6 +85,11 @@ class ParsedRequest:
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams.replace overrides
 
     @property
+    def uses_instance_stream(self) -> bool:
+        """No SEED, RNG_STATE or NOISE: the noise comes from the instance's own stream."""
+        return self.seed is None and self.rng_state is None and self.noise is None
+
+    @property
     def prefix_tokens(self) -> int:
         return int(self.cond_kv.shape[2])
 

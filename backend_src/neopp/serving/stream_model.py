@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from ..batch_engine import BatchingEngine, EngineHooks, build_stream_engine
 from ..engines import GenerationEngine
@@ -29,7 +28,7 @@ from ..request_log import request_line
 from ..streaming import StepEvent, StreamEngine
 from ..warmup import warm_up_stream
 from .metrics import StreamMetrics
-from .request_parsing import KV_INPUTS, check_noise
+from .request_parsing import KV_INPUTS
 from .stream_delivery import Delivery
 from .stream_parsing import (
     STREAM_INPUT_SPECS,
@@ -128,17 +127,11 @@ class NeoPPStreamModel(NeoPPTritonModel):
             if self._stopping.is_set() or self.stream_engine is None:
                 raise GenerationCancelled("request cancelled before generation started")
             parsed, options = parse_stream_request(self._inputs(request), self.settings.limits, self.kv_dims)
-            gen_req, stream = self._generation_request(parsed)
-            self.engine.validate(gen_req)
-            if parsed.noise is not None:
-                check_noise(parsed.noise, (gen_req.height, gen_req.width))
-                gen_req.noise, gen_req.noise_scaled = torch.from_numpy(parsed.noise.copy()), True
-            else:
-                gen_req.noise = stream.draw(gen_req.height, gen_req.width)
+            gen_req, stream = self._ready_request(parsed)
         except Exception as exc:  # noqa: BLE001 - every refusal is answered; the model stays usable
             self._send(sender, self._refuse(exc, start), final=True)
             return
-        if parsed.seed is None and parsed.rng_state is None and parsed.noise is None:
+        if parsed.uses_instance_stream:
             # Streams run concurrently, so the instance stream moves on when a request is accepted
             # (the plain models move it when the image is delivered); no two requests share a draw.
             self.stream = stream

@@ -190,20 +190,14 @@ class NeoPPTritonModel:
             if request.is_cancelled() or self._stopping.is_set():
                 raise GenerationCancelled("request cancelled before generation started")
             parsed = parse_request(self._inputs(request), self.settings.limits)
-            gen_req, stream = self._generation_request(parsed)
-            self.engine.validate(gen_req)
-            if parsed.noise is not None:  # the client's own starting state (LightX2V's draw); no stream used
-                check_noise(parsed.noise, (gen_req.height, gen_req.width))
-                gen_req.noise, gen_req.noise_scaled = torch.from_numpy(parsed.noise.copy()), True
-            else:
-                gen_req.noise = stream.draw(gen_req.height, gen_req.width)  # only once the request is valid
+            gen_req, stream = self._ready_request(parsed)
             stop = lambda: request.is_cancelled() or self._stopping.is_set()  # noqa: E731
             pixels = self.engine.generate(gen_req, should_stop=stop,
                                              on_step=lambda _i, secs: self.metrics.step(secs))
             image = encode_image(pixels, gen_req.sampling.output_format, parsed.resize)
         except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
             return self._refuse(exc, start)
-        if parsed.seed is None and parsed.rng_state is None and parsed.noise is None:
+        if parsed.uses_instance_stream:
             self.stream = stream  # the instance stream advances only when an image is delivered
         seconds = time.perf_counter() - start
         self.metrics.success(seconds)
@@ -244,6 +238,18 @@ class NeoPPTritonModel:
             else:
                 out[name] = tensor.as_numpy()
         return out
+
+    def _ready_request(self, parsed: ParsedRequest) -> tuple[GenerationRequest, NoiseStream]:
+        """The validated request with its starting noise: the client's ``NOISE`` (LightX2V's draw,
+        no stream used), else a draw from its stream, made only once the request is valid."""
+        gen_req, stream = self._generation_request(parsed)
+        self.engine.validate(gen_req)
+        if parsed.noise is not None:
+            check_noise(parsed.noise, (gen_req.height, gen_req.width))
+            gen_req.noise, gen_req.noise_scaled = torch.from_numpy(parsed.noise.copy()), True
+        else:
+            gen_req.noise = stream.draw(gen_req.height, gen_req.width)
+        return gen_req, stream
 
     def _generation_request(self, parsed: ParsedRequest) -> tuple[GenerationRequest, NoiseStream]:
         """Sampling values and the stream of one request (the instance stream on a copy)."""
