@@ -34,7 +34,7 @@ import numpy as np
 import pytest
 import torch
 
-from neopp.guidance import combine_guidance, guidance_plan
+from neopp.guidance import COND, UNCOND, combine, guidance_plan, norm_clamp
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
@@ -158,14 +158,15 @@ def test_guidance_combination_matches_reference():
     v_u = torch.randn(6, 3072, generator=g, dtype=torch.float64) * torch.tensor([0.1, 0.5, 1, 2, 4, 8.0])[:, None]
     for norm in ("global", "channel", "none"):
         for scale in (1.5, 4.0):
-            got = combine_guidance(v_c.float(), v_u.float(), scale, norm).double()
+            sampling = SamplingParams(cfg_scale=scale, cfg_norm=norm)
+            got = combine({COND: v_c.float(), UNCOND: v_u.float()}, sampling).double()
             want = ref.combine(v_c, v_u, scale, norm)
             assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), (norm, scale)
     # the normalisations must differ from one another here (ratio < 1 per token and globally)
     g_, c_, n_ = (ref.combine(v_c, v_u, 4.0, n) for n in ("global", "channel", "none"))
     assert (g_ - n_).abs().max() > 1 and (c_ - g_).abs().max() > 1
     with pytest.raises(ValueError):
-        combine_guidance(v_c.float(), v_u.float(), 4.0, "bogus")
+        norm_clamp(torch.lerp(v_u.float(), v_c.float(), 4.0), v_c.float(), "bogus")
 
 
 # --------------------------------------------------------------------------- whole generations

@@ -69,11 +69,6 @@ def combine(v: Mapping[str, torch.Tensor], sampling: SamplingParams, image: bool
     return norm_clamp(out, v_c, norm)
 
 
-def combine_guidance(v_cond: torch.Tensor, v_uncond: torch.Tensor, scale: float, norm: str) -> torch.Tensor:
-    """`v_u + s (v_c - v_u)`, then the norm-ratio clamp; inputs are [tokens, channels]."""
-    return norm_clamp(torch.lerp(v_uncond, v_cond, scale), v_cond, norm)
-
-
 def norm_clamp(v: torch.Tensor, v_cond: torch.Tensor, norm: str) -> torch.Tensor:
     """Scale the guided velocity down (never up) to the cond velocity's norm, in place."""
     if norm == "global":
