@@ -25,7 +25,7 @@ from ..limits import Limits
 from ..modes import ModeSpec, SamplingParams
 from ..pipeline import GenerationRequest, NeoPPPipeline, Prepared, StepFn, StopFn
 from ..transformer import BranchContext
-from .mesh import Mesh
+from .mesh import Mesh, leave_mesh
 
 # Which branches each of the 2 CFG ranks runs at a step that needs three: cond stays on rank 0
 # (where unguided steps run it) and the two shorter prefixes share rank 1. Measured against the
@@ -125,6 +125,10 @@ class ParallelPipeline(NeoPPPipeline):
         check_heads(pipe.config, pipe.mode)
         pipe.mesh, pipe.comm = mesh, CommTimer()
         return pipe
+
+    def close(self) -> None:
+        """Leaves the mesh: every rank calls this once its last request is done."""
+        leave_mesh()
 
     @property
     def cfg_parallel(self) -> bool:

@@ -105,6 +105,13 @@ def init_mesh(mode: ModeSpec, rank: int, world_size: int, init_method: str | Non
     return build_mesh(mode, rank, world_size, timeout_s)
 
 
+def leave_mesh() -> None:
+    """Destroys this process's groups. A process that exits with a live gloo group can abort
+    in teardown ("terminate called without an active exception") and fail its launcher."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_mesh_from_env(mode: ModeSpec, device: torch.device | None = None) -> Mesh:
     """Under `torchrun`: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT from the environment."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))

@@ -249,5 +249,6 @@ def _stream_rank_main(rank: int, spec: StreamPoolSpec, port: Any, tasks: Any, re
         return
     try:
         RankLoop(pipe, tasks, results, parent, spec.token_budget).run()
+        pipe.close()  # the stop was broadcast: every rank leaves the group before exiting
     except Exception as exc:  # noqa: BLE001 - the group may be broken: report and leave
         results.put(("error", 0, f"rank {rank}: {type(exc).__name__}: {exc}"))

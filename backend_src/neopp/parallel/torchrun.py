@@ -7,6 +7,7 @@ calls on its own ``ParallelPipeline``.
 
 from __future__ import annotations
 
+import atexit
 import os
 from pathlib import Path
 
@@ -20,7 +21,7 @@ def rank_pipeline(checkpoint: str | Path, mode: ModeSpec, device: torch.device |
                   dtype: torch.dtype | None):
     """This process's rank of ``mode``; refuses a world size that is not the mode's."""
     from .engine import ParallelPipeline
-    from .mesh import check_world, init_mesh_from_env
+    from .mesh import check_world, init_mesh_from_env, leave_mesh
 
     n = mode.world_size
     if "WORLD_SIZE" not in os.environ:
@@ -33,4 +34,5 @@ def rank_pipeline(checkpoint: str | Path, mode: ModeSpec, device: torch.device |
         dev = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}")
     dev = dev or torch.device("cpu")
     mesh = init_mesh_from_env(mode, dev)
+    atexit.register(leave_mesh)  # a caller that never closes the pipeline still exits cleanly
     return ParallelPipeline.from_pretrained(str(checkpoint), mode, mesh, device=str(dev), dtype=dtype)

@@ -95,6 +95,7 @@ def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any,
                 return
             continue
         if task is None:
+            pipe.close()  # every rank gets the stop sentinel: leave the group before exiting
             return
         job, req = task
         on_step = (lambda k, s, job=job: results.put(("step", job, (k, s)))) if rank == 0 else None

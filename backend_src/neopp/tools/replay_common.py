@@ -170,8 +170,7 @@ class Replayer:
             path.write_bytes(self.runner.stream.state())
 
     def close(self) -> None:
-        if self.world_size > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        self.runner.pipeline.close()
 
 
 def replay(args: argparse.Namespace, images: Sequence[tuple[Turn, Path]]) -> None:
