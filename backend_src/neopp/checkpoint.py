@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -26,6 +27,9 @@ VISION = FM + "vision_model_mot_gen.embeddings."
 ATTN_LINEARS = ("q_proj_mot_gen", "k_proj_mot_gen", "v_proj_mot_gen", "o_proj_mot_gen")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
 FP8_DTYPE = getattr(torch, "float8_e4m3fn", None)
+
+
+KeyFilter = Callable[[str], bool]
 
 
 def is_generation_key(key: str) -> bool:
@@ -103,8 +107,9 @@ def map_tensor(handle: BinaryIO, entry: TensorEntry) -> torch.Tensor:
     return flat.view(entry.dtype).view(entry.shape)
 
 
-def _shard_map(ckpt_dir: Path) -> dict[str, Path]:
-    """Key -> file, from the index when there is one, else from every safetensors file."""
+def _shard_map(ckpt_dir: Path, wanted: KeyFilter) -> dict[str, Path]:
+    """Key -> file of the ``wanted`` keys, from the index when there is one, else from every
+    safetensors file."""
     index = ckpt_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -112,17 +117,17 @@ def _shard_map(ckpt_dir: Path) -> dict[str, Path]:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"checkpoint {ckpt_dir}: model.safetensors.index.json is not valid JSON "
                               f"({exc})") from exc
-        return {k: ckpt_dir / f for k, f in weight_map.items() if is_generation_key(k)}
+        return {k: ckpt_dir / f for k, f in weight_map.items() if wanted(k)}
     files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"checkpoint {ckpt_dir}: no *.safetensors file found")
-    return {k: file for file in files for k in read_header(file) if is_generation_key(k)}
+    return {k: file for file in files for k in read_header(file) if wanted(k)}
 
 
-def _keys_by_file(ckpt_dir: Path) -> dict[Path, list[str]]:
-    """The generation keys grouped by the file that holds them; a missing shard is an error."""
+def _keys_by_file(ckpt_dir: Path, wanted: KeyFilter = is_generation_key) -> dict[Path, list[str]]:
+    """The wanted keys grouped by the file that holds them; a missing shard is an error."""
     by_file: dict[Path, list[str]] = {}
-    for key, file in _shard_map(ckpt_dir).items():
+    for key, file in _shard_map(ckpt_dir, wanted).items():
         by_file.setdefault(file, []).append(key)
     for file in by_file:
         if not file.is_file():
@@ -139,11 +144,12 @@ def _entries(ckpt_dir: Path, file: Path, keys: list[str]) -> dict[str, TensorEnt
     return {key: entries[key] for key in keys}
 
 
-def read_generation_tensors(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All generation-tower tensors in their stored dtype, on the CPU, memory-mapped (no copy)."""
+def read_generation_tensors(ckpt_dir: str | Path, wanted: KeyFilter = is_generation_key) -> dict[str, torch.Tensor]:
+    """All generation-tower tensors (or the ``wanted`` ones) in their stored dtype, on the CPU,
+    memory-mapped (no copy)."""
     ckpt_dir = Path(ckpt_dir)
     tensors: dict[str, torch.Tensor] = {}
-    for file, keys in _keys_by_file(ckpt_dir).items():
+    for file, keys in _keys_by_file(ckpt_dir, wanted).items():
         entries = _entries(ckpt_dir, file, keys)
         with open(file, "rb") as handle:
             for key, entry in entries.items():

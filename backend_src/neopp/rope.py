@@ -33,13 +33,24 @@ class Rope3D:
 
     def __init__(self, offset: int, rows: int, cols: int, head_dim: int, theta: float, theta_hw: float,
                  device: torch.device) -> None:
-        hd = head_dim
+        r = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols)
+        c = torch.arange(cols, dtype=torch.float64).repeat(rows)
+        t = torch.full((rows * cols,), float(offset), dtype=torch.float64)
+        self._build(t, r, c, head_dim, theta, theta_hw, device)
+
+    @classmethod
+    def text(cls, length: int, head_dim: int, theta: float, theta_hw: float, device: torch.device) -> Rope3D:
+        """Prompt tokens: temporal index 0..length-1, both spatial indices 0 (text has no grid)."""
+        rope = object.__new__(cls)
+        zeros = torch.zeros(length, dtype=torch.float64)
+        rope._build(torch.arange(length, dtype=torch.float64), zeros, zeros, head_dim, theta, theta_hw, device)
+        return rope
+
+    def _build(self, t: torch.Tensor, r: torch.Tensor, c: torch.Tensor, hd: int, theta: float, theta_hw: float,
+               device: torch.device) -> None:
         ft = 1.0 / theta ** (torch.arange(hd // 4, dtype=torch.float64) * 4.0 / hd)
         fs = 1.0 / theta_hw ** (torch.arange(hd // 8, dtype=torch.float64) * 8.0 / hd)
-        r = torch.arange(rows, dtype=torch.float64).repeat_interleave(cols)[:, None]
-        c = torch.arange(cols, dtype=torch.float64).repeat(rows)[:, None]
-        temporal = (float(offset) * ft).expand(rows * cols, -1)
-        segments = [temporal, r * fs, c * fs]
+        segments = [t[:, None] * ft, r[:, None] * fs, c[:, None] * fs]
         angles = torch.cat([torch.cat([s, s], dim=1) for s in segments], dim=1)
         self.perm, sign = _rotate_half_index(hd, device)
         self.cos = angles.cos().float().to(device)[:, None, :]

@@ -1,0 +1,139 @@
+"""The understanding tower of the checkpoint, run over a prompt to produce its KV prefix.
+
+Its weights carry the real key names without ``_mot_gen``. Each layer's keys are stored after
+the split q/k norm and the 3-D RoPE with text positions (temporal index = token position,
+both spatial indices 0), and its values as projected: exactly what the generation tower
+expects to find in a prefix, in the online layout ``[NL, 2, S, NKV, HD]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import LM, layer_prefix, read_generation_tensors
+from ..checkpoint_config import CheckpointConfig
+from ..errors import ConfigError
+from ..layers import Linear, SwiGLU, rms_norm, split_head_norm
+from ..rope import Rope3D
+from .tokenizer import TOKENIZER_FILE, WordTokenizer
+
+EMBED = LM + "embed_tokens.weight"
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+NORMS = ("q_norm", "k_norm", "q_norm_hw", "k_norm_hw")
+
+
+def is_language_key(key: str) -> bool:
+    return key.startswith(LM) and "mot_gen" not in key
+
+
+def language_keys(config: CheckpointConfig) -> list[str]:
+    """Every key the prefix needs (the last layer's MLP and the final norm do not shape a KV)."""
+    keys = [EMBED]
+    for i in range(config.num_layers):
+        p = layer_prefix(i)
+        keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        keys += [f"{p}self_attn.{name}.weight" for name in ATTN + NORMS]
+        keys += [f"{p}mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
+    return keys
+
+
+@dataclass
+class TextLayer:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: torch.Tensor      # [2, HD/2]: temporal half, spatial half
+    k_norm: torch.Tensor
+    mlp: SwiGLU
+
+
+class LanguageTower:
+    """Token embedding and causal decoder layers; ``prefix_kv`` is batched so training and
+    serving run the same code."""
+
+    def __init__(self, config: CheckpointConfig, embed: torch.Tensor, layers: list[TextLayer],
+                 tokenizer: WordTokenizer) -> None:
+        self.config, self.embed, self.layers, self.tokenizer = config, embed, layers, tokenizer
+
+    @classmethod
+    def from_pretrained(cls, ckpt_dir: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32) -> LanguageTower:
+        ckpt_dir = Path(ckpt_dir)
+        if not (ckpt_dir / TOKENIZER_FILE).is_file():
+            raise ConfigError(f"checkpoint {ckpt_dir}: no {TOKENIZER_FILE}; this checkpoint has no prompt encoder")
+        config = CheckpointConfig.from_checkpoint(ckpt_dir)
+        tokenizer = WordTokenizer.from_file(ckpt_dir / TOKENIZER_FILE)
+        tensors = read_generation_tensors(ckpt_dir, is_language_key)
+        check_language_shapes(config, tensors, len(tokenizer.vocab))
+        return cls.from_tensors(config, tensors, tokenizer, torch.device(device), dtype)
+
+    @classmethod
+    def from_tensors(cls, config: CheckpointConfig, tensors: dict[str, torch.Tensor], tokenizer: WordTokenizer,
+                     device: torch.device, dtype: torch.dtype) -> LanguageTower:
+        """Tensors already on ``device`` in ``dtype`` (trainable parameters) are used as they are."""
+
+        def t(key: str) -> torch.Tensor:
+            return tensors[key].to(device=device, dtype=dtype)
+
+        layers = []
+        for i in range(config.num_layers):
+            p, a = layer_prefix(i), layer_prefix(i) + "self_attn."
+            lin = {name: Linear(t(f"{a}{name}.weight")) for name in ATTN}
+            mlp = SwiGLU(*(Linear(t(f"{p}mlp.{n}.weight")) for n in ("gate_proj", "up_proj", "down_proj")))
+            layers.append(TextLayer(
+                input_norm=t(p + "input_layernorm.weight"), post_norm=t(p + "post_attention_layernorm.weight"),
+                q_norm=torch.stack([t(a + "q_norm.weight"), t(a + "q_norm_hw.weight")]),
+                k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]), mlp=mlp, **lin))
+        return cls(config, t(EMBED), layers, tokenizer)
+
+    def prefix_kv(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids [B, S] -> [B, NL, 2, S, NKV, HD]. Causal, so a right-padded row's first tokens
+        see only themselves and what precedes them; slice each row to its own length."""
+        c = self.config
+        b, s = ids.shape
+        nh, nkv, hd, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        rope = Rope3D.text(s, hd, c.rope_theta, c.rope_theta_hw, ids.device)
+        hid = F.embedding(ids, self.embed)
+        kvs = []
+        for layer in self.layers:
+            a = rms_norm(hid, layer.input_norm, eps)
+            q = rope(split_head_norm(layer.q_proj(a).view(b, s, nh, hd), layer.q_norm, eps))
+            k = rope(split_head_norm(layer.k_proj(a).view(b, s, nkv, hd), layer.k_norm, eps))
+            v = layer.v_proj(a).view(b, s, nkv, hd)
+            kvs.append(torch.stack([k, v], dim=1))                         # [B, 2, S, NKV, HD]
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, scale=hd ** -0.5, enable_gqa=True)
+            hid = hid + layer.o_proj(out.transpose(1, 2).reshape(b, s, nh * hd))
+            hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
+        return torch.stack(kvs, dim=1)
+
+    @torch.inference_mode()
+    def encode(self, prompt: str, name: str = "PROMPT") -> tuple[torch.Tensor, int]:
+        """One prompt's prefix [NL, 2, S, NKV, HD] and its index offset (the position after it)."""
+        ids = torch.tensor([self.tokenizer.encode(prompt, name)], device=self.embed.device)
+        return self.prefix_kv(ids)[0], ids.shape[1]
+
+
+def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor], vocab: int) -> None:
+    """Every key present, with the geometry of the generation tower it feeds."""
+    d, hd = config.hidden_size, config.head_dim
+    q, kv = config.num_heads * hd, config.num_kv_heads * hd
+    want = {EMBED: (vocab, d)}
+    for i in range(config.num_layers):
+        p, a = layer_prefix(i), layer_prefix(i) + "self_attn."
+        want.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
+                     a + "q_proj.weight": (q, d), a + "k_proj.weight": (kv, d), a + "v_proj.weight": (kv, d),
+                     a + "o_proj.weight": (d, q)})
+        want.update({f"{a}{n}.weight": (hd // 2,) for n in NORMS})
+    for key in language_keys(config):
+        if key not in tensors:
+            raise ConfigError(f"checkpoint: language-tower tensor '{key}' is missing")
+        if key in want and tuple(tensors[key].shape) != want[key]:
+            raise ConfigError(f"checkpoint: '{key}' has shape {tuple(tensors[key].shape)}, expected {want[key]}")
