@@ -1,5 +1,5 @@
 """The installed runtime stands alone: a fresh venv holding only the package and its declared
-dependencies imports every module of it, and carries none of the test or benchmark harness."""
+dependencies imports every module of it, and carries none of the test or benchmark harness nor the demo task."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ names = sorted(m.name for m in pkgutil.walk_packages(neopp.__path__, "neopp."))
 for name in names:
     importlib.import_module(name)
 foreign = sorted({m.split(".")[0] for m in sys.modules} & {"tritonclient", "pytriton", "matplotlib", "pytest"})
-missing = [n for n in ("testing", "bench") if importlib.util.find_spec(n) is not None]
+missing = [n for n in ("testing", "bench", "demo") if importlib.util.find_spec(n) is not None]
 print(json.dumps({"modules": names, "file": neopp.__file__, "foreign": foreign, "harness": missing}))
 """
 
