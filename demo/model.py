@@ -27,10 +27,10 @@ from neopp.text.language_tower import LanguageTower
 from neopp.text.tokenizer import BOS, PAD, TOKENIZER_FILE, UNK, WordTokenizer
 from neopp.transformer import NeoPPTransformer
 
-LLM = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-       "head_dim": 64, "rope_theta": 10_000.0, "rope_theta_hw": 10_000.0, "rms_norm_eps": 1e-6}
-VISION_CFG = {"hidden_size": 128, "rope_theta_vision": 10_000.0, "max_position_embeddings_vision": 1024}
-MLP_WIDTH, HEAD_WIDTH, TOKEN = 768, 512, 32
+LLM = {"num_hidden_layers": 3, "hidden_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2,
+       "head_dim": 48, "rope_theta": 10_000.0, "rope_theta_hw": 10_000.0, "rms_norm_eps": 1e-6}
+VISION_CFG = {"hidden_size": 64, "rope_theta_vision": 10_000.0, "max_position_embeddings_vision": 1024}
+MLP_WIDTH, HEAD_WIDTH, TOKEN = 512, 384, 32
 # The demo's images are small: noise grows from a 4x4-token (128 px) image, not from an 8x8 one.
 NOISE = {"noise_scale": 1.0, "noise_scale_mode": "resolution", "noise_scale_base_image_seq_len": 16,
          "noise_scale_max_value": 8.0}
