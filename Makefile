@@ -21,6 +21,7 @@ $(STAMP): requirements.txt pyproject.toml
 tiny: setup
 	test -f $(TINY_DIR)/dense/config.json -a -f $(TINY_DIR)/lora/neopp_8steps_lora.safetensors \
 	  || $(PY) -m testing.tiny_checkpoint --out $(TINY_DIR)
+	test -f $(TINY_DIR)/demo/tokenizer.json || $(PY) -m testing.demo_checkpoint --out $(TINY_DIR)/demo
 
 # The style check (ruff, settings in pyproject.toml; hadolint for the container recipe) runs first:
 # a violation fails `make test` and CI.
@@ -49,23 +50,38 @@ GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 HOST ?= 127.0.0.1
 SERVE_MODELS ?= neopp_dense neopp_dense_fp8 neopp_dense_cfg neopp_dense_cfg_seq neopp_dense_8steps \
-                neopp_moe neopp_moe_cfg neopp_session neopp_dense_stream neopp_dense_cfg_stream
+                neopp_moe neopp_moe_cfg neopp_session neopp_dense_stream neopp_dense_cfg_stream \
+                neopp_prompt_encoder neopp_t2i
 NEOPP_CHECKPOINT ?= $(abspath $(TINY_DIR)/dense)
 NEOPP_MOE_CHECKPOINT ?= $(abspath $(TINY_DIR)/moe)
+# The prompt encoder needs a checkpoint with a language tower (tokenizer.json): NEOPP_CHECKPOINT when it has
+# one, else the random demo-format one `make tiny` writes (whose geometry the tiny generation models do not
+# serve: neopp_t2i then refuses COND_KV; `make serve-demo` serves one checkpoint for all three models).
+NEOPP_PROMPT_CHECKPOINT ?= $(if $(wildcard $(NEOPP_CHECKPOINT)/tokenizer.json),$(NEOPP_CHECKPOINT),$(abspath $(TINY_DIR)/demo))
+# `make serve-demo`: prompt in, image out from the demo model (trained weights land in demo/checkpoints/dense;
+# DEMO_CHECKPOINT=$(TINY_DIR)/demo serves random ones).
+DEMO_CHECKPOINT ?= demo/checkpoints/dense
+DEMO_MODELS ?= neopp_dense neopp_prompt_encoder neopp_t2i
 NEOPP_LORA_DIR ?= $(if $(filter $(abspath $(TINY_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(TINY_DIR)/lora))
 ADMIN_KEY_FILE ?= $(abspath build/admin.key)
 BENCH_ARGS ?=
 
-.PHONY: serve bench-serve
+.PHONY: serve serve-demo bench-serve
 
 serve: tiny
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) NEOPP_CHECKPOINT_NEOPP_MOE=$(NEOPP_MOE_CHECKPOINT) \
 	NEOPP_CHECKPOINT_NEOPP_MOE_CFG=$(NEOPP_MOE_CHECKPOINT) NEOPP_LORA_DIR=$(NEOPP_LORA_DIR) \
+	NEOPP_CHECKPOINT_NEOPP_PROMPT_ENCODER=$(NEOPP_PROMPT_CHECKPOINT) \
 	$(PY) -m neopp.serving.tritonserver serve \
 	  --model-repository model_repository --host $(HOST) --http-port $(HTTP_PORT) \
 	  --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --admin-key-file $(ADMIN_KEY_FILE) \
 	  -- --model-control-mode=explicit $(foreach m,$(SERVE_MODELS),--load-model=$(m)) \
 	  $(if $(CONFIG),--model-config-name=$(CONFIG))
+
+serve-demo: tiny
+	@test -f $(DEMO_CHECKPOINT)/tokenizer.json || { echo "error: no demo checkpoint in $(DEMO_CHECKPOINT)" \
+	  "(DEMO_CHECKPOINT=$(TINY_DIR)/demo serves random weights)" >&2; exit 2; }
+	$(MAKE) serve NEOPP_CHECKPOINT=$(abspath $(DEMO_CHECKPOINT)) SERVE_MODELS="$(DEMO_MODELS)"
 
 # perf_analyzer against the server `make serve` runs (same GRPC_PORT); BENCH_ARGS="--own-server" starts one.
 bench-serve: tiny

@@ -47,7 +47,7 @@ def repository_copy(root: Path, warmup: bool) -> Path:
     repo = root / f"repo_{'on' if warmup else 'off'}"
     shutil.copytree(REPO / "model_repository", repo)
     for config in repo.glob("*/config.pbtxt"):
-        if config.parent.name == "neopp_session":
+        if config.parent.name in ("neopp_session", "neopp_t2i", "neopp_prompt_encoder"):  # nothing to warm up
             continue
         text, count = re.subn(r'(key: "warmup" value: \{ string_value: )"\w+"', rf'\1"{str(warmup).lower()}"',
                               config.read_text())

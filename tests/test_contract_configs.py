@@ -16,12 +16,15 @@ from tritonclient.grpc import model_config_pb2 as mc
 from neopp.modes import load_mode
 from neopp.serving.request_parsing import INPUT_SPECS, OUTPUT_SPECS, InputSpec
 from neopp.serving.stream_parsing import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
+from neopp.serving.t2i_model import ENCODER_OUTPUTS
+from neopp.serving.t2i_model import PASSED_INPUTS as T2I_PASSED
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
 ALL_MODELS = sorted(p.parent.name for p in REPO.glob("*/config.pbtxt"))
 STREAM_MODELS = [m for m in ALL_MODELS if m.endswith("_stream")]  # decoupled twins of plain models
-GENERATION_MODELS = [m for m in ALL_MODELS if m != "neopp_session" and m not in STREAM_MODELS]
+BLS_AND_TEXT_MODELS = ("neopp_session", "neopp_t2i", "neopp_prompt_encoder")  # no generation inputs of their own
+GENERATION_MODELS = [m for m in ALL_MODELS if m not in BLS_AND_TEXT_MODELS and m not in STREAM_MODELS]
 
 # The session model takes the generation inputs except RNG_STATE and NOISE (it owns the stream), with the
 # prefix inputs optional (a closing sequence_end carries none), plus MODEL; it also returns TURN.
@@ -96,6 +99,24 @@ def test_session_config_matches_contract():
     assert outputs_table(cfg.output) == SESSION_OUTPUTS
     allowed = params(cfg)["allowed_models"].split(",")
     assert sorted(allowed) == GENERATION_MODELS
+
+
+def test_t2i_config_passes_generation_inputs_with_the_contract_s_types():
+    cfg = parse("neopp_t2i")
+    own = {"PROMPT": InputSpec("TYPE_STRING", (1,), optional=False), "NEGATIVE_PROMPT": InputSpec("TYPE_STRING", (1,)),
+           "MODEL": InputSpec("TYPE_STRING", (1,))}
+    passed = {n: INPUT_SPECS[n] for n in T2I_PASSED}
+    assert table(cfg.input) == {**own, **passed}
+    assert outputs_table(cfg.output) == {"IMAGE": OUTPUT_SPECS["IMAGE"]}
+    assert sorted(params(cfg)["allowed_models"].split(",")) == GENERATION_MODELS
+
+
+def test_prompt_encoder_outputs_are_the_generation_models_prefix_inputs():
+    cfg = parse("neopp_prompt_encoder")
+    assert table(cfg.input) == {"PROMPT": InputSpec("TYPE_STRING", (1,), optional=False),
+                                "NEGATIVE_PROMPT": InputSpec("TYPE_STRING", (1,))}
+    assert outputs_table(cfg.output) == {n: InputSpec(INPUT_SPECS[n].data_type, INPUT_SPECS[n].dims)
+                                         for n in ENCODER_OUTPUTS}
 
 
 @pytest.mark.parametrize("model", GENERATION_MODELS)

@@ -1,0 +1,115 @@
+"""What ``model_repository/neopp_prompt_encoder/1/model.py`` does: prompt text in, KV prefixes out.
+
+The checkpoint's language tower (:mod:`neopp.text.language_tower`) encodes ``PROMPT`` into
+``COND_KV`` and ``NEGATIVE_PROMPT`` (default: empty, the unconditional prefix) into
+``UNCOND_KV``, each with its index offset: exactly the inputs a generation model takes, in its
+online layout and dtype (BF16), so ``neopp_t2i`` passes them on unchanged.
+
+Parameters (``config.pbtxt``): ``checkpoint`` (env ``NEOPP_CHECKPOINT_NEOPP_PROMPT_ENCODER`` or
+``NEOPP_CHECKPOINT`` overrides it, as for the generation models; the folder must hold
+``tokenizer.json`` and the language tower), ``device`` (as the generation models' parameter),
+``num_threads`` (torch CPU threads; 0 keeps torch's default).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..checkpoint_config import CheckpointConfig
+from ..errors import ConfigError, InputError
+from ..text.language_tower import LanguageTower
+from .model_settings import choose_device, project_root, resolve_checkpoint
+from .parameters import read_parameters
+from .prompt_parsing import PromptRequest, parse_prompts
+
+ENCODER_PARAMETERS = {"checkpoint": "checkpoints/neopp", "device": "auto", "num_threads": "0"}
+KV_OUTPUTS = ("COND_KV", "UNCOND_KV")
+
+
+def encoder_checkpoint(model_config: dict[str, Any], model_dir: Path | None) -> Path:
+    """The checkpoint folder, resolved the way every generation model resolves its own."""
+    params = read_parameters(model_config, ENCODER_PARAMETERS)
+    name = str(model_config.get("name", "neopp_prompt_encoder"))
+    return resolve_checkpoint(params, name, project_root(model_dir))
+
+
+def encode_prompts(tower: LanguageTower, req: PromptRequest) -> dict[str, torch.Tensor | np.ndarray]:
+    """The four outputs: BF16 prefixes (online layout) and INT64 [1] offsets."""
+    cond, cond_offset = tower.encode(req.prompt, "PROMPT")
+    uncond, uncond_offset = tower.encode(req.negative_prompt, "NEGATIVE_PROMPT")
+    return {"COND_KV": cond.to(device="cpu", dtype=torch.bfloat16).contiguous(),
+            "UNCOND_KV": uncond.to(device="cpu", dtype=torch.bfloat16).contiguous(),
+            "INDEX_OFFSET_COND": np.array([cond_offset], dtype=np.int64),
+            "INDEX_OFFSET_UNCOND": np.array([uncond_offset], dtype=np.int64)}
+
+
+class PromptEncoderTritonModel:
+    """Triton Python-backend model ``neopp_prompt_encoder``."""
+
+    MODEL_DIR: Path | None = None  # model.py sets it to its model folder
+
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
+        """Narrow COND_KV/UNCOND_KV to ``[layers, 2, -1, kv_heads, head_dim]`` of the checkpoint, so
+        the metadata states the geometry the matching generation model reports."""
+        config = auto_complete_model_config.as_dict()
+        ckpt = encoder_checkpoint(config, cls.MODEL_DIR)
+        try:
+            layers, kv_heads, head_dim = CheckpointConfig.from_checkpoint(ckpt).kv_dims
+        except ConfigError as exc:
+            raise ConfigError(f"model {config.get('name')}: checkpoint {ckpt}: {exc}") from exc
+        for entry in config.get("output", []):
+            if entry["name"] in KV_OUTPUTS:
+                entry["dims"] = [layers, 2, -1, kv_heads, head_dim]  # in place, as for the generation models
+        return auto_complete_model_config
+
+    def initialize(self, args: dict[str, str]) -> None:
+        import triton_python_backend_utils as pb_utils
+
+        self.pb, self.logger = pb_utils, pb_utils.Logger
+        config = json.loads(args["model_config"])
+        model_dir = Path(args["model_repository"]) if args.get("model_repository") else self.MODEL_DIR
+        self.model_name = args.get("model_name", config.get("name", "neopp_prompt_encoder"))
+        params = read_parameters(config, ENCODER_PARAMETERS)
+        ckpt = encoder_checkpoint(config, model_dir)
+        match = re.search(r"_(\d+)$", args.get("model_instance_name", ""))
+        device = choose_device(params["device"], args.get("model_instance_kind", "CPU"),
+                               int(args.get("model_instance_device_id", 0) or 0), int(match.group(1)) if match else 0)
+        if int(params["num_threads"] or 0) > 0:
+            torch.set_num_threads(int(params["num_threads"]))
+        try:
+            self.tower = LanguageTower.from_pretrained(ckpt, device=device, dtype=torch.float32)
+        except (ConfigError, OSError) as exc:
+            raise ConfigError(f"model {self.model_name}: checkpoint {ckpt}: {exc}") from exc
+        self.logger.log_info(f"{self.model_name}: loaded {ckpt} device={device} kv_dims={self.tower.config.kv_dims} "
+                             f"vocabulary={len(self.tower.tokenizer.vocab)} words")
+
+    def execute(self, requests: list[Any]) -> list[Any]:
+        """One response per request; a refused request never affects the next one."""
+        return [self._serve(request) for request in requests]
+
+    def finalize(self) -> None:
+        self.tower = None
+
+    def _serve(self, request: Any) -> Any:
+        pb = self.pb
+        try:
+            req = parse_prompts({tensor.name(): tensor.as_numpy() for tensor in request.inputs()})
+            outputs = encode_prompts(self.tower, req)
+        except InputError as exc:
+            self.logger.log_warn(f"{self.model_name}: refused: {exc}")
+            return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
+        except Exception as exc:  # noqa: BLE001 - the model must stay usable
+            self.logger.log_error(f"{self.model_name}: internal error\n{traceback.format_exc()}")
+            return pb.InferenceResponse(error=pb.TritonError(f"internal error: {type(exc).__name__}: {exc}",
+                                                             pb.TritonError.INTERNAL))
+        return pb.InferenceResponse(output_tensors=[
+            pb.Tensor.from_dlpack(name, value) if isinstance(value, torch.Tensor) else pb.Tensor(name, value)
+            for name, value in outputs.items()])

@@ -1,0 +1,58 @@
+"""The prompt encoder's request: ``PROMPT`` and optional ``NEGATIVE_PROMPT``, checked before any
+tensor is computed. Pure Python (no Triton import), so the rules are testable without a server.
+
+Prompts have their own bound (the tokenizer's ``MAX_PROMPT_BYTES``), not the 64 bytes of the
+generation models' enum-like strings: a prompt is free text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import SHOWN_CHARS, InputError, shown
+from ..text.tokenizer import MAX_PROMPT_BYTES
+
+PROMPT_INPUTS = ("PROMPT", "NEGATIVE_PROMPT")
+
+
+@dataclass(frozen=True)
+class PromptRequest:
+    """The two prompts of one request; an empty negative prompt is the unconditional branch."""
+
+    prompt: str
+    negative_prompt: str = ""
+
+
+def prompt_text(name: str, value: Any) -> str:
+    """One prompt: a BYTES tensor of shape [1] holding UTF-8 text of at most MAX_PROMPT_BYTES."""
+    arr = np.asarray(value)
+    if arr.shape != (1,):
+        raise InputError(f"{name}: shape must be [1] (one prompt), got {list(arr.shape)}")
+    item = arr.reshape(-1)[0]
+    if isinstance(item, str):
+        item = item.encode("utf-8")
+    if not isinstance(item, bytes):  # numpy's bytes_ included
+        raise InputError(f"{name}: must be a BYTES (STRING) tensor, got {type(item).__name__}")
+    if len(item) > MAX_PROMPT_BYTES:
+        raise InputError(f"{name}: at most {MAX_PROMPT_BYTES} bytes, got {len(item)} ({shown(bytes(item))})")
+    try:
+        return bytes(item).decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise InputError(f"{name}: must be UTF-8 text, got {shown(bytes(item))}") from None
+
+
+def parse_prompts(inputs: Mapping[str, Any]) -> PromptRequest:
+    """``inputs`` maps input names to numpy arrays; an absent optional input is missing."""
+    unknown = sorted(set(inputs) - set(PROMPT_INPUTS))
+    if unknown:
+        name = unknown[0] if len(unknown[0]) <= SHOWN_CHARS else shown(unknown[0])
+        raise InputError(f"{name}: unknown input; expected names from {list(PROMPT_INPUTS)}")
+    if inputs.get("PROMPT") is None:
+        raise InputError("PROMPT: required input is missing")
+    negative = inputs.get("NEGATIVE_PROMPT")
+    return PromptRequest(prompt_text("PROMPT", inputs["PROMPT"]),
+                         "" if negative is None else prompt_text("NEGATIVE_PROMPT", negative))

@@ -1,0 +1,72 @@
+"""Prompt in, image out: one request to neopp_t2i over gRPC, which encodes the prompt and runs a
+generation model in the server. A request the server refuses is one line on stderr (status and
+message) and exit code 1."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from t2i_common import run_client
+
+EXAMPLE = ("example (after `make serve-demo`, from the repository root):\n"
+           "  python client_examples/prompt_t2i.py --url localhost:8001 \\\n"
+           '    "a red circle on the left on a blue background" --size 256 256 --seed 42 --steps 20 -o out.png')
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, epilog=EXAMPLE,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("prompt", help="the text the image should show")
+    p.add_argument("--negative", help="NEGATIVE_PROMPT (default: none, the unconditional branch)")
+    p.add_argument("--url", default="localhost:8001", help="server gRPC address (default localhost:8001)")
+    p.add_argument("--model", help="generation model behind neopp_t2i (default: the server's, neopp_dense)")
+    p.add_argument("--size", type=int, nargs=2, metavar=("H", "W"), default=(256, 256), help="multiples of 32")
+    p.add_argument("--seed", type=int, help="start a seeded stream (same seed, same image)")
+    p.add_argument("--steps", type=int)
+    p.add_argument("--cfg-scale", type=float)
+    p.add_argument("--format", choices=("jpeg", "png", "webp"), default="png")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before the client gives up")
+    p.add_argument("-o", "--out", type=Path, default=Path("out.png"), help="image path (default out.png)")
+    return p
+
+
+def request_tensors(args: argparse.Namespace) -> list[grpcclient.InferInput]:
+    """The inputs the arguments set; the server's defaults fill in the rest."""
+    def text(value: str) -> tuple[np.ndarray, str]:
+        return np.array([value.encode()], dtype=np.object_), "BYTES"
+
+    given = {"PROMPT": text(args.prompt), "OUTPUT_FORMAT": text(args.format),
+             "SIZE": (np.array(args.size, dtype=np.int64), "INT64")}
+    if args.negative is not None:
+        given["NEGATIVE_PROMPT"] = text(args.negative)
+    if args.model:
+        given["MODEL"] = text(args.model)
+    if args.seed is not None:
+        given["SEED"] = (np.array([args.seed], dtype=np.int64), "INT64")
+    if args.steps is not None:
+        given["STEPS"] = (np.array([args.steps], dtype=np.int64), "INT64")
+    if args.cfg_scale is not None:
+        given["CFG_SCALE"] = (np.array([args.cfg_scale], dtype=np.float32), "FP32")
+    tensors = []
+    for name, (array, datatype) in given.items():
+        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
+        tensor.set_data_from_numpy(array)
+        tensors.append(tensor)
+    return tensors
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    client = grpcclient.InferenceServerClient(args.url)
+    result = client.infer("neopp_t2i", request_tensors(args), client_timeout=args.timeout)
+    image = result.as_numpy("IMAGE")[0]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_bytes(image)
+    print(f"wrote {args.out} ({len(image)} bytes)")
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_client(main))

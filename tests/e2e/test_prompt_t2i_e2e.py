@@ -1,0 +1,139 @@
+"""Prompt in, image out through a real tritonserver: neopp_prompt_encoder, neopp_t2i and neopp_dense
+on a random demo-format checkpoint (the suite's shared server serves the tiny checkpoint, whose
+geometry differs and which has no language tower), on its own free ports."""
+
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from PIL import Image
+from tritonclient.utils import InferenceServerException
+
+from neopp.serving.procs import process_group_members
+from neopp.serving.tritonserver import TritonServer
+from neopp.text.language_tower import LanguageTower
+from testing import REPO
+from testing.demo_checkpoint import write_demo_checkpoint
+
+MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i")
+PROMPT = "a red circle on the left on a blue background"
+SMALL = {"SIZE": np.array([64, 96], np.int64), "STEPS": np.array([2], np.int64), "SEED": np.array([7], np.int64),
+         "OUTPUT_FORMAT": np.array([b"png"], np.object_)}
+
+
+class Served:
+    def __init__(self, server: TritonServer, checkpoint: Path) -> None:
+        self.server, self.checkpoint = server, checkpoint
+        self.grpc = grpcclient.InferenceServerClient(server.grpc_url)
+
+    def infer(self, model: str, outputs: tuple[str, ...] = ("IMAGE",), **inputs: np.ndarray | tuple) -> dict:
+        tensors = []
+        for name, value in inputs.items():
+            arr, dtype = value if isinstance(value, tuple) else (value, _datatype(value))
+            tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
+            tensor.set_data_from_numpy(arr)
+            tensors.append(tensor)
+        result = self.grpc.infer(model, tensors, outputs=[grpcclient.InferRequestedOutput(n) for n in outputs],
+                                 client_timeout=120)
+        return {name: result.as_numpy(name) for name in outputs}
+
+
+def _datatype(arr: np.ndarray) -> str:
+    return {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.object_): "BYTES"}[arr.dtype]
+
+
+def text(value: str | bytes) -> np.ndarray:
+    return np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
+    ckpt = write_demo_checkpoint(tmp_path_factory.mktemp("demo") / "dense")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT_", "NEOPP_LORA_DIR"))}
+    env["NEOPP_CHECKPOINT"] = str(ckpt)
+    server = TritonServer(REPO / "model_repository", env=env, log_path=tmp_path_factory.mktemp("log") / "triton.log",
+                          extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
+                                      *(f"--load-model={m}" for m in MODELS)])
+    server.start()
+    pgid = server.process.pid
+    try:
+        server.wait_ready(timeout=300)
+        handle = Served(server, ckpt)
+        yield handle
+        handle.grpc.close()
+    finally:
+        server.stop(timeout=30)
+        assert not process_group_members(pgid), "tritonserver left processes behind"
+
+
+def kv_dims(served: Served, model: str, name: str) -> list[int]:
+    meta = served.grpc.get_model_metadata(model, as_json=True)
+    entries = meta["inputs"] if name in {e["name"] for e in meta["inputs"]} else meta["outputs"]
+    return [int(d) for d in next(e for e in entries if e["name"] == name)["shape"]]
+
+
+def test_encoder_outputs_have_neopp_dense_s_geometry_and_equal_the_tower_s(served: Served):
+    assert kv_dims(served, "neopp_prompt_encoder", "COND_KV") == kv_dims(served, "neopp_dense", "COND_KV") == \
+        [4, 2, -1, 2, 64]
+    out = served.infer("neopp_prompt_encoder", ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND"),
+                       PROMPT=text(PROMPT))
+    tower = LanguageTower.from_pretrained(served.checkpoint)
+    cond, offset = tower.encode(PROMPT)
+    uncond, _ = tower.encode("")
+    assert torch.equal(torch.from_numpy(out["COND_KV"]), cond.to(torch.bfloat16).float())
+    assert torch.equal(torch.from_numpy(out["UNCOND_KV"]), uncond.to(torch.bfloat16).float())
+    assert out["INDEX_OFFSET_COND"].tolist() == [offset] == [11] and out["INDEX_OFFSET_UNCOND"].tolist() == [1]
+
+
+def test_t2i_answers_a_png_of_the_size_equal_to_neopp_dense_on_the_encoder_s_outputs(served: Served):
+    image = served.infer("neopp_t2i", PROMPT=text(PROMPT), NEGATIVE_PROMPT=text("green"), **SMALL)["IMAGE"][0]
+    assert image[:4] == b"\x89PNG" and Image.open(io.BytesIO(image)).size == (96, 64)
+    names = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")
+    enc = served.infer("neopp_prompt_encoder", names, PROMPT=text(PROMPT), NEGATIVE_PROMPT=text("green"))
+    direct = served.infer("neopp_dense", COND_KV=(enc["COND_KV"], "BF16"), UNCOND_KV=(enc["UNCOND_KV"], "BF16"),
+                          INDEX_OFFSET_COND=enc["INDEX_OFFSET_COND"], INDEX_OFFSET_UNCOND=enc["INDEX_OFFSET_UNCOND"],
+                          **SMALL)["IMAGE"][0]
+    assert direct == image
+
+
+@pytest.mark.parametrize("model, inputs, status, message", [
+    ("neopp_t2i", {"MODEL": text("neopp_session")}, "INVALID_ARGUMENT",
+     "MODEL: 'neopp_session' is not a generation model this server offers"),
+    ("neopp_t2i", {"MODEL": text("neopp_moe")}, "UNAVAILABLE", "neopp_moe"),  # allowed, but not loaded here
+    ("neopp_t2i", {"SIZE": np.array([250, 256], np.int64)}, "INVALID_ARGUMENT",
+     "SIZE: height must be a positive multiple of 32, got 250"),  # neopp_dense's own message
+    ("neopp_t2i", {"PROMPT": text("red " * 40)}, "INVALID_ARGUMENT", "PROMPT: 40 words, at most 31"),
+    ("neopp_t2i", {"PROMPT": text(b"\xff red")}, "INVALID_ARGUMENT", "PROMPT: must be UTF-8 text"),
+    ("neopp_prompt_encoder", {"PROMPT": text("a " * 1100)}, "INVALID_ARGUMENT", "PROMPT: at most 2048 bytes"),
+    ("neopp_prompt_encoder", {"PROMPT": np.array([], np.object_)}, "INVALID_ARGUMENT", "PROMPT"),
+    ("neopp_t2i", {"PROMPT": np.array([], np.object_)}, "INVALID_ARGUMENT", "PROMPT"),
+])
+def test_bad_requests_are_refused_naming_the_input_and_the_server_stays_ready(served: Served, model, inputs,
+                                                                             status, message):
+    request = {"PROMPT": text(PROMPT), **SMALL, **inputs} if model == "neopp_t2i" else inputs
+    with pytest.raises(InferenceServerException) as info:
+        served.infer(model, ("IMAGE",) if model == "neopp_t2i" else ("COND_KV",), **request)
+    assert status in str(info.value.status()) and message in info.value.message()
+    assert served.grpc.is_server_ready()
+    assert served.infer("neopp_t2i", PROMPT=text("blue square"), **SMALL)["IMAGE"][0][:4] == b"\x89PNG"
+
+
+def test_the_client_example_writes_a_png(served: Served, tmp_path: Path):
+    out = tmp_path / "sub" / "out.png"
+    done = subprocess.run([sys.executable, str(REPO / "client_examples" / "prompt_t2i.py"), PROMPT, "--url",
+                           served.server.grpc_url, "--size", "64", "64", "--seed", "3", "--steps", "1",
+                           "--cfg-scale", "2", "-o", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    assert Image.open(out).format == "PNG" and Image.open(out).size == (64, 64)
+    bad = subprocess.run([sys.executable, str(REPO / "client_examples" / "prompt_t2i.py"), PROMPT, "--url",
+                          served.server.grpc_url, "--model", "nope", "-o", str(tmp_path / "b.png")],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert bad.returncode == 1 and "MODEL: 'nope'" in bad.stderr and "Traceback" not in bad.stderr
