@@ -155,7 +155,7 @@ class GenerationBatch:
             out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask,
                                                  scale=hd ** -0.5, enable_gqa=True)
             hid = hid + layer.o_proj(out.transpose(1, 2).reshape(b, n, nh * hd))
-            hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
+            hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps).view(b * n, -1)).view(b, n, -1)
         head = self.tower.head
         return head.fc2(F.gelu(head.fc1(rms_norm(hid, self.tower.final_norm, eps))))
 

@@ -1,0 +1,125 @@
+"""What the demo's three training runs share: batches of the shapes task, the flow-matching
+loss as the sampler sees it, and one optimisation loop (AdamW, warm-up + cosine, EMA, a log)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from demo import shapes
+from demo.model import GenerationBatch, target_tokens
+from neopp.checkpoint_config import CheckpointConfig
+from neopp.schedule import initial_noise_scale
+from neopp.text.language_tower import LanguageTower
+from neopp.text.tokenizer import PAD, WordTokenizer
+
+SHIFT = 3.0            # the sampler's timestep_shift (configs/neopp/neopp_dense.json)
+LOSS_MIN_GAP = 0.05    # 1 - t floor in the loss (the sampler's is 0.02; this keeps late steps from dominating)
+DROP_PROMPT = 0.1
+
+
+@dataclass(frozen=True)
+class Schedule:
+    steps: int
+    lr: float
+    warmup: int = 200
+    ema: float = 0.999
+    log_every: int = 50
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+class Batches:
+    """Seeded batches: an image size (small ones more often), rendered scenes, their prompts."""
+
+    def __init__(self, seed: int, token_budget: int, sizes: list[tuple[int, int]] | None = None) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.token_budget = token_budget
+        self.sizes = sizes or list(shapes.SIZES)
+        w = np.array([1.0 / ((h // 32) * (w // 32)) for h, w in self.sizes])
+        self.probs = w / w.sum()
+
+    def size(self) -> tuple[int, int, int]:
+        """(height, width, images in the batch)."""
+        h, w = self.sizes[self.rng.choice(len(self.sizes), p=self.probs)]
+        return h, w, max(2, self.token_budget // ((h // 32) * (w // 32)))
+
+    def images(self) -> tuple[list, torch.Tensor]:
+        h, w, n = self.size()
+        scenes, images = shapes.sample_batch(self.rng, n, h, w)
+        return scenes, torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+    def times(self, n: int) -> torch.Tensor:
+        """Uniform times warped by the sampler's shift: the steps' own distribution."""
+        sigma = 1.0 - torch.rand(n, generator=self.gen)
+        return 1.0 - SHIFT * sigma / (1.0 + (SHIFT - 1.0) * sigma)
+
+
+def vocabulary() -> list[str]:
+    return sorted({w for s in shapes.all_scenes() for w in s.prompt.split()})
+
+
+def prompt_ids(prompts: list[str], tokenizer: WordTokenizer, drop: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [B, S] right-padded and each row's length; a dropped row is ``<bos>`` alone."""
+    rows = [tokenizer.encode(p) for p in prompts]
+    if drop is not None:
+        rows = [r[:1] if d else r for r, d in zip(rows, drop.tolist())]
+    width = max(len(r) for r in rows)
+    pad = tokenizer.ids[PAD]
+    return torch.tensor([r + [pad] * (width - len(r)) for r in rows]), torch.tensor([len(r) for r in rows])
+
+
+def flow_matching_loss(batches: Batches, config: CheckpointConfig, language: LanguageTower,
+                       tower: GenerationBatch, tokenizer: WordTokenizer) -> torch.Tensor:
+    """Velocity error of the x-prediction at one random time per image."""
+    scenes, x0 = batches.images()
+    n = x0.shape[0]
+    drop = torch.rand(n, generator=batches.gen) < DROP_PROMPT
+    ids, lengths = prompt_ids([s.prompt for s in scenes], tokenizer, drop)
+    scale = initial_noise_scale(config, (x0.shape[2] // 32) * (x0.shape[3] // 32))
+    t = batches.times(n)
+    noise = torch.randn(x0.shape, generator=batches.gen) * scale
+    tb = t[:, None, None, None]
+    xt = tb * x0 + (1 - tb) * noise
+    pred = tower.predict(xt, t, scale, language.prefix_kv(ids), lengths)
+    gap = (1 - t).clamp(min=LOSS_MIN_GAP)[:, None, None]
+    return ((pred - target_tokens(xt)) / gap - (target_tokens(x0) - target_tokens(noise))).square().mean()
+
+
+def fit(params: dict[str, torch.Tensor], loss_fn: Callable[[], torch.Tensor], schedule: Schedule
+        ) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """Optimise ``params`` (tensors that require grad) on ``loss_fn``; returns their EMA and the log."""
+    ema = {k: v.detach().clone() for k, v in params.items()}
+    opt = torch.optim.AdamW(params.values(), lr=schedule.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    log, window, began = [], [], time.perf_counter()
+    for step in range(schedule.steps):
+        loss = loss_fn()
+        for group in opt.param_groups:
+            group["lr"] = schedule.lr_at(step)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+        opt.step()
+        decay = min(schedule.ema, (1 + step) / (10 + step))
+        with torch.no_grad():
+            for k, v in params.items():
+                ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
+        window.append(loss.item())
+        if (step + 1) % schedule.log_every == 0:
+            log.append({"step": step + 1, "loss": float(np.mean(window)),
+                        "seconds": round(time.perf_counter() - began, 1)})
+            window = []
+            print(json.dumps(log[-1]), flush=True)
+    return ema, log

@@ -1,0 +1,51 @@
+"""Independent float64 reference of the language tower's KV prefix, from its description.
+
+Causal self-attention over the prompt tokens; keys stored after the split q/k norm and the
+3-D RoPE with text positions (temporal = token index, row = column = 0), values as projected.
+Plain loops, every tensor float64.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from tests.reference.neopp_reference import F64, head_norm, linear, rmsnorm, rope3d, silu, softmax
+
+LM = "language_model.model."
+
+
+def reference_prefix(ckpt_dir: Path, ids: list[int]) -> torch.Tensor:
+    """[NL, 2, S, NKV, HD] float64 for one prompt's token ids."""
+    raw = json.loads((Path(ckpt_dir) / "config.json").read_text())["llm_config"]
+    w = {k: v.to(F64) for k, v in load_file(str(Path(ckpt_dir) / "model.safetensors")).items()}
+    NL, NH, NKV, HD = raw["num_hidden_layers"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
+    eps, S = float(raw.get("rms_norm_eps", 1e-6)), len(ids)
+    positions, zeros = torch.arange(S, dtype=F64), torch.zeros(S, dtype=F64)
+    hid = w[LM + "embed_tokens.weight"][ids]
+    out = torch.zeros(NL, 2, S, NKV, HD, dtype=F64)
+    for i in range(NL):
+        p = f"{LM}layers.{i}."
+        a = rmsnorm(hid, w[p + "input_layernorm.weight"], eps)
+        q = linear(a, w[p + "self_attn.q_proj.weight"]).reshape(S, NH, HD)
+        k = linear(a, w[p + "self_attn.k_proj.weight"]).reshape(S, NKV, HD)
+        v = linear(a, w[p + "self_attn.v_proj.weight"]).reshape(S, NKV, HD)
+        q = head_norm(q, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.q_norm_hw.weight"], eps)
+        k = head_norm(k, w[p + "self_attn.k_norm.weight"], w[p + "self_attn.k_norm_hw.weight"], eps)
+        q = rope3d(q, positions, zeros, zeros, raw["rope_theta"], raw["rope_theta_hw"])
+        k = rope3d(k, positions, zeros, zeros, raw["rope_theta"], raw["rope_theta_hw"])
+        out[i, 0], out[i, 1] = k, v
+        att = torch.zeros(S, NH, HD, dtype=F64)
+        for n in range(NH):
+            kvh = n // (NH // NKV)
+            for s in range(S):  # token s sees tokens 0..s
+                scores = (q[s, n] @ k[: s + 1, kvh].T) * HD ** -0.5
+                att[s, n] = softmax(scores) @ v[: s + 1, kvh]
+        hid = hid + linear(att.reshape(S, NH * HD), w[p + "self_attn.o_proj.weight"])
+        b = rmsnorm(hid, w[p + "post_attention_layernorm.weight"], eps)
+        hid = hid + linear(silu(linear(b, w[p + "mlp.gate_proj.weight"])) * linear(b, w[p + "mlp.up_proj.weight"]),
+                           w[p + "mlp.down_proj.weight"])
+    return out
