@@ -12,7 +12,7 @@ import torch
 from neopp.errors import ConfigError, InputError
 from neopp.serving.prompt_encoder_model import encode_prompts
 from neopp.serving.prompt_parsing import PromptRequest, parse_prompts
-from neopp.serving.t2i_model import allowed_models, chosen_model
+from neopp.serving.t2i_model import allowed_models, chosen_model, default_size
 from neopp.text.language_tower import LanguageTower
 from neopp.text.tokenizer import MAX_PROMPT_BYTES, TOKENIZER_FILE
 from testing.demo_checkpoint import write_demo_checkpoint
@@ -83,3 +83,10 @@ def test_t2i_model_choice_is_an_allowlist():
         chosen_model(np.array([], dtype=np.object_), allowed, default)
     with pytest.raises(ConfigError, match="default_model"):
         allowed_models({"allowed_models": "neopp_moe", "default_model": "neopp_dense"})
+
+
+def test_t2i_default_size_is_checked_at_load():
+    assert default_size("256x256").tolist() == [256, 256] and default_size("128X320").tolist() == [128, 320]
+    for bad in ("256", "250x256", "0x256", "axb"):
+        with pytest.raises(ConfigError, match="default_size"):
+            default_size(bad)

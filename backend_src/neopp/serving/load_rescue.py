@@ -26,11 +26,13 @@ from collections.abc import Callable
 
 from .procs import model_stubs
 
-# Triton's first line of a load, and our own last line of initialize (the generation models' "loaded",
-# the session model's settings); Triton's last line of a load. Only a load begun and not settled counts:
-# the log relay may deliver a model's "loaded" after Triton's "successfully loaded".
+# Triton's first line of a load, and our own last line of initialize (the generation models' and the
+# prompt encoder's "loaded", the session model's settings, neopp_t2i's "encoder"); Triton's last line of a
+# load. Only a load begun and not settled counts: the log relay may deliver a model's "loaded" after
+# Triton's "successfully loaded".
 LOADING = re.compile(r'"loading: (\w+):\d+"')
-INIT_DONE = re.compile(r'(?:triton_model|session_model)\.py:\d+\] "(\w+): (?:loaded |sessions max=)')
+INIT_DONE = re.compile(r'(?:triton_model|session_model|prompt_encoder_model|t2i_model)\.py:\d+\] '
+                       r'"(\w+): (?:loaded |sessions max=|encoder )')
 SETTLED = re.compile(r"(?:successfully loaded|failed to load) '(\w+)'")
 
 

@@ -125,7 +125,7 @@ def choose_device(param: str, instance_kind: str, device_id: int, instance_index
     return f"cuda:{(instance_index * world_size) % torch.cuda.device_count()}"
 
 
-def _int_param(params: Mapping[str, str], key: str) -> int:
+def int_param(params: Mapping[str, str], key: str) -> int:
     try:
         return int(params[key])
     except ValueError as exc:
@@ -163,7 +163,7 @@ class TritonModelSettings:
         if task not in TASKS:
             raise ConfigError(f"parameter default_task: {task!r} is not one of {list(TASKS)}")
         for key in Limits().__dict__:
-            _int_param(params, key)
+            int_param(params, key)
         limits = Limits.from_params(params)
         return TritonModelSettings(
             model_name=name,
@@ -171,11 +171,11 @@ class TritonModelSettings:
             mode_file=mode_file if mode_file.is_absolute() else root / mode_file,
             lora_dir=resolve_lora_dir(params, name, root),
             device_param=params["device"], dtype=_DTYPES[dtype_key],
-            num_threads=_int_param(params, "num_threads"), default_task=task, limits=limits,
-            worker_processes=_int_param(params, "worker_processes"),
-            collective_timeout_s=float(_int_param(params, "collective_timeout_s")),
+            num_threads=int_param(params, "num_threads"), default_task=task, limits=limits,
+            worker_processes=int_param(params, "worker_processes"),
+            collective_timeout_s=float(int_param(params, "collective_timeout_s")),
             warmup=_bool_param(params, "warmup"),
-            token_budget=_int_param(params, "token_budget"),
+            token_budget=int_param(params, "token_budget"),
         )
 
 

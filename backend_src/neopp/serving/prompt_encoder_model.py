@@ -25,7 +25,7 @@ import torch
 from ..checkpoint_config import CheckpointConfig
 from ..errors import ConfigError, InputError
 from ..text.language_tower import LanguageTower
-from .model_settings import choose_device, project_root, resolve_checkpoint
+from .model_settings import choose_device, int_param, project_root, resolve_checkpoint
 from .parameters import read_parameters
 from .prompt_parsing import PromptRequest, parse_prompts
 
@@ -82,8 +82,9 @@ class PromptEncoderTritonModel:
         match = re.search(r"_(\d+)$", args.get("model_instance_name", ""))
         device = choose_device(params["device"], args.get("model_instance_kind", "CPU"),
                                int(args.get("model_instance_device_id", 0) or 0), int(match.group(1)) if match else 0)
-        if int(params["num_threads"] or 0) > 0:
-            torch.set_num_threads(int(params["num_threads"]))
+        threads = int_param({"num_threads": params["num_threads"] or "0"}, "num_threads")
+        if threads > 0:
+            torch.set_num_threads(threads)
         try:
             self.tower = LanguageTower.from_pretrained(ckpt, device=device, dtype=torch.float32)
         except (ConfigError, OSError) as exc:

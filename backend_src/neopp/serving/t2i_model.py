@@ -11,7 +11,8 @@ checkpoint differs (a MoE model next to a dense demo encoder, say) refuses ``CON
 usual geometry message.
 
 Parameters (``config.pbtxt``): ``default_model``, ``allowed_models`` (comma-separated; the plain
-generation models by default), ``encoder_model``.
+generation models by default), ``encoder_model``, ``default_size`` (``HxW`` sent when the client
+gives no ``SIZE``; 256x256).
 """
 
 from __future__ import annotations
@@ -21,15 +22,17 @@ import traceback
 from collections.abc import Mapping
 from typing import Any
 
-from ..errors import ConfigError, InputError, shown
+import numpy as np
+
+from ..errors import ConfigError, GenerationCancelled, InputError, shown
 from ..limits import text_value
 from .error_status import status_of_message
 from .parameters import read_parameters
+from .prompt_parsing import PROMPT_INPUTS, parse_prompts
 from .session_model import GENERATION_MODELS
 
 T2I_PARAMETERS = {"default_model": "neopp_dense", "allowed_models": ",".join(GENERATION_MODELS),
-                  "encoder_model": "neopp_prompt_encoder"}
-PROMPT_INPUTS = ("PROMPT", "NEGATIVE_PROMPT")
+                  "encoder_model": "neopp_prompt_encoder", "default_size": "256x256"}
 PASSED_INPUTS = ("SIZE", "SEED", "STEPS", "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT", "OUTPUT_FORMAT")
 ENCODER_OUTPUTS = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")
 
@@ -41,6 +44,18 @@ def allowed_models(params: Mapping[str, str]) -> tuple[tuple[str, ...], str]:
     if default not in allowed:
         raise ConfigError(f"parameter default_model: {default!r} is not in allowed_models {allowed}")
     return allowed, default
+
+
+def default_size(text: str) -> np.ndarray:
+    """``HxW`` (the SIZE sent when the client gives none; the generation modes default to 1024x1024,
+    the demo model's images are 128 to 320), checked once at load."""
+    try:
+        height, width = (int(v) for v in text.lower().split("x"))
+    except ValueError as exc:
+        raise ConfigError(f"parameter default_size: {text!r} is not HxW, e.g. 256x256") from exc
+    if height <= 0 or width <= 0 or height % 32 or width % 32:
+        raise ConfigError(f"parameter default_size: {text!r} must be positive multiples of 32")
+    return np.array([height, width], dtype=np.int64)
 
 
 def chosen_model(value: Any, allowed: tuple[str, ...], default: str) -> str:
@@ -68,6 +83,7 @@ class T2ITritonModel:
         params = read_parameters(config, T2I_PARAMETERS)
         self.allowed, self.default_model = allowed_models(params)
         self.encoder = params["encoder_model"].strip()
+        self.default_size = default_size(params["default_size"])
         self.logger.log_info(f"{self.model_name}: encoder {self.encoder}, default model {self.default_model}, "
                              f"allowed {list(self.allowed)}")
 
@@ -83,16 +99,25 @@ class T2ITritonModel:
         try:
             model = chosen_model(inputs["MODEL"].as_numpy() if "MODEL" in inputs else None,
                                  self.allowed, self.default_model)
+            # Checked here too, so an oversized prompt is refused before it is copied to the encoder.
+            parse_prompts({n: inputs[n].as_numpy() for n in PROMPT_INPUTS if n in inputs})
+            self._check_cancelled(request)
             encoded = self._call(self.encoder, [inputs[n] for n in PROMPT_INPUTS if n in inputs], ENCODER_OUTPUTS)
             if encoded.has_error():
                 return self._forward_error(self.encoder, encoded.error())
             prefix = [pb.get_output_tensor_by_name(encoded, name) for name in ENCODER_OUTPUTS]
-            result = self._call(model, prefix + [inputs[n] for n in PASSED_INPUTS if n in inputs], ("IMAGE",))
+            passed = [inputs[n] for n in PASSED_INPUTS if n in inputs]
+            if "SIZE" not in inputs:
+                passed.append(pb.Tensor("SIZE", self.default_size))
+            self._check_cancelled(request)
+            result = self._call(model, prefix + passed, ("IMAGE",))
             if result.has_error():
                 return self._forward_error(model, result.error())
             image = pb.get_output_tensor_by_name(result, "IMAGE").as_numpy()
         except InputError as exc:
             return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
+        except GenerationCancelled as exc:
+            return pb.InferenceResponse(error=pb.TritonError(f"request cancelled: {exc}", pb.TritonError.CANCELLED))
         except Exception as exc:  # noqa: BLE001 - the model must stay usable
             self.logger.log_error(f"{self.model_name}: internal error\n{traceback.format_exc()}")
             return pb.InferenceResponse(error=pb.TritonError(f"internal error: {type(exc).__name__}: {exc}",
@@ -103,9 +128,22 @@ class T2ITritonModel:
         """One BLS request; the tensors are passed on without a copy here."""
         return self.pb.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=list(outputs)).exec()
 
+    @staticmethod
+    def _check_cancelled(request: Any) -> None:
+        """Before each call: a generation already running is not stopped from here."""
+        if request.is_cancelled():
+            raise GenerationCancelled("before the encoder or the generation model ran")
+
     def _forward_error(self, model: str, error: Any) -> Any:
-        """The called model's message with the status it meant (BLS reports every error as INTERNAL)."""
+        """The called model's message with the status it meant (BLS reports every error as INTERNAL).
+
+        The client never sends the prefix tensors: a refusal that names one is a deployment fault
+        (the generation model does not serve the encoder checkpoint's geometry), not a bad request."""
         message = error.message()
         self.logger.log_warn(f"{self.model_name}: {model} refused the request: {shown(message, 300)}")
-        return self.pb.InferenceResponse(
-            error=self.pb.TritonError(message, getattr(self.pb.TritonError, status_of_message(message))))
+        status = status_of_message(message)
+        if model != self.encoder and any(name in message for name in ENCODER_OUTPUTS):
+            message = (f"model configuration error: {model} does not take {self.encoder}'s prefix "
+                       f"(checkpoints of another geometry?): {message}")
+            status = "INTERNAL"
+        return self.pb.InferenceResponse(error=self.pb.TritonError(message, getattr(self.pb.TritonError, status)))

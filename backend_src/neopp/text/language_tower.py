@@ -132,6 +132,9 @@ def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Ten
                      a + "q_proj.weight": (q, d), a + "k_proj.weight": (kv, d), a + "v_proj.weight": (kv, d),
                      a + "o_proj.weight": (d, q)})
         want.update({f"{a}{n}.weight": (hd // 2,) for n in NORMS})
+        width = tensors.get(f"{p}mlp.gate_proj.weight", torch.empty(0, d)).shape[0]
+        want.update({f"{p}mlp.gate_proj.weight": (width, d), f"{p}mlp.up_proj.weight": (width, d),
+                     f"{p}mlp.down_proj.weight": (d, width)})
     for key in language_keys(config):
         if key not in tensors:
             raise ConfigError(f"checkpoint: language-tower tensor '{key}' is missing")

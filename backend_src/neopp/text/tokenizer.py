@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..errors import ConfigError, InputError
@@ -25,7 +26,7 @@ class WordTokenizer:
     vocab: tuple[str, ...]
     max_tokens: int
 
-    @property
+    @cached_property
     def ids(self) -> dict[str, int]:
         return {w: i for i, w in enumerate(self.vocab)}
 
