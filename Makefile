@@ -1,4 +1,4 @@
-# NeoPP serving: `make serve` runs tritonserver on the tiny checkpoint, `make test` runs all tests.
+# NeoPP serving: `make serve` runs tritonserver on the trained demo model, `make test` runs all tests.
 SHELL := /bin/bash
 PYTHON_BOOTSTRAP ?= python3
 VENV ?= .venv
@@ -38,10 +38,11 @@ bench: setup
 clean:
 	rm -rf build
 
-# ---- Triton serving: `make serve` runs the real tritonserver in the foreground.
+# ---- Triton serving: `make serve` runs the real tritonserver in the foreground, on the trained demo model.
 # Override: HTTP_PORT GRPC_PORT METRICS_PORT HOST (0.0.0.0 to expose), SERVE_MODELS,
-# NEOPP_CHECKPOINT (a real checkpoint; default: the tiny one in $(TINY_DIR)/dense), NEOPP_LORA_DIR (the
-# folder of the LoRA file the 8-step mode names; default: $(TINY_DIR)/lora with the tiny checkpoint only).
+# NEOPP_CHECKPOINT (a real checkpoint; default: the demo one in $(DEMO_DIR)/dense), NEOPP_MOE_CHECKPOINT,
+# NEOPP_LORA_DIR (the folder of the LoRA file the 8-step mode names; default: the demo's or the tiny one's,
+# matching NEOPP_CHECKPOINT). $(TINY_DIR) holds the random tiny checkpoints the tests use.
 # CONFIG: a GPU layout, model_repository/*/configs/$(CONFIG).pbtxt (docs/deployment.md); unset: the CPU one.
 # Model load/unload, configs and shared memory need the operator key: ADMIN_KEY_FILE (created 0600
 # at first start) or NEOPP_ADMIN_KEY; the HTTP port is the launcher's front (docs/security.md).
@@ -52,39 +53,50 @@ HOST ?= 127.0.0.1
 SERVE_MODELS ?= neopp_dense neopp_dense_fp8 neopp_dense_cfg neopp_dense_cfg_seq neopp_dense_8steps \
                 neopp_moe neopp_moe_cfg neopp_session neopp_dense_stream neopp_dense_cfg_stream \
                 neopp_prompt_encoder neopp_t2i
-NEOPP_CHECKPOINT ?= $(abspath $(TINY_DIR)/dense)
-NEOPP_MOE_CHECKPOINT ?= $(abspath $(TINY_DIR)/moe)
-# The prompt encoder needs a checkpoint with a language tower (tokenizer.json): NEOPP_CHECKPOINT when it has
-# one, else the random demo-format one `make tiny` writes (whose geometry the tiny generation models do not
-# serve: neopp_t2i then refuses COND_KV; `make serve-demo` serves one checkpoint for all three models).
-NEOPP_PROMPT_CHECKPOINT ?= $(if $(wildcard $(NEOPP_CHECKPOINT)/tokenizer.json),$(NEOPP_CHECKPOINT),$(abspath $(TINY_DIR)/demo))
-# `make serve-demo`: prompt in, image out from the demo model (trained weights land in demo/checkpoints/dense;
-# DEMO_CHECKPOINT=$(TINY_DIR)/demo serves random ones).
-DEMO_CHECKPOINT ?= demo/checkpoints/dense
-DEMO_MODELS ?= neopp_dense neopp_prompt_encoder neopp_t2i
-NEOPP_LORA_DIR ?= $(if $(filter $(abspath $(TINY_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(TINY_DIR)/lora))
+DEMO_DIR ?= demo/checkpoints
+NEOPP_CHECKPOINT ?= $(abspath $(DEMO_DIR)/dense)
+NEOPP_MOE_CHECKPOINT ?= $(abspath $(DEMO_DIR)/moe)
+# The prompt encoder and neopp_t2i need a checkpoint with the demo's language tower (a word-level
+# tokenizer.json); on any other checkpoint (a real one: LightLLM sends its KV) they are left out.
+word_level = $(shell grep -qs '"kind": *"word-level"' $(1)/tokenizer.json && echo yes)
+NEOPP_PROMPT_CHECKPOINT ?= $(if $(call word_level,$(NEOPP_CHECKPOINT)),$(NEOPP_CHECKPOINT))
+SERVED_MODELS = $(if $(NEOPP_PROMPT_CHECKPOINT),$(SERVE_MODELS),$(filter-out neopp_prompt_encoder neopp_t2i,$(SERVE_MODELS)))
+NEOPP_LORA_DIR ?= $(if $(filter $(abspath $(DEMO_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(DEMO_DIR)/lora),\
+                  $(if $(filter $(abspath $(TINY_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(TINY_DIR)/lora)))
 ADMIN_KEY_FILE ?= $(abspath build/admin.key)
 BENCH_ARGS ?=
 
-.PHONY: serve serve-demo bench-serve
+.PHONY: serve bench-serve train-demo
 
 serve: tiny
+	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
+	  "(make train-demo writes the demo one; or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
+	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no demo language tower:" \
+	  "neopp_prompt_encoder and neopp_t2i are not loaded")
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) NEOPP_CHECKPOINT_NEOPP_MOE=$(NEOPP_MOE_CHECKPOINT) \
 	NEOPP_CHECKPOINT_NEOPP_MOE_CFG=$(NEOPP_MOE_CHECKPOINT) NEOPP_LORA_DIR=$(NEOPP_LORA_DIR) \
-	NEOPP_CHECKPOINT_NEOPP_PROMPT_ENCODER=$(NEOPP_PROMPT_CHECKPOINT) \
+	$(if $(NEOPP_PROMPT_CHECKPOINT),NEOPP_CHECKPOINT_NEOPP_PROMPT_ENCODER=$(NEOPP_PROMPT_CHECKPOINT)) \
 	$(PY) -m neopp.serving.tritonserver serve \
 	  --model-repository model_repository --host $(HOST) --http-port $(HTTP_PORT) \
 	  --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --admin-key-file $(ADMIN_KEY_FILE) \
-	  -- --model-control-mode=explicit $(foreach m,$(SERVE_MODELS),--load-model=$(m)) \
+	  -- --model-control-mode=explicit $(foreach m,$(SERVED_MODELS),--load-model=$(m)) \
 	  $(if $(CONFIG),--model-config-name=$(CONFIG))
 
-serve-demo: tiny
-	@test -f $(DEMO_CHECKPOINT)/tokenizer.json || { echo "error: no demo checkpoint in $(DEMO_CHECKPOINT)" \
-	  "(DEMO_CHECKPOINT=$(TINY_DIR)/demo serves random weights)" >&2; exit 2; }
-	$(MAKE) serve NEOPP_CHECKPOINT=$(abspath $(DEMO_CHECKPOINT)) SERVE_MODELS="$(DEMO_MODELS)"
+# The demo model from its seeds (demo/README.md): both towers, the upcycled MoE, the distilled 8-step LoRA,
+# then the loss curves. DEMO_DIR=build/demo keeps the committed weights untouched.
+train-demo: setup
+	PYTHONPATH=. $(PY) -m demo.train --out $(DEMO_DIR)/dense
+	PYTHONPATH=. $(PY) -m demo.upcycle --dense $(DEMO_DIR)/dense --out $(DEMO_DIR)/moe
+	PYTHONPATH=. $(PY) -m demo.distill --dense $(DEMO_DIR)/dense --out $(DEMO_DIR)/lora
+	PYTHONPATH=. $(PY) -m demo.sample_kv --checkpoint $(DEMO_DIR)/dense
+	PYTHONPATH=. $(PY) -m demo.card --dir $(DEMO_DIR)
 
 # perf_analyzer against the server `make serve` runs (same GRPC_PORT); BENCH_ARGS="--own-server" starts one.
 bench-serve: tiny
+	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
+	  "(make train-demo writes the demo one; or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
+	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no demo language tower:" \
+	  "neopp_prompt_encoder and neopp_t2i are not loaded")
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m bench.perf_analyzer --model neopp_dense \
 	  --grpc-url 127.0.0.1:$(GRPC_PORT) $(BENCH_ARGS)
 

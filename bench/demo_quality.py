@@ -5,7 +5,7 @@ background, shape colour, position and shape back from each image. The parallel 
 draw the very images of the dense one; the table says how many they matched.
 
     python -m bench.demo_quality --n 200              # the table in bench/demo_quality.md
-    python -m bench.demo_quality --n 6 --grid docs/images/demo_grid.png
+    python -m bench.demo_quality --grid docs/images/demo_grid.png   # and the README's picture
 """
 
 from __future__ import annotations
@@ -144,8 +144,10 @@ def main(argv: list[str] | None = None) -> None:
             results[row.label]["same"] = f"{row.same_as}: {hits}/{len(images)} identical, max diff {worst}"
         print(row.label, results[row.label]["score"], flush=True)
     write_report(args.out, "Demo model: image quality per mode", table(results, len(scenes), tuple(args.size)))
-    if args.grid:
-        save_grid(results, scenes, args.grid)
+    if args.grid:  # six prompts spread over the held-out set
+        picks = list(range(0, len(scenes), max(1, len(scenes) // 6)))[:6]
+        save_grid({k: {"images": [r["images"][i] for i in picks]} for k, r in results.items()},
+                  [scenes[i] for i in picks], args.grid)
 
 
 if __name__ == "__main__":

@@ -50,8 +50,8 @@ server refuses is one line on stderr (status and message) and exit code 1.
 
 example (after `make serve`, from the repository root):
   python client_examples/lightllm_client.py --url localhost:8001 \\
-    --cond-kv build/tiny/dense/sample_kv/cond_kv.pt --uncond-kv build/tiny/dense/sample_kv/uncond_kv.pt \\
-    --offsets 24 7 --size 256 256 --admin-key-file build/admin.key
+    --cond-kv demo/checkpoints/dense/sample_kv/cond_kv.pt --uncond-kv demo/checkpoints/dense/sample_kv/uncond_kv.pt \\
+    --offsets 11 1 --size 256 256 --admin-key-file build/admin.key
 """
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 SAMPLING_INPUTS = {"cfg_scale": ("CFG_SCALE", np.float32), "timestep_shift": ("TIMESTEP_SHIFT", np.float32),

@@ -11,7 +11,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from t2i_common import run_client
 
-EXAMPLE = ("example (after `make serve-demo`, from the repository root):\n"
+EXAMPLE = ("example (after `make serve`, from the repository root):\n"
            "  python client_examples/prompt_t2i.py --url localhost:8001 \\\n"
            '    "a red circle on the left on a blue background" --size 256 256 --seed 42 --steps 20 -o out.png')
 

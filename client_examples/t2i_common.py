@@ -20,11 +20,12 @@ from neopp.kv_cache import load_kv_file
 
 
 def example(script: str, url: str, extra: str = "") -> str:
-    """A command that works against ``make serve`` on the tiny checkpoint, for ``--help``."""
+    """A command that works against ``make serve`` (the demo model), for ``--help``."""
     return ("example (after `make serve`, from the repository root):\n"
             f"  python client_examples/{script} --url {url} \\\n"
-            "    --cond build/tiny/dense/sample_kv/cond_kv.pt --uncond build/tiny/dense/sample_kv/uncond_kv.pt \\\n"
-            f"    --offset-cond 24 --offset-uncond 7 --size 256 256 --steps 20 --seed 42 --out out.png{extra}")
+            "    --cond demo/checkpoints/dense/sample_kv/cond_kv.pt \\\n"
+            "    --uncond demo/checkpoints/dense/sample_kv/uncond_kv.pt \\\n"
+            f"    --offset-cond 11 --offset-uncond 1 --size 256 256 --steps 20 --seed 42 --out out.png{extra}")
 
 
 def build_parser(description: str, default_url: str, script: str, example_extra: str = "") -> argparse.ArgumentParser:

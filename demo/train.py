@@ -43,13 +43,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train the demo model (both towers) on the shapes grammar")
     parser.add_argument("--out", type=Path, default=Path("demo/checkpoints/dense"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=4000)
+    parser.add_argument("--steps", type=int, default=9000)
     parser.add_argument("--token-budget", type=int, default=384, help="image tokens per batch")
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--ema", type=float, default=0.999)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--log-every", type=int, default=100)
     train(parser.parse_args(argv))
 
 

@@ -20,11 +20,12 @@ from demo.training import Batches, flow_matching_loss
 from demo.upcycle import EXPERTS, TOP_K, upcycled
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.lora import apply_loras_
-from neopp.modes import ModeSpec
+from neopp.modes import ModeSpec, load_mode
 from neopp.pipeline import NeoPPPipeline
-from neopp.text.language_tower import LanguageTower
+from neopp.text.language_tower import LanguageTower, is_language_key
 from neopp.text.tokenizer import WordTokenizer
 from neopp.transformer import BranchContext
+from testing import REPO
 from testing.demo_checkpoint import write_demo_checkpoint
 
 PROMPTS = ["a red circle on the left on a blue background", ""]
@@ -118,3 +119,15 @@ def test_the_distilled_lora_file_is_what_the_runtime_merges(dense, tmp_path):
     apply_loras_(merged, [{"path": str(tmp_path / "l.safetensors"), "strength": 1.0}])
     for key in targets:
         torch.testing.assert_close(merged[key], base[key] + deltas[key], rtol=1e-5, atol=1e-5)
+
+
+def test_the_committed_demo_weights_load_through_the_real_loaders():
+    demo = REPO / "demo" / "checkpoints"
+    assert all(f.stat().st_size <= 30 * 2**20 for f in demo.rglob("*.safetensors"))
+    modes = {"dense": ModeSpec(), "moe": ModeSpec(version="moe"),
+             "lora": load_mode(REPO / "configs" / "neopp" / "neopp_dense_8steps.json", lora_dir=demo / "lora")}
+    for name, mode in modes.items():
+        NeoPPPipeline.from_pretrained(demo / ("dense" if name == "lora" else name), mode, "cpu", torch.float32)
+    dense, moe = (load_file(str(demo / n / "model.safetensors")) for n in ("dense", "moe"))
+    language = [k for k in dense if is_language_key(k)]
+    assert language and all(torch.equal(dense[k], moe[k]) for k in language)  # one prompt encoder serves both
