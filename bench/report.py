@@ -36,6 +36,8 @@ SECTIONS = [
     ("startup", "startup", lambda out: ["--out", out], "startup.md",
      "Start time and the first request (warm-up at load)"),
     ("8b", "eight_b", lambda out: ["--out", out], "eight_b.md", "8B geometry"),
+    ("demo_quality", "demo_quality", lambda out: ["--out", str(Path(out) / "demo_quality.md")], "demo_quality.md",
+     "Demo model: what each mode draws, judged on held-out prompts"),
 ]
 # Run only when named in --only (`make bench-8b`): it writes and reads a 14 GB checkpoint.
 ON_REQUEST = {"8b"}
