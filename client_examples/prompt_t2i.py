@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
-from t2i_common import run_client
+from t2i_common import infer_inputs, run_client
 
 EXAMPLE = ("example (after `make serve`, from the repository root):\n"
            "  python client_examples/prompt_t2i.py --url localhost:8001 \\\n"
@@ -50,12 +50,7 @@ def request_tensors(args: argparse.Namespace) -> list[grpcclient.InferInput]:
         given["STEPS"] = (np.array([args.steps], dtype=np.int64), "INT64")
     if args.cfg_scale is not None:
         given["CFG_SCALE"] = (np.array([args.cfg_scale], dtype=np.float32), "FP32")
-    tensors = []
-    for name, (array, datatype) in given.items():
-        tensor = grpcclient.InferInput(name, list(array.shape), datatype)
-        tensor.set_data_from_numpy(array)
-        tensors.append(tensor)
-    return tensors
+    return infer_inputs(grpcclient, [(name, array, datatype) for name, (array, datatype) in given.items()])
 
 
 def main() -> None:

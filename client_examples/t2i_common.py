@@ -95,14 +95,19 @@ def request_inputs(args: argparse.Namespace) -> list[tuple[str, np.ndarray, str]
     return inputs + [(name, arr, dt) for name, arr, dt in optional if arr is not None and arr is not False]
 
 
-def triton_inputs(client_module: ModuleType, args: argparse.Namespace, **data_options: Any) -> list:
-    """The request as `client_module.InferInput` tensors (HTTP passes binary_data=True)."""
+def infer_inputs(client_module: ModuleType, inputs: list[tuple[str, np.ndarray, str]], **data_options: Any) -> list:
+    """(name, array, datatype) triples as `client_module.InferInput` tensors (HTTP: binary_data=True)."""
     tensors = []
-    for name, array, datatype in request_inputs(args):
+    for name, array, datatype in inputs:
         tensor = client_module.InferInput(name, list(array.shape), datatype)
         tensor.set_data_from_numpy(array, **data_options)
         tensors.append(tensor)
     return tensors
+
+
+def triton_inputs(client_module: ModuleType, args: argparse.Namespace, **data_options: Any) -> list:
+    """The request as `client_module.InferInput` tensors (HTTP passes binary_data=True)."""
+    return infer_inputs(client_module, request_inputs(args), **data_options)
 
 
 def requested_outputs(client_module: ModuleType, **options: Any) -> list:

@@ -10,16 +10,14 @@ prompt alone, the x-prediction whose one Euler step lands on the teacher's state
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from demo.model import GenerationBatch, target_tokens, towers
-from demo.training import Batches, Schedule, fit, prompt_ids
+from demo.training import Batches, Schedule, fit, prompt_ids, run_parser, start_run
 from neopp.checkpoint import layer_prefix
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.embeddings import patchify, unpatchify
@@ -80,19 +78,10 @@ class Teacher:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dense", type=Path, default=Path("demo/checkpoints/dense"))
-    parser.add_argument("--out", type=Path, default=Path("demo/checkpoints/lora"))
-    parser.add_argument("--seed", type=int, default=2)
+    parser = run_parser(__doc__, "demo/checkpoints/lora", seed=2, steps=1200, lr=1e-3)
     parser.add_argument("--trajectories", type=int, default=480)
-    parser.add_argument("--steps", type=int, default=1200)
-    parser.add_argument("--token-budget", type=int, default=384)
-    parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    cfg = json.loads((args.dense / "config.json").read_text())
+    cfg = start_run(args)
     config = CheckpointConfig.from_dict(cfg)
     tokenizer = WordTokenizer.from_file(args.dense / TOKENIZER_FILE)
     base = {k: v.float() for k, v in load_file(str(args.dense / "model.safetensors")).items()}

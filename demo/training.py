@@ -3,11 +3,13 @@ loss as the sampler sees it, and one optimisation loop (AdamW, warm-up + cosine,
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -123,3 +125,23 @@ def fit(params: dict[str, torch.Tensor], loss_fn: Callable[[], torch.Tensor], sc
             window = []
             print(json.dumps(log[-1]), flush=True)
     return ema, log
+
+
+def run_parser(doc: str | None, out: str, seed: int, steps: int, lr: float) -> argparse.ArgumentParser:
+    """The flags of a run that starts from the trained dense demo (upcycling, distillation)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dense", type=Path, default=Path("demo/checkpoints/dense"))
+    parser.add_argument("--out", type=Path, default=Path(out))
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--token-budget", type=int, default=384)
+    parser.add_argument("--lr", type=float, default=lr)
+    parser.add_argument("--threads", type=int, default=2)
+    return parser
+
+
+def start_run(args: argparse.Namespace) -> dict:
+    """Seeds and threads set; the dense demo's config.json."""
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(args.threads)
+    return json.loads((args.dense / "config.json").read_text())

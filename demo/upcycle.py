@@ -8,16 +8,14 @@ encoder serves the MoE models too.
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 from demo.model import save_checkpoint, towers
-from demo.training import Batches, Schedule, fit, flow_matching_loss
+from demo.training import Batches, Schedule, fit, flow_matching_loss, run_parser, start_run
 from neopp.checkpoint import layer_prefix
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.text.language_tower import is_language_key
@@ -44,18 +42,8 @@ def upcycled(dense: dict[str, torch.Tensor], layers: int, seed: int, perturb: fl
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dense", type=Path, default=Path("demo/checkpoints/dense"))
-    parser.add_argument("--out", type=Path, default=Path("demo/checkpoints/moe"))
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--token-budget", type=int, default=384)
-    parser.add_argument("--lr", type=float, default=2e-4)
-    parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args(argv)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
-    cfg = json.loads((args.dense / "config.json").read_text())
+    args = run_parser(__doc__, "demo/checkpoints/moe", seed=1, steps=600, lr=2e-4).parse_args(argv)
+    cfg = start_run(args)
     cfg["llm_config"].update(gen_num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True)
     config = CheckpointConfig.from_dict(cfg)
     tokenizer = WordTokenizer.from_file(args.dense / TOKENIZER_FILE)

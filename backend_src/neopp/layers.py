@@ -81,7 +81,7 @@ class MoE:
 
 @dataclass
 class DecoderLayer:
-    """Weights of one layer of the generation tower."""
+    """Weights of one decoder layer (the generation tower's, or the demo language tower's)."""
 
     input_norm: torch.Tensor
     post_norm: torch.Tensor

@@ -8,7 +8,6 @@ expects to find in a prefix, in the online layout ``[NL, 2, S, NKV, HD]``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,7 +16,7 @@ import torch.nn.functional as F
 from ..checkpoint import LM, layer_prefix, read_generation_tensors
 from ..checkpoint_config import CheckpointConfig
 from ..errors import ConfigError
-from ..layers import Linear, SwiGLU, rms_norm, split_head_norm
+from ..layers import DecoderLayer, Linear, SwiGLU, rms_norm, split_head_norm
 from ..rope import Rope3D
 from .tokenizer import TOKENIZER_FILE, WordTokenizer
 
@@ -41,24 +40,11 @@ def language_keys(config: CheckpointConfig) -> list[str]:
     return keys
 
 
-@dataclass
-class TextLayer:
-    input_norm: torch.Tensor
-    post_norm: torch.Tensor
-    q_proj: Linear
-    k_proj: Linear
-    v_proj: Linear
-    o_proj: Linear
-    q_norm: torch.Tensor      # [2, HD/2]: temporal half, spatial half
-    k_norm: torch.Tensor
-    mlp: SwiGLU
-
-
 class LanguageTower:
     """Token embedding and causal decoder layers; ``prefix_kv`` is batched so training and
     serving run the same code."""
 
-    def __init__(self, config: CheckpointConfig, embed: torch.Tensor, layers: list[TextLayer],
+    def __init__(self, config: CheckpointConfig, embed: torch.Tensor, layers: list[DecoderLayer],
                  tokenizer: WordTokenizer) -> None:
         self.config, self.embed, self.layers, self.tokenizer = config, embed, layers, tokenizer
 
@@ -87,7 +73,7 @@ class LanguageTower:
             p, a = layer_prefix(i), layer_prefix(i) + "self_attn."
             lin = {name: Linear(t(f"{a}{name}.weight")) for name in ATTN}
             mlp = SwiGLU(*(Linear(t(f"{p}mlp.{n}.weight")) for n in ("gate_proj", "up_proj", "down_proj")))
-            layers.append(TextLayer(
+            layers.append(DecoderLayer(
                 input_norm=t(p + "input_layernorm.weight"), post_norm=t(p + "post_attention_layernorm.weight"),
                 q_norm=torch.stack([t(a + "q_norm.weight"), t(a + "q_norm_hw.weight")]),
                 k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]), mlp=mlp, **lin))
