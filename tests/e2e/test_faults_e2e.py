@@ -172,7 +172,8 @@ def test_sigterm_with_requests_in_flight(triton, own_server, target):
                       STEPS=(np.array([steps], np.int64), "INT64"))
 
     # the first (heaviest) request runs while the others queue; "group": minutes if not stopped
-    longs = [long(256, 60), long(256, 24), long(256, 24)] if target == "server" else [long(512, 200)] * 3
+    # (512 px, 60 steps: seconds even on an idle machine, time enough for the other five to be queued)
+    longs = [long(512, 60), long(256, 24), long(256, 24)] if target == "server" else [long(512, 200)] * 3
     requests = [_valid(triton, seed=s) for s in range(3)] + longs
     timeout = DRAIN_EXIT_TIMEOUT_S + 60.0
     kinds = itertools.cycle([  # in order of sending: gRPC and HTTP in turn; the late request is gRPC

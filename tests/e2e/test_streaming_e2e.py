@@ -145,6 +145,12 @@ def test_cancelling_the_stream_stops_between_steps_and_the_model_goes_on(triton)
     assert triton.grpc.is_model_ready(STREAM)
 
 
+def _ctrl_c_default() -> None:
+    """A test run started in the background (``make test &``) ignores SIGINT, and a child inherits
+    that: the client would never see the Ctrl-C. Its terminal default is what a user has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "client-killed"])
 def test_a_client_that_stops_or_dies_stops_the_generation(triton, how, tmp_path):
     """stream_grpc.py: Ctrl-C cancels the stream; a killed client closes it. Either way the work stops."""
@@ -155,7 +161,8 @@ def test_a_client_that_stops_or_dies_stops_the_generation(triton, how, tmp_path)
         [sys.executable, str(REPO / "client_examples" / "stream_grpc.py"), "--url", triton.server.grpc_url,
          "--cond", str(kv / "cond_kv.pt"), "--uncond", str(kv / "uncond_kv.pt"), "--offset-cond", "24",
          "--offset-uncond", "7", "--size", "1024", "1024", "--steps", "200", "--seed", "4",
-         "--out", str(tmp_path / "never.png")], stderr=subprocess.PIPE, cwd=REPO)
+         "--out", str(tmp_path / "never.png")], stderr=subprocess.PIPE, cwd=REPO,
+        preexec_fn=_ctrl_c_default)
     try:
         seen, deadline = b"", time.monotonic() + 180
         while b"1/200" not in seen and time.monotonic() < deadline and client.poll() is None:
