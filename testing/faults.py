@@ -99,6 +99,22 @@ class StubKill:
     same_bytes: bool = False
 
 
+def _mid_step(metrics_url: str, model: str, before: float, timeout: float) -> None:
+    """Return in the middle of a step's compute. Between steps the stub talks to the server (step
+    metrics, the cancellation check) under an interprocess lock; a stub killed holding it makes the
+    Python backend abort the whole server. So: time one step (between two step ends), then wait half
+    a step after the second."""
+    def at_least(n: float) -> float:
+        got = wait_for(lambda: metric(metrics_url, STEPS_METRIC, model=model) >= n, timeout, poll=0.005)
+        if not got:
+            raise RuntimeError(f"{model}: the long request ran no step {n - before:.0f} within {timeout:.0f}s")
+        return time.monotonic()
+
+    first = at_least(before + 1)
+    second = at_least(before + 2)
+    time.sleep(max(0.0, (second - first) / 2))
+
+
 def kill_stub(client: Any, server_pid: int, model: str, inputs: Inputs, expected: bytes,
               during: Inputs | None = None, metrics_url: str | None = None,
               timeout: float = 120.0) -> StubKill:
@@ -120,8 +136,7 @@ def kill_stub(client: Any, server_pid: int, model: str, inputs: Inputs, expected
         worker = threading.Thread(target=long_request)
         worker.start()
         if metrics_url:  # the generation is really running: a step is done
-            if not wait_for(lambda: metric(metrics_url, STEPS_METRIC, model=model) >= before + 1, timeout):
-                raise RuntimeError(f"{model}: the long request ran no step within {timeout:.0f}s")
+            _mid_step(metrics_url, model, before, timeout)
     killed_at = time.monotonic()
     signal_own(server_pid, outcome.killed_pid)
     if worker is not None:

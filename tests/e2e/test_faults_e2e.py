@@ -59,7 +59,8 @@ def test_stub_killed_between_requests_is_reloaded(triton, watchdog):
 def test_stub_killed_during_request_fails_cleanly_then_recovers(triton, watchdog):
     valid = _valid(triton)
     expected = image_bytes(infer(triton.grpc, MODEL, valid))
-    long = _valid(triton, SIZE=(np.array([512, 512], np.int64), "INT64"), STEPS=(np.array([200], np.int64), "INT64"))
+    # long steps: the stub is killed in the middle of one (see testing.faults.kill_stub)
+    long = _valid(triton, SIZE=(np.array([1024, 1024], np.int64), "INT64"), STEPS=(np.array([100], np.int64), "INT64"))
     outcome = kill_stub(triton.grpc, triton.server.process.pid, MODEL, valid, expected, during=long,
                         metrics_url=triton.server.metrics_url, timeout=90)
     print(outcome)
