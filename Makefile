@@ -21,7 +21,6 @@ $(STAMP): requirements.txt pyproject.toml
 tiny: setup
 	test -f $(TINY_DIR)/dense/config.json -a -f $(TINY_DIR)/lora/neopp_8steps_lora.safetensors \
 	  || $(PY) -m testing.tiny_checkpoint --out $(TINY_DIR)
-	test -f $(TINY_DIR)/demo/tokenizer.json || $(PY) -m testing.demo_checkpoint --out $(TINY_DIR)/demo
 
 # The style check (ruff, settings in pyproject.toml; hadolint for the container recipe) runs first:
 # a violation fails `make test` and CI.

@@ -20,7 +20,7 @@ from demo.model import GenerationBatch, target_tokens, towers
 from demo.training import Batches, Schedule, fit, prompt_ids, run_parser, start_run
 from neopp.checkpoint import layer_prefix
 from neopp.checkpoint_config import CheckpointConfig
-from neopp.embeddings import patchify, unpatchify
+from neopp.embeddings import unpatchify
 from neopp.schedule import initial_noise_scale, shifted_timesteps
 from neopp.text.tokenizer import TOKENIZER_FILE, WordTokenizer
 
@@ -64,7 +64,7 @@ class Teacher:
         x, states = noise.clone(), [noise.clone()]
         for i in range(len(self.fine) - 1):
             t0, t1 = self.fine[i], self.fine[i + 1]
-            z = torch.stack([patchify(img[None], 32) for img in x])
+            z = target_tokens(x)
             pred = self.tower.predict(torch.cat([x, x]), torch.full((2 * n,), t0), scale, prefix, lens)
             v = (pred - torch.cat([z, z])) / max(1 - t0, 0.02)
             vc, vu = v[:n], v[n:]

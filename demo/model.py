@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from neopp.checkpoint import FM, LM, VISION, layer_prefix
 from neopp.checkpoint_config import CheckpointConfig
-from neopp.embeddings import patchify
+from neopp.embeddings import patchify, sinusoid
 from neopp.layers import rms_norm, split_head_norm
 from neopp.rope import Rope3D, apply_vision_rope, vision_rope_tables
 from neopp.text.language_tower import LanguageTower
@@ -125,10 +125,7 @@ class GenerationBatch:
 
     @staticmethod
     def _embedder(emb, values: torch.Tensor) -> torch.Tensor:
-        freqs = torch.exp(-math.log(10000.0) * torch.arange(128, dtype=torch.float64) / 128)
-        args = values.double()[:, None] * freqs
-        sinus = torch.cat([args.cos(), args.sin()], dim=1).float()
-        return emb.fc2(F.silu(emb.fc1(sinus)))
+        return emb.fc2(F.silu(emb.fc1(sinusoid(values.detach(), values.device))))
 
     def predict(self, x: torch.Tensor, t: torch.Tensor, noise_scale: float, prefix: torch.Tensor,
                 lengths: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 geometry. Tests and ``make serve`` use it where a prompt encoder must load before the trained
 weights are there; images from it are noise.
 
-CLI: ``python -m testing.demo_checkpoint --out build/tiny/demo``.
+CLI: ``python -m testing.demo_checkpoint --out DIR``.
 """
 
 from __future__ import annotations

@@ -53,11 +53,12 @@ def unpatchify(z: torch.Tensor, height: int, width: int, t: int) -> torch.Tensor
     return z.view(h, w, t, t, 3).permute(4, 0, 2, 1, 3).reshape(1, 3, height, width)
 
 
-def sinusoid(value: float, device: torch.device) -> torch.Tensor:
-    """256-wide [cos(v f), sin(v f)] with f_j = exp(-ln(1e4) j / 128); v is fed unscaled."""
+def sinusoid(value: float | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """256-wide [cos(v f), sin(v f)] with f_j = exp(-ln(1e4) j / 128); v is fed unscaled.
+    A tensor of values gives one row per value (training embeds a batch of times)."""
     freqs = torch.exp(-math.log(10000.0) * torch.arange(128, dtype=torch.float64) / 128)
-    args = value * freqs
-    return torch.cat([args.cos(), args.sin()]).float().to(device)
+    args = torch.as_tensor(value, dtype=torch.float64).cpu()[..., None] * freqs
+    return torch.cat([args.cos(), args.sin()], dim=-1).float().to(device)
 
 
 class MLPEmbedder:
