@@ -117,4 +117,4 @@ def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torc
     group = heads // kv_heads
     qg = q.permute(1, 0, 2).reshape(kv_heads, group * tokens, hd)
     out = F.scaled_dot_product_attention(qg.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=hd ** -0.5)
-    return out.view(kv_heads * group, tokens, hd).permute(1, 0, 2).reshape(tokens, heads * hd)
+    return out.reshape(kv_heads * group, tokens, hd).permute(1, 0, 2).reshape(tokens, heads * hd)
