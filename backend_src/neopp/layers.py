@@ -20,6 +20,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_RMS_NOR
     return normed.to(x.dtype) * weight
 
 
+# CPU GEMMs run over token rows in tiles of exactly this many rows (the last one zero-padded).
+# A CPU GEMM kernel blocks and threads a product by its row count, so one row's sums can come
+# out in another order when other requests' rows share the call; with one fixed tile shape a
+# row's result depends on that row alone, and a request batched with others gets the same bytes
+# as alone. Measured cost on 2 cores: 0-35% on 512-row float32 products of width 1024-2816.
+ROW_TILE = 128
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, batch-invariant per row on the CPU (see ROW_TILE); GPUs take one call."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.device.type != "cpu" or rows == 0:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    pad = -rows % ROW_TILE
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    out = torch.cat([F.linear(tile, weight, bias) for tile in flat.split(ROW_TILE)])
+    return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
 class Linear:
     """`y = x W^T + b` with a full-precision weight; quantised variants share this call."""
 
@@ -27,7 +48,7 @@ class Linear:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear_rows(x, self.weight, self.bias)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)

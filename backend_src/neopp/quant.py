@@ -10,11 +10,10 @@ its own weight for the duration of the call, so no full-precision copy of all we
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .checkpoint import FP8_DTYPE, LM
 from .errors import ConfigError
-from .layers import Linear
+from .layers import Linear, linear_rows
 from .transformer import LinearFactory
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -108,7 +107,7 @@ class FP8Linear(Linear):
             return self._scaled(x)
         # FP8 values are exact in bf16/fp32; the per-row scale applies to the output columns, so
         # only this layer's converted weight exists, for the duration of the call.
-        y = (F.linear(x, self.weight.to(x.dtype)).float() * self._scale_row).to(x.dtype)
+        y = (linear_rows(x, self.weight.to(x.dtype)).float() * self._scale_row).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def _scaled(self, x: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,9 @@ class NeoPPTransformer:
     def run_layers(self, hid: torch.Tensor, branch: BranchContext) -> torch.Tensor:
         nh, nkv, hd = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
         eps = self.config.rms_norm_eps  # upstream ties every norm of the tower (q/k ones too) to it
+        # Row-major like a batch's concatenation: a transposed view (the patch embedding's) would
+        # reduce and multiply in another order than the same rows inside a batch.
+        hid = hid.contiguous()
         for i, layer in enumerate(self.layers):
             a = rms_norm(hid, layer.input_norm, eps)
             n = a.shape[0]
