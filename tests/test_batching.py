@@ -155,3 +155,16 @@ def test_the_token_budget_bounds_each_step(setup):
     assert max(sizes) <= 2 and sum(sizes) >= 3  # never all three at once; every request ran
     for req, c in zip(reqs, collectors):
         assert_pixels_match(c.events[-1].final, pipe.generate(req))
+
+
+def test_a_rows_product_does_not_depend_on_the_rows_beside_it():
+    """The CPU tiles behind the byte-equality above, at widths where whole products do vary."""
+    from neopp.layers import linear_rows
+
+    gen = torch.Generator().manual_seed(4)
+    w, b = torch.randn(2816, 1024, generator=gen), torch.randn(2816, generator=gen)
+    x = torch.randn(300, 1024, generator=gen)
+    full = linear_rows(x, w, b)
+    for first, rows in [(0, 1), (5, 40), (130, 128), (250, 50)]:
+        assert torch.equal(linear_rows(x[first:first + rows], w, b), full[first:first + rows]), (first, rows)
+    torch.testing.assert_close(full, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -24,14 +25,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_RMS_NOR
 # A CPU GEMM kernel blocks and threads a product by its row count, so one row's sums can come
 # out in another order when other requests' rows share the call; with one fixed tile shape a
 # row's result depends on that row alone, and a request batched with others gets the same bytes
-# as alone. Measured cost on 2 cores: 0-35% on 512-row float32 products of width 1024-2816.
-ROW_TILE = 128
+# as alone. Measured cost on 2 cores: a 4-layer width-1024 float32 tower generates 15% (256x256)
+# to 33% (512x512) slower. `NEOPP_ROW_TILE=0` in the server's environment runs whole products
+# instead (batched images then match solo ones within float reassociation only).
+ROW_TILE = int(os.environ.get("NEOPP_ROW_TILE", "128"))
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, batch-invariant per row on the CPU (see ROW_TILE); GPUs take one call."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or rows == 0:
+    if x.device.type != "cpu" or rows == 0 or ROW_TILE <= 0:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     pad = -rows % ROW_TILE
