@@ -42,7 +42,9 @@ SECTIONS = [
 # Run only when named in --only (`make bench-8b`): it writes and reads a 14 GB checkpoint.
 ON_REQUEST = {"8b"}
 # Files that need an argument of their own to be made (their command is in them); stitched in when present.
-BY_HAND = [("startup_baseline.md", "Start time against an earlier checkout")]
+BY_HAND = [("startup_baseline.md", "Start time against an earlier checkout"),
+           ("gpu_check.md", "GPU check on one H200 (`make gpu-check`)"),
+           ("continuous_batching_gpu.md", "Continuous batching on one H200: one engine vs one and two plain instances")]
 
 
 def body_of(path: Path) -> str:

@@ -167,7 +167,8 @@ def crossover_tokens(peak: float = H200_FLOPS, bandwidth: float = H200_BYTES_S, 
 
 def gpu_section(sizes: tuple[int, ...] = (256, 512), counts: tuple[int, ...] = (1, 2, 4, 8)) -> list[str]:
     cross = crossover_tokens()
-    lines = [f"Estimate, not a measurement (no GPU here; `make gpu-check` measures when one is lent). The 8B "
+    lines = ["Roofline estimate, not a measurement: on an H200 `make gpu-check` measured these sizes bound by "
+             "kernel launches instead, where batching gained more (bench/continuous_batching_gpu.md). The 8B "
              f"tower reads {weight_bytes() / 1e9:.1f} GB of bf16 weights per step whatever the batch, "
              f"and does about 2 FLOP per weight per image token. A bf16 GEMM over T token rows does 2TKN FLOP on "
              f"2KN weight bytes, T FLOP per byte; an H200 (about {H200_FLOPS / 1e12:.0f} dense bf16 TFLOP/s, "
