@@ -72,3 +72,16 @@ def test_random_tower_has_the_real_8b_keys_and_shapes() -> None:
     tensors = random_tower_tensors(small, "cpu", torch.bfloat16, mlp_width=64, head_width=64)
     check_shapes(small, tensors)
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+
+
+def test_batching_bench_runs_two_plain_instances(tmp_path: Path) -> None:
+    """The continuous-batching section `make gpu-check` ends with, on the tiny tower on the CPU."""
+    cmd = [sys.executable, "-m", "bench.continuous_batching", "--geometries", "tiny", "--sizes", "64",
+           "--counts", "1,2", "--repeats", "1", "--steps", "2", "--two-instances", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = [line.split("|")[1:-1] for line in (tmp_path / "continuous_batching.md").read_text().splitlines()
+            if line.startswith("| 64x64 |")]
+    assert [r[1].strip() for r in rows] == ["1", "2"]
+    for row in rows:  # sequential, batched and two-instance seconds are all measured (2 decimals)
+        assert all(float(row[i]) >= 0 for i in (2, 3, 6)), row
