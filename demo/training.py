@@ -17,6 +17,7 @@ import torch
 from demo import shapes
 from demo.model import GenerationBatch, target_tokens
 from neopp.checkpoint_config import CheckpointConfig
+from neopp.layers import row_tiles
 from neopp.schedule import initial_noise_scale
 from neopp.text.language_tower import LanguageTower
 from neopp.text.tokenizer import PAD, WordTokenizer
@@ -102,28 +103,31 @@ def flow_matching_loss(batches: Batches, config: CheckpointConfig, language: Lan
 
 def fit(params: dict[str, torch.Tensor], loss_fn: Callable[[], torch.Tensor], schedule: Schedule
         ) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """Optimise ``params`` (tensors that require grad) on ``loss_fn``; returns their EMA and the log."""
+    """Optimise ``params`` (tensors that require grad) on ``loss_fn``; returns their EMA and the log.
+
+    Products run whole, not in the serving's fixed row tiles: training needs no batch invariance."""
     ema = {k: v.detach().clone() for k, v in params.items()}
     opt = torch.optim.AdamW(params.values(), lr=schedule.lr, betas=(0.9, 0.99), weight_decay=0.0)
     log, window, began = [], [], time.perf_counter()
-    for step in range(schedule.steps):
-        loss = loss_fn()
-        for group in opt.param_groups:
-            group["lr"] = schedule.lr_at(step)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-        opt.step()
-        decay = min(schedule.ema, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for k, v in params.items():
-                ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
-        window.append(loss.item())
-        if (step + 1) % schedule.log_every == 0:
-            log.append({"step": step + 1, "loss": float(np.mean(window)),
-                        "seconds": round(time.perf_counter() - began, 1)})
-            window = []
-            print(json.dumps(log[-1]), flush=True)
+    with row_tiles(0):
+        for step in range(schedule.steps):
+            loss = loss_fn()
+            for group in opt.param_groups:
+                group["lr"] = schedule.lr_at(step)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+            opt.step()
+            decay = min(schedule.ema, (1 + step) / (10 + step))
+            with torch.no_grad():
+                for k, v in params.items():
+                    ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
+            window.append(loss.item())
+            if (step + 1) % schedule.log_every == 0:
+                log.append({"step": step + 1, "loss": float(np.mean(window)),
+                            "seconds": round(time.perf_counter() - began, 1)})
+                window = []
+                print(json.dumps(log[-1]), flush=True)
     return ema, log
 
 
