@@ -92,7 +92,7 @@ def save_checkpoint(out_dir: Path, cfg: dict, tokenizer: WordTokenizer, weights:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out_dir / TOKENIZER_FILE).write_text(json.dumps(tokenizer.to_json(), indent=1) + "\n")
-    save_file({k: v.detach().to(dtype).contiguous() for k, v in sorted(weights.items())},
+    save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in sorted(weights.items())},
               str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
 
@@ -113,7 +113,7 @@ class GenerationBatch:
         feats = F.conv2d(x, pe.patch_w, pe.patch_b, stride=pe.patch_size)
         b, dv, rows, cols = feats.shape
         seq = F.gelu(feats.flatten(2).transpose(1, 2)).reshape(b * rows * cols, dv)
-        cos, sin = vision_rope_tables(rows, cols, dv, c.rope_theta_vision)
+        cos, sin = (v.to(x.device) for v in vision_rope_tables(rows, cols, dv, c.rope_theta_vision))
         seq = apply_vision_rope(seq, cos.repeat(b, 1, 1), sin.repeat(b, 1, 1))
         feats = seq.view(b, rows * cols, dv).transpose(1, 2).reshape(b, dv, rows, cols)
         tokens = F.conv2d(feats, pe.dense_w, pe.dense_b, stride=pe.dense_w.shape[-1]).flatten(2).transpose(1, 2)
@@ -159,8 +159,8 @@ class GenerationBatch:
 
 def towers(config: CheckpointConfig, params: dict[str, torch.Tensor], tokenizer: WordTokenizer
            ) -> tuple[LanguageTower, GenerationBatch]:
-    """The runtime's towers over ``params`` (trainable tensors stay the same objects)."""
-    dev, dtype = torch.device("cpu"), torch.float32
+    """The runtime's towers over ``params`` (trainable tensors stay the same objects, on their device)."""
+    dev, dtype = next(iter(params.values())).device, torch.float32
     language = LanguageTower.from_tensors(config, params, tokenizer, dev, dtype)
     gen = {k: v for k, v in params.items() if k.startswith(FM) or "mot_gen" in k}
     return language, GenerationBatch(config, NeoPPTransformer.from_tensors(config, gen, dev, dtype))

@@ -26,7 +26,8 @@ def train(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     cfg, tokenizer = demo_config(), demo_tokenizer(vocabulary())
     config = CheckpointConfig.from_dict(cfg)
-    params = {k: v.clone().requires_grad_(True) for k, v in init_weights(cfg, len(tokenizer.vocab), args.seed).items()}
+    params = {k: v.to(args.device).requires_grad_(True)
+              for k, v in init_weights(cfg, len(tokenizer.vocab), args.seed).items()}
     language, tower = towers(config, params, tokenizer)
     batches = Batches(args.seed, args.token_budget)
     began = time.perf_counter()
@@ -50,6 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ema", type=float, default=0.999)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (the card's run) or cuda (same data, other rounding; no faster for this tower)")
     train(parser.parse_args(argv))
 
 

@@ -88,12 +88,13 @@ def flow_matching_loss(batches: Batches, config: CheckpointConfig, language: Lan
                        tower: GenerationBatch, tokenizer: WordTokenizer) -> torch.Tensor:
     """Velocity error of the x-prediction at one random time per image."""
     scenes, x0 = batches.images()
-    n = x0.shape[0]
+    n, dev = x0.shape[0], language.embed.device
     drop = torch.rand(n, generator=batches.gen) < DROP_PROMPT
     ids, lengths = prompt_ids([s.prompt for s in scenes], tokenizer, drop)
     scale = initial_noise_scale(config, (x0.shape[2] // 32) * (x0.shape[3] // 32))
     t = batches.times(n)
-    noise = torch.randn(x0.shape, generator=batches.gen) * scale
+    noise = torch.randn(x0.shape, generator=batches.gen) * scale  # drawn on the CPU: any device, same data
+    x0, t, noise, ids, lengths = (v.to(dev) for v in (x0, t, noise, ids, lengths))
     tb = t[:, None, None, None]
     xt = tb * x0 + (1 - tb) * noise
     pred = tower.predict(xt, t, scale, language.prefix_kv(ids), lengths)
