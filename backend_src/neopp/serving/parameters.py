@@ -5,6 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+# The plain generation models (one image per request): the BLS models (sessions, prompt to image)
+# call these and no others by default (their ``allowed_models`` parameter).
+GENERATION_MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq",
+                     "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg")
+
 
 def read_parameters(model_config: Mapping[str, Any], defaults: Mapping[str, str]) -> dict[str, str]:
     """The parameters as plain strings (Triton wraps each in ``string_value``), ``defaults`` filled in."""

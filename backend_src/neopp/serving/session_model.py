@@ -46,13 +46,11 @@ import numpy as np
 from ..errors import ConfigError, InputError, shown
 from ..limits import text_value
 from .error_status import status_of_message
-from .parameters import read_parameters
+from .parameters import GENERATION_MODELS, read_parameters
 from .procs import own_server_grpc_url
 from .sessions import SequenceSlots, SessionTable, TurnPlan, UnknownSession
 from .stop_watch import StopWatch, server_exiting
 
-GENERATION_MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq",
-                     "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg")
 SESSION_PARAMETERS = {
     "default_model": "neopp_dense",
     "allowed_models": ",".join(GENERATION_MODELS),

@@ -27,9 +27,8 @@ import numpy as np
 from ..errors import ConfigError, GenerationCancelled, InputError, shown
 from ..limits import text_value
 from .error_status import status_of_message
-from .parameters import read_parameters
+from .parameters import GENERATION_MODELS, read_parameters
 from .prompt_parsing import PROMPT_INPUTS, parse_prompts
-from .session_model import GENERATION_MODELS
 
 T2I_PARAMETERS = {"default_model": "neopp_dense", "allowed_models": ",".join(GENERATION_MODELS),
                   "encoder_model": "neopp_prompt_encoder", "default_size": "256x256"}
