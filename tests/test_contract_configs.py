@@ -129,3 +129,17 @@ def test_shipped_loras_are_file_names_found_through_lora_dir(model):
         assert "lora_dir" in p, f"{model}: its mode file names a LoRA, so config.pbtxt sets lora_dir"
     mode = load_mode(ROOT / p["mode_file"], lora_dir="/srv/loras")
     assert all(e["path"].startswith("/srv/loras/") for e in mode.lora_configs)
+
+
+def test_declared_kv_dims_narrow_to_the_checkpoint_or_are_refused():
+    """What auto-complete does to COND_KV and friends (generation models and the prompt encoder)."""
+    from neopp.serving.parameters import narrow_kv_dims
+
+    kv = [3, 2, -1, 2, 48]
+    for declared in ([-1, 2, -1, -1, -1], [3, 2, -1, 2, 48], []):
+        entry = {"name": "COND_KV", "dims": declared}
+        narrow_kv_dims(entry, kv)
+        assert entry["dims"] == kv
+    for declared in ([4, 2, -1, 2, 48], [-1, 2, -1, -1, 64], [-1, 2, -1, -1]):
+        with pytest.raises(ValueError, match=r"COND_KV: config.pbtxt dims .* contradict the checkpoint's"):
+            narrow_kv_dims({"name": "COND_KV", "dims": declared}, kv)

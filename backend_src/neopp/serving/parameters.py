@@ -17,3 +17,12 @@ def read_parameters(model_config: Mapping[str, Any], defaults: Mapping[str, str]
     for key, value in (model_config.get("parameters") or {}).items():
         params[key] = str(value.get("string_value", "")) if isinstance(value, dict) else str(value)
     return params
+
+
+def narrow_kv_dims(entry: dict[str, Any], kv_dims: list[int]) -> None:
+    """Set a KV tensor's declared dims to the checkpoint's, in place (add_input/add_output refuse to
+    change declared dims); declared dims that contradict the checkpoint are a deployment error."""
+    dims = [int(d) for d in entry.get("dims", [])]
+    if len(dims) not in (0, 5) or any(d not in (-1, k) for d, k in zip(dims, kv_dims)):
+        raise ValueError(f"{entry['name']}: config.pbtxt dims {dims} contradict the checkpoint's {kv_dims}")
+    entry["dims"] = kv_dims

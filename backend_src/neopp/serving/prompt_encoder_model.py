@@ -26,7 +26,7 @@ from ..checkpoint_config import CheckpointConfig
 from ..errors import ConfigError, InputError
 from ..text.language_tower import LanguageTower
 from .model_settings import choose_device, int_param, project_root, resolve_checkpoint
-from .parameters import read_parameters
+from .parameters import narrow_kv_dims, read_parameters
 from .prompt_parsing import PromptRequest, parse_prompts
 
 ENCODER_PARAMETERS = {"checkpoint": "checkpoints/neopp", "device": "auto", "num_threads": "0"}
@@ -67,7 +67,7 @@ class PromptEncoderTritonModel:
             raise ConfigError(f"model {config.get('name')}: checkpoint {ckpt}: {exc}") from exc
         for entry in config.get("output", []):
             if entry["name"] in KV_OUTPUTS:
-                entry["dims"] = [layers, 2, -1, kv_heads, head_dim]  # in place, as for the generation models
+                narrow_kv_dims(entry, [layers, 2, -1, kv_heads, head_dim])
         return auto_complete_model_config
 
     def initialize(self, args: dict[str, str]) -> None:

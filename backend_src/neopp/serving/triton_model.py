@@ -32,6 +32,7 @@ from ..warmup import warm_up
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .metrics import GenerationMetrics
 from .model_settings import TritonModelSettings, choose_device, load_model_mode
+from .parameters import narrow_kv_dims
 from .placement import backend_devices, check_layout
 from .procs import restore_malloc_defaults
 from .request_parsing import (
@@ -67,6 +68,7 @@ def stop_on_sigterm(logger: Any, model_name: str) -> threading.Event:
     return event
 
 
+
 class NeoPPTritonModel:
     """Triton Python-backend model for one NeoPP generation mode (contract inputs/outputs)."""
 
@@ -96,10 +98,7 @@ class NeoPPTritonModel:
                                                       "dims": kv_dims if name in KV_INPUTS else list(spec.dims),
                                                       "optional": spec.optional})
             elif name in KV_INPUTS:
-                dims = [int(d) for d in entry.get("dims", [])]
-                if len(dims) not in (0, 5) or any(d not in (-1, k) for d, k in zip(dims, kv_dims)):
-                    raise ValueError(f"{name}: config.pbtxt dims {dims} contradict the checkpoint's {kv_dims}")
-                entry["dims"] = kv_dims  # in place: add_input refuses to change declared dims
+                narrow_kv_dims(entry, kv_dims)
         present = {entry["name"] for entry in config.get("output", [])}
         for name, spec in cls.OUTPUTS.items():
             if name not in present:
