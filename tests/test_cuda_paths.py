@@ -33,22 +33,19 @@ def levels(a: np.ndarray, b: np.ndarray) -> tuple[int, float]:
     return int(diff.max()), float(diff.mean())
 
 
-def test_float32_on_the_gpu_matches_the_cpu(setup):
-    ckpt, cpu, kvs = setup
-    gpu = NeoPPPipeline.from_pretrained(ckpt, device="cuda", dtype=torch.float32)
-    for i, req in enumerate(mixed(kvs)):
-        worst, mean = levels(gpu.generate(req), cpu.generate(req))
-        print(f"request {i}: float32 GPU vs CPU max {worst} mean {mean:.4f}")
-        assert worst <= 2 and mean <= 0.05, f"request {i}: max {worst}, mean {mean:.4f}"
+# (max, mean) levels against float32 on the CPU; bf16's max is not bounded, only its mean.
+GPU_BOUNDS = {torch.float32: (2, 0.05), torch.bfloat16: (255, 1.5)}
 
 
-def test_bf16_on_the_gpu_stays_near_float32(setup):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
+def test_the_gpu_matches_the_cpu(setup, dtype):
     ckpt, cpu, kvs = setup
-    gpu = NeoPPPipeline.from_pretrained(ckpt, device="cuda", dtype=torch.bfloat16)
+    gpu = NeoPPPipeline.from_pretrained(ckpt, device="cuda", dtype=dtype)
     for i, req in enumerate(mixed(kvs)):
         worst, mean = levels(gpu.generate(req), cpu.generate(req))
-        print(f"request {i}: bf16 GPU vs float32 CPU max {worst} mean {mean:.4f}")
-        assert mean <= 1.5, f"request {i}: max {worst}, mean {mean:.4f}"
+        print(f"request {i}: {dtype} GPU vs float32 CPU max {worst} mean {mean:.4f}")
+        bound_max, bound_mean = GPU_BOUNDS[dtype]
+        assert worst <= bound_max and mean <= bound_mean, f"request {i}: max {worst}, mean {mean:.4f}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
