@@ -12,6 +12,7 @@ import os
 import re
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from neopp.serving.model_states import KEEP_GOING_ARGS
 from neopp.serving.procs import process_group_members
 from neopp.serving.tritonserver import TritonServer
 from testing import REPO as REPO_ROOT
+from testing.faults import wait_for
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 from testing.tiny_lora import write_tiny_loras
 
@@ -54,6 +56,12 @@ class TritonHandle:
     def __post_init__(self) -> None:
         self.grpc = grpcclient.InferenceServerClient(self.server.grpc_url)
         self.http = httpclient.InferenceServerClient(self.server.http_url, network_timeout=120.0)
+
+    def log_once(self, ready: Callable[[str], bool], timeout: float = 60.0) -> str:
+        """The server log once ``ready(log)`` holds (or at the deadline): the stubs' log lines reach
+        the file asynchronously, after the response."""
+        wait_for(lambda: ready(self.log_path.read_text(errors="replace")), timeout, poll=0.1)
+        return self.log_path.read_text(errors="replace")
 
     def inputs(self, **overrides: Any) -> dict[str, tuple[np.ndarray, str]]:
         """A valid guided request (64x64, 4 steps, PNG); ``NAME=None`` drops an input,

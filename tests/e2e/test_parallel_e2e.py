@@ -111,12 +111,7 @@ def test_log_states_whether_cfg_parallel_was_active(triton):
             line.format("neopp_dense_8steps", 7, 4, re.escape("cfg_parallel=off(reason=guidance_off_in_mode)"),
                         off_seq),
             line.format("neopp_dense", 7, 4, re.escape("cfg_parallel=off(reason=one_cfg_rank)"), off_seq)]
-    deadline = time.monotonic() + 60  # the stubs' log lines reach the file asynchronously
-    while time.monotonic() < deadline:
-        log = triton.log_path.read_text(errors="replace")
-        if all(re.search(w, log) for w in want):
-            break
-        time.sleep(0.2)
+    log = triton.log_once(lambda text: all(re.search(w, text) for w in want))
     for pattern in want:
         assert re.search(pattern, log), pattern
 
