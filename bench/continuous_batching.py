@@ -171,11 +171,10 @@ def batched_peak(engine: BatchingEngine, raw: dict, n: int, size: int, args: arg
 
 def weights_line(name: str, args: argparse.Namespace, dtype: torch.dtype, one: int,
                  two: TwoInstances | None) -> str:
-    if two is not None:
+    if two is not None and args.device.startswith("cuda"):
         each = ", ".join(f"{b / 2**20:.0f}" for b in two.weight_bytes)
-        if args.device.startswith("cuda"):
-            return (f"Device memory after load (MiB): one pipeline (one engine serves every concurrent request) "
-                    f"{one / 2**20:.0f}; the two plain instances hold {each}.")
+        return (f"Device memory after load (MiB): one pipeline (one engine serves every concurrent request) "
+                f"{one / 2**20:.0f}; the two plain instances hold {each}.")
     with_one = rss_bytes()
     second, _ = load(name, dtype, args.device)
     with_two = rss_bytes()

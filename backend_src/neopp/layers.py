@@ -50,11 +50,11 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if x.device.type != "cpu" or rows == 0 or ROW_TILE <= 0:
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, x.shape[-1])
+    tiles = list(x.reshape(rows, x.shape[-1]).split(ROW_TILE))
     pad = -rows % ROW_TILE
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
-    out = torch.cat([F.linear(tile, weight, bias) for tile in flat.split(ROW_TILE)])
+    if pad:  # only the last tile is copied to pad it
+        tiles[-1] = torch.cat([tiles[-1], tiles[-1].new_zeros(pad, x.shape[-1])])
+    out = torch.cat([F.linear(tile, weight, bias) for tile in tiles])
     return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 

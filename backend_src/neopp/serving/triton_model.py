@@ -68,7 +68,6 @@ def stop_on_sigterm(logger: Any, model_name: str) -> threading.Event:
     return event
 
 
-
 class NeoPPTritonModel:
     """Triton Python-backend model for one NeoPP generation mode (contract inputs/outputs)."""
 
