@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from neopp.checkpoint import FM, LM, VISION, layer_prefix
 from neopp.checkpoint_config import CheckpointConfig
-from neopp.embeddings import patchify, sinusoid
+from neopp.embeddings import PixelHead, patchify, sinusoid
 from neopp.layers import rms_norm, split_head_norm
 from neopp.rope import Rope3D, apply_vision_rope, vision_rope_tables
 from neopp.text.language_tower import LanguageTower
@@ -31,15 +31,16 @@ LLM = {"num_hidden_layers": 3, "hidden_size": 192, "num_attention_heads": 4, "nu
        "head_dim": 48, "rope_theta": 10_000.0, "rope_theta_hw": 10_000.0, "rms_norm_eps": 1e-6}
 VISION_CFG = {"hidden_size": 64, "rope_theta_vision": 10_000.0, "max_position_embeddings_vision": 1024}
 MLP_WIDTH, HEAD_WIDTH, TOKEN = 512, 384, 32
+PIXEL_CONV1 = 256  # the pixel head's first conv: 16-px cells, then 64 channels per 8-px cell
 # The demo's images are small: noise grows from a 4x4-token (128 px) image, not from an 8x8 one.
 NOISE = {"noise_scale": 1.0, "noise_scale_mode": "resolution", "noise_scale_base_image_seq_len": 16,
          "noise_scale_max_value": 8.0}
 
 
-def demo_config(moe: dict | None = None) -> dict:
+def demo_config(moe: dict | None = None, pixel_head: bool = True) -> dict:
     llm = dict(LLM, **(moe or {}))
     return {"model_type": "neo_chat", "llm_config": llm, "vision_config": dict(VISION_CFG), "patch_size": 16,
-            "use_pixel_head": False, "add_noise_scale_embedding": True, **NOISE}
+            "use_pixel_head": pixel_head, "add_noise_scale_embedding": True, **NOISE}
 
 
 def demo_tokenizer(words: list[str], max_tokens: int = 32) -> WordTokenizer:
@@ -63,10 +64,15 @@ def init_weights(cfg: dict, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     w = {VISION + "patch_embedding.weight": conv(dv, 3, 16), VISION + "patch_embedding.bias": torch.zeros(dv),
          VISION + "dense_embedding.weight": conv(d, dv, 2), VISION + "dense_embedding.bias": torch.zeros(d),
          LM + "norm_mot_gen.weight": torch.ones(d), LM + "norm.weight": torch.ones(d),
-         LM + "embed_tokens.weight": torch.randn(vocab, d, generator=g),
-         FM + "fm_head.0.weight": lin(HEAD_WIDTH, d), FM + "fm_head.0.bias": torch.zeros(HEAD_WIDTH),
-         FM + "fm_head.2.weight": lin(TOKEN * TOKEN * 3, HEAD_WIDTH, 0.1),
-         FM + "fm_head.2.bias": torch.zeros(TOKEN * TOKEN * 3)}
+         LM + "embed_tokens.weight": torch.randn(vocab, d, generator=g)}
+    h = FM + "fm_head."
+    if cfg["use_pixel_head"]:
+        w.update({h + "conv1.weight": conv(PIXEL_CONV1, d // 4, 3), h + "conv1.bias": torch.zeros(PIXEL_CONV1),
+                  h + "conv2.weight": conv(3 * 64, PIXEL_CONV1 // 4, 3) * 0.1, h + "conv2.bias": torch.zeros(3 * 64)})
+    else:
+        out = TOKEN * TOKEN * 3
+        w.update({h + "0.weight": lin(HEAD_WIDTH, d), h + "0.bias": torch.zeros(HEAD_WIDTH),
+                  h + "2.weight": lin(out, HEAD_WIDTH, 0.1), h + "2.bias": torch.zeros(out)})
     for emb in ("timestep_embedder", "noise_scale_embedder"):
         p = f"{FM}{emb}.mlp."
         w.update({p + "0.weight": lin(d, 256), p + "0.bias": torch.zeros(d),
@@ -153,8 +159,17 @@ class GenerationBatch:
                                                  scale=hd ** -0.5, enable_gqa=True)
             hid = hid + layer.o_proj(out.transpose(1, 2).reshape(b, n, nh * hd))
             hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps).view(b * n, -1)).view(b, n, -1)
+        return self.head(rms_norm(hid, self.tower.final_norm, eps), rows, cols)
+
+    def head(self, hid: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+        """[B, L, D] -> [B, L, T*T*3], the runtime's head over a batch."""
         head = self.tower.head
-        return head.fc2(F.gelu(head.fc1(rms_norm(hid, self.tower.final_norm, eps))))
+        if isinstance(head, PixelHead):
+            img = hid.transpose(1, 2).reshape(hid.shape[0], hid.shape[2], rows, cols)
+            img = F.gelu(F.conv2d(F.pixel_shuffle(img, 2), head.conv1_w, head.conv1_b, padding=1))
+            img = F.conv2d(F.pixel_shuffle(img, 2), head.conv2_w, head.conv2_b, padding=1)
+            return target_tokens(F.pixel_shuffle(img, 8))
+        return head.fc2(F.gelu(head.fc1(hid)))
 
 
 def towers(config: CheckpointConfig, params: dict[str, torch.Tensor], tokenizer: WordTokenizer

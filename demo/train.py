@@ -17,25 +17,26 @@ from pathlib import Path
 import torch
 
 from demo.model import demo_config, demo_tokenizer, init_weights, save_checkpoint, towers
-from demo.training import Batches, Schedule, fit, flow_matching_loss, vocabulary
+from demo.training import SIZE_POWER, Batches, Schedule, fit, flow_matching_loss, vocabulary
 from neopp.checkpoint_config import CheckpointConfig
 
 
 def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    cfg, tokenizer = demo_config(), demo_tokenizer(vocabulary())
+    cfg, tokenizer = demo_config(pixel_head=args.head == "pixel"), demo_tokenizer(vocabulary())
     config = CheckpointConfig.from_dict(cfg)
     params = {k: v.to(args.device).requires_grad_(True)
               for k, v in init_weights(cfg, len(tokenizer.vocab), args.seed).items()}
     language, tower = towers(config, params, tokenizer)
-    batches = Batches(args.seed, args.token_budget)
+    batches = Batches(args.seed, args.token_budget, size_power=args.size_power)
     began = time.perf_counter()
     ema, log = fit(params, lambda: flow_matching_loss(batches, config, language, tower, tokenizer),
                    Schedule(args.steps, args.lr, args.warmup, args.ema, args.log_every))
     save_checkpoint(args.out, cfg, tokenizer, ema)
-    summary = {"seed": args.seed, "steps": args.steps, "token_budget": args.token_budget, "lr": args.lr,
-               "threads": args.threads, "seconds": round(time.perf_counter() - began, 1), "log": log}
+    summary = {"seed": args.seed, "head": args.head, "size_power": args.size_power, "steps": args.steps,
+               "token_budget": args.token_budget, "lr": args.lr, "threads": args.threads,
+               "seconds": round(time.perf_counter() - began, 1), "log": log}
     (args.out / "training_log.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
@@ -44,12 +45,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Train the demo model (both towers) on the shapes grammar")
     parser.add_argument("--out", type=Path, default=Path("demo/checkpoints/dense"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--steps", type=int, default=9000)
+    parser.add_argument("--steps", type=int, default=13000)
     parser.add_argument("--token-budget", type=int, default=384, help="image tokens per batch")
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--warmup", type=int, default=200)
     parser.add_argument("--ema", type=float, default=0.999)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--size-power", type=float, default=SIZE_POWER,
+                        help="sizes drawn with probability ~ tokens ** -power (0: the same compute per size)")
+    parser.add_argument("--head", choices=("pixel", "mlp"), default="pixel",
+                        help="the checkpoint's head: the pixel head (convs across tokens) or the per-token MLP head")
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--device", default="cpu",
                         help="cpu (the card's run) or cuda (same data, other rounding; no faster for this tower)")

@@ -99,7 +99,7 @@ def test_the_loss_trains_both_towers(dense):
     loss.backward()
     assert torch.isfinite(loss)
     for key in ("language_model.model.embed_tokens.weight", "language_model.model.layers.0.self_attn.k_proj.weight",
-                "language_model.model.layers.0.self_attn.q_proj_mot_gen.weight", "fm_modules.fm_head.2.weight"):
+                "language_model.model.layers.0.self_attn.q_proj_mot_gen.weight", "fm_modules.fm_head.conv2.weight"):
         assert params[key].grad is not None and params[key].grad.abs().sum() > 0, key
 
 
