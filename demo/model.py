@@ -165,10 +165,7 @@ class GenerationBatch:
         """[B, L, D] -> [B, L, T*T*3], the runtime's head over a batch."""
         head = self.tower.head
         if isinstance(head, PixelHead):
-            img = hid.transpose(1, 2).reshape(hid.shape[0], hid.shape[2], rows, cols)
-            img = F.gelu(F.conv2d(F.pixel_shuffle(img, 2), head.conv1_w, head.conv1_b, padding=1))
-            img = F.conv2d(F.pixel_shuffle(img, 2), head.conv2_w, head.conv2_b, padding=1)
-            return target_tokens(F.pixel_shuffle(img, 8))
+            return target_tokens(head.image(hid.transpose(1, 2).reshape(hid.shape[0], hid.shape[2], rows, cols)))
         return head.fc2(F.gelu(head.fc1(hid)))
 
 

@@ -104,7 +104,10 @@ class PixelHead:
         self.conv1_w, self.conv1_b, self.conv2_w, self.conv2_b = conv1_w, conv1_b, conv2_w, conv2_b
 
     def __call__(self, hid: torch.Tensor, grid: Grid) -> torch.Tensor:
-        img = hid.t().reshape(1, hid.shape[1], grid.rows, grid.cols)
-        img = F.gelu(F.conv2d(F.pixel_shuffle(img, 2), self.conv1_w, self.conv1_b, padding=1))
+        return patchify(self.image(hid.t().reshape(1, hid.shape[1], grid.rows, grid.cols)), grid.token_size)
+
+    def image(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Tokens laid on their grid [B, D, rows, cols] -> pixels [B, 3, H, W] (training runs batches)."""
+        img = F.gelu(F.conv2d(F.pixel_shuffle(tokens, 2), self.conv1_w, self.conv1_b, padding=1))
         img = F.conv2d(F.pixel_shuffle(img, 2), self.conv2_w, self.conv2_b, padding=1)
-        return patchify(F.pixel_shuffle(img, 8), grid.token_size)
+        return F.pixel_shuffle(img, 8)
