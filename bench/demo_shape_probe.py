@@ -18,36 +18,29 @@ by the tests) because serving cannot start mid-way.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from bench.common import REPO, write_report
 from demo import shapes
-from demo.model import GenerationBatch, target_tokens, towers
+from demo.model import load_demo, target_tokens, towers
 from demo.training import prompt_ids
-from neopp.checkpoint_config import CheckpointConfig
 from neopp.embeddings import unpatchify
 from neopp.guidance import COND, UNCOND, combine
-from neopp.modes import SamplingParams
+from neopp.modes import load_mode
 from neopp.schedule import initial_noise_scale, shifted_timesteps
-from neopp.text.language_tower import LanguageTower
-from neopp.text.tokenizer import TOKENIZER_FILE, WordTokenizer
 
 SIZE = 256
-SAMPLING = SamplingParams()  # neopp_dense's: 50 steps, shift 3, CFG 4, global norm
+SAMPLING = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json").sampling
 
 
 class Sampler:
     """Euler steps of the x-prediction with guidance, batched over images, from any grid time."""
 
     def __init__(self, ckpt: Path) -> None:
-        self.config = CheckpointConfig.from_dict(json.loads((ckpt / "config.json").read_text()))
-        self.tokenizer = WordTokenizer.from_file(ckpt / TOKENIZER_FILE)
-        params = {k: v.float() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+        self.config, self.tokenizer, params = load_demo(ckpt)
         self.language, self.tower = towers(self.config, params, self.tokenizer)
         self.times = shifted_timesteps(SAMPLING.infer_steps, SAMPLING.timestep_shift)
         self.scale = initial_noise_scale(self.config, (SIZE // 32) ** 2)
@@ -58,8 +51,7 @@ class Sampler:
     @torch.no_grad()
     def run(self, prompts: list[str], x: torch.Tensor, start: int) -> np.ndarray:
         """Images uint8 [B, H, W, 3] from state ``x`` at grid time ``start``."""
-        lang: LanguageTower = self.language
-        tower: GenerationBatch = self.tower
+        lang, tower = self.language, self.tower
         cond = prompt_ids(prompts, self.tokenizer)
         uncond = prompt_ids([""] * len(prompts), self.tokenizer)
         kv = {COND: (lang.prefix_kv(cond[0]), cond[1]), UNCOND: (lang.prefix_kv(uncond[0]), uncond[1])}
@@ -102,16 +94,14 @@ def start_later(sampler: Sampler, scenes: list[shapes.Scene], starts: list[float
 
 
 def three_words(sampler: Sampler, scenes: list[shapes.Scene]) -> str:
-    same, fill = 0, {w: [] for w in shapes.SHAPES}
+    same, drawn, asked = 0, [], []
     for i, scene in enumerate(scenes):
         variants = [shapes.Scene(w, scene.color, scene.position, scene.background) for w in shapes.SHAPES]
         images = sampler.run([v.prompt for v in variants], sampler.noise(1, 1000 + i).repeat(3, 1, 1, 1), 0)
-        verdicts = [shapes.judge(im, v) for im, v in zip(images, variants)]
-        same += len({v.shape for v in verdicts}) == 1
-        for w, v in zip(shapes.SHAPES, verdicts):
-            if v.fill_ratio is not None:
-                fill[w].append(v.fill_ratio)
-    means = " / ".join(f"{np.mean(fill[w]):.2f}" if fill[w] else "-" for w in shapes.SHAPES)
+        same += len({shapes.judge(im, v).shape for im, v in zip(images, variants)}) == 1
+        drawn.extend(images)
+        asked.extend(variants)
+    means = " / ".join(fills(np.stack(drawn), asked).values())
     return (f"{same} of {len(scenes)} noises give the same judged shape for all three words "
             f"(mean fill for circle / square / triangle: {means}; rendered: about 0.81 / 1.00 / 0.60).")
 

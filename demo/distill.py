@@ -14,15 +14,14 @@ import json
 import time
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from demo.model import GenerationBatch, target_tokens, towers
+from demo.model import GenerationBatch, load_demo, target_tokens, towers
 from demo.training import Batches, Schedule, fit, prompt_ids, run_parser, start_run
 from neopp.checkpoint import layer_prefix
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.embeddings import unpatchify
 from neopp.schedule import initial_noise_scale, shifted_timesteps
-from neopp.text.tokenizer import TOKENIZER_FILE, WordTokenizer
 
 STUDENT_STEPS, SUBSTEPS, SHIFT, CFG_SCALE = 8, 6, 3.0, 4.0
 RANK, ALPHA = 8, 8.0
@@ -81,10 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = run_parser(__doc__, "demo/checkpoints/lora", seed=2, steps=1200, lr=1e-3)
     parser.add_argument("--trajectories", type=int, default=480)
     args = parser.parse_args(argv)
-    cfg = start_run(args)
-    config = CheckpointConfig.from_dict(cfg)
-    tokenizer = WordTokenizer.from_file(args.dense / TOKENIZER_FILE)
-    base = {k: v.float() for k, v in load_file(str(args.dense / "model.safetensors")).items()}
+    start_run(args)
+    config, tokenizer, base = load_demo(args.dense)
     language, tower = towers(config, base, tokenizer)
     teacher = Teacher(config, language, tower)
     batches = Batches(args.seed, args.token_budget, SIZES)

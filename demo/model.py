@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from neopp.checkpoint import FM, LM, VISION, layer_prefix
 from neopp.checkpoint_config import CheckpointConfig
@@ -101,6 +101,14 @@ def save_checkpoint(out_dir: Path, cfg: dict, tokenizer: WordTokenizer, weights:
     save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in sorted(weights.items())},
               str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir
+
+
+def load_demo(ckpt_dir: Path) -> tuple[CheckpointConfig, WordTokenizer, dict[str, torch.Tensor]]:
+    """A saved demo checkpoint in float32: its config, tokenizer and tensors, where runs and probes
+    that start from a trained model begin."""
+    config = CheckpointConfig.from_dict(json.loads((ckpt_dir / "config.json").read_text()))
+    tensors = {k: v.float() for k, v in load_file(str(ckpt_dir / "model.safetensors")).items()}
+    return config, WordTokenizer.from_file(ckpt_dir / TOKENIZER_FILE), tensors
 
 
 class GenerationBatch:
