@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from demo.model import demo_config, demo_tokenizer, init_weights, save_checkpoint, towers
+from demo.model import demo_config, demo_tokenizer, init_weights, load_demo, save_checkpoint, towers
 from demo.training import SIZE_POWER, Batches, Schedule, fit, flow_matching_loss, vocabulary
 from neopp.checkpoint_config import CheckpointConfig
 
@@ -26,15 +26,16 @@ def train(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     cfg, tokenizer = demo_config(pixel_head=args.head == "pixel"), demo_tokenizer(vocabulary())
     config = CheckpointConfig.from_dict(cfg)
-    params = {k: v.to(args.device).requires_grad_(True)
-              for k, v in init_weights(cfg, len(tokenizer.vocab), args.seed).items()}
+    start = load_demo(args.init)[2] if args.init else init_weights(cfg, len(tokenizer.vocab), args.seed)
+    params = {k: v.to(args.device).requires_grad_(True) for k, v in start.items()}
     language, tower = towers(config, params, tokenizer)
     batches = Batches(args.seed, args.token_budget, size_power=args.size_power)
     began = time.perf_counter()
-    ema, log = fit(params, lambda: flow_matching_loss(batches, config, language, tower, tokenizer),
+    ema, log = fit(params, lambda: flow_matching_loss(batches, config, language, tower, tokenizer, args.weight_floor),
                    Schedule(args.steps, args.lr, args.warmup, args.ema, args.log_every))
     save_checkpoint(args.out, cfg, tokenizer, ema)
     summary = {"seed": args.seed, "head": args.head, "size_power": args.size_power, "steps": args.steps,
+               "init": str(args.init) if args.init else None, "weight_floor": args.weight_floor,
                "token_budget": args.token_budget, "lr": args.lr, "threads": args.threads,
                "seconds": round(time.perf_counter() - began, 1), "log": log}
     (args.out / "training_log.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -56,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--head", choices=("pixel", "mlp"), default="pixel",
                         help="the checkpoint's head: the pixel head (convs across tokens) or the per-token MLP head")
     parser.add_argument("--log-every", type=int, default=100)
+    parser.add_argument("--init", type=Path, help="start from this demo checkpoint's weights, not the seed's")
+    parser.add_argument("--weight-floor", type=float, help="train on the x-prediction error weighted by "
+                        "1/max(1-t, floor)^2 (default: the velocity loss)")
     parser.add_argument("--device", default="cpu",
                         help="cpu (the card's run) or cuda (same data, other rounding; no faster for this tower)")
     train(parser.parse_args(argv))

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from demo.distill import ALPHA, RANK, lora_targets
 from demo.model import save_checkpoint, towers
-from demo.training import Batches, flow_matching_loss
+from demo.training import LOSS_MIN_GAP, Batches, flow_matching_loss
 from demo.upcycle import EXPERTS, TOP_K, upcycled
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.lora import apply_loras_
@@ -101,6 +101,25 @@ def test_the_loss_trains_both_towers(dense):
     for key in ("language_model.model.embed_tokens.weight", "language_model.model.layers.0.self_attn.k_proj.weight",
                 "language_model.model.layers.0.self_attn.q_proj_mot_gen.weight", "fm_modules.fm_head.conv2.weight"):
         assert params[key].grad is not None and params[key].grad.abs().sum() > 0, key
+
+
+def test_the_weighted_x_loss_is_the_velocity_loss_away_from_the_floor(dense):
+    """(x0_hat - x_t)/(1 - t) - (x0 - n) = (x0_hat - x0)/(1 - t): the two forms agree wherever
+    1 - t is above both floors, on the very same batch (same seed, same draws)."""
+    config = CheckpointConfig.from_checkpoint(dense)
+    tokenizer = WordTokenizer.from_file(dense / "tokenizer.json")
+    params = {k: v.float() for k, v in load_file(str(dense / "model.safetensors")).items()}
+    language, tower = towers(config, params, tokenizer)
+    probe = Batches(3, 64)
+    n = len(probe.images()[0])
+    torch.rand(n, generator=probe.gen)  # the prompt dropout's draw, then the loss's times
+    assert probe.times(n).max().item() < 1 - LOSS_MIN_GAP  # this seed draws no time past the floor
+    with torch.no_grad():
+        velocity = flow_matching_loss(Batches(3, 64), config, language, tower, tokenizer)
+        weighted = flow_matching_loss(Batches(3, 64), config, language, tower, tokenizer, LOSS_MIN_GAP)
+        capped = flow_matching_loss(Batches(3, 64), config, language, tower, tokenizer, 1.0)
+    assert abs(weighted.item() - velocity.item()) <= 1e-4 * velocity.item()
+    assert capped.item() < weighted.item()  # every weight 1 instead of 1/(1 - t)^2 >= 1
 
 
 def test_the_distilled_lora_file_is_what_the_runtime_merges(dense, tmp_path):
