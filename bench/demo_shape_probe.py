@@ -8,6 +8,9 @@ steps, CFG 4, global norm):
    start, the more of the true shape the image already holds.
 2. **Same noise, three shape words.** One noise, the prompt with each shape word: how often the
    three images get the same judged shape, and the mean fill ratio per word.
+3. **The first prediction.** At ``t`` = 0 the input is pure noise, so the best x-prediction is
+   the prompt's mean image, the same for every noise. How much the prediction moves between two
+   noises against between two shape words, and how much a wrong shape word raises its error.
 
 It runs the training forward (`demo.model.GenerationBatch`, checked against the served tower
 by the tests) because serving cannot start mid-way.
@@ -18,6 +21,7 @@ by the tests) because serving cannot start mid-way.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -106,6 +110,30 @@ def three_words(sampler: Sampler, scenes: list[shapes.Scene]) -> str:
             f"(mean fill for circle / square / triangle: {means}; rendered: about 0.81 / 1.00 / 0.60).")
 
 
+def first_prediction(sampler: Sampler, scenes: list[shapes.Scene]) -> str:
+    n, t0 = len(scenes), torch.zeros(len(scenes))
+    preds = {}
+    with torch.no_grad():
+        for word in shapes.SHAPES:
+            ids, lengths = prompt_ids([replace(s, shape=word).prompt for s in scenes], sampler.tokenizer)
+            prefix = sampler.language.prefix_kv(ids)
+            for j in (0, 1):
+                preds[word, j] = sampler.tower.predict(sampler.noise(n, 2000 + j), t0, sampler.scale, prefix, lengths)
+    pairs = [(a, b) for a in shapes.SHAPES for b in shapes.SHAPES if a < b]
+    by_noise = np.mean([(preds[w, 0] - preds[w, 1]).square().mean().item() for w in shapes.SHAPES])
+    by_word = np.mean([(preds[a, 0] - preds[b, 0]).square().mean().item() for a, b in pairs])
+    rng = np.random.default_rng(0)
+    x0 = torch.from_numpy(np.stack([shapes.render(s, SIZE, SIZE, rng) for s in scenes]))
+    target = target_tokens(x0.permute(0, 3, 1, 2).float() / 127.5 - 1.0)
+    err = {w: (preds[w, 0] - target).square().mean(dim=(1, 2)) for w in shapes.SHAPES}
+    right = torch.stack([err[s.shape][i] for i, s in enumerate(scenes)]).mean().item()
+    wrong = torch.stack([err[w][i] for i, s in enumerate(scenes) for w in shapes.SHAPES if w != s.shape]).mean().item()
+    return (f"Mean squared change of the prediction at t = 0: {by_noise:.4f} between two noises, "
+            f"{by_word:.4f} between two shape words (ratio {by_noise / by_word:.1f}). Its error against "
+            f"the prompt's rendering: {right:.4f} with the prompt's shape word, {wrong:.4f} with another "
+            f"(+{100 * (wrong / right - 1):.0f} %).")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=REPO / "demo" / "checkpoints" / "dense")
@@ -120,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     body = (f"{args.n} held-out prompts, {SIZE}x{SIZE}, `neopp_dense`'s sampling, checkpoint "
             f"`{args.checkpoint.relative_to(REPO) if args.checkpoint.is_relative_to(REPO) else args.checkpoint.name}`."
             f"\n\n## Start later\n\n{start_later(sampler, scenes, [float(s) for s in args.starts.split(',')])}"
-            f"\n\n## Same noise, three shape words\n\n{three_words(sampler, scenes[: args.n // 2])}")
+            f"\n\n## Same noise, three shape words\n\n{three_words(sampler, scenes[: args.n // 2])}"
+            f"\n\n## The first prediction\n\n{first_prediction(sampler, scenes)}")
     write_report(args.out, "Where the demo model decides the shape", body)
 
 
