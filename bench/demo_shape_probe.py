@@ -80,10 +80,15 @@ def fills(images: np.ndarray, scenes: list[shapes.Scene]) -> dict[str, str]:
     return out
 
 
-def start_later(sampler: Sampler, scenes: list[shapes.Scene], starts: list[float]) -> str:
+def renderings(scenes: list[shapes.Scene]) -> torch.Tensor:
+    """Each prompt's own image in [-1, 1], [B, 3, H, W]; one fixed draw of sizes and jitter."""
     rng = np.random.default_rng(0)
     x0 = torch.from_numpy(np.stack([shapes.render(s, SIZE, SIZE, rng) for s in scenes]))
-    x0 = x0.permute(0, 3, 1, 2).float() / 127.5 - 1.0
+    return x0.permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def start_later(sampler: Sampler, scenes: list[shapes.Scene], starts: list[float]) -> str:
+    x0 = renderings(scenes)
     noise = sampler.noise(len(scenes), 0)
     lines = ["| start t0 | shape right | colour right | position right | fill: circle / square / triangle |",
              "|---|---|---|---|---|"]
@@ -122,9 +127,7 @@ def first_prediction(sampler: Sampler, scenes: list[shapes.Scene]) -> str:
     pairs = [(a, b) for a in shapes.SHAPES for b in shapes.SHAPES if a < b]
     by_noise = np.mean([(preds[w, 0] - preds[w, 1]).square().mean().item() for w in shapes.SHAPES])
     by_word = np.mean([(preds[a, 0] - preds[b, 0]).square().mean().item() for a, b in pairs])
-    rng = np.random.default_rng(0)
-    x0 = torch.from_numpy(np.stack([shapes.render(s, SIZE, SIZE, rng) for s in scenes]))
-    target = target_tokens(x0.permute(0, 3, 1, 2).float() / 127.5 - 1.0)
+    target = target_tokens(renderings(scenes))
     err = {w: (preds[w, 0] - target).square().mean(dim=(1, 2)) for w in shapes.SHAPES}
     right = torch.stack([err[s.shape][i] for i, s in enumerate(scenes)]).mean().item()
     wrong = torch.stack([err[w][i] for i, s in enumerate(scenes) for w in shapes.SHAPES if w != s.shape]).mean().item()

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from demo.distill import ALPHA, RANK, lora_targets
-from demo.model import save_checkpoint, towers
+from demo.model import load_demo, save_checkpoint, towers
 from demo.training import LOSS_MIN_GAP, Batches, flow_matching_loss
 from demo.upcycle import EXPERTS, TOP_K, upcycled
 from neopp.checkpoint_config import CheckpointConfig
@@ -106,9 +106,7 @@ def test_the_loss_trains_both_towers(dense):
 def test_the_weighted_x_loss_is_the_velocity_loss_away_from_the_floor(dense):
     """(x0_hat - x_t)/(1 - t) - (x0 - n) = (x0_hat - x0)/(1 - t): the two forms agree wherever
     1 - t is above both floors, on the very same batch (same seed, same draws)."""
-    config = CheckpointConfig.from_checkpoint(dense)
-    tokenizer = WordTokenizer.from_file(dense / "tokenizer.json")
-    params = {k: v.float() for k, v in load_file(str(dense / "model.safetensors")).items()}
+    config, tokenizer, params = load_demo(dense)
     language, tower = towers(config, params, tokenizer)
     probe = Batches(3, 64)
     n = len(probe.images()[0])
