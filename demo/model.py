@@ -120,6 +120,7 @@ class GenerationBatch:
 
     def __init__(self, config: CheckpointConfig, tower: NeoPPTransformer) -> None:
         self.config, self.tower = config, tower
+        self._ropes: dict[tuple, Rope3D] = {}
 
     def embed(self, x: torch.Tensor, t: torch.Tensor, noise_scale: float) -> torch.Tensor:
         """x [B, 3, H, W], t [B] -> tokens [B, L, D]."""
@@ -137,6 +138,14 @@ class GenerationBatch:
             cond = cond + self._embedder(self.tower.ns_embed, scale)
         return tokens + cond[:, None, :]
 
+    def _rope(self, offset: int, rows: int, cols: int, device: torch.device) -> Rope3D:
+        """One image's tables, kept: a batch holds few distinct prompt lengths and grids."""
+        key = (offset, rows, cols, str(device))
+        if key not in self._ropes:
+            c = self.config
+            self._ropes[key] = Rope3D(offset, rows, cols, c.head_dim, c.rope_theta, c.rope_theta_hw, device)
+        return self._ropes[key]
+
     @staticmethod
     def _embedder(emb, values: torch.Tensor) -> torch.Tensor:
         return emb.fc2(F.silu(emb.fc1(sinusoid(values.detach(), values.device))))
@@ -150,7 +159,7 @@ class GenerationBatch:
         nh, nkv, hd, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
         hid = self.embed(x, t, noise_scale)
         n, s = hid.shape[1], prefix.shape[3]
-        tables = [Rope3D(int(o), rows, cols, hd, c.rope_theta, c.rope_theta_hw, x.device) for o in lengths.tolist()]
+        tables = [self._rope(int(o), rows, cols, x.device) for o in lengths.tolist()]
         rope = Rope3D._from_tables(torch.stack([r.cos for r in tables]), torch.stack([r.sin for r in tables]),
                                    tables[0].perm)
         keep = torch.arange(s + n, device=x.device)[None, :] < lengths[:, None]

@@ -123,8 +123,13 @@ def held_out_scenes() -> list[Scene]:
 
 
 def train_scenes() -> list[Scene]:
+    return list(_train_pool())
+
+
+@cache
+def _train_pool() -> tuple[Scene, ...]:
     held = _held_out_indices()
-    return [s for i, s in enumerate(all_scenes()) if i not in held]
+    return tuple(s for i, s in enumerate(all_scenes()) if i not in held)
 
 
 # ---------------------------------------------------------------- rendering
@@ -169,7 +174,7 @@ def sample_batch(
     rng: np.random.Generator, n: int, height: int, width: int, scenes: Sequence[Scene] | None = None
 ) -> tuple[list[Scene], np.ndarray]:
     """n scenes drawn uniformly (with replacement) from `scenes` (default: training) and their images."""
-    pool = train_scenes() if scenes is None else list(scenes)
+    pool = _train_pool() if scenes is None else list(scenes)
     picked = [pool[int(i)] for i in rng.integers(len(pool), size=n)]
     images = np.empty((n, height, width, 3), dtype=np.uint8)
     for k, scene in enumerate(picked):
