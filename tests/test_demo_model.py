@@ -16,12 +16,13 @@ from safetensors.torch import load_file, save_file
 
 from demo.distill import ALPHA, RANK, lora_targets
 from demo.model import load_demo, save_checkpoint, towers
-from demo.training import LOSS_MIN_GAP, Batches, flow_matching_loss
+from demo.training import LOSS_MIN_GAP, SHIFT, Batches, flow_matching_loss
 from demo.upcycle import EXPERTS, TOP_K, upcycled
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.lora import apply_loras_
 from neopp.modes import ModeSpec, load_mode
 from neopp.pipeline import NeoPPPipeline
+from neopp.schedule import shifted_timesteps
 from neopp.text.language_tower import LanguageTower, is_language_key
 from neopp.text.tokenizer import WordTokenizer
 from neopp.transformer import BranchContext
@@ -118,6 +119,15 @@ def test_the_weighted_x_loss_is_the_velocity_loss_away_from_the_floor(dense):
         capped = flow_matching_loss(Batches(3, 64), config, language, tower, tokenizer, 1.0)
     assert abs(weighted.item() - velocity.item()) <= 1e-4 * velocity.item()
     assert capped.item() < weighted.item()  # every weight 1 instead of 1/(1 - t)^2 >= 1
+
+
+def test_training_draws_its_times_as_the_sampler_spaces_its_steps():
+    """The loss's times and the served step grid come from one shift: a share k/50 of the training
+    times falls below the grid's k-th time (the training spends its steps where the sampler does)."""
+    grid = shifted_timesteps(50, SHIFT)
+    times = Batches(0, 64).times(40000)
+    for k in (5, 10, 25, 40, 49):
+        assert abs((times < grid[k]).float().mean().item() - k / 50) < 0.01, k
 
 
 def test_the_distilled_lora_file_is_what_the_runtime_merges(dense, tmp_path):
