@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from demo.distill import ALPHA, RANK, lora_targets
 from demo.model import load_demo, save_checkpoint, towers
-from demo.training import LOSS_MIN_GAP, SHIFT, Batches, flow_matching_loss
+from demo.training import LOSS_MIN_GAP, Batches, flow_matching_loss
 from demo.upcycle import EXPERTS, TOP_K, upcycled
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.lora import apply_loras_
@@ -122,12 +122,14 @@ def test_the_weighted_x_loss_is_the_velocity_loss_away_from_the_floor(dense):
 
 
 def test_training_draws_its_times_as_the_sampler_spaces_its_steps():
-    """The loss's times and the served step grid come from one shift: a share k/50 of the training
-    times falls below the grid's k-th time (the training spends its steps where the sampler does)."""
-    grid = shifted_timesteps(50, SHIFT)
+    """The loss's times and `neopp_dense`'s step grid come from one shift: a share k/50 of the
+    training times falls below the grid's k-th time (the training spends its steps where the
+    served sampler does)."""
+    sampling = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json").sampling
+    grid = shifted_timesteps(sampling.infer_steps, sampling.timestep_shift)
     times = Batches(0, 64).times(40000)
     for k in (5, 10, 25, 40, 49):
-        assert abs((times < grid[k]).float().mean().item() - k / 50) < 0.01, k
+        assert abs((times < grid[k]).float().mean().item() - k / sampling.infer_steps) < 0.01, k
 
 
 def test_the_distilled_lora_file_is_what_the_runtime_merges(dense, tmp_path):
