@@ -47,7 +47,7 @@ def demo_tokenizer(words: list[str], max_tokens: int = 32) -> WordTokenizer:
     return WordTokenizer((PAD, BOS, UNK, *sorted(set(words))), max_tokens)
 
 
-def init_weights(cfg: dict, vocab: int, seed: int) -> dict[str, torch.Tensor]:
+def init_weights(cfg: dict, vocab: int, seed: int, pixel_conv1: int = PIXEL_CONV1) -> dict[str, torch.Tensor]:
     """Both towers, seeded: linears ~ N(0, 1/fan_in), norms at 1, biases at 0; the residual
     outputs start small so the untrained tower is close to its embeddings."""
     g = torch.Generator().manual_seed(seed)
@@ -67,8 +67,8 @@ def init_weights(cfg: dict, vocab: int, seed: int) -> dict[str, torch.Tensor]:
          LM + "embed_tokens.weight": torch.randn(vocab, d, generator=g)}
     h = FM + "fm_head."
     if cfg["use_pixel_head"]:
-        w.update({h + "conv1.weight": conv(PIXEL_CONV1, d // 4, 3), h + "conv1.bias": torch.zeros(PIXEL_CONV1),
-                  h + "conv2.weight": conv(3 * 64, PIXEL_CONV1 // 4, 3) * 0.1, h + "conv2.bias": torch.zeros(3 * 64)})
+        w.update({h + "conv1.weight": conv(pixel_conv1, d // 4, 3), h + "conv1.bias": torch.zeros(pixel_conv1),
+                  h + "conv2.weight": conv(3 * 64, pixel_conv1 // 4, 3) * 0.1, h + "conv2.bias": torch.zeros(3 * 64)})
     else:
         out = TOKEN * TOKEN * 3
         w.update({h + "0.weight": lin(HEAD_WIDTH, d), h + "0.bias": torch.zeros(HEAD_WIDTH),

@@ -71,6 +71,7 @@ class Batches:
 
     def images(self) -> tuple[list, torch.Tensor]:
         h, w, n = self.size()
+        self.last_tokens = n * (h // 32) * (w // 32)
         scenes, images = shapes.sample_batch(self.rng, n, h, w)
         return scenes, torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
@@ -121,28 +122,39 @@ def flow_matching_loss(batches: Batches, config: CheckpointConfig, language: Lan
     return ((pred - target_tokens(xt)) / gap - (target_tokens(x0) - target_tokens(noise))).square().mean()
 
 
+def optimizer(params: dict[str, torch.Tensor], lr: float, fused: bool = False) -> torch.optim.Optimizer:
+    """AdamW as the demo's runs use it (the fused kernel rounds differently: not the card's runs)."""
+    return torch.optim.AdamW(params.values(), lr=lr, betas=(0.9, 0.99), weight_decay=0.0, fused=fused or None)
+
+
+def train_step(params: dict[str, torch.Tensor], ema: dict[str, torch.Tensor], opt: torch.optim.Optimizer,
+               loss_fn: Callable[[], torch.Tensor], lr: float, decay: float) -> float:
+    """One update: loss, clipped gradient, AdamW at ``lr``, EMA with ``decay``; returns the loss."""
+    loss = loss_fn()
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
+    opt.step()
+    with torch.no_grad():
+        for k, v in params.items():
+            ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
+    return loss.item()
+
+
 def fit(params: dict[str, torch.Tensor], loss_fn: Callable[[], torch.Tensor], schedule: Schedule
         ) -> tuple[dict[str, torch.Tensor], list[dict]]:
     """Optimise ``params`` (tensors that require grad) on ``loss_fn``; returns their EMA and the log.
 
     Products run whole, not in the serving's fixed row tiles: training needs no batch invariance."""
     ema = {k: v.detach().clone() for k, v in params.items()}
-    opt = torch.optim.AdamW(params.values(), lr=schedule.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    opt = optimizer(params, schedule.lr)
     log, window, began = [], [], time.perf_counter()
     with row_tiles(0):
         for step in range(schedule.steps):
-            loss = loss_fn()
-            for group in opt.param_groups:
-                group["lr"] = schedule.lr_at(step)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params.values(), 1.0)
-            opt.step()
             decay = min(schedule.ema, (1 + step) / (10 + step))
-            with torch.no_grad():
-                for k, v in params.items():
-                    ema[k].mul_(decay).add_(v.detach(), alpha=1 - decay)
-            window.append(loss.item())
+            window.append(train_step(params, ema, opt, loss_fn, schedule.lr_at(step), decay))
             if (step + 1) % schedule.log_every == 0:
                 log.append({"step": step + 1, "loss": float(np.mean(window)),
                             "seconds": round(time.perf_counter() - began, 1)})
