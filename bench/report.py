@@ -38,6 +38,10 @@ SECTIONS = [
     ("8b", "eight_b", lambda out: ["--out", out], "eight_b.md", "8B geometry"),
     ("demo_quality", "demo_quality", lambda out: ["--out", str(Path(out) / "demo_quality.md")], "demo_quality.md",
      "Demo model: what each mode draws, judged on held-out prompts"),
+    ("demo_shape_probe", "demo_shape_probe", lambda out: ["--out", str(Path(out) / "demo_shape_probe.md")],
+     "demo_shape_probe.md", "Demo model: where the shape is decided"),
+    ("demo_train_speed", "demo_train_speed", lambda out: ["--out", out], "demo_train_speed.md",
+     "Demo model: training throughput"),
 ]
 # Run only when named in --only (`make bench-8b`): it writes and reads a 14 GB checkpoint.
 ON_REQUEST = {"8b"}
