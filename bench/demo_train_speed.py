@@ -71,7 +71,8 @@ class Run:
 
 
 def op_shares(run: Run, steps: int) -> list[tuple[str, float]]:
-    """Share of the step's CPU time per kind of operator (self time, profiler)."""
+    """Share of the step's operator time (the profiler's self CPU time) per kind of operator; the
+    Python between operators and the drawing of the images are not in it."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         run.steps(steps)
     total = sum(e.self_cpu_time_total for e in prof.key_averages())
@@ -80,14 +81,14 @@ def op_shares(run: Run, steps: int) -> list[tuple[str, float]]:
               "matrix products (linears)": ("aten::mm", "aten::addmm", "aten::bmm"),
               "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                             "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
-              "noise and data (normal_)": ("aten::normal_",)}
+              "the noise (normal_)": ("aten::normal_",)}
     times = {name: 0.0 for name in groups}
     for e in prof.key_averages():
         for name, ops in groups.items():
             if e.key in ops:
                 times[name] += e.self_cpu_time_total
     shares = [(name, t / total) for name, t in times.items()]
-    return shares + [("everything else (elementwise, copies, optimizer, Python)", 1 - sum(s for _, s in shares))]
+    return shares + [("other operators (elementwise, copies, optimizer)", 1 - sum(s for _, s in shares))]
 
 
 def body(args) -> str:
@@ -118,7 +119,8 @@ def body(args) -> str:
     for i, v in enumerate(VARIANTS):
         ratios = [rate(i, k) / rate(0, k) for k in range(args.blocks)]
         lines.append(f"| {v.name} | {rate(i):.0f} | {rate(i) / rate(0):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
-    lines += ["", "Where make train-demo's step spends its time:", "", "| operators | share |", "|---|---|"]
+    lines += ["", "Where make train-demo's step spends its operator time (profiler self time; the Python between "
+              "operators and the drawing of images are outside it):", "", "| operators | share |", "|---|---|"]
     lines += [f"| {name} | {share * 100:.0f} % |" for name, share in shares]
     return "\n".join(lines)
 

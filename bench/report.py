@@ -52,9 +52,11 @@ BY_HAND = [("startup_baseline.md", "Start time against an earlier checkout"),
 
 
 def body_of(path: Path) -> str:
-    """A section file without its own title (its command and machine lines stay)."""
+    """A section file without its own title (its command and machine lines stay), its headings one
+    level down so that they stay inside the section."""
     lines = path.read_text().splitlines()
-    return "\n".join(lines[1:] if lines and lines[0].startswith("# ") else lines).strip()
+    lines = lines[1:] if lines and lines[0].startswith("# ") else lines
+    return "\n".join("#" + line if line.startswith("##") else line for line in lines).strip()
 
 
 def main(argv: list[str] | None = None) -> None:

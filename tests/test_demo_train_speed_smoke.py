@@ -14,4 +14,4 @@ def test_every_variant_is_timed_against_the_committed_step(tmp_path) -> None:
     assert rows[0].endswith("| 1.00x (1.00-1.00) |")
     rates = [float(r.split(" | ")[1]) for r in rows]
     assert all(rate > 0 for rate in rates)
-    assert "Where make train-demo's step spends its time" in report
+    assert "Where make train-demo's step spends its operator time" in report
