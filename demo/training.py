@@ -60,6 +60,7 @@ class Batches:
         self.rng = np.random.default_rng(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.token_budget = token_budget
+        self.last_tokens = 0  # image tokens of the latest batch (what throughput counts)
         self.sizes = sizes or list(shapes.SIZES)
         w = np.array([((h // 32) * (w // 32)) ** -size_power for h, w in self.sizes])
         self.probs = w / w.sum()
