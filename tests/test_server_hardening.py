@@ -1,5 +1,5 @@
-"""Launcher defaults without a server: the operator key file, Triton's restriction flags, the
-HTTP front's shape checks and the per-server shared-memory region names."""
+"""Launcher defaults without a server: the operator key file, Triton's restriction flags and the
+per-server shared-memory region names. The HTTP door's parsing: tests/test_front_parsing.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from neopp.serving.admin import FRONT_HEADER, KEY_ENV, KEY_HEADER, AdminKeyError, load_or_create_key, restriction_args
-from neopp.serving.http_front import Refused, check_infer_header
 from neopp.serving.shm_regions import backend_args, new_prefix, regions, remove_regions
 
 
@@ -45,26 +44,6 @@ def test_restriction_flags_cover_admin_apis_on_both_protocols() -> None:
         assert api in grpc[0] and api in http[0]
     assert "inference" not in grpc[0] and "inference" not in http[0]
     assert http[1].endswith(f":{FRONT_HEADER}={'f' * 20}") and "inference" in http[1]
-
-
-@pytest.mark.parametrize("item, match", [
-    ({"name": "A", "datatype": "INT64", "shape": [10**12], "data": [1]}, "bytes"),
-    ({"name": "A", "datatype": "INT64", "shape": [1000], "data": [1]}, "cannot hold"),
-    ({"name": "A", "datatype": "INT64", "shape": [-1], "data": [1]}, "non-negative"),
-    ({"name": "A", "datatype": "INT64", "shape": "1", "data": [1]}, "non-negative"),
-    ({"name": "A", "datatype": "BF16", "shape": [2**40, 2], "parameters": {"binary_data_size": 4}}, "bytes"),
-])
-def test_front_refuses_declared_sizes_no_body_can_carry(item: dict, match: str) -> None:
-    with pytest.raises(Refused, match=match) as info:
-        check_infer_header({"inputs": [item]}, body_len=200, max_body=1 << 20)
-    assert info.value.status == 400 and "'A'" in str(info.value)
-
-
-def test_front_passes_ordinary_requests() -> None:
-    check_infer_header({"inputs": [{"name": "A", "datatype": "INT64", "shape": [2], "data": [1, 2]},
-                                   {"name": "KV", "datatype": "BF16", "shape": [2, 2, 24, 2, 32],
-                                    "parameters": {"binary_data_size": 12288}}]},
-                       body_len=12400, max_body=1 << 20)
 
 
 def test_regions_are_found_by_their_own_prefix_only(tmp_path: Path) -> None:

@@ -3,10 +3,13 @@
 * The administrative APIs (model repository, config, shared memory, trace, logging) need the
   operator key (``$NEOPP_ADMIN_KEY`` or a 0600 file created at first start); the stub watchdog
   sends it when it reloads a model.
-* The public HTTP port is the HTTP front (neopp.serving.http_front); Triton's own HTTP listens
-  on a loopback port and answers only requests carrying the front's per-run key.
-* A server that dies is restarted (bounded, with backoff); every stop and restart removes the
-  Python backend regions that server owned in ``/dev/shm``.
+* The public HTTP port is the door (neopp.front): it parses every request itself and sends
+  inference to Triton over gRPC; Triton's own HTTP listens on a loopback port and answers only
+  requests carrying the door's per-run key.
+* A server that dies is restarted with backoff, at most ``--max-restarts`` times within
+  ``--restart-window-s`` (a rate, not a lifetime budget); each restart is logged and counted on
+  the door's ``/metrics``. Every stop and restart removes the Python backend regions that server
+  owned in ``/dev/shm``.
 * A model that fails to load does not stop the others: once the server is up, a table says
   which models are READY and why each other one is not; the launcher gives up (exit code 1)
   only when no model loaded.
@@ -17,12 +20,14 @@ from __future__ import annotations
 import argparse
 import signal
 import time
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..front.body import DoorLimits, MiB
+from ..front.server import DoorServer
 from ..ports import LOOPBACK, free_ports
 from .admin import FRONT_HEADER, KEY_HEADER, load_or_create_key, new_front_key
-from .http_front import HttpFront
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table
 from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
 from .tritonserver import TritonServer
@@ -40,11 +45,19 @@ class Supervisor:
         self.front_key = new_front_key()
         self.upstream_port = free_ports(1)[0]
         self.stop_requested = False
-        self.restarts = 0
+        self.restart_times: deque[float] = deque()
         self.server: TritonServer | None = None
         self.watchdog = None
-        self.front = HttpFront(ns.host, ns.http_port, (LOOPBACK, self.upstream_port), self.front_key,
-                               max_body=int(ns.max_body_mib * 1024 * 1024))
+        limits = DoorLimits(max_body=int(ns.max_body_mib * MiB), bodies_in_flight=int(ns.bodies_in_flight_mib * MiB),
+                            read_timeout_s=ns.read_timeout_s)
+        grpc_host = LOOPBACK if ns.host in ("0.0.0.0", "", "::") else ns.host
+        self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", (LOOPBACK, self.upstream_port),
+                                self.front_key, limits, on_unhealthy=self._stub_unhealthy)
+
+    def _stub_unhealthy(self, instance: str) -> None:
+        """Triton answered that an instance's stub is not healthy: the watchdog replaces it."""
+        if self.watchdog is not None:
+            self.watchdog.replace_unhealthy(instance)
 
     def _new_server(self) -> TritonServer:
         ns = self.ns
@@ -139,16 +152,23 @@ class Supervisor:
                 return code or 1
 
     def _restart_after(self, code: int) -> bool:
-        """Log the death, clean up, and wait the backoff; False once restarts are used up."""
-        log(f"tritonserver exited with code {code} (signal {-code})" if code < 0
-            else f"tritonserver exited with code {code}")
+        """Log the death, clean up, and wait the backoff; False when the restart rate is exceeded."""
+        reason = f"signal {-code}" if code < 0 else f"exit code {code}"
+        log(f"tritonserver exited with code {code} ({reason})")
         self._stop_server()
-        if self.restarts >= self.ns.max_restarts:
-            log(f"not restarting: {self.restarts} restarts already (--max-restarts)")
+        now, window = time.monotonic(), self.ns.restart_window_s
+        while self.restart_times and now - self.restart_times[0] > window:
+            self.restart_times.popleft()
+        if len(self.restart_times) >= self.ns.max_restarts:
+            log(f"not restarting: {len(self.restart_times)} restarts within the last {window:.0f}s "
+                f"(--max-restarts {self.ns.max_restarts} per --restart-window-s {window:.0f})")
             return False
-        self.restarts += 1
-        delay = min(30.0, 2.0 ** (self.restarts - 1))
-        log(f"restarting tritonserver in {delay:.0f}s (restart {self.restarts} of {self.ns.max_restarts})")
+        self.restart_times.append(now)
+        self.front.metrics.restart(reason)
+        count = len(self.restart_times)
+        delay = min(30.0, 2.0 ** (count - 1))
+        log(f"restarting tritonserver in {delay:.0f}s ({reason}; restart {count} of {self.ns.max_restarts} "
+            f"allowed within {window:.0f}s)")
         deadline = time.monotonic() + delay
         while not self.stop_requested and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -191,7 +211,13 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
                    help="do not reload a model whose Python stub died (see neopp.serving.watchdog)")
     s.add_argument("--admin-key-file", default=default_key,
                    help="operator key file, created 0600 if missing ($NEOPP_ADMIN_KEY wins)")
-    s.add_argument("--max-restarts", type=int, default=5, help="restarts of a server that died")
-    s.add_argument("--max-body-mib", type=float, default=128.0, help="largest HTTP body accepted")
+    s.add_argument("--max-restarts", type=int, default=5,
+                   help="restarts of a server that died allowed within --restart-window-s")
+    s.add_argument("--restart-window-s", type=float, default=600.0, help="the window --max-restarts counts in")
+    s.add_argument("--max-body-mib", type=float, default=128.0, help="largest HTTP body accepted (after gzip)")
+    s.add_argument("--bodies-in-flight-mib", type=float, default=384.0,
+                   help="HTTP request bodies held at once, all requests together (beyond: 503, Retry-After)")
+    s.add_argument("--read-timeout-s", type=float, default=30.0,
+                   help="longest pause in an HTTP upload before the door drops it (408)")
     s.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra tritonserver arguments")
 

@@ -36,6 +36,12 @@ def ppid(pid: int) -> int | None:
     return int(fields[1]) if fields else None
 
 
+def is_stopped(pid: int) -> bool:
+    """True for a process stopped by a signal or a tracer (state T or t)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] in ("T", "t")
+
+
 def pgid(pid: int) -> int | None:
     fields = _stat(pid)
     return int(fields[2]) if fields else None

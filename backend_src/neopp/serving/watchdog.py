@@ -7,6 +7,12 @@ every later request (each after a 1 s health check); the stub is never restarted
 ``load_model`` of an unchanged model is a no-op, so this watchdog forces a reload with a config
 override that differs only in a ``neopp_reload`` parameter (ignored by the models).
 
+A stub that is alive but does not answer is replaced, not resumed: a stub stopped by a signal
+(SIGSTOP), or one Triton has answered "not healthy" for (``replace_unhealthy``, called by the HTTP
+door when it sees that answer), is killed with SIGKILL so that it can never touch the server's
+IPC again (a stopped stub that resumes after Triton gave up on it aborts tritonserver), and its
+model is reloaded as for a dead stub.
+
 The watchdog runs next to the server (it reads ``/proc``), talks to it over loopback, and needs
 ``--model-control-mode=explicit``. With the administrative APIs restricted (neopp.serving.admin)
 it sends the operator key (``$NEOPP_ADMIN_KEY`` or ``--admin-key-file``).
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Callable
@@ -29,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from .admin import KEY_ENV, grpc_headers, http_headers
-from .procs import all_pids, cmdline, ppid
+from .procs import all_pids, cmdline, is_stopped, ppid
 
 STUB_NAME = "triton_python_backend_stub"
 RELOAD_PARAMETER = "neopp_reload"
@@ -107,10 +114,31 @@ class StubWatchdog:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
+    def replace_unhealthy(self, instance: str) -> None:
+        """Kill the stub of an instance Triton called not healthy; the next poll reloads its model."""
+        pid = server_stubs(self.server_pid).get(instance)
+        if pid is not None:
+            self._kill(instance, pid, "Triton reports it not healthy")
+
+    def _kill(self, instance: str, pid: int, why: str) -> None:
+        self.log(f"neopp watchdog: {instance}: {why}; killing its stub {pid} (SIGKILL)")
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def _kill_stopped(self, stubs: dict[str, int]) -> dict[str, int]:
+        """Stubs stopped by a signal are killed; the live ones are returned."""
+        for instance, pid in list(stubs.items()):
+            if is_stopped(pid):
+                self._kill(instance, pid, "its stub is stopped")
+                del stubs[instance]
+        return stubs
+
     def check_once(self) -> list[Recovery]:
         """One poll; returns the reloads it did."""
         done = []
-        stubs = server_stubs(self.server_pid)
+        stubs = self._kill_stopped(server_stubs(self.server_pid))
         now = time.monotonic()
         headers = key_headers(self.client, self.admin_key)
         for entry in self.client.get_model_repository_index(as_json=True, headers=headers).get("models", []):

@@ -1,0 +1,17 @@
+"""The one exception the door turns into a response: status, message, optional headers."""
+
+from __future__ import annotations
+
+
+class DoorError(Exception):
+    """A request the door answers itself; ``reason`` labels the refusal in the door's metrics."""
+
+    def __init__(self, status: int, message: str, reason: str = "invalid",
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.reason = status, message, reason
+        self.headers = headers or {}
+
+
+def invalid(message: str) -> DoorError:
+    return DoorError(400, message)

@@ -1,0 +1,73 @@
+"""The door on its own thread: uvicorn (h11) serving the ASGI application on the public port.
+
+uvicorn because it is the common ASGI server, small, with a pure-Python HTTP/1.1 parser (h11)
+whose bounds are explicit (header size, connection count, keep-alive); Starlette because the
+door needs routing and streaming responses and nothing more (FastAPI would add validation
+models we do not use: the door validates with its own strict rules).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import uvicorn
+
+from .app import Door, build_app
+from .body import DoorLimits
+from .door_metrics import DoorMetrics
+from .upstream import Upstream
+
+HEADER_LIMIT = 64 * 1024  # bytes of request line and headers
+
+
+class DoorServer:
+    """Listen on ``(host, port)``; send inference to ``grpc_target``, control to ``http_address``."""
+
+    def __init__(self, host: str, port: int, grpc_target: str, http_address: tuple[str, int], front_key: str,
+                 limits: DoorLimits | None = None, metrics: DoorMetrics | None = None,
+                 on_unhealthy: Callable[[str], None] | None = None) -> None:
+        self.limits = limits or DoorLimits()
+        self.metrics = metrics or DoorMetrics()
+        self.upstream = Upstream(grpc_target, http_address, front_key)
+        self.door = Door(self.upstream, self.limits, self.metrics, on_unhealthy)
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.server_address = self.sock.getsockname()[:2]
+        config = uvicorn.Config(build_app(self.door), loop="asyncio", http="h11", lifespan="off",
+                                access_log=False, log_level="warning", log_config=None, server_header=False,
+                                limit_concurrency=self.limits.max_connections, timeout_keep_alive=30,
+                                h11_max_incomplete_event_size=HEADER_LIMIT, timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread: threading.Thread | None = None
+        logging.getLogger("neopp.front").addHandler(logging.StreamHandler())
+
+    def start(self) -> DoorServer:
+        self._thread = threading.Thread(target=self._run, name="neopp-http-door", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self._server.started:
+            raise RuntimeError("the HTTP door did not start")
+        return self
+
+    def _run(self) -> None:
+        asyncio.run(self._serve())
+
+    async def _serve(self) -> None:
+        try:
+            await self._server.serve(sockets=[self.sock])
+        finally:
+            await self.upstream.close()
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=15)
+        self.sock.close()

@@ -1,0 +1,109 @@
+"""The door's two ways into Triton, both on loopback.
+
+* gRPC (``grpc.aio``) for inference and model metadata: a cancelled call cancels the request in
+  Triton, which is how a client that hangs up over HTTP stops its generation.
+* Triton's own HTTP port for the control routes (health, metadata, config, statistics, the
+  administrative APIs): it answers only requests carrying this run's front key, and the door
+  sends it only bodies it serialised itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from ..serving.admin import FRONT_HEADER, KEY_HEADER
+from .errors import DoorError
+
+MAX_MESSAGE = 1 << 30
+# gRPC status -> HTTP status, as Triton's HTTP endpoint answers for the same error.
+HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
+               grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.UNAVAILABLE: 503,
+               grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAUTHENTICATED: 401,
+               grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
+               grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
+QUEUE_FULL = "Exceeds maximum queue size"
+
+
+def grpc_error(exc: grpc.aio.AioRpcError) -> DoorError:
+    """A Triton error as the door's answer; a full model queue is 429 with Retry-After."""
+    message = exc.details() or exc.code().name
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and QUEUE_FULL in message:
+        return DoorError(429, message, reason="queue_full", headers={"Retry-After": "1"})
+    status = HTTP_STATUS.get(exc.code(), 400 if exc.code() == grpc.StatusCode.UNKNOWN else 500)
+    return DoorError(status, message, reason="upstream")
+
+
+@dataclass
+class ControlResponse:
+    status: int
+    body: bytes
+    content_type: str
+
+
+class Upstream:
+    """One gRPC channel (made on the door's event loop) and the loopback HTTP address."""
+
+    def __init__(self, grpc_target: str, http_address: tuple[str, int], front_key: str) -> None:
+        self.grpc_target, self.http_address, self.front_key = grpc_target, http_address, front_key
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: pb_grpc.GRPCInferenceServiceStub | None = None
+
+    @property
+    def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
+        if self._stub is None:
+            options = [("grpc.max_send_message_length", MAX_MESSAGE),
+                       ("grpc.max_receive_message_length", MAX_MESSAGE)]
+            self._channel = grpc.aio.insecure_channel(self.grpc_target, options=options)
+            self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        return self._stub
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel, self._stub = None, None
+
+    async def metadata(self, model: str, version: str) -> pb.ModelMetadataResponse:
+        try:
+            return await self.stub.ModelMetadata(pb.ModelMetadataRequest(name=model, version=version), timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            raise grpc_error(exc) from None
+
+    def infer(self, request: pb.ModelInferRequest) -> grpc.aio.UnaryUnaryCall:
+        """The call itself, so that the caller can cancel it."""
+        return self.stub.ModelInfer(request)
+
+    def stream(self, request: pb.ModelInferRequest) -> grpc.aio.StreamStreamCall:
+        """A stream carrying this one request; its responses end with the final flag."""
+
+        async def one() -> AsyncIterator[pb.ModelInferRequest]:
+            yield request
+            await asyncio.Event().wait()  # keep the stream open until the caller cancels or finishes
+
+        return self.stub.ModelStreamInfer(one())
+
+    async def control(self, method: str, path: str, body: bytes | None, admin_key: str | None) -> ControlResponse:
+        """One request to Triton's own HTTP port, with the front key (and the caller's admin key)."""
+        return await asyncio.to_thread(self._control, method, path, body, admin_key)
+
+    def _control(self, method: str, path: str, body: bytes | None, admin_key: str | None) -> ControlResponse:
+        headers = {FRONT_HEADER: self.front_key}
+        if admin_key is not None:
+            headers[KEY_HEADER] = admin_key
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        conn = http.client.HTTPConnection(*self.http_address, timeout=600)
+        try:
+            conn.request(method, path, body=body, headers=headers)
+            resp = conn.getresponse()
+            return ControlResponse(resp.status, resp.read(), resp.getheader("Content-Type") or "application/json")
+        except (OSError, http.client.HTTPException) as exc:
+            raise DoorError(503, f"the server is not reachable: {exc}", reason="upstream_down") from None
+        finally:
+            conn.close()

@@ -1,0 +1,191 @@
+"""The HTTP door's parsing, without a server: what a client writes is read once, strictly, and
+the gRPC request is built from the checked values (the e2e tests send the same through a server)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import gzip
+import json
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from tritonclient.grpc import service_pb2 as pb
+
+from neopp.front import generate, kserve_infer, strict_json, tensors
+from neopp.front.body import BodyReader, ByteBudget, DoorLimits
+from neopp.front.errors import DoorError
+
+MAX_JSON = 1 << 20
+
+
+def _infer(doc: dict, binary: bytes = b"") -> tuple[pb.ModelInferRequest, kserve_infer.OutputPlan]:
+    header = json.dumps(doc).encode()
+    return kserve_infer.parse_infer(header + binary, str(len(header)) if binary else None, "m", "", MAX_JSON)
+
+
+def _refused(match: str, status: int = 400):
+    class _Check:
+        def __enter__(self):
+            self.ctx = pytest.raises(DoorError, match=match)
+            self.info = self.ctx.__enter__()
+            return self.info
+
+        def __exit__(self, *exc):
+            out = self.ctx.__exit__(*exc)
+            assert self.info.value.status == status, self.info.value.message
+            return out
+    return _Check()
+
+
+@pytest.mark.parametrize("body, match", [
+    (b'{"inputs":[{"name":"A","datatype":"INT64","shape":[1000000000000],"shape":[1],"data":[1]}]}',
+     "duplicate key 'shape'"),
+    (b'{"inputs":' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nests deeper"),
+    (b'{"inputs":' + b"[" * 40 + b"]" * 40 + b"}", "nests deeper"),
+    (b'{"inputs":[{"name":"A","datatype":"FP32","shape":[1],"data":[NaN]}]}', "'NaN' is not JSON"),
+    (b'{"inputs": [', "not valid JSON"),
+    (b'\xff\xfe', "not UTF-8"),
+])
+def test_json_is_read_one_way_only(body: bytes, match: str) -> None:
+    with _refused(match):
+        kserve_infer.parse_infer(body, None, "m", "", MAX_JSON)
+
+
+@pytest.mark.parametrize("item, match", [
+    ({"name": "A", "datatype": "INT64", "shape": [10**12], "data": [1]}, "holds 1 elements"),
+    ({"name": "A", "datatype": "INT64", "shape": [-1], "data": [1]}, "non-negative"),
+    ({"name": "A", "datatype": "INT64", "shape": [True], "data": [1]}, "non-negative"),
+    ({"name": "A", "datatype": "INT64", "shape": "1", "data": [1]}, "non-negative"),
+    ({"name": "A", "datatype": "INT8", "shape": [1], "data": [300]}, "out of range"),
+    ({"name": "A", "datatype": "INT64", "shape": [1], "data": [1.5]}, "integers"),
+    ({"name": "A", "datatype": "FP32", "shape": [1], "data": [1e300]}, "out of range"),
+    ({"name": "A", "datatype": "BOOL", "shape": [1], "data": [1]}, "true or false"),
+    ({"name": "A", "datatype": "BF16", "shape": [1], "data": [1.0]}, "binary tensor extension"),
+    ({"name": "A", "datatype": "XX", "shape": [1], "data": [1]}, "'datatype'"),
+    ({"name": "A", "datatype": "INT64", "shape": [1]}, "exactly one of"),
+    ({"name": "A", "datatype": "INT64", "shape": [1], "data": [1], "extra": 1}, "unknown field 'extra'"),
+    ({"name": "A", "datatype": "BF16", "shape": [2**40, 2], "parameters": {"binary_data_size": 4}}, "needs 4398046511104"),
+])
+def test_inputs_are_checked_field_by_field(item: dict, match: str) -> None:
+    with _refused(match):
+        _infer({"inputs": [item]}, b"\0" * 4 if "parameters" in item else b"")
+
+
+def test_binary_sizes_must_add_up_to_the_body() -> None:
+    item = {"name": "KV", "datatype": "BF16", "shape": [2, 3], "parameters": {"binary_data_size": 12}}
+    with _refused("needs 12"):
+        _infer({"inputs": [{**item, "parameters": {"binary_data_size": 10}}]}, b"\0" * 12)
+    with _refused("after the last binary input"):
+        _infer({"inputs": [item]}, b"\0" * 16)
+    bad_bytes = {"name": "S", "datatype": "BYTES", "shape": [2], "parameters": {"binary_data_size": 9}}
+    with _refused("holds 1 elements"):
+        _infer({"inputs": [bad_bytes]}, struct.pack("<I", 5) + b"hello")
+
+
+def test_the_grpc_request_carries_only_checked_values() -> None:
+    kv = np.arange(6, dtype=np.uint16).tobytes()
+    doc = {"id": "r1", "inputs": [
+        {"name": "KV", "datatype": "BF16", "shape": [2, 3], "parameters": {"binary_data_size": 12}},
+        {"name": "N", "datatype": "INT64", "shape": [2, 1], "data": [[7], [-8]]},
+        {"name": "F", "datatype": "BYTES", "shape": [1], "data": ["png"]}],
+        "outputs": [{"name": "IMAGE", "parameters": {"binary_data": True}}],
+        "parameters": {"sequence_id": 5, "sequence_start": True, "binary_data_output": False}}
+    request, plan = _infer(doc, kv)
+    assert [t.name for t in request.inputs] == ["KV", "N", "F"] and request.id == "r1"
+    assert request.raw_input_contents[0] == kv
+    assert np.frombuffer(request.raw_input_contents[1], "<i8").tolist() == [7, -8]
+    assert request.raw_input_contents[2] == struct.pack("<I", 3) + b"png"
+    assert request.parameters["sequence_id"].int64_param == 5 and request.parameters["sequence_start"].bool_param
+    assert "binary_data_output" not in request.parameters  # the door's own switch, consumed
+    assert plan.wants_binary("IMAGE") and not plan.wants_binary("NEXT_RNG_STATE")
+
+
+def test_responses_are_json_unless_binary_is_asked_or_needed() -> None:
+    response = pb.ModelInferResponse(model_name="m", model_version="1")
+    response.outputs.add(name="IMAGE", datatype="BYTES", shape=[1])
+    response.outputs.add(name="NEXT", datatype="UINT8", shape=[3])
+    image = b"\x89PNG\xff\xfe"
+    response.raw_output_contents.extend([tensors.serialize_bytes([image]), bytes([1, 2, 3])])
+    body, headers = kserve_infer.infer_response(response, kserve_infer.OutputPlan())
+    split = int(headers["Inference-Header-Content-Length"])
+    header = json.loads(body[:split])
+    assert header["outputs"][0]["parameters"]["binary_data_size"] == 4 + len(image)  # not UTF-8: binary
+    assert header["outputs"][1]["data"] == [1, 2, 3]
+    assert body[split:] == tensors.serialize_bytes([image])
+    doc = generate.generate_response(response)
+    assert base64.b64decode(doc["IMAGE"]) == image and doc["NEXT"] == [1, 2, 3]  # base64, valid JSON
+
+
+def test_generate_maps_fields_to_declared_inputs() -> None:
+    metadata = pb.ModelMetadataResponse(name="m")
+    metadata.inputs.add(name="SIZE", datatype="INT64", shape=[2])
+    metadata.inputs.add(name="SEED", datatype="INT64", shape=[1])
+    metadata.inputs.add(name="KV", datatype="BF16", shape=[-1, 2])
+    metadata.inputs.add(name="BASE64_OUTPUT", datatype="INT64", shape=[1])
+    body = json.dumps({"SIZE": [64, 32], "SEED": 3, "BASE64_OUTPUT": 1, "MISSPELT": 2}).encode()
+    request = generate.parse_generate(body, "m", "", metadata, stream=True)
+    assert [(t.name, list(t.shape)) for t in request.inputs] == [("SIZE", [2]), ("SEED", [1])]
+    assert request.parameters["MISSPELT"].int64_param == 2  # as Triton: the model decides
+    assert request.parameters["triton_enable_empty_final_response"].bool_param
+    with _refused("input 'KV': BF16 has no JSON form"):
+        generate.parse_generate(b'{"KV": [[1.0, 2.0]]}', "m", "", metadata, stream=False)
+    with _refused("'nested'"):
+        generate.parse_generate(b'{"nested": {"a": 1}}', "m", "", metadata, stream=False)
+
+
+def _receive(chunks: list[bytes], stall: bool = False):
+    messages = [{"type": "http.request", "body": c, "more_body": i < len(chunks) - 1 or stall}
+                for i, c in enumerate(chunks)]
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await asyncio.sleep(3600)  # a sender that went quiet
+        return {"type": "http.disconnect"}
+    return receive
+
+
+def _read(chunks: list[bytes], headers: dict[str, str], limits: DoorLimits, budget: ByteBudget | None = None,
+          stall: bool = False) -> bytes:
+    async def run() -> bytes:
+        async with BodyReader(budget or ByteBudget(limits.bodies_in_flight), limits) as reader:
+            return await reader.read(_receive(chunks, stall), headers)
+    return asyncio.run(run())
+
+
+def test_bodies_inflate_under_the_limit_and_stalls_are_dropped() -> None:
+    limits = DoorLimits(max_body=1 << 20, read_timeout_s=0.2)
+    doc = b'{"inputs": []}'
+    for coding, packed in (("gzip", gzip.compress(doc)), ("deflate", zlib.compress(doc))):
+        assert _read([packed[:5], packed[5:]], {"content-length": str(len(packed)), "content-encoding": coding},
+                     limits) == doc
+    bomb = gzip.compress(b" " * (8 << 20))
+    with _refused("inflates to more than", 413):
+        _read([bomb], {"content-length": str(len(bomb)), "content-encoding": "gzip"}, limits)
+    with _refused("no body bytes for", 408):
+        _read([b"{"], {"content-length": "10"}, limits, stall=True)
+    with _refused("chunked", 411):
+        _read([b""], {"transfer-encoding": "chunked"}, limits)
+    with _refused("over the", 413):
+        _read([b""], {"content-length": str(2 << 20)}, limits)
+    with _refused("not supported", 415):
+        _read([b""], {"content-length": "0", "content-encoding": "br"}, limits)
+
+
+def test_the_body_budget_refuses_at_once_and_is_given_back() -> None:
+    limits = DoorLimits(max_body=1 << 20, bodies_in_flight=1000)
+    budget = ByteBudget(1000)
+    budget.reserve(900)
+    with _refused("does not fit now", 503) as info:
+        _read([b"x" * 200], {"content-length": "200"}, limits, budget)
+    assert info.value.headers["Retry-After"] == "1"
+    budget.release(900)
+    assert _read([b"x" * 200], {"content-length": "200"}, limits, budget) == b"x" * 200
+    assert budget.used == 0
+
+
+def test_strict_json_round_trip() -> None:
+    assert strict_json.loads(strict_json.dumps({"a": [1, 2.5, "x"]})) == {"a": [1, 2.5, "x"]}
