@@ -1,4 +1,5 @@
-"""Offline rules behind the reliability suites: request byte limit, positive SIZE, instance names."""
+"""Offline rules behind the reliability suites: request byte limit, positive SIZE, instance names,
+the launcher's restart rate."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from neopp.errors import InputError
 from neopp.limits import Limits
+from neopp.serving.launcher import RestartRate
 from neopp.serving.request_parsing import parse_request
 from neopp.serving.watchdog import expected_instances
 
@@ -50,3 +52,15 @@ def test_a_generation_stub_drops_the_servers_malloc_tuning():
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **MALLOC_ENV}, check=True,
                          capture_output=True, text=True, timeout=120).stdout
     assert out.strip() == "[]"
+
+
+def test_restarts_are_a_rate_not_a_lifetime_budget():
+    now = [0.0]
+    rate = RestartRate(limit=3, window_s=600.0, clock=lambda: now[0])
+    assert [rate.allow() for _ in range(4)] == [True, True, True, False]  # a crash loop is given up on
+    now[0] = 601.0  # ten minutes later the old restarts no longer count
+    assert [rate.allow() for _ in range(4)] == [True, True, True, False]
+    rare = RestartRate(limit=3, window_s=600.0, clock=lambda: now[0])
+    for _ in range(20):  # one crash every five minutes is restarted forever
+        now[0] += 300.0
+        assert rare.allow(), "a rare crash was not restarted"

@@ -24,7 +24,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from PIL import Image
 
+from neopp.front.server import DoorServer
 from neopp.kv_cache import load_kv_file
+from neopp.ports import LOOPBACK
 from neopp.serving.model_states import KEEP_GOING_ARGS
 from neopp.serving.procs import process_group_members
 from neopp.serving.tritonserver import TritonServer
@@ -52,10 +54,17 @@ class TritonHandle:
     log_path: Path
     grpc: grpcclient.InferenceServerClient = field(init=False)
     http: httpclient.InferenceServerClient = field(init=False)
+    door: DoorServer = field(init=False)
 
     def __post_init__(self) -> None:
+        """HTTP goes through the launcher's door (neopp.front), as in `make serve`."""
         self.grpc = grpcclient.InferenceServerClient(self.server.grpc_url)
-        self.http = httpclient.InferenceServerClient(self.server.http_url, network_timeout=120.0)
+        self.door = DoorServer(LOOPBACK, 0, self.server.grpc_url, (LOOPBACK, self.server.http_port), "e2e").start()
+        self.http = httpclient.InferenceServerClient(self.door_url, network_timeout=120.0)
+
+    @property
+    def door_url(self) -> str:
+        return f"{LOOPBACK}:{self.door.server_address[1]}"
 
     def log_once(self, ready: Callable[[str], bool], timeout: float = 60.0) -> str:
         """The server log once ``ready(log)`` holds (or at the deadline): the stubs' log lines reach
@@ -183,6 +192,7 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
         yield handle
         handle.grpc.close()
         handle.http.close()  # an open keep-alive connection would hold a graceful stop
+        handle.door.stop()
     finally:
         server.stop(timeout=30)
         left = process_group_members(pgid)

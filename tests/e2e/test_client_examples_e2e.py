@@ -18,6 +18,11 @@ CLIENTS = {"grpc_t2i.py": "grpc_url", "http_t2i.py": "http_url"}
 STREAM_CLIENTS = {"stream_grpc.py": "grpc_url", "stream_http.py": "http_url"}
 
 
+def _url(triton, which: str) -> str:
+    """gRPC straight to Triton; HTTP through the door, as `make serve` serves it."""
+    return triton.door_url if which == "http_url" else triton.server.grpc_url
+
+
 def run(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "client_examples" / script), *args], capture_output=True,
                           text=True, timeout=300, cwd=REPO)
@@ -30,7 +35,7 @@ def kv_args(triton) -> list[str]:
 
 @pytest.mark.parametrize("script", sorted(CLIENTS))
 def test_a_good_request_writes_the_image(triton, script: str, tmp_path: Path) -> None:
-    url = getattr(triton.server, CLIENTS[script])
+    url = _url(triton, CLIENTS[script])
     done = run(script, "--url", url, *kv_args(triton), "--size", "64", "64", "--out", str(tmp_path / "a.png"))
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
@@ -38,7 +43,7 @@ def test_a_good_request_writes_the_image(triton, script: str, tmp_path: Path) ->
 
 @pytest.mark.parametrize("script", sorted(CLIENTS))
 def test_a_refused_request_is_one_line_and_exit_code_1(triton, script: str, tmp_path: Path) -> None:
-    url = getattr(triton.server, CLIENTS[script])
+    url = _url(triton, CLIENTS[script])
     done = run(script, "--url", url, *kv_args(triton), "--size", "250", "256", "--out", str(tmp_path / "b.png"))
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
@@ -65,7 +70,7 @@ def test_help_shows_a_command_that_runs_and_not_itself(script: str) -> None:
 @pytest.mark.parametrize("script", sorted(STREAM_CLIENTS))
 def test_a_streamed_request_shows_progress_and_writes_previews_and_the_image(triton, script: str,
                                                                              tmp_path: Path) -> None:
-    url = getattr(triton.server, STREAM_CLIENTS[script])
+    url = _url(triton, STREAM_CLIENTS[script])
     kv = triton.checkpoint / "sample_kv"
     done = run(script, "--url", url, "--cond", str(kv / "cond_kv.pt"), "--uncond", str(kv / "uncond_kv.pt"),
                "--offset-cond", "24", "--offset-uncond", "7", "--steps", "4", "--seed", "5", "--size", "64", "64",
@@ -87,7 +92,7 @@ def test_a_streamed_request_shows_progress_and_writes_previews_and_the_image(tri
 
 @pytest.mark.parametrize("script", sorted(STREAM_CLIENTS))
 def test_a_refused_stream_is_one_line_and_exit_code_1(triton, script: str, tmp_path: Path) -> None:
-    url = getattr(triton.server, STREAM_CLIENTS[script])
+    url = _url(triton, STREAM_CLIENTS[script])
     done = run(script, "--url", url, *kv_args(triton), "--preview-every", "-1", "--out", str(tmp_path / "b.png"))
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]

@@ -5,7 +5,10 @@ free ports. The images must show what the prompts say: random weights fail these
 
 from __future__ import annotations
 
+import base64
+import http.client
 import io
+import json
 import os
 import subprocess
 import sys
@@ -20,6 +23,8 @@ from tritonclient.utils import InferenceServerException
 
 from demo import shapes
 from neopp.checkpoint_config import CheckpointConfig
+from neopp.front.server import DoorServer
+from neopp.ports import LOOPBACK
 from neopp.serving.procs import process_group_members
 from neopp.serving.tritonserver import TritonServer
 from neopp.text.language_tower import LanguageTower
@@ -174,3 +179,21 @@ def test_the_images_show_what_the_prompts_say(served: Served, model: str):
     assert sum(v.position_ok for v in verdicts) >= 3, verdicts
     assert sum(v.color_ok for v in verdicts) >= 3, verdicts
     assert sum(v.ok for v in verdicts) >= 2, verdicts
+
+
+def test_generate_through_the_door_answers_valid_json_with_the_image_in_base64(served: Served):
+    """generate used to put the raw PNG bytes into a JSON string; the door sends them as base64."""
+    door = DoorServer(LOOPBACK, 0, served.server.grpc_url, (LOOPBACK, served.server.http_port), "e2e").start()
+    try:
+        conn = http.client.HTTPConnection(LOOPBACK, door.server_address[1], timeout=120)
+        body = {"PROMPT": PROMPT, "SEED": 7, "SIZE": [64, 96], "STEPS": 2, "OUTPUT_FORMAT": "png"}
+        conn.request("POST", "/v2/models/neopp_t2i/generate", body=json.dumps(body),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        doc = json.loads(resp.read())  # valid JSON, or this raises
+        conn.close()
+    finally:
+        door.stop()
+    assert resp.status == 200, doc
+    want = served.infer("neopp_t2i", PROMPT=text(PROMPT), **SMALL)["IMAGE"][0]
+    assert base64.b64decode(doc["IMAGE"]) == want

@@ -24,8 +24,7 @@ import tritonclient.grpc as grpcclient
 from conftest import COND_TOKENS, UNCOND_TOKENS
 from PIL import Image
 
-from neopp.ports import LOOPBACK, free_ports
-from neopp.serving.http_front import HttpFront
+from neopp.ports import LOOPBACK
 from testing import REPO
 
 I64 = np.int64
@@ -216,11 +215,8 @@ def sse(port: int, model: str, body: dict[str, Any]) -> tuple[int, list[dict[str
 
 @pytest.fixture(scope="module")
 def front(triton):
-    """The launcher's HTTP front in front of the e2e server's HTTP port."""
-    upstream = (LOOPBACK, triton.server.http_port)
-    server = HttpFront(LOOPBACK, free_ports(1)[0], upstream, front_key="e2e").start()
-    yield server.server_address[1]
-    server.stop()
+    """The launcher's HTTP door in front of the e2e server."""
+    return triton.door.server_address[1]
 
 
 def test_sse_through_the_front_streams_steps_previews_and_the_plain_image(triton, front):
@@ -253,7 +249,7 @@ def test_closing_the_sse_connection_stops_the_generation(triton, front):
     conn.request("POST", f"/v2/models/{STREAM}/generate_stream", body=json.dumps(body))
     resp = conn.getresponse()
     assert json.loads(resp.readline()[6:])["STEP"] == 1
-    conn.sock.close()  # the client leaves; the front notices at its next write and closes upstream
+    conn.sock.close()  # the client leaves; the door cancels its gRPC call
     conn.close()
     cancelled = triton.wait_metric("neopp_failures_total", cancelled_before + 1, timeout=120, model=STREAM,
                                    **CANCELLED)

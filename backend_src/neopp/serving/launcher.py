@@ -37,6 +37,25 @@ def log(message: str) -> None:
     print(message, flush=True)
 
 
+class RestartRate:
+    """At most ``limit`` restarts within any ``window_s``: a server that crashes now and then is
+    always brought back, one that crashes in a loop is given up on."""
+
+    def __init__(self, limit: int, window_s: float, clock=time.monotonic) -> None:
+        self.limit, self.window_s, self.clock = limit, window_s, clock
+        self.times: deque[float] = deque()
+
+    def allow(self) -> bool:
+        """True (and the restart counted) when one more restart fits in the window."""
+        now = self.clock()
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.limit:
+            return False
+        self.times.append(now)
+        return True
+
+
 class Supervisor:
     """Start the server, restart it when it dies, stop everything on request."""
 
@@ -45,7 +64,7 @@ class Supervisor:
         self.front_key = new_front_key()
         self.upstream_port = free_ports(1)[0]
         self.stop_requested = False
-        self.restart_times: deque[float] = deque()
+        self.restarts = RestartRate(ns.max_restarts, ns.restart_window_s)
         self.server: TritonServer | None = None
         self.watchdog = None
         limits = DoorLimits(max_body=int(ns.max_body_mib * MiB), bodies_in_flight=int(ns.bodies_in_flight_mib * MiB),
@@ -156,16 +175,13 @@ class Supervisor:
         reason = f"signal {-code}" if code < 0 else f"exit code {code}"
         log(f"tritonserver exited with code {code} ({reason})")
         self._stop_server()
-        now, window = time.monotonic(), self.ns.restart_window_s
-        while self.restart_times and now - self.restart_times[0] > window:
-            self.restart_times.popleft()
-        if len(self.restart_times) >= self.ns.max_restarts:
-            log(f"not restarting: {len(self.restart_times)} restarts within the last {window:.0f}s "
+        window = self.ns.restart_window_s
+        if not self.restarts.allow():
+            log(f"not restarting: {len(self.restarts.times)} restarts within the last {window:.0f}s "
                 f"(--max-restarts {self.ns.max_restarts} per --restart-window-s {window:.0f})")
             return False
-        self.restart_times.append(now)
         self.front.metrics.restart(reason)
-        count = len(self.restart_times)
+        count = len(self.restarts.times)
         delay = min(30.0, 2.0 ** (count - 1))
         log(f"restarting tritonserver in {delay:.0f}s ({reason}; restart {count} of {self.ns.max_restarts} "
             f"allowed within {window:.0f}s)")
