@@ -7,7 +7,9 @@ This class offers the same calls against the Triton server, in one of two ways:
 
 * ``NeoPPTritonClient(url)`` (default): through ``neopp_session``. One client object is one
   chat session = one Triton ``sequence_id``; its first image starts the sequence, and the
-  server keeps the session's random stream. ``end_session()`` frees it on the server.
+  server keeps the session's random stream. ``end_session()`` frees it on the server. The first
+  answer carries the session's ``SESSION_TOKEN``; the client sends it with every later turn and
+  the close, so that no other client can take, end or restart its session.
 * ``NeoPPTritonClient(url, stateless=True, model="neopp_dense")``: straight to a generation
   model. The client keeps the stream itself (the last ``NEXT_RNG_STATE``, sent back as
   ``RNG_STATE``), so any server replica can take any turn.
@@ -53,6 +55,7 @@ example (after `make serve`, from the repository root):
     --cond-kv demo/checkpoints/dense/sample_kv/cond_kv.pt --uncond-kv demo/checkpoints/dense/sample_kv/uncond_kv.pt \\
     --offsets 11 1 --size 256 256 --admin-key-file build/admin.key
 """
+START_FLAG_MISSING = "must specify the START flag"  # Triton: the sequence has no slot (any more)
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 SAMPLING_INPUTS = {"cfg_scale": ("CFG_SCALE", np.float32), "timestep_shift": ("TIMESTEP_SHIFT", np.float32),
                    "infer_steps": ("STEPS", np.int64), "cfg_interval": ("CFG_INTERVAL", np.float32),
@@ -81,6 +84,7 @@ class NeoPPTritonClient:
         self.default_seed, self.timeout_s, self.raw_bf16 = default_seed, timeout_s, raw_bf16
         self.splice_kv = splice_kv  # False: tritonclient builds the wire request (kept for comparison)
         self.started = False  # session mode: has the sequence been started on the server?
+        self.session_token: bytes | None = None  # its owner's proof, from the first answer
         self.rng_state: np.ndarray | None = None  # stateless mode: the stream to continue
         self.last_turn: int | None = None
         self._kv: list[torch.Tensor] = []
@@ -168,9 +172,9 @@ class NeoPPTritonClient:
         """Free the session on the server (a sequence_end request without an image)."""
         if self.stateless or not self.started:
             return
-        self.client.infer(self.model, [], sequence_id=self.sequence_id, sequence_end=True,
+        self.client.infer(self.model, self._token(), sequence_id=self.sequence_id, sequence_end=True,
                           client_timeout=self.timeout_s)
-        self.started = False
+        self.started, self.session_token = False, None
 
     def new_session(self, sequence_id: int | None = None) -> None:
         """Start over as a new chat (the next image starts a new sequence / stream)."""
@@ -200,11 +204,26 @@ class NeoPPTritonClient:
             inputs.append(_tensor("SEED", np.array([seed], np.int64)))
         if self.generation_model:
             inputs.append(_tensor("MODEL", np.array([self.generation_model.encode()], np.object_)))
-        result = self._infer(inputs, sequence_id=self.sequence_id, sequence_start=not self.started)
+        inputs += self._token()
+        try:
+            result = self._infer(inputs, sequence_id=self.sequence_id, sequence_start=not self.started)
+        except InferenceServerException as exc:
+            if not (self.started and START_FLAG_MISSING in exc.message()):
+                raise
+            # Triton freed the sequence's slot (a sequence_end this session refused, or its idle
+            # bound): a START with the session's token continues the session where it was
+            result = self._infer(inputs, sequence_id=self.sequence_id, sequence_start=True)
         self.started = True
+        self.session_token = bytes(result.as_numpy("SESSION_TOKEN")[0])
         self.last_turn = int(result.as_numpy("TURN")[0])
         self.rng_state = result.as_numpy("NEXT_RNG_STATE")
         return bytes(result.as_numpy("IMAGE")[0])
+
+    def _token(self) -> list[grpcclient.InferInput]:
+        """The session's token, for every turn after the first (none before it)."""
+        if not self.started or not self.session_token:
+            return []
+        return [_tensor("SESSION_TOKEN", np.array([self.session_token], np.object_))]
 
     def _generate_stateless(self, inputs: list[grpcclient.InferInput], seed: int | None) -> bytes:
         if seed is None and self.rng_state is None:

@@ -22,7 +22,7 @@ import numpy as np
 
 from neopp.serving.procs import model_stubs, server_processes, spawned_children
 from testing.fuzz import Inputs
-from testing.loadgen import image_bytes, infer
+from testing.loadgen import image_bytes, infer, with_token
 
 STEPS_METRIC = "neopp_denoising_steps_total"
 
@@ -174,7 +174,7 @@ def restart_session_model(client: Any, server_pid: int, inputs: Inputs, sequence
     """Start a session, ``restart`` the session model, then send the next turn of that session."""
     first = infer(client, model, inputs, timeout=timeout, sequence_id=sequence_id, sequence_start=True)
     restart()
-    later = {k: v for k, v in inputs.items() if k != "SEED"}
+    later = with_token({k: v for k, v in inputs.items() if k != "SEED"}, first)
     outcome = SessionRestart(how, bool(image_bytes(first)), None)
     try:
         infer(client, model, later, timeout=timeout, sequence_id=sequence_id)

@@ -31,6 +31,7 @@ class Launched:
     log: Path
     http_port: int
     grpc_port: int
+    metrics_port: int | None = None
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -71,20 +72,23 @@ class Launched:
         return {pid: members for pid in self.server_pids() if (members := process_group_members(pid))}
 
 
-def launch(log: Path, env: dict[str, str], models: Sequence[str], max_restarts: int = 0) -> Launched:
+def launch(log: Path, env: dict[str, str], models: Sequence[str], max_restarts: int = 0,
+           launcher_args: Sequence[str] = ()) -> Launched:
     """The real launcher, explicit model control, a short exit timeout; ``env`` adds to ours."""
     http_port, grpc_port, metrics_port = free_ports(3)
     cmd = [sys.executable, "-m", "neopp.serving.tritonserver", "serve", "--http-port", str(http_port),
            "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--max-restarts", str(max_restarts),
-           "--", "--model-control-mode=explicit", "--exit-timeout-secs=5", *(f"--load-model={m}" for m in models)]
-    return run_launcher(cmd, log, env, http_port, grpc_port)
+           *launcher_args, "--", "--model-control-mode=explicit", "--exit-timeout-secs=5",
+           *(f"--load-model={m}" for m in models)]
+    return run_launcher(cmd, log, env, http_port, grpc_port, metrics_port)
 
 
-def run_launcher(cmd: Sequence[str], log: Path, env: dict[str, str], http_port: int, grpc_port: int) -> Launched:
+def run_launcher(cmd: Sequence[str], log: Path, env: dict[str, str], http_port: int, grpc_port: int,
+                 metrics_port: int | None = None) -> Launched:
     """``cmd`` (a launcher, or a script that execs one) from the repository root, its output in ``log``."""
     full = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT", "NEOPP_LORA_DIR"))}
     full.update(PYTHONUNBUFFERED="1", **env)
     with open(log, "wb") as out:
         proc = subprocess.Popen(list(cmd), env=full, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                 start_new_session=True)
-    return Launched(proc, log, http_port, grpc_port)
+    return Launched(proc, log, http_port, grpc_port, metrics_port)

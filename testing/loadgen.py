@@ -51,6 +51,11 @@ def image_bytes(result: Any) -> bytes:
     return bytes(result.as_numpy("IMAGE")[0])
 
 
+def with_token(inputs: Inputs, result: Any) -> Inputs:
+    """A session's next turn: ``inputs`` plus the SESSION_TOKEN its last answer carried."""
+    return {**inputs, "SESSION_TOKEN": (np.array([result.as_numpy("SESSION_TOKEN")[0]], np.object_), "BYTES")}
+
+
 def valid_inputs(cond: np.ndarray, uncond: np.ndarray, offsets: tuple[int, int], seed: int | None,
                  size: tuple[int, int] = (32, 32), steps: int = 2) -> Inputs:
     """A small guided PNG request; KV arrays are float32 sent as BF16."""
@@ -126,9 +131,10 @@ class LoadRun:
         """One session: a seeded first turn, then turns that continue its stream; ended at the last."""
         with self._lock:
             sid = next(self._ids)
-        out = []
+        out, result = [], None
         for turn in range(self.spec.session_turns):
             inputs = self._request(seed if turn == 0 else None)
+            inputs = inputs if result is None else with_token(inputs, result)
             result = infer(client, self.spec.session_model, inputs, sequence_id=sid, sequence_start=turn == 0,
                            sequence_end=turn == self.spec.session_turns - 1)
             out.append(image_bytes(result))

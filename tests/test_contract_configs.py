@@ -27,14 +27,17 @@ BLS_AND_TEXT_MODELS = ("neopp_session", "neopp_t2i", "neopp_prompt_encoder")  # 
 GENERATION_MODELS = [m for m in ALL_MODELS if m not in BLS_AND_TEXT_MODELS and m not in STREAM_MODELS]
 
 # The session model takes the generation inputs except RNG_STATE and NOISE (it owns the stream), with the
-# prefix inputs optional (a closing sequence_end carries none), plus MODEL; it also returns TURN.
+# prefix inputs optional (a closing sequence_end carries none), plus MODEL and the owner's SESSION_TOKEN;
+# it also returns TURN and SESSION_TOKEN.
 SESSION_INPUTS = {
     **{n: InputSpec(s.data_type, s.dims, optional=True) for n, s in INPUT_SPECS.items()
        if n not in ("RNG_STATE", "NOISE")},
     "MODEL": InputSpec("TYPE_STRING", (1,)),
+    "SESSION_TOKEN": InputSpec("TYPE_STRING", (1,)),
 }
 SESSION_OUTPUTS = {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": InputSpec("TYPE_INT64", (1,)),
-                   "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"]}
+                   "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"],
+                   "SESSION_TOKEN": InputSpec("TYPE_STRING", (1,))}
 
 
 def parse(model: str) -> mc.ModelConfig:

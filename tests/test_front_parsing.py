@@ -10,6 +10,7 @@ import json
 import struct
 import zlib
 
+import grpc
 import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
@@ -17,6 +18,7 @@ from tritonclient.grpc import service_pb2 as pb
 from neopp.front import generate, kserve_infer, strict_json, tensors
 from neopp.front.body import BodyReader, ByteBudget, DoorLimits
 from neopp.front.errors import DoorError
+from neopp.front.upstream import grpc_error
 
 MAX_JSON = 1 << 20
 
@@ -189,3 +191,14 @@ def test_the_body_budget_refuses_at_once_and_is_given_back() -> None:
 
 def test_strict_json_round_trip() -> None:
     assert strict_json.loads(strict_json.dumps({"a": [1, 2.5, "x"]})) == {"a": [1, 2.5, "x"]}
+
+
+def test_triton_errors_keep_their_meaning_over_http() -> None:
+    def error(code: grpc.StatusCode, details: str) -> DoorError:
+        return grpc_error(grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=details))
+
+    full = error(grpc.StatusCode.UNAVAILABLE, "[request id: <id_unknown>] Exceeds maximum queue size")
+    assert full.status == 429 and full.headers == {"Retry-After": "1"}
+    assert error(grpc.StatusCode.INVALID_ARGUMENT, "COND_KV: bad").status == 400
+    assert error(grpc.StatusCode.UNAVAILABLE, "model not ready").status == 503
+    assert error(grpc.StatusCode.NOT_FOUND, "unknown session").status == 404

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import http.client
 import queue
 
 import numpy as np
 import pytest
+import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
+
+from neopp.ports import LOOPBACK
 
 I64 = np.int64
 STEPS = "neopp_denoising_steps_total"
@@ -39,6 +43,26 @@ def test_client_cancel_stops_generation_between_steps(triton):
     call.cancel()
     result, error = answers.get(timeout=60)
     assert result is None and "CANCELLED" in str(error.status())
+    ran = _cancelled_early(triton, start, cancelled_before)
+    _next_request_runs_alone(triton, start, ran)
+
+
+def test_http_client_that_hangs_up_stops_generation(triton):
+    """Over HTTP too: the door sends the request to Triton over gRPC and cancels it when its
+    client's connection closes."""
+    start, cancelled_before = triton.metric(STEPS), triton.metric("neopp_failures_total", **CANCELLED)
+    tensors = []
+    for name, (array, dtype) in triton.inputs(**LONG).items():
+        tensor = httpclient.InferInput(name, list(array.shape), dtype)
+        tensor.set_data_from_numpy(array, binary_data=True)
+        tensors.append(tensor)
+    body, header_length = httpclient.InferenceServerClient.generate_request_body(tensors)
+    conn = http.client.HTTPConnection(LOOPBACK, triton.door.server_address[1], timeout=60)
+    conn.request("POST", "/v2/models/neopp_dense/infer", body=body,
+                 headers={"Inference-Header-Content-Length": str(header_length)})
+    assert triton.wait_metric(STEPS, start + 2) >= start + 2, "generation did not start"
+    conn.sock.close()  # the client hangs up without reading an answer
+    conn.close()
     ran = _cancelled_early(triton, start, cancelled_before)
     _next_request_runs_alone(triton, start, ran)
 

@@ -31,9 +31,21 @@ def small(tiny_dense, tmp_path_factory):
         assert not server.stop(), "tritonserver left processes behind"
 
 
+TOKENS: dict[int, tuple[np.ndarray, str]] = {}  # each opened session's SESSION_TOKEN
+
+
 def start(s: SmallServer, sid: int, **overrides):
-    return s.grpc.infer(SESSION, s.tensors(**overrides), sequence_id=sid, sequence_start=True,
-                        client_timeout=LIMIT_S)
+    result = s.grpc.infer(SESSION, s.tensors(**overrides), sequence_id=sid, sequence_start=True,
+                          client_timeout=LIMIT_S)
+    TOKENS[sid] = (np.array([result.as_numpy("SESSION_TOKEN")[0]], np.object_), "BYTES")
+    return result
+
+
+def close(s: SmallServer, sid: int) -> None:
+    """The owner's sequence_end without an image."""
+    inputs = s.tensors(**{name: None for name in ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND",
+                                                  "SIZE", "STEPS", "OUTPUT_FORMAT")}, SESSION_TOKEN=TOKENS[sid])
+    s.grpc.infer(SESSION, inputs, sequence_id=sid, sequence_end=True, client_timeout=LIMIT_S)
 
 
 def active_sessions(s: SmallServer) -> float:
@@ -52,14 +64,14 @@ def test_sessions_never_ended_do_not_lock_out_a_new_one(small):
     assert int(fresh.as_numpy("TURN")[0]) == 0 and time.monotonic() - began < 30
     assert small.grpc.is_server_ready() and small.grpc.is_model_ready(SESSION)
     # The newest sessions are still served; the model's own count stays at its bound.
-    assert int(small.grpc.infer(SESSION, small.tensors(), sequence_id=opened[-1],
+    assert int(small.grpc.infer(SESSION, small.tensors(SESSION_TOKEN=TOKENS[opened[-1]]), sequence_id=opened[-1],
                                 client_timeout=LIMIT_S).as_numpy("TURN")[0]) == 1
     assert active_sessions(small) == MAX_SESSIONS
 
 
 def test_failed_first_turns_hold_no_session_and_no_slot(small):
     for sid in (999, 100 + 3 * CANDIDATES - 1):  # end what the previous test left open
-        small.grpc.infer(SESSION, [], sequence_id=sid, sequence_end=True, client_timeout=LIMIT_S)
+        close(small, sid)
     assert active_sessions(small) == 0
     for sid in range(2000, 2000 + 3 * CANDIDATES):
         with pytest.raises(InferenceServerException) as err:

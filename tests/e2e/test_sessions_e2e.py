@@ -43,12 +43,23 @@ def sessions(triton):
     triton.grpc.load_model(SESSION)  # back to config.pbtxt
 
 
+TOKENS: dict[int, np.ndarray] = {}  # the owner's SESSION_TOKEN of each session id, as its answers carry it
+
+
+def token_of(sid: int) -> dict[str, np.ndarray]:
+    return {"SESSION_TOKEN": TOKENS[sid]} if sid in TOKENS else {}
+
+
 def turn(t, sid: int, seed: int | None = None, start: bool = False, end: bool = False, **overrides):
-    extra = {"STEPS": _i64(STEPS), **overrides}
+    """One turn as the session's owner: it sends back the token the session's answers carry."""
+    extra = {"STEPS": _i64(STEPS), **token_of(sid), **overrides}
     if seed is not None:
         extra["SEED"] = _i64(seed)
-    return t.grpc.infer(SESSION, t.grpc_tensors(**extra), sequence_id=sid, sequence_start=start,
-                        sequence_end=end, client_timeout=120)
+    result = t.grpc.infer(SESSION, t.grpc_tensors(**extra), sequence_id=sid, sequence_start=start,
+                          sequence_end=end, client_timeout=120)
+    if result.as_numpy("SESSION_TOKEN")[0]:
+        TOKENS[sid] = result.as_numpy("SESSION_TOKEN")
+    return result
 
 
 def session_images(t, sid: int, seeds=SEEDS, end: bool = True) -> list[bytes]:
@@ -154,9 +165,37 @@ def test_state_is_freed_at_sequence_end(sessions):
     assert "START" in refused(sessions, 5001).message()  # Triton released the sequence too
     # A sequence_end request without KV only closes the session (no image).
     turn(sessions, 5002, 200, start=True)
-    closed = sessions.grpc.infer(SESSION, [], sequence_id=5002, sequence_end=True)
+    closed = sessions.grpc.infer(SESSION, sessions.grpc_tensors(**{n: None for n in sessions.inputs()},
+                                                                **token_of(5002)),
+                                 sequence_id=5002, sequence_end=True)
     assert int(closed.as_numpy("TURN")[0]) == -1 and closed.as_numpy("IMAGE")[0] == b""
     assert active_sessions(sessions) == before
+
+
+def test_a_session_belongs_to_the_client_that_holds_its_token(sessions):
+    """Another client that knows only the sequence id can neither take a turn, nor end, nor restart
+    the session; the owner's next turn is the image it would have been."""
+    first = turn(sessions, 5101, 200, start=True)
+    token = first.as_numpy("SESSION_TOKEN")
+    assert len(token[0]) == 32 and int(token[0], 16) >= 0  # 128 bits, hex
+    wrong = {"SESSION_TOKEN": np.array([b"0" * 32], np.object_)}
+    attempts = [dict(sequence_id=5101), dict(sequence_id=5101, sequence_start=True),
+                dict(sequence_id=5101, sequence_end=True)]
+    for kwargs in attempts:
+        for stolen in ({"SESSION_TOKEN": None}, wrong):
+            with pytest.raises(InferenceServerException) as info:
+                sessions.grpc.infer(SESSION, sessions.grpc_tensors(STEPS=_i64(STEPS), SEED=_i64(9), **stolen),
+                                    client_timeout=120, **kwargs)
+            message = info.value.message()
+            # Triton frees the slot at any sequence_end (the model refused it): the next one without
+            # START is refused by Triton's sequence batcher before it reaches the model
+            ours = "SESSION_TOKEN" in message and "INVALID_ARG" in str(info.value.status())
+            assert ours or (stolen is wrong and "sequence_end" in kwargs and "START flag" in message), message
+    # Triton's sequence batcher freed the slot at the refused sequence_end; the owner's START with
+    # its token continues the session where it was
+    second = turn(sessions, 5101, start=True, end=True)
+    assert int(second.as_numpy("TURN")[0]) == 1
+    assert bytes(second.as_numpy("IMAGE")[0]) == direct_images(sessions, (200, None))[1]
 
 
 def test_session_count_never_exceeds_its_maximum_under_churn(sessions):

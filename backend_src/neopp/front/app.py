@@ -41,6 +41,21 @@ def json_response(status: int, doc: Any, headers: dict[str, str] | None = None) 
     return Response(strict_json.dumps(doc), status, headers, media_type="application/json")
 
 
+class AnswerFirst(Response):
+    """A whole answer sent before ``after`` runs, the exchange closed only then: a refused body is
+    drained while its client already holds the answer."""
+
+    def __init__(self, answer: Response, after: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(answer.body, answer.status_code, media_type=answer.media_type)
+        self.raw_headers, self.after = answer.raw_headers, after
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": self.body, "more_body": True})
+        await self.after()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
 def _checked(request: Request, key: str, pattern: re.Pattern[str] = NAME) -> str:
     value = request.path_params.get(key, "")
     if not pattern.match(value):
@@ -189,6 +204,8 @@ class Door:
         except DoorError as exc:
             self.metrics.refusal(exc.reason)
             response = json_response(exc.status, {"error": exc.message}, exc.headers)
+            if exc.after is not None:
+                response = AnswerFirst(response, exc.after)
         except Exception as exc:  # noqa: BLE001 - one line in the log, a 500 to the client
             log.error("neopp front: %s %s failed: %s: %s", request.method, request.url.path[:200],
                       type(exc).__name__, str(exc)[:300])

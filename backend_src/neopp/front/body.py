@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from typing import Any
 from .errors import DoorError
 
 MiB = 1 << 20
+DRAIN_LIMIT = 1 << 30  # a refused body up to this size is read and dropped; a larger one is cut off
 
 
 @dataclass(frozen=True)
@@ -105,34 +107,61 @@ class BodyReader:
         self.budget, self.limits, self.reserved = budget, limits, 0
 
     def _hold(self, size: int) -> None:
+        if size > self.budget.total:  # could never fit: not worth a retry
+            raise DoorError(413, f"a body of {size} bytes is over the {self.budget.total} bytes the server holds "
+                            "for all requests at once", reason="too_large")
         if size > self.reserved:
             self.budget.reserve(size - self.reserved)
             self.reserved = size
 
     async def read(self, receive: Callable[[], Awaitable[dict]], headers: Any) -> bytes:
-        """The whole body (inflated), read chunk by chunk with a timeout on each."""
+        """The whole body (inflated), read chunk by chunk with a timeout on each.
+
+        A body refused for its size is, once the answer is out, read to its end and dropped (up to
+        DRAIN_LIMIT bytes, none of them held: ``DoorError.after``), so that a client still sending
+        it reads the answer instead of a connection reset.
+        """
+        self.got, self.more = 0, True
+        try:
+            return await self._read(receive, headers)
+        except DoorError as exc:
+            if exc.status in (413, 503) and self.more:
+                exc.after = functools.partial(self._drain, receive, headers)
+            raise
+
+    async def _read(self, receive: Callable[[], Awaitable[dict]], headers: Any) -> bytes:
         length, coding = declared_length(headers, self.limits), content_coding(headers)
         self._hold(length)
         inflater = _Inflater(coding, self.limits.max_body) if coding else None
-        parts, got, size = [], 0, 0
-        while True:
+        parts, size = [], 0
+        while self.more:
             message = await self._next(receive)
             chunk = message.get("body", b"")
-            got += len(chunk)
-            if got > length:
+            self.got += len(chunk)
+            self.more = message.get("more_body", False)
+            if self.got > length:
                 raise DoorError(400, "the body is longer than its Content-Length")
             if chunk:
                 data = inflater.feed(chunk) if inflater else chunk
                 size += len(data)
                 self._hold(size)
                 parts.append(data)
-            if not message.get("more_body", False):
-                break
-        if got != length:
-            raise DoorError(400, f"the body ended after {got} of {length} bytes")
+        if self.got != length:
+            raise DoorError(400, f"the body ended after {self.got} of {length} bytes")
         if inflater:
             inflater.finish()
         return b"".join(parts)
+
+    async def _drain(self, receive: Callable[[], Awaitable[dict]], headers: Any) -> None:
+        text = headers.get("content-length", "0")
+        if "transfer-encoding" in headers or not text.isdigit() or int(text) > DRAIN_LIMIT:
+            return  # the connection is closed after the answer
+        try:
+            while self.more:
+                message = await self._next(receive)
+                self.more = message.get("more_body", False)
+        except DoorError:
+            pass
 
     async def _next(self, receive: Callable[[], Awaitable[dict]]) -> dict:
         try:

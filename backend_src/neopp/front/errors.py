@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 
 class DoorError(Exception):
     """A request the door answers itself; ``reason`` labels the refusal in the door's metrics."""
@@ -11,6 +13,7 @@ class DoorError(Exception):
         super().__init__(message)
         self.status, self.message, self.reason = status, message, reason
         self.headers = headers or {}
+        self.after: Callable[[], Awaitable[None]] | None = None  # run once the answer is sent
 
 
 def invalid(message: str) -> DoorError:

@@ -22,6 +22,15 @@ Parameters (``config.pbtxt``):
 A request with ``sequence_end`` and no ``COND_KV`` only closes the session: it answers an
 empty ``IMAGE`` and ``TURN`` -1, so a chat can end without generating one more image.
 
+Sessions have owners: every answer carries the session's ``SESSION_TOKEN`` (128 random bits),
+and every turn of a live session after its first (a later turn, a close, a restart with
+``sequence_start``) must send it back, else it is refused with INVALID_ARG and the session is
+left exactly as it was. The model's own closes (released slots, a stop) carry a per-instance
+secret instead. Triton's sequence batcher frees a sequence's slot at any ``sequence_end``, even
+one this model refuses; so a ``sequence_start`` that carries the token of an open session
+continues that session (its ``SEED``, if any, restarts the stream as on any turn), and an owner
+whose next turn Triton refuses for a missing START flag sends it again with ``sequence_start``.
+
 When the server stops, Triton waits for open sequences, up to its exit timeout. The model
 watches the server's own gRPC port (``StopWatch``; the address is read from the server's
 command line) and, once it says it is exiting, ends every sequence it holds at once, as a
@@ -35,6 +44,7 @@ from __future__ import annotations
 
 import json
 import queue
+import secrets
 import threading
 import time
 import traceback
@@ -48,7 +58,7 @@ from ..limits import text_value
 from .error_status import status_of_message
 from .parameters import GENERATION_MODELS, read_parameters
 from .procs import own_server_grpc_url
-from .sessions import SequenceSlots, SessionTable, TurnPlan, UnknownSession
+from .sessions import TOKEN_INPUT, SequenceSlots, SessionTable, TurnPlan, UnknownSession, authorize
 from .stop_watch import StopWatch, server_exiting
 
 SESSION_PARAMETERS = {
@@ -59,7 +69,7 @@ SESSION_PARAMETERS = {
     "session_idle_timeout_s": "600",
 }
 CONTROL_INPUTS = ("START", "END", "CORRID")
-NOT_FORWARDED = ("MODEL", "SEED", *CONTROL_INPUTS)
+NOT_FORWARDED = ("MODEL", "SEED", TOKEN_INPUT, *CONTROL_INPUTS)
 RELEASE_REQUEST_ID = "neopp-session-release"  # the model's own sequence_end of a dropped session
 STOP_REQUEST_ID = "neopp-session-stop"  # ... of a session still open when the server stops
 CLOSED_WHY = {RELEASE_REQUEST_ID: "released its Triton slot (dropped earlier)",
@@ -150,6 +160,7 @@ class SessionTritonModel:
         self.slots = build_slots(config, self.table)
         self.releaser = SlotReleaser(self._send_release, self.logger)
         self._ended_at_stop: set[int] = set()
+        self._internal_token = secrets.token_hex(16)  # the model's own closes carry it
         self._stop_client: Any = None
         self.stop_watch = self._watch_for_stop()
         self.allowed = tuple(m.strip() for m in params["allowed_models"].split(",") if m.strip())
@@ -203,7 +214,8 @@ class SessionTritonModel:
             self._send_stop_end(session_id)
             return
         pb = self.pb
-        result = pb.InferenceRequest(model_name=self.model_name, inputs=[], requested_output_names=["TURN"],
+        token = pb.Tensor(TOKEN_INPUT, np.array([self._internal_token.encode()], dtype=np.object_))
+        result = pb.InferenceRequest(model_name=self.model_name, inputs=[token], requested_output_names=["TURN"],
                                      request_id=RELEASE_REQUEST_ID, correlation_id=session_id,
                                      flags=pb.TRITONSERVER_REQUEST_FLAG_SEQUENCE_END).exec()
         if result.has_error():  # e.g. Triton's idle bound ended it first
@@ -229,7 +241,11 @@ class SessionTritonModel:
 
     def _send_stop_end(self, session_id: int) -> None:
         """A client's sequence_end over the server's own gRPC port (BLS is refused while it stops)."""
-        self._stop_client.infer(self.model_name, [], sequence_id=session_id, sequence_end=True,
+        import tritonclient.grpc as grpcclient
+
+        token = grpcclient.InferInput(TOKEN_INPUT, [1], "BYTES")
+        token.set_data_from_numpy(np.array([self._internal_token.encode()], dtype=np.object_))
+        self._stop_client.infer(self.model_name, [token], sequence_id=session_id, sequence_end=True,
                                 request_id=STOP_REQUEST_ID, client_timeout=10.0)
 
     # ------------------------------------------------------------------ one turn
@@ -243,8 +259,10 @@ class SessionTritonModel:
             missing = [name for name in CONTROL_INPUTS if name not in inputs]
             if missing:
                 raise ConfigError(f"control inputs {missing} missing: config.pbtxt must declare START, END, CORRID")
-            start, end = bool(_scalar(inputs["START"])), bool(_scalar(inputs["END"]))
+            start, asked_end = bool(_scalar(inputs["START"])), bool(_scalar(inputs["END"]))
             session_id = int(_scalar(inputs["CORRID"]))
+            self._authorize(session_id, inputs)  # before anything changes: a refused turn changes nothing
+            end = asked_end
             self.slots.seen(session_id, end)
             seed = int(_scalar(inputs["SEED"])) if "SEED" in inputs else None
             if "COND_KV" not in inputs:
@@ -252,7 +270,8 @@ class SessionTritonModel:
                     raise InputError("COND_KV: required input is missing (only a sequence_end request may leave "
                                      "it out, to close the session without an image)")
                 return self._closed(session_id, CLOSED_WHY.get(request.request_id(), "closed without an image"))
-            session = self.table.open(session_id, seed) if start else self.table.get(session_id)
+            held = start and session_id in self.table  # a START with the owner's token continues it
+            session = self.table.open(session_id, seed) if start and not held else self.table.get(session_id)
             model = session.model or self.default_model
             model = _text("MODEL", inputs["MODEL"]) if "MODEL" in inputs else model
             if model not in self.allowed:
@@ -286,7 +305,15 @@ class SessionTritonModel:
             pb.Tensor("IMAGE", image),
             pb.Tensor("TURN", np.array([turn], dtype=np.int64)),
             pb.Tensor("NEXT_RNG_STATE", state),
+            pb.Tensor(TOKEN_INPUT, np.array([session.token.encode()], dtype=np.object_)),
         ])
+
+    def _authorize(self, session_id: int, inputs: dict[str, Any]) -> None:
+        """A live session's turns (later, closing, restarting) need its token; a new id needs none."""
+        session = self.table.held(session_id)
+        if session is not None:
+            token = _text(TOKEN_INPUT, inputs[TOKEN_INPUT]) if TOKEN_INPUT in inputs else None
+            authorize(session, token, self._internal_token)
 
     def _closed(self, session_id: Any, how: str) -> Any:
         """Answer of a request that only closes a session: no image (empty IMAGE, TURN -1)."""
@@ -296,6 +323,7 @@ class SessionTritonModel:
             pb.Tensor("IMAGE", np.array([b""], dtype=np.object_)),
             pb.Tensor("TURN", np.array([-1], dtype=np.int64)),
             pb.Tensor("NEXT_RNG_STATE", np.zeros(0, dtype=np.uint8)),
+            pb.Tensor(TOKEN_INPUT, np.array([b""], dtype=np.object_)),
         ])
 
     def _same_error(self, error: Any) -> Any:

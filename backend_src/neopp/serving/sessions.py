@@ -5,6 +5,10 @@ it (the generation model's ``NEXT_RNG_STATE``), or the seed its next turn starts
 generation model receives that state as ``RNG_STATE``, so any instance of any generation
 model can serve any turn.
 
+A session belongs to whoever opened it: its first image comes with a token of 128 random bits,
+and every later turn, the closing one included, must carry it (``authorize``). A sequence id is
+a number anyone can guess; the token is not.
+
 Bounds, so that clients that vanish without ``sequence_end`` cannot grow memory:
 
 * ``idle_timeout_s``: a session unused for longer is dropped at the next request;
@@ -17,11 +21,12 @@ Pure Python (no Triton import), so the rules are testable without a server.
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import ConfigError, InputError
 
@@ -31,6 +36,19 @@ REMEMBERED_DROPPED = 4096  # ids of dropped sessions kept (id and reason only) t
 
 class UnknownSession(InputError):
     """A turn of a session the table does not hold (never started, ended, expired, evicted)."""
+
+
+TOKEN_INPUT = "SESSION_TOKEN"
+
+
+def authorize(session: Session, token: str | None, internal: str | None = None) -> None:
+    """Refuse a turn that does not carry the session's token (``internal``: the model's own)."""
+    if token is None:
+        raise InputError(f"{TOKEN_INPUT}: required for every turn after the first of session "
+                         f"{session.session_id} (the first turn's {TOKEN_INPUT} output)")
+    expected = [session.token] + ([internal] if internal else [])
+    if not any(secrets.compare_digest(token.encode(), e.encode()) for e in expected):
+        raise InputError(f"{TOKEN_INPUT}: does not match session {session.session_id}; the session is unchanged")
 
 
 @dataclass
@@ -43,6 +61,7 @@ class Session:
     turn: int = 0  # TURN of the next delivered image
     model: str | None = None  # generation model of the last turn
     last_used: float = 0.0
+    token: str = field(default_factory=lambda: secrets.token_hex(16))  # 128 bits, the owner's proof
 
 
 @dataclass(frozen=True)
@@ -106,6 +125,11 @@ class SessionTable:
             self.evicted_total += 1
             self._remember(victim, f"evicted to make room (more than max_sessions={self.max_sessions} sessions)")
         self._sessions[session.session_id] = session
+
+    def held(self, session_id: SessionId) -> Session | None:
+        """The live session of this id, if any (expired ones are dropped first); no side effect else."""
+        self.expire()
+        return self._sessions.get(session_id)
 
     def get(self, session_id: SessionId) -> Session:
         """The session of a later turn, or UnknownSession saying why it is not there."""
