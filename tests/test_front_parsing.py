@@ -24,8 +24,10 @@ MAX_JSON = 1 << 20
 
 
 def _infer(doc: dict, binary: bytes = b"") -> tuple[pb.ModelInferRequest, kserve_infer.OutputPlan]:
+    """The request as Triton receives it: the door's wire bytes parsed back by protobuf."""
     header = json.dumps(doc).encode()
-    return kserve_infer.parse_infer(header + binary, str(len(header)) if binary else None, "m", "", MAX_JSON)
+    wire, plan = kserve_infer.parse_infer(header + binary, str(len(header)) if binary else None, "m", "", MAX_JSON)
+    return pb.ModelInferRequest.FromString(wire.serialize()), plan
 
 
 def _refused(match: str, status: int = 400):
@@ -128,7 +130,7 @@ def test_generate_maps_fields_to_declared_inputs() -> None:
     metadata.inputs.add(name="KV", datatype="BF16", shape=[-1, 2])
     metadata.inputs.add(name="BASE64_OUTPUT", datatype="INT64", shape=[1])
     body = json.dumps({"SIZE": [64, 32], "SEED": 3, "BASE64_OUTPUT": 1, "MISSPELT": 2}).encode()
-    request = generate.parse_generate(body, "m", "", metadata, stream=True)
+    request = generate.parse_generate(body, "m", "", metadata, stream=True).to_message()
     assert [(t.name, list(t.shape)) for t in request.inputs] == [("SIZE", [2]), ("SEED", [1])]
     assert request.parameters["MISSPELT"].int64_param == 2  # as Triton: the model decides
     assert request.parameters["triton_enable_empty_final_response"].bool_param

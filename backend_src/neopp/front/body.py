@@ -114,7 +114,7 @@ class BodyReader:
             self.budget.reserve(size - self.reserved)
             self.reserved = size
 
-    async def read(self, receive: Callable[[], Awaitable[dict]], headers: Any) -> bytes:
+    async def read(self, receive: Callable[[], Awaitable[dict]], headers: Any) -> bytes | bytearray:
         """The whole body (inflated), read chunk by chunk with a timeout on each.
 
         A body refused for its size is, once the answer is out, read to its end and dropped (up to
@@ -129,28 +129,32 @@ class BodyReader:
                 exc.after = functools.partial(self._drain, receive, headers)
             raise
 
-    async def _read(self, receive: Callable[[], Awaitable[dict]], headers: Any) -> bytes:
+    async def _read(self, receive: Callable[[], Awaitable[dict]], headers: Any) -> bytes | bytearray:
         length, coding = declared_length(headers, self.limits), content_coding(headers)
         self._hold(length)
         inflater = _Inflater(coding, self.limits.max_body) if coding else None
-        parts, size = [], 0
+        # a plain body lands where it belongs as it arrives (no second copy to join the chunks)
+        whole, parts, size = (None, [], 0) if inflater else (bytearray(length), None, 0)
         while self.more:
             message = await self._next(receive)
             chunk = message.get("body", b"")
-            self.got += len(chunk)
             self.more = message.get("more_body", False)
-            if self.got > length:
+            if self.got + len(chunk) > length:
                 raise DoorError(400, "the body is longer than its Content-Length")
-            if chunk:
-                data = inflater.feed(chunk) if inflater else chunk
+            if inflater and chunk:
+                data = inflater.feed(chunk)
                 size += len(data)
                 self._hold(size)
                 parts.append(data)
+            elif chunk:
+                whole[self.got:self.got + len(chunk)] = chunk
+            self.got += len(chunk)
         if self.got != length:
             raise DoorError(400, f"the body ended after {self.got} of {length} bytes")
         if inflater:
             inflater.finish()
-        return b"".join(parts)
+            return b"".join(parts)
+        return whole
 
     async def _drain(self, receive: Callable[[], Awaitable[dict]], headers: Any) -> None:
         text = headers.get("content-length", "0")

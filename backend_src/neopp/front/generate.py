@@ -17,6 +17,7 @@ from tritonclient.grpc import service_pb2 as pb
 from . import strict_json, tensors
 from .errors import invalid
 from .kserve_infer import set_parameter
+from .wire import WireRequest
 
 IMAGE_OUTPUTS = ("IMAGE", "PREVIEW")
 # Inputs that asked the model for base64 images: through generate they always are, so the
@@ -38,18 +39,19 @@ def _shape_of(value: Any, rank: int, name: str) -> list[int]:
 
 
 def parse_generate(body: bytes, model: str, version: str, metadata: pb.ModelMetadataResponse,
-                   stream: bool) -> pb.ModelInferRequest:
+                   stream: bool) -> WireRequest:
     """The gRPC request a generate body means, against the model's declared inputs."""
     doc = strict_json.loads(body, "generate request body")
     if not isinstance(doc, dict):
         raise invalid("the generate request body must be a JSON object")
     declared = {item.name: item for item in metadata.inputs}
-    request = pb.ModelInferRequest(model_name=model, model_version=version)
+    wire = WireRequest(pb.ModelInferRequest(model_name=model, model_version=version))
+    request = wire.message
     for key, value in doc.items():
         if key in BASE64_SWITCHES and key in declared:
             continue
         if key in declared:
-            _add_input(request, declared[key], value)
+            _add_input(wire, declared[key], value)
         elif key == "parameters":
             if not isinstance(value, dict):
                 raise invalid("'parameters' must be a JSON object")
@@ -61,17 +63,17 @@ def parse_generate(body: bytes, model: str, version: str, metadata: pb.ModelMeta
             set_parameter(request.parameters[key], value, f"'{key[:64]}'")
     if stream:
         request.parameters["triton_enable_empty_final_response"].bool_param = True
-    return request
+    return wire
 
 
-def _add_input(request: pb.ModelInferRequest, spec: Any, value: Any) -> None:
+def _add_input(wire: WireRequest, spec: Any, value: Any) -> None:
     shape = _shape_of(value, len(spec.shape), spec.name)
     if spec.datatype == "BF16":
         raise invalid(f"input '{spec.name}': BF16 has no JSON form; use the infer route with the binary "
                       "tensor extension, or the model's base64 input where it has one")
     raw = tensors.raw_from_json(value, spec.datatype, shape, spec.name)
-    request.inputs.add(name=spec.name, datatype=spec.datatype, shape=shape)
-    request.raw_input_contents.append(raw)
+    wire.message.inputs.add(name=spec.name, datatype=spec.datatype, shape=shape)
+    wire.raws.append(raw)
 
 
 def generate_response(response: pb.ModelInferResponse) -> dict[str, Any]:

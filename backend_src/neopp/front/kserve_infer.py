@@ -16,6 +16,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from . import strict_json, tensors
 from .errors import DoorError, invalid
+from .wire import WireRequest
 
 REQUEST_KEYS = {"id", "parameters", "inputs", "outputs"}
 INPUT_KEYS = {"name", "shape", "datatype", "parameters", "data"}
@@ -111,10 +112,10 @@ class _Binary:
     def __init__(self, data: memoryview) -> None:
         self.data, self.pos = data, 0
 
-    def take(self, size: int, name: str) -> bytes:
+    def take(self, size: int, name: str) -> memoryview:
         if self.pos + size > len(self.data):
             raise invalid(f"input '{name}': binary_data_size {size} runs past the end of the body")
-        chunk = bytes(self.data[self.pos:self.pos + size])
+        chunk = self.data[self.pos:self.pos + size]  # a view: the bytes are copied once, onto the wire
         self.pos += size
         return chunk
 
@@ -123,7 +124,7 @@ class _Binary:
             raise invalid(f"the body has {len(self.data) - self.pos} bytes after the last binary input")
 
 
-def _input(request: pb.ModelInferRequest, item: Any, binary: _Binary, names: set[str]) -> None:
+def _input(wire: WireRequest, item: Any, binary: _Binary, names: set[str]) -> None:
     item = _keys(item, INPUT_KEYS, "each input")
     name = _name(item.get("name"), "input")
     if name in names:
@@ -133,7 +134,7 @@ def _input(request: pb.ModelInferRequest, item: Any, binary: _Binary, names: set
     datatype = tensors.check_datatype(item.get("datatype"), name)
     params = item.get("parameters") or {}
     params = _keys(params, {"binary_data_size", *SHM_PARAMETERS}, f"input '{name}' parameters")
-    tensor = request.inputs.add(name=name, datatype=datatype, shape=shape)
+    tensor = wire.message.inputs.add(name=name, datatype=datatype, shape=shape)
     sources = [key for key in ("data", "binary_data_size", "shared_memory_region") if key in item or key in params]
     if len(sources) != 1:
         raise invalid(f"input '{name}': give exactly one of 'data', parameters.binary_data_size or "
@@ -148,7 +149,7 @@ def _input(request: pb.ModelInferRequest, item: Any, binary: _Binary, names: set
             raise invalid(f"input '{name}': parameters.binary_data_size must be a non-negative integer")
         raw = binary.take(size, name)
         tensors.check_raw_size(raw, datatype, shape, name)
-    request.raw_input_contents.append(raw)
+    wire.raws.append(raw)
 
 
 def _outputs(request: pb.ModelInferRequest, outputs: Any, plan: OutputPlan) -> None:
@@ -189,12 +190,13 @@ def split_header(body: bytes, header_length: str | None, max_json: int) -> tuple
 
 
 def parse_infer(body: bytes, header_length: str | None, model: str, version: str,
-                max_json: int) -> tuple[pb.ModelInferRequest, OutputPlan]:
+                max_json: int) -> tuple[WireRequest, OutputPlan]:
     """The gRPC request this HTTP infer request means, and how to send its outputs back."""
     header_bytes, rest = split_header(body, header_length, max_json)
     header = _keys(strict_json.loads(header_bytes, "inference request header"), REQUEST_KEYS,
                    "the inference request header")
-    request, plan = pb.ModelInferRequest(model_name=model, model_version=version), OutputPlan()
+    wire, plan = WireRequest(pb.ModelInferRequest(model_name=model, model_version=version)), OutputPlan()
+    request = wire.message
     if "id" in header:
         if not isinstance(header["id"], str) or len(header["id"]) > MAX_TEXT_PARAMETER:
             raise invalid(f"'id' must be a string of at most {MAX_TEXT_PARAMETER} characters")
@@ -204,11 +206,11 @@ def parse_infer(body: bytes, header_length: str | None, model: str, version: str
         raise invalid(f"'inputs' must be a list of 1-{MAX_TENSORS} objects")
     binary, names = _Binary(rest), set()
     for item in inputs:
-        _input(request, item, binary, names)
+        _input(wire, item, binary, names)
     binary.check_used()
     _request_parameters(request, header.get("parameters"), plan)
     _outputs(request, header.get("outputs"), plan)
-    return request, plan
+    return wire, plan
 
 
 def _parameters_json(params: Any) -> dict[str, Any]:

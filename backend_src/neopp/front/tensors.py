@@ -60,7 +60,7 @@ def serialize_bytes(items: Iterable[bytes]) -> bytes:
     return b"".join(struct.pack("<I", len(item)) + item for item in items)
 
 
-def deserialize_bytes(raw: bytes, count: int, name: str) -> list[bytes]:
+def deserialize_bytes(raw: bytes | memoryview, count: int, name: str) -> list[bytes]:
     """The elements of a raw BYTES tensor; its framing must hold exactly ``count`` of them."""
     items, pos = [], 0
     view = memoryview(raw)
@@ -115,7 +115,7 @@ def raw_from_json(data: Any, datatype: str, shape: list[int], name: str) -> byte
     return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
-def check_raw_size(raw: bytes, datatype: str, shape: list[int], name: str) -> None:
+def check_raw_size(raw: bytes | memoryview, datatype: str, shape: list[int], name: str) -> None:
     """Binary data must be exactly what the shape needs (BYTES: a well-formed framing)."""
     count = element_count(shape)
     if datatype == "BYTES":

@@ -20,6 +20,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from ..serving.admin import FRONT_HEADER, KEY_HEADER
 from .errors import DoorError
+from .wire import WireRequest
 
 MAX_MESSAGE = 1 << 30
 # gRPC status -> HTTP status, as Triton's HTTP endpoint answers for the same error.
@@ -54,20 +55,27 @@ class Upstream:
         self.grpc_target, self.http_address, self.front_key = grpc_target, http_address, front_key
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.GRPCInferenceServiceStub | None = None
+        self._infer_wire: grpc.aio.UnaryUnaryMultiCallable | None = None
+
+    def _connect(self) -> None:
+        if self._channel is not None:
+            return
+        options = [("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)]
+        self._channel = grpc.aio.insecure_channel(self.grpc_target, options=options)
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._infer_wire = self._channel.unary_unary(  # takes the bytes the door serialised itself
+            "/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
+            response_deserializer=pb.ModelInferResponse.FromString)
 
     @property
     def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
-        if self._stub is None:
-            options = [("grpc.max_send_message_length", MAX_MESSAGE),
-                       ("grpc.max_receive_message_length", MAX_MESSAGE)]
-            self._channel = grpc.aio.insecure_channel(self.grpc_target, options=options)
-            self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._connect()
         return self._stub
 
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
-            self._channel, self._stub = None, None
+            self._channel, self._stub, self._infer_wire = None, None, None
 
     async def metadata(self, model: str, version: str) -> pb.ModelMetadataResponse:
         try:
@@ -75,12 +83,14 @@ class Upstream:
         except grpc.aio.AioRpcError as exc:
             raise grpc_error(exc) from None
 
-    def infer(self, request: pb.ModelInferRequest) -> grpc.aio.UnaryUnaryCall:
+    def infer(self, request: WireRequest) -> grpc.aio.UnaryUnaryCall:
         """The call itself, so that the caller can cancel it."""
-        return self.stub.ModelInfer(request)
+        self._connect()
+        return self._infer_wire(request.serialize())
 
-    def stream(self, request: pb.ModelInferRequest) -> grpc.aio.StreamStreamCall:
+    def stream(self, wire: WireRequest) -> grpc.aio.StreamStreamCall:
         """A stream carrying this one request; its responses end with the final flag."""
+        request = wire.to_message()
 
         async def one() -> AsyncIterator[pb.ModelInferRequest]:
             yield request

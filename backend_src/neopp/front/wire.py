@@ -1,0 +1,45 @@
+"""A gRPC inference request whose tensor bytes are spliced in, not copied through protobuf.
+
+Handing a 44 MB KV to protobuf costs a copy into the message and another to serialise it. The
+bytes the door checked are instead written once, after the small serialised message, as
+``raw_input_contents`` fields (field 7, length-delimited): protobuf reads repeated fields in any
+position, so Triton receives the same message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tritonclient.grpc import service_pb2 as pb
+
+RAW_INPUT_TAG = bytes([7 << 3 | 2])  # field 7, wire type 2 (length-delimited)
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+@dataclass
+class WireRequest:
+    """The message without its raw contents, and the raw contents in input order."""
+
+    message: pb.ModelInferRequest
+    raws: list[bytes | memoryview] = field(default_factory=list)
+
+    def serialize(self) -> bytes:
+        parts: list[bytes | memoryview] = [self.message.SerializeToString()]
+        for raw in self.raws:
+            parts += [RAW_INPUT_TAG, _varint(len(raw)), raw]
+        return b"".join(parts)
+
+    def to_message(self) -> pb.ModelInferRequest:
+        """The same request as one protobuf message (small requests, streams)."""
+        message = pb.ModelInferRequest()
+        message.CopyFrom(self.message)
+        message.raw_input_contents.extend(bytes(raw) for raw in self.raws)
+        return message
