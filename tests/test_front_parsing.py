@@ -18,6 +18,7 @@ from tritonclient.grpc import service_pb2 as pb
 from neopp.front import generate, kserve_infer, strict_json, tensors
 from neopp.front.body import BodyReader, ByteBudget, DoorLimits
 from neopp.front.errors import DoorError
+from neopp.front.shm_arena import ShmArena, TensorRegion
 from neopp.front.upstream import grpc_error
 
 MAX_JSON = 1 << 20
@@ -204,3 +205,55 @@ def test_triton_errors_keep_their_meaning_over_http() -> None:
     assert error(grpc.StatusCode.INVALID_ARGUMENT, "COND_KV: bad").status == 400
     assert error(grpc.StatusCode.UNAVAILABLE, "model not ready").status == 503
     assert error(grpc.StatusCode.NOT_FOUND, "unknown session").status == 404
+
+
+def test_the_tensor_region_lends_disjoint_slices_and_takes_them_back(tmp_path) -> None:
+    arena = ShmArena(1024, directory=tmp_path)
+    try:
+        assert (tmp_path / arena.name).stat().st_mode & 0o777 == 0o600
+        with arena.lend(100) as a, arena.lend(500) as b, arena.lend(500) as c:
+            assert a.offset == 0 and b.offset == 128 and c is None  # 64-byte aligned, first fit
+            a.view[:3] = b"abc"
+            with arena.lend(300) as d:
+                assert d.offset == 640
+        assert arena.free_bytes() == 1024
+        with arena.lend(1024) as whole:
+            assert whole.offset == 0 and bytes(whole.view[:3]) == b"abc"
+    finally:
+        arena.close()
+    assert not (tmp_path / arena.name).exists()
+
+
+def test_binary_inputs_of_a_plain_body_are_written_into_the_region(tmp_path) -> None:
+    async def register(name: str, key: str, size: int) -> None:
+        registered.append((name, key, size))
+
+    registered: list = []
+    region = TensorRegion(ShmArena(1 << 16, directory=tmp_path), register, 1024, 4096, print)
+    header = {"content-length": "5000", "inference-header-content-length": "200"}
+    try:
+        assert region.wants(header) == 4800
+        assert region.wants({**header, "content-encoding": "gzip"}) == 0  # inflated: no fixed place
+        assert region.wants({**header, "inference-header-content-length": "4500"}) == 0  # tail under 1024
+        assert region.wants({**header, "inference-header-content-length": "6000"}) == 0  # header past the body
+        kv = np.arange(2400, dtype=np.uint16).tobytes()
+        doc = json.dumps({"inputs": [{"name": "KV", "datatype": "BF16", "shape": [2400],
+                                      "parameters": {"binary_data_size": len(kv)}}]}).encode()
+        headers = {"content-length": str(len(doc) + len(kv)), "inference-header-content-length": str(len(doc))}
+
+        async def run() -> pb.ModelInferRequest:
+            async with BodyReader(ByteBudget(1 << 20), DoorLimits()) as reader, region.slot(headers) as slot:
+                head = await reader.read(_receive([doc[:10], doc[10:] + kv[:7], kv[7:]]), headers, tail=slot.view)
+                wire, _ = kserve_infer.parse_infer_parts(bytes(head), slot.view, "m", "", (region.name, slot.offset))
+                assert bytes(slot.view) == kv
+                return pb.ModelInferRequest.FromString(wire.serialize())
+
+        request = asyncio.run(run())
+        assert registered == [(region.name, "/" + region.name, 1 << 16)]
+        params = {k: kserve_infer.parameter_value(v) for k, v in request.inputs[0].parameters.items()}
+        assert params == {"shared_memory_region": region.name, "shared_memory_offset": 0,
+                          "shared_memory_byte_size": len(kv)}
+        assert not request.raw_input_contents
+        assert region.lost(f"Unable to find system shared memory region: '{region.name}'") and not region.registered
+    finally:
+        region.close()

@@ -24,6 +24,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from PIL import Image
 
+from neopp.front.body import DoorLimits
 from neopp.front.server import DoorServer
 from neopp.kv_cache import load_kv_file
 from neopp.ports import LOOPBACK
@@ -59,7 +60,9 @@ class TritonHandle:
     def __post_init__(self) -> None:
         """HTTP goes through the launcher's door (neopp.front), as in `make serve`."""
         self.grpc = grpcclient.InferenceServerClient(self.server.grpc_url)
-        self.door = DoorServer(LOOPBACK, 0, self.server.grpc_url, (LOOPBACK, self.server.http_port), "e2e").start()
+        # every binary input through the door's shared-memory region (the launcher: from 1 MiB)
+        self.door = DoorServer(LOOPBACK, 0, self.server.grpc_url, (LOOPBACK, self.server.http_port), "e2e",
+                               DoorLimits(region_min_bytes=1)).start()
         self.http = httpclient.InferenceServerClient(self.door_url, network_timeout=120.0)
 
     @property

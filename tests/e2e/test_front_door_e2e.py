@@ -45,7 +45,8 @@ PLAIN_BOMB = b'{"inputs":[{"name":"INDEX_OFFSET_COND","datatype":"INT64","shape"
 def door(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("door") / "serve.log"
     handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY}, (MODEL,), max_restarts=2,
-                    launcher_args=["--bodies-in-flight-mib", str(BUDGET_MIB), "--read-timeout-s", str(READ_TIMEOUT_S)])
+                    launcher_args=["--bodies-in-flight-mib", str(BUDGET_MIB), "--read-timeout-s", str(READ_TIMEOUT_S),
+                                   "--tensor-region-min-kib", "1"])  # the tiny KV goes through the region too
     try:
         handle.wait_for("NeoPP Triton server ready")
         yield handle
@@ -176,9 +177,13 @@ def _stalled_upload(port: int, declared: int, sent: int) -> socket.socket:
     return sock
 
 
-def _door_metric(door, name: str) -> float:
+def _metrics_text(door) -> str:
     _, _, body = _raw(door.http_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-    match = re.search(rf"^{name} (\S+)$", body.decode(), re.M)
+    return body.decode()
+
+
+def _door_metric(door, name: str) -> float:
+    match = re.search(rf"^{name} (\S+)$", _metrics_text(door), re.M)
     return float(match.group(1)) if match else 0.0
 
 
@@ -282,3 +287,30 @@ def test_a_stopped_stub_is_killed_and_its_model_reloaded(door, kv):
             time.sleep(0.5)
     assert got == expected
     _alive(door, pid)
+
+
+def test_binary_inputs_reach_a_restarted_server_through_the_region_again(door, kv):
+    """The door registers its tensor region with the server it first talks to; a new server does
+    not know it, and the door registers it again, once, without losing the request."""
+    client = httpclient.InferenceServerClient(f"{LOOPBACK}:{door.http_port}", network_timeout=120.0)
+    try:
+        before = client.infer(MODEL, _tensors(httpclient, kv, seed=21)).as_numpy("IMAGE")[0]
+        pid = door.server_pid
+        os.kill(pid, signal.SIGKILL)
+        door.wait_for(r"tritonserver pid", count=2, timeout=120)
+        wait_for(lambda: door.server_pid != pid and _ready(door), 300, poll=0.5)
+        after = client.infer(MODEL, _tensors(httpclient, kv, seed=21)).as_numpy("IMAGE")[0]
+    finally:
+        client.close()
+    assert after == before == _grpc_image(door, kv, seed=21)
+    restarts = re.search(r'neopp_server_restarts_total\{reason="signal 9"\} (\S+)', _metrics_text(door))
+    assert restarts and float(restarts.group(1)) == 1.0
+
+
+def _ready(door) -> bool:
+    try:
+        status, _, _ = _raw(door.http_port, f"GET /v2/models/{MODEL}/ready HTTP/1.1\r\nHost: x\r\n"
+                            "Connection: close\r\n\r\n".encode(), timeout=5)
+        return status == 200
+    except OSError:
+        return False

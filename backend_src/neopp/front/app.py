@@ -27,7 +27,9 @@ from . import generate, kserve_infer, strict_json
 from .body import BodyReader, ByteBudget, DoorLimits
 from .door_metrics import DoorMetrics
 from .errors import DoorError, invalid
+from .shm_arena import TensorRegion
 from .upstream import Upstream, grpc_error
+from .wire import WireRequest
 
 log = logging.getLogger("neopp.front")
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -79,9 +81,9 @@ def _compress(request: Request, body: bytes, headers: dict[str, str]) -> bytes:
 class Door:
     """State shared by the routes: limits, the body budget, Triton, metrics."""
 
-    def __init__(self, upstream: Upstream, limits: DoorLimits, metrics: DoorMetrics,
+    def __init__(self, upstream: Upstream, limits: DoorLimits, metrics: DoorMetrics, region: TensorRegion,
                  on_unhealthy: Callable[[str], None] | None = None) -> None:
-        self.upstream, self.limits, self.metrics = upstream, limits, metrics
+        self.upstream, self.limits, self.metrics, self.region = upstream, limits, metrics, region
         self.budget = ByteBudget(limits.bodies_in_flight)
         self.on_unhealthy = on_unhealthy
 
@@ -98,15 +100,29 @@ class Door:
 
     async def infer(self, request: Request) -> Response:
         model, version = _checked(request, "model"), _checked(request, "version", VERSION)
-        async with BodyReader(self.budget, self.limits) as reader:
-            body = await self.body(request, reader)
-            header_length = request.headers.get("inference-header-content-length")
-            grpc_request, plan = await asyncio.to_thread(
-                kserve_infer.parse_infer, body, header_length, model, version, self.limits.max_json_bytes)
-            del body
-            response = await self._until_disconnect(request, self.upstream.infer(grpc_request))
+        header_length = request.headers.get("inference-header-content-length")
+        async with BodyReader(self.budget, self.limits) as reader, self.region.slot(request.headers) as slot:
+            if slot is None:
+                body = await self.body(request, reader)
+                wire, plan = await asyncio.to_thread(
+                    kserve_infer.parse_infer, body, header_length, model, version, self.limits.max_json_bytes)
+                del body
+            else:  # the binary part goes straight into the region Triton reads
+                head = await reader.read(request.receive, request.headers, tail=slot.view)
+                wire, plan = kserve_infer.parse_infer_parts(bytes(head), slot.view, model, version,
+                                                            (self.region.name, slot.offset))
+            response = await self._infer(request, wire)
         data, headers = kserve_infer.infer_response(response, plan)
         return Response(_compress(request, data, headers), 200, headers)
+
+    async def _infer(self, request: Request, wire: WireRequest) -> Any:
+        """The call; once more when Triton has restarted since the region was registered."""
+        try:
+            return await self._until_disconnect(request, self.upstream.infer(wire))
+        except DoorError as exc:
+            if not self.region.lost(exc.message) or not await self.region.ensure():
+                raise
+        return await self._until_disconnect(request, self.upstream.infer(wire))
 
     async def generate(self, request: Request) -> Response:
         model, version = _checked(request, "model"), _checked(request, "version", VERSION)

@@ -33,6 +33,7 @@ class DoorLimits:
     bodies_in_flight: int = 384 * MiB  # all bodies being read or held at once
     read_timeout_s: float = 30.0  # the longest pause between two chunks of a body
     max_connections: int = 256  # beyond it uvicorn answers 503
+    region_min_bytes: int = MiB  # binary parts this large go through the tensor region; 0: never
 
 
 class ByteBudget:
@@ -100,6 +101,16 @@ def content_coding(headers: Any) -> str | None:
     return coding
 
 
+def _place(chunk: bytes, at: int, head: bytearray, tail: memoryview | None) -> None:
+    """Copy ``chunk`` (body bytes from ``at``) into ``head``, and past its end into ``tail``."""
+    cut = max(0, min(len(chunk), len(head) - at))
+    if cut:
+        head[at:at + cut] = chunk[:cut]
+    if cut < len(chunk):
+        start = at + cut - len(head)
+        tail[start:start + len(chunk) - cut] = chunk[cut:]
+
+
 class BodyReader:
     """Reads one body; holds its share of the budget until the request is done (``async with``)."""
 
@@ -114,27 +125,33 @@ class BodyReader:
             self.budget.reserve(size - self.reserved)
             self.reserved = size
 
-    async def read(self, receive: Callable[[], Awaitable[dict]], headers: Any) -> bytes | bytearray:
+    async def read(self, receive: Callable[[], Awaitable[dict]], headers: Any,
+                   tail: memoryview | None = None) -> bytes | bytearray:
         """The whole body (inflated), read chunk by chunk with a timeout on each.
 
         A body refused for its size is, once the answer is out, read to its end and dropped (up to
         DRAIN_LIMIT bytes, none of them held: ``DoorError.after``), so that a client still sending
         it reads the answer instead of a connection reset.
+        ``tail`` (a plain body only): where the body's last ``len(tail)`` bytes go; the rest is returned.
         """
         self.got, self.more = 0, True
         try:
-            return await self._read(receive, headers)
+            return await self._read(receive, headers, tail)
         except DoorError as exc:
             if exc.status in (413, 503) and self.more:
                 exc.after = functools.partial(self._drain, receive, headers)
             raise
 
-    async def _read(self, receive: Callable[[], Awaitable[dict]], headers: Any) -> bytes | bytearray:
+    async def _read(self, receive: Callable[[], Awaitable[dict]], headers: Any,
+                    tail: memoryview | None) -> bytes | bytearray:
         length, coding = declared_length(headers, self.limits), content_coding(headers)
         self._hold(length)
         inflater = _Inflater(coding, self.limits.max_body) if coding else None
+        if tail is not None and (inflater or len(tail) > length):
+            raise ValueError("a tail is for a plain body that holds it")
+        head = length - (len(tail) if tail is not None else 0)
         # a plain body lands where it belongs as it arrives (no second copy to join the chunks)
-        whole, parts, size = (None, [], 0) if inflater else (bytearray(length), None, 0)
+        whole, parts, size = (None, [], 0) if inflater else (bytearray(head), None, 0)
         while self.more:
             message = await self._next(receive)
             chunk = message.get("body", b"")
@@ -147,7 +164,7 @@ class BodyReader:
                 self._hold(size)
                 parts.append(data)
             elif chunk:
-                whole[self.got:self.got + len(chunk)] = chunk
+                _place(chunk, self.got, whole, tail)
             self.got += len(chunk)
         if self.got != length:
             raise DoorError(400, f"the body ended after {self.got} of {length} bytes")

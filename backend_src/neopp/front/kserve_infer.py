@@ -107,10 +107,11 @@ def _shm_parameters(target: Any, params: dict[str, Any], what: str) -> bool:
 
 
 class _Binary:
-    """The bytes after the JSON header, handed out in input order."""
+    """The bytes after the JSON header, handed out in input order; ``region`` (name, offset):
+    where they lie in a shared-memory region Triton has registered, if they do."""
 
-    def __init__(self, data: memoryview) -> None:
-        self.data, self.pos = data, 0
+    def __init__(self, data: memoryview, region: tuple[str, int] | None = None) -> None:
+        self.data, self.pos, self.region = data, 0, region
 
     def take(self, size: int, name: str) -> memoryview:
         if self.pos + size > len(self.data):
@@ -147,8 +148,15 @@ def _input(wire: WireRequest, item: Any, binary: _Binary, names: set[str]) -> No
         size = params["binary_data_size"]
         if type(size) is not int or size < 0:
             raise invalid(f"input '{name}': parameters.binary_data_size must be a non-negative integer")
+        start = binary.pos
         raw = binary.take(size, name)
         tensors.check_raw_size(raw, datatype, shape, name)
+        if binary.region is not None:  # Triton reads it where it lies
+            region, base = binary.region
+            for key, value in (("shared_memory_region", region), ("shared_memory_offset", base + start),
+                               ("shared_memory_byte_size", size)):
+                set_parameter(tensor.parameters[key], value, name)
+            return
     wire.raws.append(raw)
 
 
@@ -193,6 +201,12 @@ def parse_infer(body: bytes, header_length: str | None, model: str, version: str
                 max_json: int) -> tuple[WireRequest, OutputPlan]:
     """The gRPC request this HTTP infer request means, and how to send its outputs back."""
     header_bytes, rest = split_header(body, header_length, max_json)
+    return parse_infer_parts(header_bytes, rest, model, version)
+
+
+def parse_infer_parts(header_bytes: bytes, rest: memoryview, model: str, version: str,
+                      region: tuple[str, int] | None = None) -> tuple[WireRequest, OutputPlan]:
+    """``parse_infer`` with the header and the binary part apart (the latter maybe in a region)."""
     header = _keys(strict_json.loads(header_bytes, "inference request header"), REQUEST_KEYS,
                    "the inference request header")
     wire, plan = WireRequest(pb.ModelInferRequest(model_name=model, model_version=version)), OutputPlan()
@@ -204,7 +218,7 @@ def parse_infer(body: bytes, header_length: str | None, model: str, version: str
     inputs = header.get("inputs")
     if not isinstance(inputs, list) or not 0 < len(inputs) <= MAX_TENSORS:
         raise invalid(f"'inputs' must be a list of 1-{MAX_TENSORS} objects")
-    binary, names = _Binary(rest), set()
+    binary, names = _Binary(rest, region), set()
     for item in inputs:
         _input(wire, item, binary, names)
     binary.check_used()

@@ -20,9 +20,11 @@ import uvicorn
 from .app import Door, build_app
 from .body import DoorLimits
 from .door_metrics import DoorMetrics
+from .shm_arena import ShmArena, TensorRegion
 from .upstream import Upstream
 
 HEADER_LIMIT = 64 * 1024  # bytes of request line and headers
+LOG = logging.getLogger("neopp.front")
 
 
 class DoorServer:
@@ -30,11 +32,19 @@ class DoorServer:
 
     def __init__(self, host: str, port: int, grpc_target: str, http_address: tuple[str, int], front_key: str,
                  limits: DoorLimits | None = None, metrics: DoorMetrics | None = None,
-                 on_unhealthy: Callable[[str], None] | None = None) -> None:
+                 on_unhealthy: Callable[[str], None] | None = None, admin_key: str | None = None) -> None:
+        """``admin_key``: to register the tensor region where Triton restricts shared memory."""
         self.limits = limits or DoorLimits()
         self.metrics = metrics or DoorMetrics()
         self.upstream = Upstream(grpc_target, http_address, front_key)
-        self.door = Door(self.upstream, self.limits, self.metrics, on_unhealthy)
+        arena = ShmArena(self.limits.bodies_in_flight) if self.limits.region_min_bytes else None
+
+        async def register(name: str, key: str, size: int) -> None:
+            await self.upstream.register_region(name, key, size, admin_key)
+
+        self.region = TensorRegion(arena, register, self.limits.region_min_bytes, self.limits.max_json_bytes,
+                                   LOG.warning)
+        self.door = Door(self.upstream, self.limits, self.metrics, self.region, on_unhealthy)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -45,7 +55,8 @@ class DoorServer:
                                 h11_max_incomplete_event_size=HEADER_LIMIT, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
-        logging.getLogger("neopp.front").addHandler(logging.StreamHandler())
+        if not LOG.handlers:
+            LOG.addHandler(logging.StreamHandler())
 
     def start(self) -> DoorServer:
         self._thread = threading.Thread(target=self._run, name="neopp-http-door", daemon=True)
@@ -71,3 +82,4 @@ class DoorServer:
         if self._thread is not None:
             self._thread.join(timeout=15)
         self.sock.close()
+        self.region.close()

@@ -18,7 +18,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from ..serving.admin import FRONT_HEADER, KEY_HEADER
+from ..serving.admin import FRONT_HEADER, GRPC_HEADER, KEY_HEADER
 from .errors import DoorError
 from .wire import WireRequest
 
@@ -82,6 +82,12 @@ class Upstream:
             return await self.stub.ModelMetadata(pb.ModelMetadataRequest(name=model, version=version), timeout=30)
         except grpc.aio.AioRpcError as exc:
             raise grpc_error(exc) from None
+
+    async def register_region(self, name: str, key: str, size: int, admin_key: str | None) -> None:
+        """Register a system shared-memory region with Triton (the operator key where restricted)."""
+        metadata = [(GRPC_HEADER, admin_key)] if admin_key else None
+        request = pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=0, byte_size=size)
+        await self.stub.SystemSharedMemoryRegister(request, metadata=metadata, timeout=30)
 
     def infer(self, request: WireRequest) -> grpc.aio.UnaryUnaryCall:
         """The call itself, so that the caller can cancel it."""

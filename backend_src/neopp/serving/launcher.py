@@ -68,10 +68,10 @@ class Supervisor:
         self.server: TritonServer | None = None
         self.watchdog = None
         limits = DoorLimits(max_body=int(ns.max_body_mib * MiB), bodies_in_flight=int(ns.bodies_in_flight_mib * MiB),
-                            read_timeout_s=ns.read_timeout_s)
+                            read_timeout_s=ns.read_timeout_s, region_min_bytes=int(ns.tensor_region_min_kib * 1024))
         grpc_host = LOOPBACK if ns.host in ("0.0.0.0", "", "::") else ns.host
         self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", (LOOPBACK, self.upstream_port),
-                                self.front_key, limits, on_unhealthy=self._stub_unhealthy)
+                                self.front_key, limits, on_unhealthy=self._stub_unhealthy, admin_key=key)
 
     def _stub_unhealthy(self, instance: str) -> None:
         """Triton answered that an instance's stub is not healthy: the watchdog replaces it."""
@@ -235,5 +235,8 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
                    help="HTTP request bodies held at once, all requests together (beyond: 503, Retry-After)")
     s.add_argument("--read-timeout-s", type=float, default=30.0,
                    help="longest pause in an HTTP upload before the door drops it (408)")
+    s.add_argument("--tensor-region-min-kib", type=float, default=1024.0,
+                   help="binary HTTP inputs this large reach Triton through the door's shared-memory region "
+                        "instead of inside the gRPC request (0: never)")
     s.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra tritonserver arguments")
 
