@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from client_examples.make_perf_data import perf_input_data
-from neopp.serving.admin import GRPC_HEADER, KEY_ENV
+from neopp.serving.admin import GRPC_HEADER, KEY_ENV, KEY_HEADER
 from neopp.serving.triton_install import TritonLaunchError, prepend_path, site_packages_candidates, venv_bin
 
 
@@ -118,8 +118,10 @@ def operator_key(key_file: Path) -> str | None:
 
 def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int, size: tuple[int, int],
           steps: int | None, out_dir: Path, extra: list[str], concurrency: str = "1",
-          key_file: Path = Path("build/admin.key")) -> int:
+          key_file: Path = Path("build/admin.key"), http_url: str | None = None) -> int:
     """perf_analyzer against ``model`` on ``grpc_url``; None: on a server started here, stopped after.
+    With ``http_url`` it measures over HTTP there (the launcher's door); the KV geometry is still
+    read over gRPC.
 
     perf_analyzer reads the model config, which a restricted server (``make serve``) answers
     only with the operator key: it goes along as a gRPC header and is never printed.
@@ -143,14 +145,15 @@ def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int
                                offsets=(cond_tokens, uncond_tokens))
         data_path.write_text(json.dumps(data))
         window = measurement_args(extra)
-        args = ["-m", model, "-i", "grpc", "-u", grpc_url, "--input-data", str(data_path),
+        protocol, url, header = ("http", http_url, KEY_HEADER) if http_url else ("grpc", grpc_url, GRPC_HEADER)
+        args = ["-m", model, "-i", protocol, "-u", url, "--input-data", str(data_path),
                 "--concurrency-range", concurrency, *window, *extra]
-        print(f"measuring {model} on {grpc_url}: KV {layers} layers x {kv_heads} heads x {head_dim}, "
+        print(f"measuring {model} on {url} ({protocol}): KV {layers} layers x {kv_heads} heads x {head_dim}, "
               f"{cond_tokens}+{uncond_tokens} prefix tokens, {size[0]}x{size[1]}, {steps} steps; "
               f"settings {' '.join(window) or '(yours)'}", flush=True)
         print("perf_analyzer", " ".join(args), flush=True)
         key = operator_key(key_file)
-        return run_perf_analyzer([*args, "-H", f"{GRPC_HEADER}:{key}"] if key else args)
+        return run_perf_analyzer([*args, "-H", f"{header}:{key}"] if key else args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=bench.__doc__)
     p.add_argument("--model", default="neopp_dense")
     p.add_argument("--grpc-url", default="localhost:8001", help="the server to measure (default: make serve's)")
+    p.add_argument("--http-url", default=None,
+                   help="measure over HTTP at this address (make serve's: localhost:8000) instead of gRPC")
     p.add_argument("--own-server", action="store_true", help="start a server on free ports instead, stop it after")
     p.add_argument("--admin-key-file", type=Path, default=Path("build/admin.key"),
                    help=f"operator key of the server (default build/admin.key; ${KEY_ENV} wins)")
@@ -173,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ns.out_dir.mkdir(parents=True, exist_ok=True)
     try:
         return bench(ns.model, None if ns.own_server else ns.grpc_url, ns.cond_tokens, ns.uncond_tokens,
-                     tuple(ns.size), ns.steps, ns.out_dir, ns.extra, ns.concurrency, ns.admin_key_file)
+                     tuple(ns.size), ns.steps, ns.out_dir, ns.extra, ns.concurrency, ns.admin_key_file, ns.http_url)
     except TritonLaunchError as exc:
         print(f"error: {exc}")
         return 2

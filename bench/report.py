@@ -29,6 +29,8 @@ SECTIONS = [
     ("modes", "modes_bench", lambda out: ["--out", out], "modes.md", "Modes: FP8 memory, step time, MoE dispatch"),
     ("kv_ingest", "kv_ingest", lambda out: ["--out", str(Path(out) / "kv_ingest.md")], "kv_ingest.md",
      "KV ingest: gRPC vs system shared memory"),
+    ("http_door", "http_door", lambda out: ["--out", str(Path(out) / "http_door.md")], "http_door.md",
+     "HTTP door: its cost next to the old front and gRPC"),
     ("serving", "serving_bench", lambda out: ["--out", out], "serving.md",
      "Triton end to end vs in-process; throughput per instance count"),
     ("continuous_batching", "streaming_serving", lambda out: ["--out", out], "streaming_serving.md",

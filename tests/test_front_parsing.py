@@ -254,6 +254,7 @@ def test_binary_inputs_of_a_plain_body_are_written_into_the_region(tmp_path) -> 
         assert params == {"shared_memory_region": region.name, "shared_memory_offset": 0,
                           "shared_memory_byte_size": len(kv)}
         assert not request.raw_input_contents
-        assert region.lost(f"Unable to find system shared memory region: '{region.name}'") and not region.registered
+        assert not region.lost(f"Invalid offset + byte size for shared memory region: '{region.name}'")
+        assert region.lost(f"Unable to find shared memory region: '{region.name}'") and not region.registered
     finally:
         region.close()

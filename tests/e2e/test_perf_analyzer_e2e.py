@@ -26,8 +26,11 @@ def test_no_server_says_what_to_start() -> None:
 
 
 @pytest.mark.skipif(not perf_analyzer._has_libb64(), reason="perf_analyzer needs libb64.so.0d: run `make deps`")
-def test_measures_the_running_server(triton, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    code = perf_analyzer.main(["--grpc-url", triton.server.grpc_url, "--size", "64", "64", "--steps", "1",
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_measures_the_running_server(triton, protocol: str, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Over gRPC straight to Triton, over HTTP through the door (binary tensors, the model config read there)."""
+    over = ["--http-url", triton.door_url] if protocol == "http" else []
+    code = perf_analyzer.main(["--grpc-url", triton.server.grpc_url, *over, "--size", "64", "64", "--steps", "1",
                                "--cond-tokens", "24", "--uncond-tokens", "7", "--out-dir", str(tmp_path),
                                "--", "--request-count", "8"])  # a fixed count: no stability to wait for
     out = capfd.readouterr().out

@@ -151,7 +151,7 @@ def _input(wire: WireRequest, item: Any, binary: _Binary, names: set[str]) -> No
         start = binary.pos
         raw = binary.take(size, name)
         tensors.check_raw_size(raw, datatype, shape, name)
-        if binary.region is not None:  # Triton reads it where it lies
+        if binary.region is not None and size:  # Triton reads it where it lies (an empty one: inline)
             region, base = binary.region
             for key, value in (("shared_memory_region", region), ("shared_memory_offset", base + start),
                                ("shared_memory_byte_size", size)):

@@ -133,6 +133,9 @@ class TensorRegion:
                 await self.register(self.arena.name, self.arena.key, self.arena.size)
                 self.registered = True
             except Exception as exc:  # noqa: BLE001 - the region is an optimisation; say why it is off
+                if "already in manager" in str(exc):  # another request registered it first
+                    self.registered = True
+                    return True
                 self.log(f"neopp front: shared-memory region for tensors not registered ({exc}); "
                          "tensors travel inside gRPC requests")
                 self.arena.close()
@@ -141,7 +144,7 @@ class TensorRegion:
 
     def lost(self, message: str) -> bool:
         """True when Triton no longer knows the region (it restarted): register it again."""
-        if self.arena is not None and self.arena.name in message and "shared memory region" in message:
+        if self.arena is not None and "Unable to find" in message and f"'{self.arena.name}'" in message:
             self.registered = False
             return True
         return False
