@@ -1,5 +1,7 @@
 """The installed runtime stands alone: a fresh venv holding only the package and its declared
-dependencies imports every module of it, and carries none of the test or benchmark harness nor the demo task."""
+dependencies imports every module of it, and carries none of the test or benchmark harness nor the demo task.
+The launcher's HTTP door (``neopp.front``) runs in the launcher only and needs the ``serve`` extra
+(uvicorn, starlette, grpc): its modules are left out of the runtime venv's probe."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ import importlib, json, pkgutil, sys
 import neopp
 names = sorted(m.name for m in pkgutil.walk_packages(neopp.__path__, "neopp."))
 for name in names:
-    importlib.import_module(name)
+    if not name.startswith("neopp.front."):  # the serve extra's
+        importlib.import_module(name)
 foreign = sorted({m.split(".")[0] for m in sys.modules} & {"tritonclient", "pytriton", "matplotlib", "pytest"})
 missing = [n for n in ("testing", "bench", "demo") if importlib.util.find_spec(n) is not None]
 print(json.dumps({"modules": names, "file": neopp.__file__, "foreign": foreign, "harness": missing}))

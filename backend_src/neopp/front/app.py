@@ -124,26 +124,25 @@ class Door:
                 raise
         return await self._until_disconnect(request, self.upstream.infer(wire))
 
-    async def generate(self, request: Request) -> Response:
+    async def _generate_request(self, request: Request, reader: BodyReader, stream: bool) -> WireRequest:
+        """A generate body read under the bounds and mapped onto the model's declared inputs."""
         model, version = _checked(request, "model"), _checked(request, "version", VERSION)
+        body = await self.body(request, reader)
+        metadata = await self.upstream.metadata(model, version)
+        return generate.parse_generate(body, model, version, metadata, stream=stream)
+
+    async def generate(self, request: Request) -> Response:
         async with BodyReader(self.budget, self.limits) as reader:
-            body = await self.body(request, reader)
-            metadata = await self.upstream.metadata(model, version)
-            grpc_request = generate.parse_generate(body, model, version, metadata, stream=False)
-            del body
-            response = await self._until_disconnect(request, self.upstream.infer(grpc_request))
+            wire = await self._generate_request(request, reader, stream=False)
+            response = await self._until_disconnect(request, self.upstream.infer(wire))
         headers = {"Content-Type": "application/json"}
         return Response(_compress(request, strict_json.dumps(generate.generate_response(response)), headers),
                         200, headers)
 
     async def generate_stream(self, request: Request) -> Response:
-        model, version = _checked(request, "model"), _checked(request, "version", VERSION)
         async with BodyReader(self.budget, self.limits) as reader:
-            body = await self.body(request, reader)
-            metadata = await self.upstream.metadata(model, version)
-            grpc_request = generate.parse_generate(body, model, version, metadata, stream=True)
-        del body
-        call = self.upstream.stream(grpc_request)
+            wire = await self._generate_request(request, reader, stream=True)
+        call = self.upstream.stream(wire)
         try:
             first = await self._next_event(call)
         except BaseException:

@@ -25,7 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..front.body import DoorLimits, MiB
-from ..front.server import DoorServer
 from ..ports import LOOPBACK, free_ports
 from .admin import FRONT_HEADER, KEY_HEADER, load_or_create_key, new_front_key
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table
@@ -70,6 +69,8 @@ class Supervisor:
         limits = DoorLimits(max_body=int(ns.max_body_mib * MiB), bodies_in_flight=int(ns.bodies_in_flight_mib * MiB),
                             read_timeout_s=ns.read_timeout_s, region_min_bytes=int(ns.tensor_region_min_kib * 1024))
         grpc_host = LOOPBACK if ns.host in ("0.0.0.0", "", "::") else ns.host
+        from ..front.server import DoorServer  # needs the serve extra (uvicorn, starlette, grpc)
+
         self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", (LOOPBACK, self.upstream_port),
                                 self.front_key, limits, on_unhealthy=self._stub_unhealthy, admin_key=key)
 
