@@ -75,7 +75,7 @@ serve: tiny
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) NEOPP_CHECKPOINT_NEOPP_MOE=$(NEOPP_MOE_CHECKPOINT) \
 	NEOPP_CHECKPOINT_NEOPP_MOE_CFG=$(NEOPP_MOE_CHECKPOINT) NEOPP_LORA_DIR=$(NEOPP_LORA_DIR) \
 	$(if $(NEOPP_PROMPT_CHECKPOINT),NEOPP_CHECKPOINT_NEOPP_PROMPT_ENCODER=$(NEOPP_PROMPT_CHECKPOINT)) \
-	$(PY) -m neopp.serving.tritonserver serve \
+	$(PY) -m neopp.launcher serve \
 	  --model-repository model_repository --host $(HOST) --http-port $(HTTP_PORT) \
 	  --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --admin-key-file $(ADMIN_KEY_FILE) \
 	  -- --model-control-mode=explicit $(foreach m,$(SERVED_MODELS),--load-model=$(m)) \

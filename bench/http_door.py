@@ -34,8 +34,8 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from bench.common import REPO, stats, write_report
 from bench.kv_ingest import write_geometry_checkpoint
+from neopp.launcher.tritonserver import TritonServer
 from neopp.ports import LOOPBACK, free_ports
-from neopp.serving.tritonserver import TritonServer
 from testing.faults import wait_for
 from testing.tiny_checkpoint import random_kv
 
@@ -110,7 +110,7 @@ def start_fronts(tmp: Path, server: TritonServer, rev: str) -> tuple[list[subpro
     wait = "import sys; sys.stdin.read()"
 
     def door(port: int, region_min_bytes: int) -> str:
-        return (f"from neopp.front.body import DoorLimits; from neopp.front.server import DoorServer; "
+        return (f"from neopp.launcher.door.body import DoorLimits; from neopp.launcher.door.server import DoorServer; "
                 f"DoorServer({LOOPBACK!r}, {port}, {server.grpc_url!r}, ({LOOPBACK!r}, {server.http_port}), "
                 f"{FRONT_KEY!r}, DoorLimits(region_min_bytes={region_min_bytes}), admin_key={ADMIN_KEY!r}).start(); "
                 f"{wait}")

@@ -22,7 +22,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from bench.common import REPO, stats, timed, write_report
-from neopp.serving.tritonserver import TritonServer
+from neopp.launcher.tritonserver import TritonServer
 from testing import lightllm_client_module
 from testing.tiny_checkpoint import random_kv, tiny_config, tiny_tensors
 

@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from client_examples.make_perf_data import perf_input_data
-from neopp.serving.admin import GRPC_HEADER, KEY_ENV, KEY_HEADER
-from neopp.serving.triton_install import TritonLaunchError, prepend_path, site_packages_candidates, venv_bin
+from neopp.launcher.admin import GRPC_HEADER, KEY_ENV, KEY_HEADER
+from neopp.launcher.triton_install import TritonLaunchError, prepend_path, site_packages_candidates, venv_bin
 
 
 def cuda_runtime_lib_dir() -> Path | None:
@@ -130,7 +130,7 @@ def bench(model: str, grpc_url: str | None, cond_tokens: int, uncond_tokens: int
     from contextlib import ExitStack
 
     from bench.common import REPO as REPO_ROOT
-    from neopp.serving.tritonserver import TritonServer
+    from neopp.launcher.tritonserver import TritonServer
 
     with ExitStack() as stack:
         if grpc_url is None:

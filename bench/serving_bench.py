@@ -38,10 +38,10 @@ from bench.common import REPO, save_figure, stats, write_report
 from bench.kv_ingest import lightllm_client_class, write_geometry_checkpoint
 from bench.perf_analyzer import perf_input_data, run_perf_analyzer
 from neopp.image_io import encode_image
+from neopp.launcher.tritonserver import TritonServer
 from neopp.modes import load_mode
 from neopp.pipeline import GenerationRequest, NeoPPPipeline
 from neopp.rng import NoiseStream
-from neopp.serving.tritonserver import TritonServer
 from testing.tiny_checkpoint import random_kv
 
 MODEL = "neopp_dense"

@@ -31,8 +31,8 @@ import tritonclient.grpc as grpcclient
 
 from bench.common import REPO, section_main
 from neopp.kv_cache import load_kv_file
-from neopp.serving.model_states import KEEP_GOING_ARGS
-from neopp.serving.tritonserver import TritonLaunchError, TritonServer
+from neopp.launcher.model_states import KEEP_GOING_ARGS
+from neopp.launcher.tritonserver import TritonLaunchError, TritonServer
 from testing.loadgen import grpc_inputs
 
 MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_dense_8steps",
@@ -159,7 +159,7 @@ def body(args) -> str:
 _READY_SCRIPT = """
 import sys, time
 from pathlib import Path
-from neopp.serving.tritonserver import TritonServer
+from neopp.launcher.tritonserver import TritonServer
 server = TritonServer(Path.cwd() / "model_repository", log_path=sys.argv[1],
                       extra_args=["--model-control-mode=explicit", *(f"--load-model={m}" for m in sys.argv[2:])])
 start = time.monotonic(); server.start(); server.wait_ready(900); print(time.monotonic() - start); server.stop()

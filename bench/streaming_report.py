@@ -222,7 +222,7 @@ def report_body(rows: dict, previews: dict, loaded: dict, after: dict, settings:
               "round(s) per point after the perf_analyzer runs. The plain model sends nothing until its image.", "",
               *preview_table(previews, rows), "",
               "### Resident memory of the model stubs", "",
-              "Stub processes found as children of the server started here (`neopp.serving.procs.model_stubs`), "
+              "Stub processes found as children of the server started here (`neopp.procs.model_stubs`), "
               "summed per model; shmem is the Python backend's shared regions as each stub mapped them.", "",
               *memory_table(loaded, after), "",
               "### What the same design gives on a GPU (estimate)", "", *gpu_section(), "",

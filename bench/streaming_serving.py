@@ -46,9 +46,9 @@ from bench.streaming_report import (
     plot_throughput,
     report_body,
 )
-from neopp.serving.model_states import KEEP_GOING_ARGS
-from neopp.serving.procs import model_stubs, rss_parts
-from neopp.serving.tritonserver import TritonServer
+from neopp.launcher.model_states import KEEP_GOING_ARGS
+from neopp.launcher.tritonserver import TritonServer
+from neopp.procs import model_stubs, rss_parts
 from testing.loadgen import grpc_inputs
 
 COND_TOKENS, UNCOND_TOKENS = 256, 16  # as `make bench-serve`: a guided request

@@ -17,6 +17,6 @@ for model in ${NEOPP_MODELS:-neopp_dense neopp_session}; do
 done
 mkdir -p "$state"
 cd "$home"
-exec "${NEOPP_PYTHON:-python3}" -m neopp.serving.tritonserver serve --model-repository "$home/model_repository" \
+exec "${NEOPP_PYTHON:-python3}" -m neopp.launcher serve --model-repository "$home/model_repository" \
   --host "${NEOPP_HOST:-0.0.0.0}" --http-port "${NEOPP_HTTP_PORT:-8000}" --grpc-port "${NEOPP_GRPC_PORT:-8001}" \
   --metrics-port "${NEOPP_METRICS_PORT:-8002}" --admin-key-file "$state/admin.key" -- "$@"

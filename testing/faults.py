@@ -2,7 +2,7 @@
 
 Used by the e2e tests (which assert on the outcome) and by ``testing.soak`` (which prints
 it). Every wait is bounded. Processes are looked up from the server under test (its pid and
-process group, ``neopp.serving.procs``) and re-checked right before they are signalled, so
+process group, ``neopp.procs``) and re-checked right before they are signalled, so
 another server on the same host is never selected or touched.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from neopp.serving.procs import model_stubs, server_processes, spawned_children
+from neopp.procs import model_stubs, server_processes, spawned_children
 from testing.fuzz import Inputs
 from testing.loadgen import image_bytes, infer, with_token
 
@@ -288,7 +288,7 @@ def sigterm_in_flight(server: Any, make_client: Callable[[], Any], model: str, r
     is checked for leftovers. ``group``: SIGTERM the whole process group (server and stubs), as
     a service manager does. Every wait is bounded by ``answer_timeout``.
     """
-    from neopp.serving.procs import process_group_members
+    from neopp.procs import process_group_members
 
     senders = _Senders(make_client, model, answer_timeout)
     pending, step_s = _hold_all(server, senders, requests, answer_timeout)

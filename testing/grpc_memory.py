@@ -11,7 +11,7 @@ hundred MB still passes through the server. Two refusals happen in different pla
   refuses it.
 
 ``python -m testing.grpc_memory`` measures both, with our settings (``MALLOC_ENV`` and no gRPC
-request pool, neopp.serving.tritonserver) and with Triton's and glibc's defaults, each on a fresh
+request pool, neopp.launcher.tritonserver) and with Triton's and glibc's defaults, each on a fresh
 server, and prints one line per case, with the time of a normal request in each setting.
 """
 
@@ -29,9 +29,9 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from neopp.kv_cache import load_kv_file
-from neopp.serving.procs import process_group_members, rss_parts
-from neopp.serving.triton_install import MALLOC_ENV
-from neopp.serving.tritonserver import GRPC_POOL_ARG, TritonServer
+from neopp.launcher.triton_install import MALLOC_ENV
+from neopp.launcher.tritonserver import GRPC_POOL_ARG, TritonServer
+from neopp.procs import process_group_members, rss_parts
 from testing import REPO
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 

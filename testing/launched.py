@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from neopp.ports import free_ports
-from neopp.serving.procs import process_group_members
+from neopp.procs import process_group_members
 from testing import REPO
 
 SERVER_LINE = re.compile(r"tritonserver pid (\d+), own HTTP on [\d.]+:(\d+) .*?prefix (\S+)")
@@ -76,7 +76,7 @@ def launch(log: Path, env: dict[str, str], models: Sequence[str], max_restarts: 
            launcher_args: Sequence[str] = ()) -> Launched:
     """The real launcher, explicit model control, a short exit timeout; ``env`` adds to ours."""
     http_port, grpc_port, metrics_port = free_ports(3)
-    cmd = [sys.executable, "-m", "neopp.serving.tritonserver", "serve", "--http-port", str(http_port),
+    cmd = [sys.executable, "-m", "neopp.launcher", "serve", "--http-port", str(http_port),
            "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--max-restarts", str(max_restarts),
            *launcher_args, "--", "--model-control-mode=explicit", "--exit-timeout-secs=5",
            *(f"--load-model={m}" for m in models)]

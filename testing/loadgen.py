@@ -18,7 +18,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from neopp.serving.procs import descendants, rss_bytes
+from neopp.procs import descendants, rss_bytes
 from testing.fuzz import Inputs, tensor, text
 
 

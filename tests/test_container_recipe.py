@@ -30,7 +30,7 @@ def test_base_image_is_the_release_of_the_client_version() -> None:
 
 def test_entry_point_is_the_launcher_with_its_defaults() -> None:
     script = (REPO / "docker" / "entrypoint.sh").read_text()
-    assert "-m neopp.serving.tritonserver serve" in script and "--admin-key-file" in script
+    assert "-m neopp.launcher serve" in script and "--admin-key-file" in script
     assert 'ENTRYPOINT ["/usr/local/bin/neopp-serve"]' in DOCKERFILE
     assert "NEOPP_TRITONSERVER_ROOT=/opt/tritonserver" in DOCKERFILE
 

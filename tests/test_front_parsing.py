@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from neopp.front import generate, kserve_infer, strict_json, tensors
-from neopp.front.body import BodyReader, ByteBudget, DoorLimits
-from neopp.front.errors import DoorError
-from neopp.front.shm_arena import ShmArena, TensorRegion
-from neopp.front.upstream import grpc_error
+from neopp.launcher.door import generate, kserve_infer, strict_json, tensors
+from neopp.launcher.door.body import BodyReader, ByteBudget, DoorLimits
+from neopp.launcher.door.errors import DoorError
+from neopp.launcher.door.shm_arena import ShmArena, TensorRegion
+from neopp.launcher.door.upstream import grpc_error
 
 MAX_JSON = 1 << 20
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from neopp.serving.procs import model_stubs, process_group_members, server_processes, stub_instance
+from neopp.procs import model_stubs, process_group_members, server_processes, stub_instance
 from testing.faults import rank_pids, signal_own
 
 MODEL_PY = """

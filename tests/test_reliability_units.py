@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from neopp.errors import InputError
+from neopp.launcher.supervisor import RestartRate
+from neopp.launcher.watchdog import expected_instances
 from neopp.limits import Limits
-from neopp.serving.launcher import RestartRate
 from neopp.serving.request_parsing import parse_request
-from neopp.serving.watchdog import expected_instances
 
 
 def _inputs(**extra):
@@ -45,9 +45,9 @@ def test_a_generation_stub_drops_the_servers_malloc_tuning():
     import subprocess
     import sys
 
-    from neopp.serving.triton_install import MALLOC_ENV
+    from neopp.launcher.triton_install import MALLOC_ENV
 
-    code = ("import os; from neopp.serving.procs import restore_malloc_defaults; restore_malloc_defaults(); "
+    code = ("import os; from neopp.procs import restore_malloc_defaults; restore_malloc_defaults(); "
             "print(sorted(k for k in os.environ if k.startswith('MALLOC_')))")
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **MALLOC_ENV}, check=True,
                          capture_output=True, text=True, timeout=120).stdout

@@ -1,6 +1,6 @@
 """The installed runtime stands alone: a fresh venv holding only the package and its declared
 dependencies imports every module of it, and carries none of the test or benchmark harness nor the demo task.
-The launcher's HTTP door (``neopp.front``) runs in the launcher only and needs the ``serve`` extra
+The launcher's HTTP door (``neopp.launcher.door``) runs in the launcher only and needs the ``serve`` extra
 (uvicorn, starlette, grpc): its modules are left out of the runtime venv's probe."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import importlib, json, pkgutil, sys
 import neopp
 names = sorted(m.name for m in pkgutil.walk_packages(neopp.__path__, "neopp."))
 for name in names:
-    if not name.startswith("neopp.front."):  # the serve extra's
+    if not name.startswith("neopp.launcher.door."):  # the serve extra's
         importlib.import_module(name)
 foreign = sorted({m.split(".")[0] for m in sys.modules} & {"tritonclient", "pytriton", "matplotlib", "pytest"})
 missing = [n for n in ("testing", "bench", "demo") if importlib.util.find_spec(n) is not None]

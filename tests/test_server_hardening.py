@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from neopp.serving.admin import FRONT_HEADER, KEY_ENV, KEY_HEADER, AdminKeyError, load_or_create_key, restriction_args
-from neopp.serving.shm_regions import backend_args, new_prefix, regions, remove_regions
+from neopp.launcher.admin import FRONT_HEADER, KEY_ENV, KEY_HEADER, AdminKeyError, load_or_create_key, restriction_args
+from neopp.launcher.shm_regions import backend_args, new_prefix, regions, remove_regions
 
 
 def test_key_file_is_created_private_once(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ import time
 
 from tritonclient.utils import InferenceServerException
 
-from neopp.serving.procs import own_server_grpc_url, server_option
-from neopp.serving.server_log import LogRelay, cpu_only_args, relabel
+from neopp.launcher.server_log import LogRelay, cpu_only_args, relabel
+from neopp.procs import own_server_grpc_url, server_option
 from neopp.serving.stop_watch import StopWatch, server_exiting
 
 CUDA_HELPER = b'E1130 08:08:18.667909 18454 server.cc:241] "CudaDriverHelper has not been initialized."\n'
@@ -109,7 +109,7 @@ def test_stop_watch_fires_once_and_closes() -> None:
 
 
 def test_load_rescue_stops_only_the_stubs_of_a_load_triton_abandoned() -> None:
-    from neopp.serving.load_rescue import StuckLoadWatch
+    from neopp.launcher.load_rescue import StuckLoadWatch
 
     sleepers = {m: [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(n)]
                 for m, n in (("neopp_dense", 1), ("neopp_dense_cfg", 1), ("neopp_moe", 2), ("neopp_session", 1),

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from neopp.errors import ConfigError, InputError
+from neopp.launcher.triton_install import find_install, prepare_backend_dir, python_tag, server_env
 from neopp.limits import Limits
 from neopp.ports import ephemeral_range, free_ports
 from neopp.serving.model_settings import PARAMETER_DEFAULTS, choose_device, resolve_checkpoint
 from neopp.serving.parameters import read_parameters
 from neopp.serving.request_parsing import INPUT_SPECS, parse_request
-from neopp.serving.triton_install import find_install, prepare_backend_dir, python_tag, server_env
 
 
 def test_backend_dir_holds_the_stub_for_this_python(tmp_path):

@@ -1,6 +1,6 @@
 """One real tritonserver for the whole e2e session, serving the tiny checkpoint.
 
-The server runs from the nvidia-pytriton wheel (neopp.serving.tritonserver) on free
+The server runs from the nvidia-pytriton wheel (neopp.launcher.tritonserver) on free
 loopback ports, loads only the models this suite needs (explicit model control), and
 is stopped at the end with a check that neither it nor a Python stub is left behind.
 """
@@ -24,13 +24,13 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from PIL import Image
 
-from neopp.front.body import DoorLimits
-from neopp.front.server import DoorServer
 from neopp.kv_cache import load_kv_file
+from neopp.launcher.door.body import DoorLimits
+from neopp.launcher.door.server import DoorServer
+from neopp.launcher.model_states import KEEP_GOING_ARGS
+from neopp.launcher.tritonserver import TritonServer
 from neopp.ports import LOOPBACK
-from neopp.serving.model_states import KEEP_GOING_ARGS
-from neopp.serving.procs import process_group_members
-from neopp.serving.tritonserver import TritonServer
+from neopp.procs import process_group_members
 from testing import REPO as REPO_ROOT
 from testing.faults import wait_for
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
@@ -58,7 +58,7 @@ class TritonHandle:
     door: DoorServer = field(init=False)
 
     def __post_init__(self) -> None:
-        """HTTP goes through the launcher's door (neopp.front), as in `make serve`."""
+        """HTTP goes through the launcher's door (neopp.launcher.door), as in `make serve`."""
         self.grpc = grpcclient.InferenceServerClient(self.server.grpc_url)
         # every binary input through the door's shared-memory region (the launcher: from 1 MiB)
         self.door = DoorServer(LOOPBACK, 0, self.server.grpc_url, (LOOPBACK, self.server.http_port), "e2e",

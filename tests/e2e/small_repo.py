@@ -12,8 +12,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from neopp.kv_cache import load_kv_file
-from neopp.serving.procs import process_group_members
-from neopp.serving.tritonserver import TritonServer
+from neopp.launcher.tritonserver import TritonServer
+from neopp.procs import process_group_members
 from testing import REPO as REPO_ROOT
 
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # the fixture's sample KV lengths, used as offsets

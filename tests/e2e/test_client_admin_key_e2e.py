@@ -12,8 +12,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from neopp.kv_cache import load_kv_file
-from neopp.serving.admin import KEY_ENV, grpc_headers
-from neopp.serving.tritonserver import TritonServer
+from neopp.launcher.admin import KEY_ENV, grpc_headers
+from neopp.launcher.tritonserver import TritonServer
 from testing import REPO as REPO_ROOT
 from testing import lightllm_client_module
 

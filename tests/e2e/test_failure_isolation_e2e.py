@@ -1,4 +1,4 @@
-"""A model that fails to load never takes the others down (``python -m neopp.serving.tritonserver
+"""A model that fails to load never takes the others down (``python -m neopp.launcher
 serve``, the launcher behind ``make serve``, with the real tritonserver).
 
 One launcher loads ``neopp_dense`` (good), ``neopp_dense_fp8`` pointed at a checkpoint whose
@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from neopp.kv_cache import load_kv_file
-from neopp.serving.admin import KEY_HEADER
+from neopp.launcher.admin import KEY_HEADER
 from testing.launched import Launched, launch
 from testing.tiny_lora import write_mismatched_loras
 

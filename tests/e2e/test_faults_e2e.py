@@ -3,7 +3,7 @@ one), the session model restarted, and (on a separate short-lived server) config
 and SIGTERM with requests in flight.
 
 Triton 2.51 does not restart a dead stub (the model stays READY and every request fails with
-"Stub process ... is not healthy."), so recovery is neopp.serving.watchdog's job; these tests
+"Stub process ... is not healthy."), so recovery is neopp.launcher.watchdog's job; these tests
 run it against the shared server only while they need it.
 """
 
@@ -19,9 +19,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.serving.procs import model_stubs
-from neopp.serving.tritonserver import TritonServer
-from neopp.serving.watchdog import StubWatchdog, force_reload
+from neopp.launcher.tritonserver import TritonServer
+from neopp.launcher.watchdog import StubWatchdog, force_reload
+from neopp.procs import model_stubs
 from testing import REPO as REPO_ROOT
 from testing.faults import kill_stub, restart_session_model, signal_own, sigterm_in_flight, stub_pid
 from testing.loadgen import image_bytes, infer, valid_inputs

@@ -1,4 +1,4 @@
-"""The HTTP door against the real launcher (``python -m neopp.serving.tritonserver serve``): the
+"""The HTTP door against the real launcher (``python -m neopp.launcher serve``): the
 requests that used to end the service are answered with a 4xx and the server lives on; request
 bodies are bounded in size, in time and all together; a full model queue answers 429 at once;
 a stub stopped by a signal is replaced, not resumed; no client's doing prints a traceback.
@@ -26,10 +26,10 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from neopp.kv_cache import load_kv_file
+from neopp.launcher.admin import grpc_headers, http_headers
+from neopp.launcher.watchdog import model_stub_pids
 from neopp.ports import LOOPBACK
-from neopp.serving.admin import grpc_headers, http_headers
-from neopp.serving.procs import process_group_members, rss_bytes
-from neopp.serving.watchdog import model_stub_pids
+from neopp.procs import process_group_members, rss_bytes
 from testing.faults import wait_for
 from testing.launched import launch
 

@@ -12,8 +12,8 @@ import torch
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.serving.procs import process_group_members
-from neopp.serving.tritonserver import TritonServer
+from neopp.launcher.tritonserver import TritonServer
+from neopp.procs import process_group_members
 from testing import REPO as REPO_ROOT
 
 LAYOUT = "h200x8"

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from bench import perf_analyzer
+from neopp.launcher.tritonserver import TritonLaunchError
 from neopp.ports import free_ports
-from neopp.serving.tritonserver import TritonLaunchError
 
 
 def test_settings_yield_to_the_callers_own_flags() -> None:

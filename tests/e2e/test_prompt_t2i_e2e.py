@@ -23,10 +23,10 @@ from tritonclient.utils import InferenceServerException
 
 from demo import shapes
 from neopp.checkpoint_config import CheckpointConfig
-from neopp.front.server import DoorServer
+from neopp.launcher.door.server import DoorServer
+from neopp.launcher.tritonserver import TritonServer
 from neopp.ports import LOOPBACK
-from neopp.serving.procs import process_group_members
-from neopp.serving.tritonserver import TritonServer
+from neopp.procs import process_group_members
 from neopp.text.language_tower import LanguageTower
 from testing import REPO
 from testing.tiny_checkpoint import write_tiny_checkpoint

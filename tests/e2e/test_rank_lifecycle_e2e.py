@@ -20,9 +20,9 @@ from conftest import MOE_MODELS, TritonHandle, ensure_8steps_lora
 from tritonclient.utils import InferenceServerException
 
 from neopp.kv_cache import load_kv_file
-from neopp.serving.model_states import KEEP_GOING_ARGS
-from neopp.serving.procs import cmdline, descendants, process_group_members
-from neopp.serving.tritonserver import TritonServer
+from neopp.launcher.model_states import KEEP_GOING_ARGS
+from neopp.launcher.tritonserver import TritonServer
+from neopp.procs import cmdline, descendants, process_group_members
 from testing import REPO as REPO_ROOT
 
 MULTI_RANK = ("neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_moe_cfg")

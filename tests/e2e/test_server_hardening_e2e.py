@@ -1,4 +1,4 @@
-"""The launcher's defaults against a real server it started (``python -m neopp.serving.tritonserver
+"""The launcher's defaults against a real server it started (``python -m neopp.launcher
 serve``): administrative APIs need the operator key over HTTP and gRPC while inference stays open,
 a JSON shape that used to abort Triton is refused by the HTTP front, refused oversized bodies
 leave no memory behind, a dead stub is reloaded through the key, a dead server is restarted, and
@@ -23,11 +23,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.serving.admin import grpc_headers, http_headers
-from neopp.serving.procs import descendants, ppid, process_group_members, rss_bytes, rss_parts
-from neopp.serving.shm_regions import regions
-from neopp.serving.tritonserver import TritonServer
-from neopp.serving.watchdog import force_reload, model_stub_pids
+from neopp.launcher.admin import grpc_headers, http_headers
+from neopp.launcher.shm_regions import regions
+from neopp.launcher.tritonserver import TritonServer
+from neopp.launcher.watchdog import force_reload, model_stub_pids
+from neopp.procs import descendants, ppid, process_group_members, rss_bytes, rss_parts
 from testing import REPO as REPO_ROOT
 from testing.grpc_memory import refused_burst
 from testing.launched import launch

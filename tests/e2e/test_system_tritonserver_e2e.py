@@ -14,8 +14,8 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from neopp.kv_cache import load_kv_file
+from neopp.launcher.triton_install import find_install, prepare_backend_dir
 from neopp.ports import free_ports
-from neopp.serving.triton_install import find_install, prepare_backend_dir
 from testing import REPO
 from testing.launched import run_launcher
 from testing.loadgen import grpc_inputs

@@ -55,9 +55,9 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, shown
 from ..limits import text_value
+from ..procs import own_server_grpc_url
 from .error_status import status_of_message
 from .parameters import GENERATION_MODELS, read_parameters
-from .procs import own_server_grpc_url
 from .sessions import TOKEN_INPUT, SequenceSlots, SessionTable, TurnPlan, UnknownSession, authorize
 from .stop_watch import StopWatch, server_exiting
 

@@ -26,6 +26,7 @@ from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
 from ..parallel.mesh import check_world
 from ..pipeline import GenerationRequest
+from ..procs import restore_malloc_defaults
 from ..request_log import request_line
 from ..rng import NoiseStream
 from ..warmup import warm_up
@@ -34,7 +35,6 @@ from .metrics import GenerationMetrics
 from .model_settings import TritonModelSettings, choose_device, load_model_mode
 from .parameters import narrow_kv_dims
 from .placement import backend_devices, check_layout
-from .procs import restore_malloc_defaults
 from .request_parsing import (
     INPUT_SPECS,
     KV_INPUTS,

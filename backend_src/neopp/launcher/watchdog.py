@@ -14,12 +14,12 @@ IPC again (a stopped stub that resumes after Triton gave up on it aborts tritons
 model is reloaded as for a dead stub.
 
 The watchdog runs next to the server (it reads ``/proc``), talks to it over loopback, and needs
-``--model-control-mode=explicit``. With the administrative APIs restricted (neopp.serving.admin)
+``--model-control-mode=explicit``. With the administrative APIs restricted (neopp.launcher.admin)
 it sends the operator key (``$NEOPP_ADMIN_KEY`` or ``--admin-key-file``).
-``neopp.serving.tritonserver serve`` runs one by default; next
+``neopp.launcher.tritonserver serve`` runs one by default; next
 to a tritonserver started otherwise (NVIDIA's container), run it alone:
 
-    python -m neopp.serving.watchdog --url localhost:8001 [--server-pid PID] [--admin-key-file F]
+    python -m neopp.launcher.watchdog --url localhost:8001 [--server-pid PID] [--admin-key-file F]
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..procs import all_pids, cmdline, is_stopped, ppid
 from .admin import KEY_ENV, grpc_headers, http_headers
-from .procs import all_pids, cmdline, is_stopped, ppid
 
 STUB_NAME = "triton_python_backend_stub"
 RELOAD_PARAMETER = "neopp_reload"
@@ -212,7 +212,7 @@ def find_server_pid() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m neopp.serving.watchdog", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m neopp.launcher.watchdog", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="localhost:8001", help="the server's gRPC address")
     parser.add_argument("--server-pid", type=int, help="tritonserver's pid (default: the only one found)")

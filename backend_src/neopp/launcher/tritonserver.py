@@ -6,17 +6,11 @@ holds the stub for this interpreter next to ``libtriton_python.so``, an
 ``LD_LIBRARY_PATH`` that puts the interpreter's own ``LIBDIR`` first, and the
 virtual environment's ``bin`` first on ``PATH``. This module does all three,
 starts the server on chosen (or free) ports, waits for readiness with a bound,
-and stops exactly the processes it started.
-
-CLI::
-
-    python -m neopp.serving.tritonserver serve --model-repository model_repository
-    python -m neopp.serving.tritonserver prepare-backend
+and stops exactly the processes it started. ``python -m neopp.launcher`` is its command line.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import signal
@@ -30,12 +24,12 @@ from pathlib import Path
 from typing import IO
 
 from ..ports import LOOPBACK, free_ports
-from .admin import FRONT_HEADER, KEY_HEADER, AdminKeyError, restriction_args
+from ..procs import process_group_members
+from .admin import FRONT_HEADER, KEY_HEADER, restriction_args
 from .load_rescue import StuckLoadWatch
-from .procs import process_group_members
 from .server_log import LogRelay, cpu_only_args, nvidia_driver_present
 from .shm_regions import backend_args, new_prefix, remove_regions
-from .triton_install import DEFAULT_BACKEND_DIR, TritonLaunchError, find_install, prepare_backend_dir, server_env
+from .triton_install import TritonLaunchError, find_install, prepare_backend_dir, server_env
 
 # What a large gRPC request leaves behind, even one Triton refuses (docs/security.md has the
 # figures). Triton keeps up to 8 request objects for reuse (--grpc-infer-allocation-pool-size),
@@ -81,7 +75,7 @@ class TritonServer:
                  malloc_env: dict[str, str] | None = None) -> None:
         """Ports left as None are picked free; ``env`` is the base environment (default: ours).
 
-        ``admin_key`` restricts the administrative APIs (neopp.serving.admin); ``front_key`` makes
+        ``admin_key`` restricts the administrative APIs (neopp.launcher.admin); ``front_key`` makes
         Triton's own HTTP port answer only requests relayed by the HTTP front, which binds the
         public address while Triton's HTTP listens on ``http_address``. ``shm_sizes`` (first size,
         growth step) sizes the Python backend's regions; each server gets its own region prefix.
@@ -195,7 +189,7 @@ class TritonServer:
         raise TritonLaunchError(f"tritonserver not ready after {timeout:.0f}s:\n" + self.log_tail())
 
     def retry_rescued(self, timeout: float = 600.0) -> list[str]:
-        """Load again every model whose abandoned load was rescued (neopp.serving.load_rescue).
+        """Load again every model whose abandoned load was rescued (neopp.launcher.load_rescue).
 
         Only a server that keeps going after a failed load (``--exit-on-error=false
         --strict-readiness=false``, as the launcher runs it) gets here with one.
@@ -281,34 +275,3 @@ class TritonServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-# ---------------------------------------------------------------- CLI
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m neopp.serving.tritonserver", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("serve", help="run tritonserver in the foreground")
-    from .launcher import add_arguments
-
-    add_arguments(s, "model_repository", str(Path("build") / "admin.key"),
-                  f"default {DEFAULT_BACKEND_DIR}")
-    b = sub.add_parser("prepare-backend", help="only assemble the backend directory and print it")
-    b.add_argument("--backend-dir", default=None)
-    ns = parser.parse_args(argv)
-    try:
-        if ns.cmd == "serve":
-            from .launcher import serve
-
-            return serve(ns)
-        print(prepare_backend_dir(ns.backend_dir))  # prepare-backend
-        return 0
-    except (TritonLaunchError, AdminKeyError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ..serving.admin import KEY_HEADER
+from ..admin import KEY_HEADER
 from . import generate, kserve_infer, strict_json
 from .body import BodyReader, ByteBudget, DoorLimits
 from .door_metrics import DoorMetrics
@@ -31,7 +31,7 @@ from .shm_arena import TensorRegion
 from .upstream import Upstream, grpc_error
 from .wire import WireRequest
 
-log = logging.getLogger("neopp.front")
+log = logging.getLogger("neopp.launcher.door")
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 VERSION = re.compile(r"^[0-9]{0,18}$")
 KEY_FORMAT = re.compile(r"^[A-Za-z0-9_-]{16,256}$")

@@ -24,7 +24,7 @@ from .shm_arena import ShmArena, TensorRegion
 from .upstream import Upstream
 
 HEADER_LIMIT = 64 * 1024  # bytes of request line and headers
-LOG = logging.getLogger("neopp.front")
+LOG = logging.getLogger("neopp.launcher.door")
 
 
 class DoorServer:

@@ -1,9 +1,9 @@
-"""``python -m neopp.serving.tritonserver serve``: tritonserver behind safe defaults, kept up.
+"""``python -m neopp.launcher serve``: tritonserver behind safe defaults, kept up.
 
 * The administrative APIs (model repository, config, shared memory, trace, logging) need the
   operator key (``$NEOPP_ADMIN_KEY`` or a 0600 file created at first start); the stub watchdog
   sends it when it reloads a model.
-* The public HTTP port is the door (neopp.front): it parses every request itself and sends
+* The public HTTP port is the door (neopp.launcher.door): it parses every request itself and sends
   inference to Triton over gRPC; Triton's own HTTP listens on a loopback port and answers only
   requests carrying the door's per-run key.
 * A server that dies is restarted with backoff, at most ``--max-restarts`` times within
@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..front.body import DoorLimits, MiB
 from ..ports import LOOPBACK, free_ports
 from .admin import FRONT_HEADER, KEY_HEADER, load_or_create_key, new_front_key
+from .door.body import DoorLimits, MiB
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table
 from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
 from .tritonserver import TritonServer
@@ -69,7 +69,7 @@ class Supervisor:
         limits = DoorLimits(max_body=int(ns.max_body_mib * MiB), bodies_in_flight=int(ns.bodies_in_flight_mib * MiB),
                             read_timeout_s=ns.read_timeout_s, region_min_bytes=int(ns.tensor_region_min_kib * 1024))
         grpc_host = LOOPBACK if ns.host in ("0.0.0.0", "", "::") else ns.host
-        from ..front.server import DoorServer  # needs the serve extra (uvicorn, starlette, grpc)
+        from .door.server import DoorServer  # needs the serve extra (uvicorn, starlette, grpc)
 
         self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", (LOOPBACK, self.upstream_port),
                                 self.front_key, limits, on_unhealthy=self._stub_unhealthy, admin_key=key)
@@ -225,7 +225,7 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--backend-dir", default=None, help=backend_help)
     s.add_argument("--ready-timeout", type=float, default=600.0)
     s.add_argument("--no-watchdog", action="store_true",
-                   help="do not reload a model whose Python stub died (see neopp.serving.watchdog)")
+                   help="do not reload a model whose Python stub died (see neopp.launcher.watchdog)")
     s.add_argument("--admin-key-file", default=default_key,
                    help="operator key file, created 0600 if missing ($NEOPP_ADMIN_KEY wins)")
     s.add_argument("--max-restarts", type=int, default=5,

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from .procs import model_stubs
+from ..procs import model_stubs
 
 # Triton's first line of a load, and our own last line of initialize (the generation models' and the
 # prompt encoder's "loaded", the session model's settings, neopp_t2i's "encoder"); Triton's last line of a

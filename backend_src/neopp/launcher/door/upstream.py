@@ -18,7 +18,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from ..serving.admin import FRONT_HEADER, GRPC_HEADER, KEY_HEADER
+from ..admin import FRONT_HEADER, GRPC_HEADER, KEY_HEADER
 from .errors import DoorError
 from .wire import WireRequest
 
