@@ -22,7 +22,8 @@ from bench.common import section_main, stats
 from bench.step_efficiency import BenchGeometry
 from neopp.engines import build_engine
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_tensors
 

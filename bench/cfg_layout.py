@@ -22,8 +22,8 @@ import torch.multiprocessing as tmp
 
 from bench.common import section_main, stats
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import GenerationRequest
 from neopp.ports import free_ports
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 
@@ -50,8 +50,8 @@ def bench_request(size: int, steps: int) -> GenerationRequest:
 
 def _rank(rank: int, port: int, ckpt: str, size: int, steps: int, repeats: int, out) -> None:
     torch.set_num_threads(1)
-    from neopp.parallel.engine import ParallelPipeline
     from neopp.parallel.mesh import init_mesh
+    from neopp.parallel.parallel_pipeline import ParallelPipeline
     from neopp.parallel.workers import rank_request
 
     mesh = init_mesh(MODE, rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 120)
@@ -108,10 +108,10 @@ def run(args: argparse.Namespace) -> str:
                         f"image {n['image']}, uncond {n['uncond']})\n\n| rank 0 / rank 1 | ms per step, median "
                         f"(min-max) | median vs {next(iter(LAYOUTS))} | min vs same |\n|---|---|---|---|\n"
                         + "\n".join(rows))
-    from neopp.parallel.engine import THREE_BRANCH_LAYOUT
+    from neopp.parallel.parallel_pipeline import THREE_BRANCH_LAYOUT
 
     used = next(name for name, layout in LAYOUTS.items() if layout == THREE_BRANCH_LAYOUT)
-    sections.append(f"The engine runs {used} (`neopp.parallel.engine.THREE_BRANCH_LAYOUT`).")
+    sections.append(f"The engine runs {used} (`neopp.parallel.parallel_pipeline.THREE_BRANCH_LAYOUT`).")
     return (f"Tiny checkpoint, float32, CPU, 2 ranks x 1 thread; cfg_scale 4, image_guidance_scale 2 (all three "
             f"branches on every step); {args.steps} timed steps x {args.repeats} rounds, layouts interleaved.\n\n"
             + "\n\n".join(sections))

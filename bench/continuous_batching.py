@@ -37,7 +37,8 @@ from bench.step_efficiency import BenchGeometry, build_pipeline
 from neopp.batch_engine import BatchingEngine
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from neopp.transformer import NeoPPTransformer
 from testing.tiny_checkpoint import random_kv, tiny_config, tiny_tensors

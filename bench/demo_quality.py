@@ -23,7 +23,7 @@ from bench.common import REPO, write_report
 from demo import shapes
 from neopp.engines import build_engine
 from neopp.modes import ModeSpec, load_mode
-from neopp.pipeline import GenerationRequest
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from neopp.text.language_tower import LanguageTower
 

@@ -69,8 +69,9 @@ def drop_page_cache(ckpt: Path) -> None:
 def child(path: str, ckpt: Path, size: int, steps: int, layers: int) -> dict:
     """Load, one warm-up image (pages the weights in), one timed image, then the matmul anchor."""
     from neopp.modes import ModeSpec, SamplingParams
-    from neopp.pipeline import GenerationRequest, NeoPPPipeline
+    from neopp.pipeline import NeoPPPipeline
     from neopp.quant import weight_bytes
+    from neopp.request import GenerationRequest
     from neopp.rng import NoiseStream
     from testing.tiny_checkpoint import random_kv
 

@@ -26,10 +26,11 @@ from neopp.checkpoint import load_checkpoint
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.lora import check_pair, read_lora_pairs
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.parallel.engine import CommTimer, ParallelPipeline, check_heads
 from neopp.parallel.mesh import backend_for, build_mesh
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.parallel.parallel_pipeline import CommTimer, ParallelPipeline, check_heads
+from neopp.pipeline import NeoPPPipeline
 from neopp.quant import fp8_layer_linear, quantize_layer_linears_
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from neopp.transformer import NeoPPTransformer
 from testing.tiny_lora import tiny_lora_tensors

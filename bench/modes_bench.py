@@ -28,8 +28,9 @@ from bench.common import REPO
 from neopp.engines import build_engine
 from neopp.layers import Linear, MoE, SwiGLU
 from neopp.modes import load_mode
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
 from neopp.quant import weight_bytes
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
 from testing.tiny_lora import write_tiny_loras

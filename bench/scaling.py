@@ -23,7 +23,8 @@ from bench.cfg_bench import write_checkpoint
 from bench.common import REPO, PeakRSS, rss_bytes, save_figure, section_main, stats
 from bench.step_efficiency import BenchGeometry, build_pipeline
 from neopp.modes import SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv
 

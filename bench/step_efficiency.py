@@ -17,7 +17,8 @@ import torch
 from bench.common import section_main, stats, timed
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from neopp.transformer import NeoPPTransformer
 from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from neopp.embeddings import patchify
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.schedule import initial_noise_scale
 
 

@@ -10,7 +10,8 @@ import torch
 
 from neopp.kv_cache import load_kv_file
 from neopp.modes import SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from neopp.batch_engine import BatchingEngine, EngineHooks
+from neopp.batch_engine import BatchingEngine
 from neopp.batching import StepBatcher, start
 from neopp.errors import GenerationCancelled, InputError, NonFiniteState
+from neopp.streaming import EngineHooks
 from testing.stream_requests import Collector, assert_pixels_match, assert_pixels_near, make, mixed, tiny_setup
 from tests.reference import neopp_reference as ref
 

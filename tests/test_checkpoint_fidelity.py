@@ -19,7 +19,8 @@ import torch
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.errors import ConfigError
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from neopp.schedule import initial_noise_scale
 from testing.probes import branch_velocity

@@ -119,7 +119,7 @@ def test_warm_up_runs_the_default_size_and_leaves_the_engine_exact(tiny: Path) -
     from neopp.engines import build_engine
     from neopp.kv_cache import load_kv_file
     from neopp.modes import load_mode
-    from neopp.pipeline import GenerationRequest
+    from neopp.request import GenerationRequest
     from neopp.rng import NoiseStream
     from neopp.warmup import warm_up
 

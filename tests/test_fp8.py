@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from neopp.checkpoint import FP8_DTYPE, load_checkpoint
 from neopp.image_io import to_pixels
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
 from neopp.quant import FP8Linear, dequantize_fp8, is_layer_linear, quantize_fp8, weight_bytes
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.probes import branch_velocity
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint

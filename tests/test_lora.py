@@ -16,8 +16,9 @@ from safetensors.torch import save_file
 from neopp.checkpoint import FP8_DTYPE, load_checkpoint
 from neopp.errors import ConfigError
 from neopp.modes import ModeSpec, SamplingParams, load_mode
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
 from neopp.quant import FP8Linear
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.probes import branch_velocity
 from testing.tiny_checkpoint import main as tiny_main

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from neopp.layers import Linear, MoE, SwiGLU
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.probes import branch_velocity
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint

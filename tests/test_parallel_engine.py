@@ -15,7 +15,8 @@ import torch
 
 from neopp.kv_cache import load_kv_file
 from neopp.modes import load_mode
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.ranks import run_ranks
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
@@ -43,8 +44,8 @@ def _request(kv: dict, mode_path: str, interval, height=96, width=160) -> Genera
 
 def _rank(rank: int, world: int, port: int, ckpt: str, kv: dict, mode_path: str, interval, out) -> None:
     torch.set_num_threads(1)
-    from neopp.parallel.engine import ParallelPipeline
     from neopp.parallel.mesh import init_mesh
+    from neopp.parallel.parallel_pipeline import ParallelPipeline
 
     mode = load_mode(mode_path)
     mesh = init_mesh(mode, rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 60)

@@ -35,8 +35,8 @@ def jobs(world: int) -> list[tuple[str, str]]:
 
 def _rank(rank: int, world: int, port: int, ckpt: str, out) -> None:
     torch.set_num_threads(1)
-    from neopp.parallel.engine import ParallelPipeline
     from neopp.parallel.mesh import init_mesh
+    from neopp.parallel.parallel_pipeline import ParallelPipeline
     from neopp.parallel.workers import rank_request
 
     mode = load_mode(MODES[world])

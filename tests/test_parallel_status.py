@@ -10,9 +10,8 @@ import torch
 
 from neopp import parallel_status as ps
 from neopp.modes import load_mode
-from neopp.pipeline import GenerationRequest
+from neopp.request import GenerationRequest, plan_of
 from neopp.request_log import request_line
-from neopp.request_rules import plan_of
 from neopp.tools import replay_kv, replay_kv_multiturn
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 

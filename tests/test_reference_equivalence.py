@@ -36,7 +36,8 @@ import torch
 
 from neopp.guidance import COND, UNCOND, combine, guidance_plan, norm_clamp
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.probes import branch_velocity
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint

@@ -14,9 +14,11 @@ import signal
 import pytest
 import torch
 
-from neopp.batch_engine import BatchingEngine, EngineHooks, build_stream_engine
+from neopp.batch_engine import BatchingEngine
+from neopp.engines import build_stream_engine
 from neopp.errors import GenerationCancelled, WorkerFailure
 from neopp.modes import load_mode
+from neopp.streaming import EngineHooks
 from testing.stream_requests import Collector, assert_pixels_match, make, mixed, tiny_setup
 
 MODES = {"cfg": "configs/neopp/neopp_dense_parallel_cfg.json",

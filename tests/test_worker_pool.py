@@ -15,7 +15,7 @@ from neopp.kv_cache import load_kv_file
 from neopp.modes import load_mode
 from neopp.parallel.mesh import check_world
 from neopp.parallel.workers import WorkerFailure
-from neopp.pipeline import GenerationRequest
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 

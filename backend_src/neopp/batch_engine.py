@@ -12,70 +12,24 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-
-import torch
 
 from .batching import Active, StepBatcher, fits, start, step_cost
 from .errors import GenerationCancelled
-from .limits import Limits
-from .modes import ModeSpec
-from .pipeline import GenerationRequest, NeoPPPipeline, set_threads
-from .streaming import CancelledFn, EmitFn, StepEvent, StreamEngine
+from .pipeline import NeoPPPipeline
+from .request import GenerationRequest
+from .streaming import (
+    DEFAULT_TOKEN_BUDGET,
+    CancelledFn,
+    EmitFn,
+    EngineHooks,
+    StepEvent,
+    StreamEngine,
+    Ticket,
+    is_cancelled,
+    send,
+)
 
 log = logging.getLogger(__name__)
-
-# Tokens x branches one step may carry: 8 guided 512x512 requests (1024 tokens each, 2 branches).
-DEFAULT_TOKEN_BUDGET = 16384
-
-
-@dataclass
-class EngineHooks:
-    """Optional metrics callbacks (the serving layer feeds histograms with them)."""
-
-    queue_wait: Callable[[float], None] | None = None   # seconds from submit to joining a batch
-    batch_size: Callable[[int], None] | None = None     # requests in one step
-    step_seconds: Callable[[float], None] | None = None  # wall time of one batched step
-
-    def call(self, name: str, value: float) -> None:
-        hook = getattr(self, name)
-        if hook is not None:
-            try:
-                hook(value)
-            except Exception:  # noqa: BLE001 - a broken metric must not stop generation
-                log.exception("metrics hook %s failed", name)
-
-
-@dataclass
-class Ticket:
-    """A submitted request with the callbacks that report it."""
-
-    job: int
-    req: GenerationRequest
-    emit: EmitFn
-    cancelled: CancelledFn
-    preview_every: int
-    submitted: float
-
-
-def send(ticket: Ticket, event: StepEvent) -> bool:
-    """Emit one event; False when the caller's emit failed (the request is then dropped)."""
-    try:
-        ticket.emit(event)
-        return True
-    except Exception:  # noqa: BLE001 - one caller's failure must not stop the others
-        log.exception("emit failed for streaming request %d; dropping it", ticket.job)
-        return False
-
-
-def is_cancelled(ticket: Ticket) -> bool:
-    try:
-        return bool(ticket.cancelled())
-    except Exception:  # noqa: BLE001 - a failing probe counts as a cancellation
-        log.exception("cancelled() failed for streaming request %d", ticket.job)
-        return True
 
 
 class BatchingEngine(StreamEngine):
@@ -191,20 +145,3 @@ class BatchingEngine(StreamEngine):
         self.hooks.call("step_seconds", time.perf_counter() - began)
         self.hooks.call("batch_size", len(active))
         return [(t, a) for (t, a), ev in zip(active, events) if send(t, ev) and not ev.last]
-
-
-def build_stream_engine(ckpt_dir: str | Path, mode: ModeSpec, device: str | None = None,
-                        dtype: torch.dtype | None = None, limits: Limits | None = None, threads: int | None = None,
-                        token_budget: int = DEFAULT_TOKEN_BUDGET, hooks: EngineHooks | None = None,
-                        instance_index: int = 0, gpus: list[int] | None = None,
-                        collective_timeout_s: float = 120.0) -> StreamEngine:
-    """A `BatchingEngine` for a 1-process mode, a `StreamPool` of rank processes otherwise."""
-    limits = limits or Limits()
-    set_threads(threads)
-    if mode.world_size == 1:
-        pipe = NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype, limits)
-        return BatchingEngine(pipe, token_budget, hooks)
-    from .parallel.stream_pool import build_stream_pool
-
-    return build_stream_pool(ckpt_dir, mode, dtype, limits, threads, token_budget, hooks, instance_index, gpus,
-                             collective_timeout_s)

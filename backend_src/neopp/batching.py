@@ -18,7 +18,8 @@ import torch
 from .embeddings import patchify, unpatchify
 from .errors import InputError, NeoPPError
 from .image_io import to_pixels
-from .pipeline import GenerationRequest, NeoPPPipeline, Prepared, check_finite
+from .pipeline import NeoPPPipeline, Prepared, check_finite
+from .request import GenerationRequest
 from .streaming import StepEvent
 from .transformer import BatchedBranches, BranchContext
 

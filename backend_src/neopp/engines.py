@@ -1,7 +1,9 @@
-"""One factory for every mode, and the interface both engines offer the serving layer.
+"""The factories of every mode's engines, and the interface the plain engines offer the serving layer.
 
 A 1-process mode runs a :class:`NeoPPPipeline` in this process; a mode with several ranks runs a
-:class:`WorkerPool` of rank processes. Callers see only :class:`GenerationEngine`.
+:class:`WorkerPool` of rank processes. Callers see only :class:`GenerationEngine`. The streaming
+models' engines (:class:`StreamEngine`: step-batching, in this process or on a rank pool) come
+from :func:`build_stream_engine`.
 """
 
 from __future__ import annotations
@@ -12,12 +14,17 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from .batch_engine import BatchingEngine
 from .checkpoint import default_dtype
 from .checkpoint_config import CheckpointConfig
 from .limits import Limits
 from .modes import ModeSpec
-from .pipeline import GenerationRequest, NeoPPPipeline, StepFn, StopFn, set_threads
-from .request_rules import RequestRules
+from .parallel.parallel_pipeline import check_heads
+from .parallel.stream_pool import build_stream_pool
+from .parallel.workers import PoolSpec, WorkerPool, instance_devices
+from .pipeline import NeoPPPipeline, StepFn, StopFn, set_threads
+from .request import GenerationRequest, RequestRules
+from .streaming import DEFAULT_TOKEN_BUDGET, EngineHooks, StreamEngine
 
 
 class GenerationEngine(Protocol):
@@ -46,12 +53,24 @@ def build_engine(ckpt_dir: str | Path, mode: ModeSpec, device: str | None = None
     set_threads(threads)
     if mode.world_size == 1:
         return NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype, limits)
-    from .parallel.engine import check_heads
-    from .parallel.workers import PoolSpec, WorkerPool, instance_devices
-
     config = CheckpointConfig.from_checkpoint(ckpt_dir)
     check_heads(config, mode)
     devices = instance_devices(mode.world_size, instance_index, gpus)
     dtype = dtype or default_dtype(torch.device(devices[0]))
     spec = PoolSpec(str(ckpt_dir), mode, devices, dtype, limits, threads, collective_timeout_s)
     return WorkerPool(spec, RequestRules(config, limits))
+
+
+def build_stream_engine(ckpt_dir: str | Path, mode: ModeSpec, device: str | None = None,
+                        dtype: torch.dtype | None = None, limits: Limits | None = None, threads: int | None = None,
+                        token_budget: int = DEFAULT_TOKEN_BUDGET, hooks: EngineHooks | None = None,
+                        instance_index: int = 0, gpus: list[int] | None = None,
+                        collective_timeout_s: float = 120.0) -> StreamEngine:
+    """A `BatchingEngine` for a 1-process mode, a `StreamPool` of rank processes otherwise."""
+    limits = limits or Limits()
+    set_threads(threads)
+    if mode.world_size == 1:
+        pipe = NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype, limits)
+        return BatchingEngine(pipe, token_budget, hooks)
+    return build_stream_pool(ckpt_dir, mode, dtype, limits, threads, token_budget, hooks, instance_index, gpus,
+                             collective_timeout_s)

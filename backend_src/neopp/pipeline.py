@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +19,13 @@ from .checkpoint import default_dtype, load_checkpoint
 from .checkpoint_config import CheckpointConfig
 from .embeddings import Grid, patchify, unpatchify
 from .errors import ConfigError, GenerationCancelled, InputError, NonFiniteState
-from .guidance import COND, IMAGE, UNCOND, combine, guidance_plan, guided_branches
+from .guidance import COND, UNCOND, combine, guidance_plan, guided_branches
 from .image_io import to_pixels
 from .limits import Limits
 from .lora import apply_loras_
 from .modes import TASKS, ModeSpec, SamplingParams
 from .quant import fp8_layer_linear, quantize_layer_linears_
-from .request_rules import RequestRules, plan_of
+from .request import GenerationRequest, RequestRules, plan_of
 from .schedule import initial_noise_scale, shifted_timesteps
 from .transformer import BatchedBranches, BranchContext, LinearFactory, NeoPPTransformer
 
@@ -35,35 +35,6 @@ StepFn = Callable[[int, float], None]
 # only during the call (the state moves on right after), so a preview costs nothing unless asked for.
 # Batched CFG wins where matmuls are short (few tokens); see bench/RESULTS.md.
 BATCH_CFG_MAX_TOKENS = 4096
-
-
-@dataclass
-class GenerationRequest:
-    """One image to generate; ``noise`` is drawn only once the request has passed validation."""
-
-    cond_kv: torch.Tensor
-    index_offset_cond: int
-    height: int
-    width: int
-    noise: torch.Tensor | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    uncond_kv: torch.Tensor | None = None
-    index_offset_uncond: int | None = None
-    task: str = "t2i"
-    noise_scaled: bool = False  # True: ``noise`` is the starting state itself (LightX2V draws it scaled)
-    image_kv: torch.Tensor | None = None  # image-editing guidance: the input images without the prompt
-    index_offset_image: int | None = None
-
-    @property
-    def image_editing(self) -> bool:
-        """Image-editing guidance is selected by sending the image branch. A CFG rank that does
-        not run that branch gets its offset without the KV, so it plans the same steps."""
-        return self.image_kv is not None or self.index_offset_image is not None
-
-    def branch_input(self, name: str) -> tuple[torch.Tensor | None, int | None]:
-        """The prefix and index offset of branch ``name`` (cond, uncond or image)."""
-        return {COND: (self.cond_kv, self.index_offset_cond), UNCOND: (self.uncond_kv, self.index_offset_uncond),
-                IMAGE: (self.image_kv, self.index_offset_image)}[name]
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from .modes import ModeSpec
 from .parallel_status import parallel_status
-from .pipeline import GenerationRequest
+from .request import GenerationRequest
 
 
 def request_line(name: str, mode: ModeSpec, req: GenerationRequest, plan: list[bool], image_bytes: int,

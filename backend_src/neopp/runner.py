@@ -17,7 +17,8 @@ from .errors import InputError
 from .image_io import encode_image
 from .kv_cache import load_kv_file
 from .modes import TASKS, ModeSpec, load_mode
-from .pipeline import GenerationRequest, NeoPPPipeline
+from .pipeline import NeoPPPipeline
+from .request import GenerationRequest
 from .rng import NoiseStream
 
 _KEEP = object()

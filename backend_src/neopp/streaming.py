@@ -8,13 +8,16 @@ requests and forwards events.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from .pipeline import GenerationRequest
+from .request import GenerationRequest
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,3 +55,53 @@ class StreamEngine(Protocol):
     def close(self) -> None:
         """Stop: queued and running requests end with a cancellation error event."""
         ...
+
+# Tokens x branches one step may carry: 8 guided 512x512 requests (1024 tokens each, 2 branches).
+DEFAULT_TOKEN_BUDGET = 16384
+
+
+@dataclass
+class EngineHooks:
+    """Optional metrics callbacks (the serving layer feeds histograms with them)."""
+
+    queue_wait: Callable[[float], None] | None = None   # seconds from submit to joining a batch
+    batch_size: Callable[[int], None] | None = None     # requests in one step
+    step_seconds: Callable[[float], None] | None = None  # wall time of one batched step
+
+    def call(self, name: str, value: float) -> None:
+        hook = getattr(self, name)
+        if hook is not None:
+            try:
+                hook(value)
+            except Exception:  # noqa: BLE001 - a broken metric must not stop generation
+                log.exception("metrics hook %s failed", name)
+
+
+@dataclass
+class Ticket:
+    """A submitted request with the callbacks that report it."""
+
+    job: int
+    req: GenerationRequest
+    emit: EmitFn
+    cancelled: CancelledFn
+    preview_every: int
+    submitted: float
+
+
+def send(ticket: Ticket, event: StepEvent) -> bool:
+    """Emit one event; False when the caller's emit failed (the request is then dropped)."""
+    try:
+        ticket.emit(event)
+        return True
+    except Exception:  # noqa: BLE001 - one caller's failure must not stop the others
+        log.exception("emit failed for streaming request %d; dropping it", ticket.job)
+        return False
+
+
+def is_cancelled(ticket: Ticket) -> bool:
+    try:
+        return bool(ticket.cancelled())
+    except Exception:  # noqa: BLE001 - a failing probe counts as a cancellation
+        log.exception("cancelled() failed for streaming request %d", ticket.job)
+        return True

@@ -19,7 +19,7 @@ from .engines import GenerationEngine
 from .errors import ConfigError
 from .image_io import encode_image
 from .modes import ModeSpec
-from .pipeline import GenerationRequest
+from .request import GenerationRequest
 from .rng import NoiseStream
 from .streaming import StepEvent, StreamEngine
 

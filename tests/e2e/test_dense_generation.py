@@ -8,7 +8,8 @@ import pytest
 from neopp.checkpoint_config import CheckpointConfig
 from neopp.image_io import encode_image
 from neopp.modes import load_mode
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from neopp.runner import NeoPPRunner
 from testing import REPO as REPO_ROOT

@@ -11,7 +11,8 @@ from PIL import Image
 
 from neopp.image_io import encode_image
 from neopp.modes import load_mode
-from neopp.pipeline import GenerationRequest, NeoPPPipeline
+from neopp.pipeline import NeoPPPipeline
+from neopp.request import GenerationRequest
 from neopp.rng import NoiseStream
 from testing import REPO as REPO_ROOT
 

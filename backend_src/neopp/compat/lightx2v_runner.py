@@ -27,7 +27,7 @@ from ..errors import GenerationCancelled, InputError
 from ..image_io import encode_image
 from ..kv_cache import load_kv_file
 from ..modes import ModeSpec, SamplingParams, normalise_format
-from ..pipeline import GenerationRequest
+from ..request import GenerationRequest
 from ..request_log import request_line
 from ..schedule import initial_noise_scale
 from .lightx2v_config import LockedConfig

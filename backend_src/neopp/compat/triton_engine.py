@@ -23,8 +23,8 @@ from ..checkpoint_config import CheckpointConfig
 from ..errors import GenerationCancelled, InputError
 from ..limits import Limits
 from ..modes import ModeSpec
-from ..pipeline import GenerationRequest, StepFn, StopFn
-from ..request_rules import RequestRules, plan_of
+from ..pipeline import StepFn, StopFn
+from ..request import GenerationRequest, RequestRules, plan_of
 
 POLL_S = 0.05
 

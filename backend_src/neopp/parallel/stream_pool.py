@@ -16,17 +16,15 @@ from typing import Any
 
 import torch
 
-from ..batch_engine import DEFAULT_TOKEN_BUDGET, EngineHooks, Ticket, is_cancelled, send
 from ..checkpoint import default_dtype
 from ..checkpoint_config import CheckpointConfig
 from ..errors import GenerationCancelled, WorkerFailure
 from ..limits import Limits
 from ..modes import ModeSpec
-from ..pipeline import GenerationRequest
-from ..request_rules import RequestRules
-from ..streaming import CancelledFn, EmitFn, StepEvent
-from .engine import check_heads
+from ..request import GenerationRequest, RequestRules
+from ..streaming import DEFAULT_TOKEN_BUDGET, CancelledFn, EmitFn, EngineHooks, StepEvent, Ticket, is_cancelled, send
 from .lifeline import silent_rank
+from .parallel_pipeline import check_heads
 from .stream_workers import ERRORS, StreamPoolSpec, _stream_rank_main
 from .workers import POLL_S, SILENCE_CHECK_S, WorkerPool, instance_devices
 

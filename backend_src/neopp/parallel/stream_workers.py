@@ -22,13 +22,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..batch_engine import DEFAULT_TOKEN_BUDGET
 from ..batching import Active, BranchKey, StepBatcher, fits, start, step_cost
 from ..errors import GenerationCancelled, InputError, NeoPPError, NonFiniteState
-from ..pipeline import GenerationRequest
-from ..streaming import StepEvent
+from ..request import GenerationRequest
+from ..streaming import DEFAULT_TOKEN_BUDGET, StepEvent
 from ..transformer import BranchContext
-from .engine import UlyssesBranch
+from .parallel_pipeline import UlyssesBranch
 from .workers import PoolSpec, load_rank
 
 ERRORS = {"cancelled": GenerationCancelled, "nonfinite": NonFiniteState, "input": InputError}

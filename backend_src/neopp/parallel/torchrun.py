@@ -20,8 +20,8 @@ from ..modes import ModeSpec
 def rank_pipeline(checkpoint: str | Path, mode: ModeSpec, device: torch.device | str | None,
                   dtype: torch.dtype | None):
     """This process's rank of ``mode``; refuses a world size that is not the mode's."""
-    from .engine import ParallelPipeline
     from .mesh import check_world, init_mesh_from_env, leave_mesh
+    from .parallel_pipeline import ParallelPipeline
 
     n = mode.world_size
     if "WORLD_SIZE" not in os.environ:

@@ -24,8 +24,8 @@ from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
 from ..guidance import COND, IMAGE, UNCOND, guided_branches
 from ..limits import Limits
 from ..modes import ModeSpec
-from ..pipeline import GenerationRequest, StepFn, StopFn
-from ..request_rules import RequestRules, plan_of
+from ..pipeline import StepFn, StopFn
+from ..request import GenerationRequest, RequestRules, plan_of
 from .lifeline import die_with_parent, silent_rank, start_heartbeat, start_processes
 
 POLL_S = 0.02
@@ -61,8 +61,8 @@ def load_rank(rank: int, spec: PoolSpec, port: Any, results: Any, parent: int, b
     Returns the rank's `ParallelPipeline`, or None after reporting a load error."""
     die_with_parent(parent)
     start_heartbeat(beats, rank)
-    from .engine import ParallelPipeline
     from .mesh import init_mesh, rendezvous
+    from .parallel_pipeline import ParallelPipeline
 
     try:
         if spec.threads:
@@ -317,7 +317,7 @@ def rank_request(mode: ModeSpec, req: GenerationRequest, rank: int,
     layout ``three`` (default: the engine's); the offsets all stay, so every rank plans alike."""
     if mode.cfg_p_size < 2:
         return req
-    from .engine import THREE_BRANCH_LAYOUT, cfg_layout
+    from .parallel_pipeline import THREE_BRANCH_LAYOUT, cfg_layout
 
     cfg_rank = rank // mode.seq_p_size
     mine = cfg_layout(guided_branches(req.sampling, req.image_editing), three or THREE_BRANCH_LAYOUT)[cfg_rank]

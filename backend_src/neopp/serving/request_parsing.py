@@ -16,7 +16,7 @@ import numpy as np
 from ..errors import SHOWN_CHARS, InputError, shown
 from ..limits import Limits, text_value
 from ..modes import TASKS, SamplingParams
-from ..request_rules import check_offset, check_side_bounds, check_steps
+from ..request import check_offset, check_side_bounds, check_steps
 
 if TYPE_CHECKING:  # torch is imported where a tensor is handled: the session model never needs it
     import torch

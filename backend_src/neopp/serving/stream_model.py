@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from ..batch_engine import BatchingEngine, EngineHooks, build_stream_engine
-from ..engines import GenerationEngine
+from ..batch_engine import BatchingEngine
+from ..engines import GenerationEngine, build_stream_engine
 from ..errors import GenerationCancelled
 from ..image_io import encode_image
-from ..pipeline import GenerationRequest
+from ..request import GenerationRequest
 from ..request_log import request_line
-from ..streaming import StepEvent, StreamEngine
+from ..streaming import EngineHooks, StepEvent, StreamEngine
 from ..warmup import warm_up_stream
 from .metrics import StreamMetrics
 from .request_parsing import KV_INPUTS

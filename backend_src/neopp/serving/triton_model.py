@@ -25,8 +25,8 @@ from ..engines import GenerationEngine, build_engine
 from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
 from ..parallel.mesh import check_world
-from ..pipeline import GenerationRequest
 from ..procs import restore_malloc_defaults
+from ..request import GenerationRequest
 from ..request_log import request_line
 from ..rng import NoiseStream
 from ..warmup import warm_up

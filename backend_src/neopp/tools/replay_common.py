@@ -21,9 +21,8 @@ import torch
 from ..errors import ConfigError, InputError
 from ..kv_cache import load_kv_file
 from ..modes import CFG_NORMS, TASKS, ModeSpec, load_mode
-from ..pipeline import GenerationRequest
+from ..request import GenerationRequest, plan_of
 from ..request_log import request_line
-from ..request_rules import plan_of
 from ..rng import NoiseStream
 from ..runner import NeoPPRunner
 

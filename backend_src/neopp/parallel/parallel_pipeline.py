@@ -23,7 +23,8 @@ from ..errors import ConfigError
 from ..guidance import COND, IMAGE, UNCOND
 from ..limits import Limits
 from ..modes import ModeSpec, SamplingParams
-from ..pipeline import GenerationRequest, NeoPPPipeline, Prepared, StepFn, StopFn
+from ..pipeline import NeoPPPipeline, Prepared, StepFn, StopFn
+from ..request import GenerationRequest
 from ..transformer import BranchContext
 from .mesh import Mesh, leave_mesh
 

@@ -1,4 +1,4 @@
-"""Every rule a generation request must meet, each written once.
+"""One generation request: what it carries, and every rule it must meet, each written once.
 
 Both engines (the in-process pipeline and the rank worker pool) hold a :class:`RequestRules`
 instead of sharing a base class, and the Triton request parser calls the same checks at its
@@ -9,21 +9,47 @@ the serving layer spells it as the client's input name.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from .checkpoint_config import CheckpointConfig
 from .errors import InputError, shown
-from .guidance import UNCOND, guidance_plan, guided_branches
+from .guidance import COND, IMAGE, UNCOND, guidance_plan, guided_branches
 from .kv_cache import validate_kv
 from .limits import Limits
 from .modes import TASKS, SamplingParams
 from .schedule import shifted_timesteps
 
-if TYPE_CHECKING:  # the request type only; importing the pipeline here would be circular
-    from .checkpoint_config import CheckpointConfig
-    from .pipeline import GenerationRequest
+
+@dataclass
+class GenerationRequest:
+    """One image to generate; ``noise`` is drawn only once the request has passed validation."""
+
+    cond_kv: torch.Tensor
+    index_offset_cond: int
+    height: int
+    width: int
+    noise: torch.Tensor | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    uncond_kv: torch.Tensor | None = None
+    index_offset_uncond: int | None = None
+    task: str = "t2i"
+    noise_scaled: bool = False  # True: ``noise`` is the starting state itself (LightX2V draws it scaled)
+    image_kv: torch.Tensor | None = None  # image-editing guidance: the input images without the prompt
+    index_offset_image: int | None = None
+
+    @property
+    def image_editing(self) -> bool:
+        """Image-editing guidance is selected by sending the image branch. A CFG rank that does
+        not run that branch gets its offset without the KV, so it plans the same steps."""
+        return self.image_kv is not None or self.index_offset_image is not None
+
+    def branch_input(self, name: str) -> tuple[torch.Tensor | None, int | None]:
+        """The prefix and index offset of branch ``name`` (cond, uncond or image)."""
+        return {COND: (self.cond_kv, self.index_offset_cond), UNCOND: (self.uncond_kv, self.index_offset_uncond),
+                IMAGE: (self.image_kv, self.index_offset_image)}[name]
 
 
 def check_side_bounds(height: int, width: int, limits: Limits, field: str = "size", multiple: int = 1) -> None:
