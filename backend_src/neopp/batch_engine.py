@@ -25,6 +25,7 @@ from .streaming import (
     StepEvent,
     StreamEngine,
     Ticket,
+    TicketOffice,
     is_cancelled,
     send,
 )
@@ -44,19 +45,18 @@ class BatchingEngine(StreamEngine):
         self._cv = threading.Condition()
         self._queue: deque[Ticket] = deque()
         self._closed = False
-        self._jobs = 0
+        self._tickets = TicketOffice()
         self._thread = threading.Thread(target=self._loop, name="neopp-batching", daemon=True)
         self._thread.start()
 
     def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
         with self._cv:
-            self._jobs += 1
-            ticket = Ticket(self._jobs, req, emit, cancelled, preview_every, time.monotonic())
+            ticket = self._tickets.issue(req, emit, cancelled, preview_every)
             if not self._closed:
                 self._queue.append(ticket)
                 self._cv.notify()
                 return
-        send(ticket, StepEvent(0, req.sampling.infer_steps, error=GenerationCancelled("the engine is closed")))
+        TicketOffice.closed(ticket)
 
     def close(self) -> None:
         with self._cv:

@@ -9,12 +9,14 @@ requests and forwards events.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
+from .errors import GenerationCancelled
 from .request import GenerationRequest
 
 log = logging.getLogger(__name__)
@@ -87,6 +89,21 @@ class Ticket:
     cancelled: CancelledFn
     preview_every: int
     submitted: float
+
+
+class TicketOffice:
+    """Numbers the requests an engine takes, and answers the ones that come after it closed."""
+
+    def __init__(self) -> None:
+        self.jobs = 0
+
+    def issue(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int) -> Ticket:
+        self.jobs += 1
+        return Ticket(self.jobs, req, emit, cancelled, preview_every, time.monotonic())
+
+    @staticmethod
+    def closed(ticket: Ticket) -> None:
+        send(ticket, StepEvent(0, ticket.req.sampling.infer_steps, error=GenerationCancelled("the engine is closed")))
 
 
 def send(ticket: Ticket, event: StepEvent) -> bool:

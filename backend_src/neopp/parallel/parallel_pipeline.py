@@ -83,23 +83,22 @@ class UlyssesBranch(BranchContext):
         self.start = r * self.shard
         self.rope = self.rope.padded_slice(self.padded, self.start, self.start + self.shard)
 
-    def _tokens_to_heads(self, x: torch.Tensor) -> torch.Tensor:
-        """[shard, H, HD] -> [padded, H/sp, HD]: trade the token split for a head split."""
+    def _exchange(self, x: torch.Tensor, split_dim: int, join_dim: int) -> torch.Tensor:
+        """One all-to-all over the sequence group: chunk ``split_dim``, gather along ``join_dim``."""
         sp = self.mesh.seq_p_size
-        send = [c.contiguous() for c in x.chunk(sp, dim=1)]
+        send = [c.contiguous() for c in x.chunk(sp, dim=split_dim)]
         recv = [torch.empty_like(send[0]) for _ in range(sp)]
         with self.timer():
             dist.all_to_all(recv, send, group=self.mesh.seq_group)
-        return torch.cat(recv, dim=0)
+        return torch.cat(recv, dim=join_dim)
+
+    def _tokens_to_heads(self, x: torch.Tensor) -> torch.Tensor:
+        """[shard, H, HD] -> [padded, H/sp, HD]: trade the token split for a head split."""
+        return self._exchange(x, split_dim=1, join_dim=0)
 
     def _heads_to_tokens(self, y: torch.Tensor) -> torch.Tensor:
         """[padded, H/sp, HD] -> [shard, H*HD]: back to this rank's tokens, all heads."""
-        sp = self.mesh.seq_p_size
-        send = [c.contiguous() for c in y.chunk(sp, dim=0)]
-        recv = [torch.empty_like(send[0]) for _ in range(sp)]
-        with self.timer():
-            dist.all_to_all(recv, send, group=self.mesh.seq_group)
-        return torch.cat(recv, dim=1).reshape(self.shard, -1)
+        return self._exchange(y, split_dim=0, join_dim=1).reshape(self.shard, -1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = self.num_tokens

@@ -22,7 +22,17 @@ from ..errors import GenerationCancelled, WorkerFailure
 from ..limits import Limits
 from ..modes import ModeSpec
 from ..request import GenerationRequest, RequestRules
-from ..streaming import DEFAULT_TOKEN_BUDGET, CancelledFn, EmitFn, EngineHooks, StepEvent, Ticket, is_cancelled, send
+from ..streaming import (
+    DEFAULT_TOKEN_BUDGET,
+    CancelledFn,
+    EmitFn,
+    EngineHooks,
+    StepEvent,
+    Ticket,
+    TicketOffice,
+    is_cancelled,
+    send,
+)
 from .lifeline import silent_rank
 from .parallel_pipeline import check_heads
 from .stream_workers import ERRORS, StreamPoolSpec, _stream_rank_main
@@ -40,6 +50,7 @@ class StreamPool(WorkerPool):
         super().__init__(spec, rules)
         self.hooks = hooks or EngineHooks()
         self._tickets: dict[int, Ticket] = {}
+        self._office = TicketOffice()
         self._told: set[int] = set()      # cancellations already sent to rank 0
         self._closing = False
         self._rank0_closed = threading.Event()
@@ -48,10 +59,9 @@ class StreamPool(WorkerPool):
 
     def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
         with self._lock:
-            self._job += 1
-            ticket = Ticket(self._job, req, emit, cancelled, preview_every, time.monotonic())
+            ticket = self._office.issue(req, emit, cancelled, preview_every)
             if self._closing:
-                send(ticket, StepEvent(0, req.sampling.infer_steps, error=GenerationCancelled("the engine is closed")))
+                TicketOffice.closed(ticket)
                 return
             self._ensure_healthy()
             self._tickets[ticket.job] = ticket
