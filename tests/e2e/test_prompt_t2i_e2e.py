@@ -197,3 +197,62 @@ def test_generate_through_the_door_answers_valid_json_with_the_image_in_base64(s
     assert resp.status == 200, doc
     want = served.infer("neopp_t2i", PROMPT=text(PROMPT), **SMALL)["IMAGE"][0]
     assert base64.b64decode(doc["IMAGE"]) == want
+
+
+@pytest.fixture(scope="module")
+def openai_door(served: Served):
+    """The door in front of the prompt server, as `make serve` runs it on loopback (no API key)."""
+    door = DoorServer(LOOPBACK, 0, served.server.grpc_url, (LOOPBACK, served.server.http_port), "e2e").start()
+    yield f"http://{LOOPBACK}:{door.server_address[1]}/v1"
+    door.stop()
+
+
+def test_the_openai_client_draws_through_v1(served: Served, openai_door: str):
+    """The official openai package against /v1: n images with their own noise (seed, seed + 1), the
+    same bytes as neopp_t2i answers for those seeds, streamed or not."""
+    import openai
+
+    client = openai.OpenAI(base_url=openai_door, api_key="not-needed-on-loopback", max_retries=0)
+    extra = {"seed": 7, "num_inference_steps": 2}
+    result = client.images.generate(model="neopp_dense", prompt=PROMPT, size="96x64", n=2, output_format="png",
+                                    extra_body=extra)
+    got = [base64.b64decode(item.b64_json) for item in result.data]
+    want = [served.infer("neopp_t2i", PROMPT=text(PROMPT), **{**SMALL, "SEED": np.array([s], np.int64)})["IMAGE"][0]
+            for s in (7, 8)]
+    assert got == want and got[0] != got[1]
+    events = list(client.images.generate(model="neopp_dense", prompt=PROMPT, size="96x64", output_format="png",
+                                         stream=True, extra_body=extra))
+    assert [e.type for e in events] == ["image_generation.completed"]
+    assert base64.b64decode(events[0].b64_json) == want[0]
+    assert "neopp_dense" in [m.id for m in client.models.list().data]
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({"response_format": "url"}, "response_format"),
+    ({"size": "big"}, "size"),
+    ({"n": 9}, "n"),
+    ({"extra_body": {"num_inference_steps": 100000}}, "num_inference_steps"),
+    ({"size": "100x64"}, "size"),  # not a multiple of 32: the model's own refusal, named for the client
+])
+def test_v1_errors_have_openai_s_shape_and_name_the_parameter(served: Served, openai_door: str, kwargs, param):
+    import openai
+
+    client = openai.OpenAI(base_url=openai_door, api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.generate(prompt=PROMPT, **{"size": "64x64", **kwargs})
+    assert info.value.status_code == 400 and info.value.param == param, info.value.body
+    assert info.value.body["type"] == "invalid_request_error" and info.value.body["message"]
+
+
+def test_v1_wants_the_api_key_when_one_is_set(served: Served):
+    import openai
+
+    door = DoorServer(LOOPBACK, 0, served.server.grpc_url, (LOOPBACK, served.server.http_port), "e2e",
+                      api_key="the-right-key-0123456789").start()
+    try:
+        url = f"http://{LOOPBACK}:{door.server_address[1]}/v1"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url, api_key="a-wrong-key", max_retries=0).models.list()
+        assert openai.OpenAI(base_url=url, api_key="the-right-key-0123456789", max_retries=0).models.list().data
+    finally:
+        door.stop()

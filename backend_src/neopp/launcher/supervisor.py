@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import time
 from collections import deque
@@ -30,6 +31,9 @@ from .door.body import DoorLimits, MiB
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table
 from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
 from .tritonserver import TritonServer
+
+API_KEY_ENV = "NEOPP_API_KEY"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def log(message: str) -> None:
@@ -72,7 +76,8 @@ class Supervisor:
         from .door.server import DoorServer  # needs the serve extra (uvicorn, starlette, grpc)
 
         self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", (LOOPBACK, self.upstream_port),
-                                self.front_key, limits, on_unhealthy=self._stub_unhealthy, admin_key=key)
+                                self.front_key, limits, on_unhealthy=self._stub_unhealthy, admin_key=key,
+                                api_key=api_key_for(ns))
 
     def _stub_unhealthy(self, instance: str) -> None:
         """Triton answered that an instance's stub is not healthy: the watchdog replaces it."""
@@ -192,6 +197,20 @@ class Supervisor:
         return not self.stop_requested
 
 
+def api_key_for(ns: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
+    """The key ``/v1`` requires: $NEOPP_API_KEY, else, when the server listens beyond loopback,
+    the key file (created 0600 at first start); on loopback alone none."""
+    env = os.environ if env is None else env
+    if env.get(API_KEY_ENV):
+        log(f"/v1 API key from ${API_KEY_ENV}")
+        return env[API_KEY_ENV].strip()
+    if ns.host in LOCAL_HOSTS:
+        return None
+    key, where = load_or_create_key(Path(ns.api_key_file), env={})
+    log(f"/v1 API key (Authorization: Bearer) from {where}: the server listens beyond loopback")
+    return key
+
+
 def _start_watchdog(server: TritonServer, extra: Sequence[str], disabled: bool, key: str):
     """Reload a model whose Python stub died (Triton 2.51 does not); needs explicit model control."""
     if disabled or "--model-control-mode=explicit" not in extra or server.process is None:
@@ -236,6 +255,9 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
                    help="HTTP request bodies held at once, all requests together (beyond: 503, Retry-After)")
     s.add_argument("--read-timeout-s", type=float, default=30.0,
                    help="longest pause in an HTTP upload before the door drops it (408)")
+    s.add_argument("--api-key-file", default=str(Path("build") / "api.key"),
+                   help=f"the /v1 API key, created 0600 if missing, used when --host is beyond loopback "
+                        f"(${API_KEY_ENV} wins, and applies on loopback too)")
     s.add_argument("--tensor-region-min-kib", type=float, default=1024.0,
                    help="binary HTTP inputs this large reach Triton through the door's shared-memory region "
                         "instead of inside the gRPC request (0: never)")

@@ -27,6 +27,7 @@ from . import generate, kserve_infer, strict_json
 from .body import BodyReader, ByteBudget, DoorLimits
 from .door_metrics import DoorMetrics
 from .errors import DoorError, invalid
+from .openai_routes import ImagesRoutes
 from .shm_arena import TensorRegion
 from .upstream import Upstream, grpc_error
 from .wire import WireRequest
@@ -118,11 +119,11 @@ class Door:
     async def _infer(self, request: Request, wire: WireRequest) -> Any:
         """The call; once more when Triton has restarted since the region was registered."""
         try:
-            return await self._until_disconnect(request, self.upstream.infer(wire))
+            return await self.until_disconnect(request, self.upstream.infer(wire))
         except DoorError as exc:
             if not self.region.lost(exc.message) or not await self.region.ensure():
                 raise
-        return await self._until_disconnect(request, self.upstream.infer(wire))
+        return await self.until_disconnect(request, self.upstream.infer(wire))
 
     async def _generate_request(self, request: Request, reader: BodyReader, stream: bool) -> WireRequest:
         """A generate body read under the bounds and mapped onto the model's declared inputs."""
@@ -134,7 +135,7 @@ class Door:
     async def generate(self, request: Request) -> Response:
         async with BodyReader(self.budget, self.limits) as reader:
             wire = await self._generate_request(request, reader, stream=False)
-            response = await self._until_disconnect(request, self.upstream.infer(wire))
+            response = await self.until_disconnect(request, self.upstream.infer(wire))
         headers = {"Content-Type": "application/json"}
         return Response(_compress(request, strict_json.dumps(generate.generate_response(response)), headers),
                         200, headers)
@@ -187,7 +188,7 @@ class Door:
                 self.metrics.cancelled += 1
             call.cancel()
 
-    async def _until_disconnect(self, request: Request, call: Any) -> Any:
+    async def until_disconnect(self, request: Request, call: Any) -> Any:
         """The call's response, or a cancelled call when the client leaves first."""
         watch = asyncio.ensure_future(_disconnected(request.receive))
         result = asyncio.ensure_future(call)
@@ -262,8 +263,10 @@ def _model_path(request: Request, suffix: str = "") -> str:
     return path + suffix
 
 
-def build_app(door: Door) -> Starlette:
-    """The routes; any other path is a 404 with a JSON error."""
+def build_app(door: Door, api_key: str | None = None, admin_key: str | None = None) -> Starlette:
+    """The routes; any other path is a 404 with a JSON error. ``api_key``: what ``/v1`` requires as
+    ``Authorization: Bearer``; ``admin_key``: lets ``/v1/models`` read the repository index."""
+    images = ImagesRoutes(door, api_key, admin_key)
 
     def control(path_of: Callable[[Request], str], with_body: bool = False):
         async def endpoint(request: Request) -> Response:
@@ -313,6 +316,8 @@ def build_app(door: Door) -> Starlette:
         Route("/v2/logging", control(lambda r: "/v2/logging", True), methods=["POST"]),
         Route("/v2/logging", control(lambda r: "/v2/logging"), methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/v1/images/generations", guarded(lambda r: images.answer(r, images.generations)), methods=["POST"]),
+        Route("/v1/models", guarded(lambda r: images.answer(r, images.models)), methods=["GET"]),
         *inference("infer", door.infer), *inference("generate", door.generate),
         *inference("generate_stream", door.generate_stream),
         *model_route("", ["GET"]), *model_route("/ready", ["GET"]), *model_route("/config", ["GET"]),

@@ -32,8 +32,10 @@ class DoorServer:
 
     def __init__(self, host: str, port: int, grpc_target: str, http_address: tuple[str, int], front_key: str,
                  limits: DoorLimits | None = None, metrics: DoorMetrics | None = None,
-                 on_unhealthy: Callable[[str], None] | None = None, admin_key: str | None = None) -> None:
-        """``admin_key``: to register the tensor region where Triton restricts shared memory."""
+                 on_unhealthy: Callable[[str], None] | None = None, admin_key: str | None = None,
+                 api_key: str | None = None) -> None:
+        """``admin_key``: to register the tensor region and read the model list where Triton
+        restricts them; ``api_key``: what the ``/v1`` routes require (None: nothing)."""
         self.limits = limits or DoorLimits()
         self.metrics = metrics or DoorMetrics()
         self.upstream = Upstream(grpc_target, http_address, front_key)
@@ -49,7 +51,7 @@ class DoorServer:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.server_address = self.sock.getsockname()[:2]
-        config = uvicorn.Config(build_app(self.door), loop="asyncio", http="h11", lifespan="off",
+        config = uvicorn.Config(build_app(self.door, api_key, admin_key), loop="asyncio", http="h11", lifespan="off",
                                 access_log=False, log_level="warning", log_config=None, server_header=False,
                                 limit_concurrency=self.limits.max_connections, timeout_keep_alive=30,
                                 h11_max_incomplete_event_size=HEADER_LIMIT, timeout_graceful_shutdown=5)

@@ -89,6 +89,16 @@ class Upstream:
         request = pb.SystemSharedMemoryRegisterRequest(name=name, key=key, offset=0, byte_size=size)
         await self.stub.SystemSharedMemoryRegister(request, metadata=metadata, timeout=30)
 
+    async def ready_models(self, admin_key: str | None) -> list[str]:
+        """Names of the models the server has READY (the repository index; the key where restricted)."""
+        metadata = [(GRPC_HEADER, admin_key)] if admin_key else None
+        try:
+            index = await self.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), metadata=metadata,
+                                                    timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            raise grpc_error(exc) from None
+        return sorted(model.name for model in index.models)
+
     def infer(self, request: WireRequest) -> grpc.aio.UnaryUnaryCall:
         """The call itself, so that the caller can cancel it."""
         self._connect()

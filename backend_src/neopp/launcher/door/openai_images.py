@@ -1,0 +1,176 @@
+"""The OpenAI Images API on the door: ``POST /v1/images/generations`` and ``GET /v1/models``.
+
+What every OpenAI SDK, LangChain or Open WebUI sends for an image is answered from the prompt
+model (``neopp_t2i``: the prompt encoder, then the generation model named by ``model``), so a
+client written for OpenAI draws with NeoPP unchanged. Our extensions ride in the same body:
+``seed``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``. Errors have OpenAI's
+shape (``{"error": {"message", "type", "param", "code"}}``) and name the parameter.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+
+from .tensors import deserialize_bytes, serialize_bytes
+from .wire import WireRequest
+
+PROMPT_MODEL = "neopp_t2i"
+DEFAULT_MODEL = "neopp_dense"
+FORMATS = ("png", "jpeg", "webp")
+MAX_IMAGES, MAX_PROMPT = 4, 4000
+ACCEPTED_AND_IGNORED = ("user", "quality", "background", "moderation", "style", "output_compression")
+PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
+              "seed", "negative_prompt", "num_inference_steps", "guidance_scale", *ACCEPTED_AND_IGNORED)
+SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
+
+
+class OpenAIError(Exception):
+    """An answer in OpenAI's error shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+
+@dataclass(frozen=True)
+class ImagesRequest:
+    """A checked generations request; ``size`` is (height, width), None for the model's own."""
+
+    prompt: str
+    model: str
+    n: int
+    size: tuple[int, int] | None
+    output_format: str
+    seed: int
+    negative_prompt: str | None
+    steps: int | None
+    guidance_scale: float | None
+
+    @property
+    def size_text(self) -> str:
+        return "auto" if self.size is None else f"{self.size[1]}x{self.size[0]}"
+
+
+def _int(doc: dict[str, Any], key: str, low: int, high: int, default: int | None) -> int | None:
+    value = doc.get(key, default)
+    if value is None:
+        return None
+    if type(value) is not int or not low <= value <= high:
+        raise OpenAIError(400, f"'{key}' must be an integer from {low} to {high}", key)
+    return value
+
+
+def _text(doc: dict[str, Any], key: str, default: str | None, limit: int = MAX_PROMPT) -> str | None:
+    value = doc.get(key, default)
+    if value is not None and (not isinstance(value, str) or len(value) > limit):
+        raise OpenAIError(400, f"'{key}' must be a string of at most {limit} characters", key)
+    return value
+
+
+def _size(value: Any) -> tuple[int, int] | None:
+    if value in (None, "auto"):
+        return None
+    match = SIZE.match(value) if isinstance(value, str) else None
+    if match is None:
+        raise OpenAIError(400, f"'size' must be 'auto' or 'WIDTHxHEIGHT' (e.g. '256x256'), got {str(value)[:32]!r}",
+                          "size")
+    width, height = int(match.group(1)), int(match.group(2))
+    return height, width
+
+
+def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
+    """The checked request and whether it asked for a stream."""
+    if not isinstance(doc, dict):
+        raise OpenAIError(400, "the request body must be a JSON object")
+    unknown = sorted(set(doc) - set(PARAMETERS))
+    if unknown:
+        raise OpenAIError(400, f"Unknown parameter: '{unknown[0][:64]}'.", unknown[0][:64])
+    prompt = _text(doc, "prompt", None)
+    if not prompt or not prompt.strip():
+        raise OpenAIError(400, "'prompt' is required: the text of the image", "prompt")
+    if doc.get("response_format", "b64_json") != "b64_json":
+        raise OpenAIError(400, "'response_format' must be 'b64_json': this server returns images inline and "
+                          "keeps no files to link to", "response_format")
+    output_format = _text(doc, "output_format", "png")
+    if output_format not in FORMATS:
+        raise OpenAIError(400, f"'output_format' must be one of {', '.join(FORMATS)}", "output_format")
+    stream = doc.get("stream", False)
+    if type(stream) is not bool:
+        raise OpenAIError(400, "'stream' must be true or false", "stream")
+    if _int(doc, "partial_images", 0, 3, 0):
+        raise OpenAIError(400, "'partial_images' is not offered yet: with 'stream' each image arrives as one "
+                          "image_generation.completed event", "partial_images")
+    guidance = doc.get("guidance_scale")
+    if guidance is not None and (type(guidance) not in (int, float) or not 0 <= guidance <= 100):
+        raise OpenAIError(400, "'guidance_scale' must be a number from 0 to 100", "guidance_scale")
+    seed = _int(doc, "seed", 0, 2**63 - MAX_IMAGES - 1, None)
+    request = ImagesRequest(
+        prompt=prompt, model=_text(doc, "model", DEFAULT_MODEL, 128) or DEFAULT_MODEL,
+        n=_int(doc, "n", 1, MAX_IMAGES, 1), size=_size(doc.get("size")), output_format=output_format,
+        seed=secrets.randbelow(2**31) if seed is None else seed,
+        negative_prompt=_text(doc, "negative_prompt", None), steps=_int(doc, "num_inference_steps", 1, 1000, None),
+        guidance_scale=None if guidance is None else float(guidance))
+    return request, stream
+
+
+def prompt_model_request(req: ImagesRequest, index: int) -> WireRequest:
+    """The ``neopp_t2i`` request of image ``index`` (its own noise: seed + index)."""
+    wire = WireRequest(pb.ModelInferRequest(model_name=PROMPT_MODEL))
+    texts = {"PROMPT": req.prompt, "NEGATIVE_PROMPT": req.negative_prompt, "MODEL": req.model,
+             "OUTPUT_FORMAT": req.output_format}
+    for name, text in texts.items():
+        if text is not None:
+            _add(wire, name, "BYTES", [1], serialize_bytes([text.encode()]))
+    _add(wire, "SEED", "INT64", [1], np.array([req.seed + index], "<i8").tobytes())
+    if req.size is not None:
+        _add(wire, "SIZE", "INT64", [2], np.array(req.size, "<i8").tobytes())
+    if req.steps is not None:
+        _add(wire, "STEPS", "INT64", [1], np.array([req.steps], "<i8").tobytes())
+    if req.guidance_scale is not None:
+        _add(wire, "CFG_SCALE", "FP32", [1], np.array([req.guidance_scale], "<f4").tobytes())
+    return wire
+
+
+def _add(wire: WireRequest, name: str, datatype: str, shape: list[int], raw: bytes) -> None:
+    wire.message.inputs.add(name=name, datatype=datatype, shape=shape)
+    wire.raws.append(raw)
+
+
+PARAMETER_OF_INPUT = {"PROMPT": "prompt", "NEGATIVE_PROMPT": "negative_prompt", "MODEL": "model", "SIZE": "size",
+                      "STEPS": "num_inference_steps", "CFG_SCALE": "guidance_scale", "SEED": "seed",
+                      "OUTPUT_FORMAT": "output_format"}
+
+
+def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:
+    """A server refusal in OpenAI's shape; the parameter is named where the message names its input."""
+    match = re.search(r"\b([A-Z_]+):", message)
+    param = PARAMETER_OF_INPUT.get(match.group(1)) if match else None
+    if status == 429:
+        return OpenAIError(429, message, None, "rate_limit_error", headers)
+    if 400 <= status < 500:
+        return OpenAIError(400 if status != 404 else 404, message, param)
+    return OpenAIError(status if status >= 500 else 500, message, None, "server_error", headers)
+
+
+def image_bytes(response: pb.ModelInferResponse) -> bytes:
+    """The encoded image of a ``neopp_t2i`` answer."""
+    for out, raw in zip(response.outputs, response.raw_output_contents):
+        if out.name == "IMAGE":
+            return deserialize_bytes(raw, 1, "IMAGE")[0]
+    raise OpenAIError(500, "the prompt model answered without an image", kind="server_error")
+
+
+def is_generation_model(name: str, metadata: pb.ModelMetadataResponse) -> bool:
+    """A model ``model`` may name: it takes a KV prefix and answers once (not a streamed twin)."""
+    return not name.endswith("_stream") and any(item.name == "COND_KV" for item in metadata.inputs)

@@ -1,0 +1,88 @@
+"""The door's ``/v1`` routes: OpenAI's Images API over the prompt model, optionally behind an API key.
+
+Requests are read under the same bounds as every other body and parsed as strictly; each image
+is one ``neopp_t2i`` call over gRPC (a client that hangs up cancels it). With ``stream: true``
+each finished image is one ``image_generation.completed`` server-sent event.
+"""
+
+from __future__ import annotations
+
+import base64
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from . import openai_images as oa
+from . import strict_json
+from .body import BodyReader
+from .errors import DoorError
+
+if TYPE_CHECKING:  # the door holds these routes; they only call it
+    from .app import Door
+
+
+class ImagesRoutes:
+    """``POST /v1/images/generations`` and ``GET /v1/models`` for one door."""
+
+    def __init__(self, door: Door, api_key: str | None, admin_key: str | None) -> None:
+        self.door, self.api_key, self.admin_key = door, api_key, admin_key
+
+    async def answer(self, request: Request, handler) -> Response:
+        try:
+            self._authorize(request)
+            try:
+                return await handler(request)
+            except DoorError as exc:
+                raise oa.refusal(exc.status, exc.message, exc.headers) from None
+        except oa.OpenAIError as exc:
+            self.door.metrics.refusal("openai_" + exc.kind)
+            return Response(strict_json.dumps(exc.body()), exc.status, exc.headers, media_type="application/json")
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        if not secrets.compare_digest(token.encode(), self.api_key.encode()):
+            raise oa.OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'")
+
+    async def generations(self, request: Request) -> Response:
+        async with BodyReader(self.door.budget, self.door.limits) as reader:
+            body = await self.door.body(request, reader)
+        req, stream = oa.parse_images_request(strict_json.loads(body, "request body"))
+        if stream:
+            first = await self._image(request, req, 0)  # a refusal is an error answer, not an event
+            return StreamingResponse(self._events(request, req, first), media_type="text/event-stream")
+        images = [await self._image(request, req, i) for i in range(req.n)]
+        doc = {"created": int(time.time()), "data": [{"b64_json": _b64(image)} for image in images],
+               "output_format": req.output_format, "size": req.size_text, "seed": req.seed}
+        return Response(strict_json.dumps(doc), media_type="application/json")
+
+    async def _image(self, request: Request, req: oa.ImagesRequest, index: int) -> bytes:
+        call = self.door.upstream.infer(oa.prompt_model_request(req, index))
+        return oa.image_bytes(await self.door.until_disconnect(request, call))
+
+    async def _events(self, request: Request, req: oa.ImagesRequest, first: bytes) -> AsyncIterator[bytes]:
+        for index in range(req.n):
+            image = first if index == 0 else await self._image(request, req, index)
+            event = {"type": "image_generation.completed", "b64_json": _b64(image), "created_at": int(time.time()),
+                     "size": req.size_text, "output_format": req.output_format, "quality": "auto",
+                     "background": "auto", "seed": req.seed + index}
+            yield b"event: image_generation.completed\ndata: " + strict_json.dumps(event) + b"\n\n"
+
+    async def models(self, request: Request) -> Response:
+        names = await self.door.upstream.ready_models(self.admin_key)
+        offered = []
+        for name in names:
+            if oa.is_generation_model(name, await self.door.upstream.metadata(name, "")):
+                offered.append({"id": name, "object": "model", "created": 0, "owned_by": "neopp"})
+        return Response(strict_json.dumps({"object": "list", "data": offered}), media_type="application/json")
+
+
+def _b64(image: bytes) -> str:
+    return base64.b64encode(image).decode()
+
