@@ -16,6 +16,7 @@ import pytest
 from tritonclient.grpc import service_pb2 as pb
 
 from neopp.launcher.door import generate, kserve_infer, strict_json, tensors
+from neopp.launcher.door import openai_images as oa
 from neopp.launcher.door.body import BodyReader, ByteBudget, DoorLimits
 from neopp.launcher.door.errors import DoorError
 from neopp.launcher.door.shm_arena import ShmArena, TensorRegion
@@ -258,3 +259,36 @@ def test_binary_inputs_of_a_plain_body_are_written_into_the_region(tmp_path) -> 
         assert region.lost(f"Unable to find shared memory region: '{region.name}'") and not region.registered
     finally:
         region.close()
+
+
+def test_openai_images_requests_are_checked_and_mapped_onto_the_prompt_model() -> None:
+    req, stream = oa.parse_images_request({"prompt": "a red circle", "size": "96x64", "n": 2, "seed": 5,
+                                           "num_inference_steps": 3, "guidance_scale": 2, "quality": "auto"})
+    assert not stream and req.size == (64, 96) and req.size_text == "96x64" and req.model == "neopp_dense"
+    second = pb.ModelInferRequest.FromString(oa.prompt_model_request(req, 1).serialize())
+    raw = dict(zip((t.name for t in second.inputs), second.raw_input_contents))
+    assert second.model_name == "neopp_t2i" and raw["PROMPT"] == struct.pack("<I", 12) + b"a red circle"
+    assert np.frombuffer(raw["SEED"], "<i8").tolist() == [6]  # image i: seed + i
+    assert np.frombuffer(raw["SIZE"], "<i8").tolist() == [64, 96] and raw["OUTPUT_FORMAT"].endswith(b"png")
+    assert oa.parse_images_request({"prompt": "x"})[0].seed >= 0  # drawn, then reported
+    for doc, param in (({"prompt": ""}, "prompt"), ({"prompt": "x", "response_format": "url"}, "response_format"),
+                       ({"prompt": "x", "size": "64"}, "size"), ({"prompt": "x", "n": 0}, "n"),
+                       ({"prompt": "x", "n": True}, "n"), ({"prompt": "x", "colour": "red"}, "colour"),
+                       ({"prompt": "x", "partial_images": 2}, "partial_images"),
+                       ({"prompt": "x", "guidance_scale": "high"}, "guidance_scale")):
+        with pytest.raises(oa.OpenAIError) as info:
+            oa.parse_images_request(doc)
+        assert info.value.status == 400 and info.value.param == param
+    assert oa.refusal(400, "SIZE: width must be a positive multiple of 32", {}).param == "size"
+    assert oa.refusal(429, "Exceeds maximum queue size", {"Retry-After": "1"}).kind == "rate_limit_error"
+
+
+def test_partial_images_are_spread_over_the_steps() -> None:
+    assert oa.preview_plan(2, 6) == 2 and oa.preview_plan(3, None) == 1
+    sent, picked = 0, []
+    for step in range(1, 21):  # previews every step of 20 (steps unknown up front)
+        if oa.wanted_preview(step, 20, sent, 3):
+            picked.append(step)
+            sent += 1
+    assert picked == [5, 10, 15]
+    assert not oa.wanted_preview(20, 20, 0, 1)  # the last step carries the image, not a preview

@@ -31,7 +31,8 @@ from neopp.text.language_tower import LanguageTower
 from testing import REPO
 from testing.tiny_checkpoint import write_tiny_checkpoint
 
-MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i", "neopp_dense_8steps", "neopp_moe", "neopp_dense_fp8")
+MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i", "neopp_dense_8steps", "neopp_moe", "neopp_dense_fp8",
+          "neopp_dense_stream")
 DEMO = REPO / "demo" / "checkpoints"
 PROMPT = "a red circle on the left on a blue background"
 SMALL = {"SIZE": np.array([64, 96], np.int64), "STEPS": np.array([2], np.int64), "SEED": np.array([7], np.int64),
@@ -225,6 +226,28 @@ def test_the_openai_client_draws_through_v1(served: Served, openai_door: str):
     assert [e.type for e in events] == ["image_generation.completed"]
     assert base64.b64decode(events[0].b64_json) == want[0]
     assert "neopp_dense" in [m.id for m in client.models.list().data]
+    assert "neopp_dense_stream" not in [m.id for m in client.models.list().data]  # a twin, not a choice
+
+
+def test_partial_images_come_before_the_same_final_bytes(served: Served, openai_door: str):
+    """With partial_images the door runs the encoder and the streamed twin; the previews arrive
+    first, the final image is the bytes the non-streamed call draws, "auto" size included."""
+    import openai
+
+    client = openai.OpenAI(base_url=openai_door, api_key="x", max_retries=0)
+    for size, steps in (("96x64", 6), ("auto", 3)):
+        extra = {"seed": 11, "num_inference_steps": steps}
+        plain = client.images.generate(model="neopp_dense", prompt=PROMPT, size=size, extra_body=extra)
+        events = list(client.images.generate(model="neopp_dense", prompt=PROMPT, size=size, stream=True,
+                                             partial_images=2, extra_body=extra))
+        assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+        assert [e.partial_image_index for e in events[:2]] == [0, 1]
+        assert base64.b64decode(events[-1].b64_json) == base64.b64decode(plain.data[0].b64_json)
+        assert Image.open(io.BytesIO(base64.b64decode(events[0].b64_json))).size == \
+            Image.open(io.BytesIO(base64.b64decode(plain.data[0].b64_json))).size
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.generate(model="neopp_moe", prompt=PROMPT, stream=True, partial_images=1)
+    assert info.value.param == "partial_images" and "neopp_moe_stream" in info.value.body["message"]
 
 
 @pytest.mark.parametrize("kwargs, param", [

@@ -145,7 +145,7 @@ class Door:
             wire = await self._generate_request(request, reader, stream=True)
         call = self.upstream.stream(wire)
         try:
-            first = await self._next_event(call)
+            first = await self.next_event(call)
         except BaseException:
             call.cancel()
             raise
@@ -154,7 +154,7 @@ class Door:
             return Response(_sse({"error": first.message}), first.status, media_type="text/event-stream")
         return StreamingResponse(self._events(call, first), media_type="text/event-stream")
 
-    async def _next_event(self, call: Any) -> dict[str, Any] | DoorError | None:
+    async def next_event(self, call: Any) -> dict[str, Any] | DoorError | None:
         """The next response as an event; None at the end of the request."""
         while True:
             try:
@@ -179,7 +179,7 @@ class Door:
             while isinstance(event, dict):
                 final = event.pop("_final")
                 yield _sse(event)
-                event = None if final else await self._next_event(call)
+                event = None if final else await self.next_event(call)
             if isinstance(event, DoorError):
                 yield _sse({"error": event.message})
             finished = True

@@ -21,6 +21,8 @@ from .tensors import deserialize_bytes, serialize_bytes
 from .wire import WireRequest
 
 PROMPT_MODEL = "neopp_t2i"
+ENCODER_MODEL = "neopp_prompt_encoder"
+STREAM_SUFFIX = "_stream"  # the streamed twin of a generation model
 DEFAULT_MODEL = "neopp_dense"
 FORMATS = ("png", "jpeg", "webp")
 MAX_IMAGES, MAX_PROMPT = 4, 4000
@@ -56,6 +58,7 @@ class ImagesRequest:
     negative_prompt: str | None
     steps: int | None
     guidance_scale: float | None
+    partial_images: int = 0
 
     @property
     def size_text(self) -> str:
@@ -108,9 +111,9 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
     stream = doc.get("stream", False)
     if type(stream) is not bool:
         raise OpenAIError(400, "'stream' must be true or false", "stream")
-    if _int(doc, "partial_images", 0, 3, 0):
-        raise OpenAIError(400, "'partial_images' is not offered yet: with 'stream' each image arrives as one "
-                          "image_generation.completed event", "partial_images")
+    partial = _int(doc, "partial_images", 0, 3, 0)
+    if partial and not stream:
+        raise OpenAIError(400, "'partial_images' needs 'stream': true", "partial_images")
     guidance = doc.get("guidance_scale")
     if guidance is not None and (type(guidance) not in (int, float) or not 0 <= guidance <= 100):
         raise OpenAIError(400, "'guidance_scale' must be a number from 0 to 100", "guidance_scale")
@@ -120,26 +123,69 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
         n=_int(doc, "n", 1, MAX_IMAGES, 1), size=_size(doc.get("size")), output_format=output_format,
         seed=secrets.randbelow(2**31) if seed is None else seed,
         negative_prompt=_text(doc, "negative_prompt", None), steps=_int(doc, "num_inference_steps", 1, 1000, None),
-        guidance_scale=None if guidance is None else float(guidance))
+        guidance_scale=None if guidance is None else float(guidance), partial_images=partial)
     return request, stream
 
 
 def prompt_model_request(req: ImagesRequest, index: int) -> WireRequest:
     """The ``neopp_t2i`` request of image ``index`` (its own noise: seed + index)."""
     wire = WireRequest(pb.ModelInferRequest(model_name=PROMPT_MODEL))
-    texts = {"PROMPT": req.prompt, "NEGATIVE_PROMPT": req.negative_prompt, "MODEL": req.model,
-             "OUTPUT_FORMAT": req.output_format}
+    _texts(wire, {"PROMPT": req.prompt, "NEGATIVE_PROMPT": req.negative_prompt, "MODEL": req.model})
+    _sampling(wire, req, req.size, index)
+    return wire
+
+
+def encoder_request(req: ImagesRequest) -> WireRequest:
+    """The prompt encoder's request: what ``neopp_t2i`` sends it first."""
+    wire = WireRequest(pb.ModelInferRequest(model_name=ENCODER_MODEL))
+    _texts(wire, {"PROMPT": req.prompt, "NEGATIVE_PROMPT": req.negative_prompt})
+    return wire
+
+
+def streamed_request(req: ImagesRequest, encoded: pb.ModelInferResponse, size: tuple[int, int],
+                     preview_every: int) -> WireRequest:
+    """The streamed twin's request: the encoder's prefixes and the sampling inputs ``neopp_t2i``
+    would pass its generation model, plus previews; the final image is the same bytes."""
+    wire = WireRequest(pb.ModelInferRequest(model_name=req.model + STREAM_SUFFIX))
+    for out, raw in zip(encoded.outputs, encoded.raw_output_contents):
+        _add(wire, out.name, out.datatype, list(out.shape), raw)
+    _sampling(wire, req, size, 0)
+    _add(wire, "PREVIEW_EVERY", "INT64", [1], np.array([preview_every], "<i8").tobytes())
+    return wire
+
+
+def _texts(wire: WireRequest, texts: dict[str, str | None]) -> None:
     for name, text in texts.items():
         if text is not None:
             _add(wire, name, "BYTES", [1], serialize_bytes([text.encode()]))
+
+
+def _sampling(wire: WireRequest, req: ImagesRequest, size: tuple[int, int] | None, index: int) -> None:
+    _texts(wire, {"OUTPUT_FORMAT": req.output_format})
     _add(wire, "SEED", "INT64", [1], np.array([req.seed + index], "<i8").tobytes())
-    if req.size is not None:
-        _add(wire, "SIZE", "INT64", [2], np.array(req.size, "<i8").tobytes())
+    if size is not None:
+        _add(wire, "SIZE", "INT64", [2], np.array(size, "<i8").tobytes())
     if req.steps is not None:
         _add(wire, "STEPS", "INT64", [1], np.array([req.steps], "<i8").tobytes())
     if req.guidance_scale is not None:
         _add(wire, "CFG_SCALE", "FP32", [1], np.array([req.guidance_scale], "<f4").tobytes())
-    return wire
+
+
+def preview_plan(partial_images: int, steps: int | None) -> int:
+    """PREVIEW_EVERY for ``partial_images`` previews: spread over known steps, else every step
+    (the door then keeps the ones spread over the total the first event reports)."""
+    return max(1, steps // (partial_images + 1)) if steps else 1
+
+
+def wanted_preview(step: int, total: int, sent: int, partial_images: int) -> bool:
+    """Whether the preview of ``step`` is the next partial image to send."""
+    return sent < partial_images and step < total and step * (partial_images + 1) >= (sent + 1) * total
+
+
+def size_of(text: str) -> tuple[int, int]:
+    """``HxW`` (neopp_t2i's ``default_size``) as (height, width)."""
+    height, width = (int(v) for v in text.lower().split("x"))
+    return height, width
 
 
 def _add(wire: WireRequest, name: str, datatype: str, shape: list[int], raw: bytes) -> None:

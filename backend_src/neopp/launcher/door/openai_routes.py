@@ -2,7 +2,10 @@
 
 Requests are read under the same bounds as every other body and parsed as strictly; each image
 is one ``neopp_t2i`` call over gRPC (a client that hangs up cancels it). With ``stream: true``
-each finished image is one ``image_generation.completed`` server-sent event.
+each finished image is one ``image_generation.completed`` server-sent event; with
+``partial_images`` the door runs what ``neopp_t2i`` runs, the prompt encoder and then the
+model's streamed twin, and sends its previews as ``image_generation.partial_image`` events
+before the same final bytes.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class ImagesRoutes:
         async with BodyReader(self.door.budget, self.door.limits) as reader:
             body = await self.door.body(request, reader)
         req, stream = oa.parse_images_request(strict_json.loads(body, "request body"))
+        if req.partial_images:
+            return await self._streamed(request, req)
         if stream:
             first = await self._image(request, req, 0)  # a refusal is an error answer, not an event
             return StreamingResponse(self._events(request, req, first), media_type="text/event-stream")
@@ -69,10 +74,59 @@ class ImagesRoutes:
     async def _events(self, request: Request, req: oa.ImagesRequest, first: bytes) -> AsyncIterator[bytes]:
         for index in range(req.n):
             image = first if index == 0 else await self._image(request, req, index)
-            event = {"type": "image_generation.completed", "b64_json": _b64(image), "created_at": int(time.time()),
+            event = {"b64_json": _b64(image), "created_at": int(time.time()),
                      "size": req.size_text, "output_format": req.output_format, "quality": "auto",
                      "background": "auto", "seed": req.seed + index}
-            yield b"event: image_generation.completed\ndata: " + strict_json.dumps(event) + b"\n\n"
+            yield _sse("image_generation.completed", event)
+
+    async def _streamed(self, request: Request, req: oa.ImagesRequest) -> Response:
+        """Partial images: the prompt encoder, then the model's streamed twin with previews."""
+        if req.n > 1:
+            raise oa.OpenAIError(400, "'n' must be 1 with 'partial_images'", "n")
+        twin = req.model + oa.STREAM_SUFFIX
+        if twin not in await self.door.upstream.ready_models(self.admin_key):
+            raise oa.OpenAIError(400, f"'partial_images' needs {twin}, the streamed twin of {req.model}, which this "
+                                 "server does not serve", "partial_images")
+        size = req.size or await self._default_size()
+        encoded = await self.door.until_disconnect(request, self.door.upstream.infer(oa.encoder_request(req)))
+        wire = oa.streamed_request(req, encoded, size, oa.preview_plan(req.partial_images, req.steps))
+        call = self.door.upstream.stream(wire)
+        first = await self.door.next_event(call)
+        if not isinstance(first, dict):
+            call.cancel()
+            raise first or oa.OpenAIError(500, f"{twin} answered nothing", kind="server_error")
+        return StreamingResponse(self._preview_events(call, req, f"{size[1]}x{size[0]}", first),
+                                 media_type="text/event-stream")
+
+    async def _preview_events(self, call, req: oa.ImagesRequest, size: str, first: dict) -> AsyncIterator[bytes]:
+        event, sent = first, 0
+        common = {"size": size, "output_format": req.output_format, "quality": "auto", "background": "auto"}
+        try:
+            while isinstance(event, dict):
+                final = event.pop("_final")
+                now = {"created_at": int(time.time()), **common}
+                if "IMAGE" in event:
+                    yield _sse("image_generation.completed", {"b64_json": event["IMAGE"], **now, "seed": req.seed})
+                elif "PREVIEW" in event and oa.wanted_preview(event["STEP"], event["TOTAL_STEPS"], sent,
+                                                              req.partial_images):
+                    yield _sse("image_generation.partial_image",
+                               {"b64_json": event["PREVIEW"], "partial_image_index": sent, **now})
+                    sent += 1
+                event = None if final else await self.door.next_event(call)
+            if isinstance(event, DoorError):
+                yield _sse("error", {"error": {"message": event.message, "type": "server_error", "param": None,
+                                               "code": None}})
+        finally:
+            call.cancel()
+
+    async def _default_size(self) -> tuple[int, int]:
+        """``neopp_t2i``'s own default size, so that "auto" draws what the non-streamed call draws."""
+        answer = await self.door.upstream.control("GET", f"/v2/models/{oa.PROMPT_MODEL}/config", None, self.admin_key)
+        try:
+            return oa.size_of(strict_json.loads(answer.body)["parameters"]["default_size"]["string_value"])
+        except (DoorError, KeyError, TypeError, ValueError):
+            raise oa.OpenAIError(500, f"{oa.PROMPT_MODEL}'s default size is not readable ({answer.status})",
+                                 kind="server_error") from None
 
     async def models(self, request: Request) -> Response:
         names = await self.door.upstream.ready_models(self.admin_key)
@@ -86,3 +140,7 @@ class ImagesRoutes:
 def _b64(image: bytes) -> str:
     return base64.b64encode(image).decode()
 
+
+def _sse(kind: str, doc: dict) -> bytes:
+    """One server-sent event as OpenAI streams them: the type named twice, as event and field."""
+    return f"event: {kind}\ndata: ".encode() + strict_json.dumps({"type": kind, **doc}) + b"\n\n"
