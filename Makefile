@@ -99,10 +99,11 @@ bench-serve: tiny
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m bench.perf_analyzer --model neopp_dense \
 	  --grpc-url 127.0.0.1:$(GRPC_PORT) $(BENCH_ARGS)
 
-# System libraries, installed only here (as root, Debian/Ubuntu): libb64-0d, which perf_analyzer links.
+# System packages, installed only here (as root, Debian/Ubuntu): libb64-0d, which perf_analyzer links;
+# chromium and its driver for the playground's browser test.
 .PHONY: deps
 deps:
-	apt-get update -qq && apt-get install -y -qq libb64-0d
+	apt-get update -qq && apt-get install -y -qq libb64-0d chromium chromium-driver
 
 # ---- GPU check (needs a CUDA device): the CUDA tests (GPU against CPU, FP8 kernel, step batching),
 # every mode the GPU count allows on the 8B geometry (1024px, 50 steps), then continuous batching

@@ -10,6 +10,7 @@ import http.client
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -279,3 +280,53 @@ def test_v1_wants_the_api_key_when_one_is_set(served: Served):
         assert openai.OpenAI(base_url=url, api_key="the-right-key-0123456789", max_retries=0).models.list().data
     finally:
         door.stop()
+
+
+def _browser():
+    """Headless Chromium through its driver (Debian's chromium and chromium-driver: `make deps`)."""
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("the browser test needs Debian's chromium and chromium-driver: run `make deps`")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=640,960"):
+        options.add_argument(arg)
+    return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def test_the_playground_draws_a_prompt_with_progress_in_a_browser(served: Served, openai_door: str):
+    """A person's path: the page at /, a prompt and Enter; step progress, previews, then the picture,
+    its seed and a download link. The picture is the bytes neopp_t2i draws for that seed."""
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    browser = _browser()
+    try:
+        browser.get(openai_door.removesuffix("/v1") + "/")
+        WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
+        assert Select(browser.find_element("id", "model")).first_selected_option.text == "neopp_dense"
+        Select(browser.find_element("id", "size")).select_by_visible_text("128x128")
+        browser.find_element("id", "seed").send_keys("5")
+        browser.find_element("id", "steps").send_keys("4")
+        prompt = browser.find_element("id", "prompt")
+        prompt.clear()
+        prompt.send_keys(PROMPT, Keys.ENTER)
+        WebDriverWait(browser, 180).until(lambda b: b.find_element("id", "caption").text == "seed 5")
+        events = browser.execute_script("return window.neoppEvents")
+        bar = browser.execute_script("const p = document.getElementById('progress'); return [p.value, p.max];")
+        png = base64.b64decode(browser.find_element("id", "download").get_attribute("href").split(",", 1)[1])
+        width = browser.execute_script("return document.getElementById('image').naturalWidth")
+        (REPO / "build").mkdir(exist_ok=True)
+        browser.save_screenshot(str(REPO / "build" / "playground.png"))
+    finally:
+        browser.quit()
+    assert events == ["neopp.progress", "image_generation.partial_image"] * 3 + \
+        ["neopp.progress", "image_generation.completed"], events
+    assert bar == [4, 4] and width == 128
+    want = served.infer("neopp_t2i", PROMPT=text(PROMPT), SIZE=np.array([128, 128], np.int64),
+                        STEPS=np.array([4], np.int64), SEED=np.array([5], np.int64),
+                        OUTPUT_FORMAT=np.array([b"png"], np.object_))["IMAGE"][0]
+    assert png == want

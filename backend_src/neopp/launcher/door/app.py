@@ -13,6 +13,7 @@ import gzip
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
+from importlib import resources
 from typing import Any
 from urllib.parse import quote
 
@@ -33,6 +34,7 @@ from .upstream import Upstream, grpc_error
 from .wire import WireRequest
 
 log = logging.getLogger("neopp.launcher.door")
+PLAYGROUND = (resources.files(__package__) / "playground.html").read_bytes()  # the page at /, no build step
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 VERSION = re.compile(r"^[0-9]{0,18}$")
 KEY_FORMAT = re.compile(r"^[A-Za-z0-9_-]{16,256}$")
@@ -296,6 +298,9 @@ def build_app(door: Door, api_key: str | None = None, admin_key: str | None = No
             routes.append(Route(f"{base}/{action}", endpoint_all, methods=methods))
         return routes
 
+    async def playground(request: Request) -> Response:
+        return Response(PLAYGROUND, media_type="text/html; charset=utf-8")
+
     async def metrics(request: Request) -> Response:
         door.metrics.body_bytes_held = door.budget.used
         return Response(door.metrics.render(), media_type="text/plain; version=0.0.4")
@@ -315,6 +320,7 @@ def build_app(door: Door, api_key: str | None = None, admin_key: str | None = No
         Route("/v2/trace/setting", control(lambda r: "/v2/trace/setting"), methods=["GET"]),
         Route("/v2/logging", control(lambda r: "/v2/logging", True), methods=["POST"]),
         Route("/v2/logging", control(lambda r: "/v2/logging"), methods=["GET"]),
+        Route("/", playground, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/v1/images/generations", guarded(lambda r: images.answer(r, images.generations)), methods=["POST"]),
         Route("/v1/models", guarded(lambda r: images.answer(r, images.models)), methods=["GET"]),

@@ -28,7 +28,7 @@ FORMATS = ("png", "jpeg", "webp")
 MAX_IMAGES, MAX_PROMPT = 4, 4000
 ACCEPTED_AND_IGNORED = ("user", "quality", "background", "moderation", "style", "output_compression")
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
-              "seed", "negative_prompt", "num_inference_steps", "guidance_scale", *ACCEPTED_AND_IGNORED)
+              "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", *ACCEPTED_AND_IGNORED)
 SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 
 
@@ -59,6 +59,7 @@ class ImagesRequest:
     steps: int | None
     guidance_scale: float | None
     partial_images: int = 0
+    progress: bool = False  # ours: a neopp.progress event after every step (with partial_images)
 
     @property
     def size_text(self) -> str:
@@ -114,6 +115,9 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
     partial = _int(doc, "partial_images", 0, 3, 0)
     if partial and not stream:
         raise OpenAIError(400, "'partial_images' needs 'stream': true", "partial_images")
+    progress = doc.get("progress", False)
+    if type(progress) is not bool or (progress and not partial):
+        raise OpenAIError(400, "'progress' must be true or false, and true only with 'partial_images'", "progress")
     guidance = doc.get("guidance_scale")
     if guidance is not None and (type(guidance) not in (int, float) or not 0 <= guidance <= 100):
         raise OpenAIError(400, "'guidance_scale' must be a number from 0 to 100", "guidance_scale")
@@ -123,7 +127,7 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
         n=_int(doc, "n", 1, MAX_IMAGES, 1), size=_size(doc.get("size")), output_format=output_format,
         seed=secrets.randbelow(2**31) if seed is None else seed,
         negative_prompt=_text(doc, "negative_prompt", None), steps=_int(doc, "num_inference_steps", 1, 1000, None),
-        guidance_scale=None if guidance is None else float(guidance), partial_images=partial)
+        guidance_scale=None if guidance is None else float(guidance), partial_images=partial, progress=progress)
     return request, stream
 
 

@@ -105,6 +105,8 @@ class ImagesRoutes:
             while isinstance(event, dict):
                 final = event.pop("_final")
                 now = {"created_at": int(time.time()), **common}
+                if req.progress:
+                    yield _sse("neopp.progress", {"step": event["STEP"], "total_steps": event["TOTAL_STEPS"]})
                 if "IMAGE" in event:
                     yield _sse("image_generation.completed", {"b64_json": event["IMAGE"], **now, "seed": req.seed})
                 elif "PREVIEW" in event and oa.wanted_preview(event["STEP"], event["TOTAL_STEPS"], sent,
