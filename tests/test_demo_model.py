@@ -65,7 +65,7 @@ def trained_predictions(ckpt, x, t, scale):
     tokenizer = WordTokenizer.from_file(ckpt / "tokenizer.json")
     params = {k: v.float() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
     language, tower = towers(config, params, tokenizer)
-    rows = [tokenizer.encode(p) for p in PROMPTS]
+    rows = [tokenizer.encode(p, known_only=False) for p in PROMPTS]
     width = max(map(len, rows))
     ids = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     with torch.no_grad():

@@ -53,7 +53,17 @@ def test_tokenizer_rules(tower):
     tok = tower.tokenizer
     assert tok.encode("") == [tok.ids["<bos>"]]
     assert tok.encode("A  RED, circle!") == tok.encode("a red circle")
-    assert tok.encode("a zebra")[-1] == tok.ids["<unk>"]  # outside the vocabulary: known, not an error
+    assert tok.encode("an red circle") == tok.encode("a red circle")  # both articles are known
+    for prompt, unknown in (("a big pink dragon flying over mountains", "['big', 'pink', 'dragon', 'flying', "
+                                                                       "'over', 'mountains']"),
+                            ("un cercle rouge \N{ARTIST PALETTE}", "['un', 'cercle', 'rouge']"),
+                            ("a red <unk>", "['unk']")):  # the special tokens cannot be spelt either
+        with pytest.raises(InputError) as info:
+            tok.encode(prompt, "NEGATIVE_PROMPT")
+        message = str(info.value)
+        assert message.startswith(f"NEGATIVE_PROMPT: unknown words {unknown}; "), message
+        assert "tokenizer.json: " in message and ", red, " in message  # the vocabulary is listed
+    assert tok.encode("a zebra", known_only=False)[-1] == tok.ids["<unk>"]  # training on a larger corpus
     with pytest.raises(InputError, match="PROMPT: .*at most"):
         tok.encode("red " * tok.max_tokens)
     with pytest.raises(InputError, match=f"NEGATIVE_PROMPT: at most {MAX_PROMPT_BYTES} bytes"):

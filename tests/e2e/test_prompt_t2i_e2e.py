@@ -133,6 +133,9 @@ def test_t2i_draws_256x256_when_no_size_is_given(served: Served):
      "SIZE: height must be a positive multiple of 32, got 250"),  # neopp_dense's own message
     ("neopp_t2i", {"PROMPT": text("red " * 40)}, "INVALID_ARGUMENT", "PROMPT: 40 words, at most 31"),
     ("neopp_t2i", {"PROMPT": text(b"\xff red")}, "INVALID_ARGUMENT", "PROMPT: must be UTF-8 text"),
+    ("neopp_t2i", {"PROMPT": text("a big pink dragon flying over mountains")}, "INVALID_ARGUMENT",
+     "PROMPT: unknown words ['big', 'pink', 'dragon', 'flying', 'over', 'mountains']; this model knows only"),
+    ("neopp_t2i", {"NEGATIVE_PROMPT": text("green fog")}, "INVALID_ARGUMENT", "NEGATIVE_PROMPT: unknown words ['fog']"),
     ("neopp_prompt_encoder", {"PROMPT": text("a " * 1100)}, "INVALID_ARGUMENT", "PROMPT: at most 2048 bytes"),
     ("neopp_prompt_encoder", {"PROMPT": np.array([], np.object_)}, "INVALID_ARGUMENT", "PROMPT"),
     ("neopp_t2i", {"PROMPT": np.array([], np.object_)}, "INVALID_ARGUMENT", "PROMPT"),

@@ -1,7 +1,9 @@
 """A word-level tokenizer read from the checkpoint's ``tokenizer.json``.
 
-The demo's language tower knows a closed vocabulary; an unknown word maps to ``<unk>`` rather
-than failing, so a prompt outside the demo's grammar still gets an (uninformed) image.
+The demo's language tower knows a closed vocabulary. A prompt with a word outside it is refused,
+naming the words and listing the vocabulary: an image that silently ignored half the prompt
+would look like an answer to it. Case and punctuation are dropped; "an" reads as "a" where the
+vocabulary has only "a" (the grammar allows both articles).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ KIND = "word-level"
 PAD, BOS, UNK = "<pad>", "<bos>", "<unk>"
 MAX_PROMPT_BYTES = 2048
 _WORD = re.compile(r"[a-z0-9]+")
+ALIASES = {"an": "a"}  # a word the vocabulary spells another way
 
 
 @dataclass(frozen=True)
@@ -51,13 +54,23 @@ class WordTokenizer:
     def words(self, prompt: str) -> list[str]:
         return _WORD.findall(prompt.lower())
 
-    def encode(self, prompt: str, name: str = "PROMPT") -> list[int]:
+    def encode(self, prompt: str, name: str = "PROMPT", known_only: bool = True) -> list[int]:
         """``<bos>`` then one id per word; an empty prompt is ``<bos>`` alone (the unconditional
-        branch). ``name`` is the input the prompt came from, for the error message."""
+        branch). ``name`` is the input the prompt came from, for the error message.
+        ``known_only=False`` (training on a corpus larger than a small test vocabulary) maps an
+        unknown word to ``<unk>`` instead of refusing the prompt."""
         if len(prompt.encode("utf-8")) > MAX_PROMPT_BYTES:
             raise InputError(f"{name}: at most {MAX_PROMPT_BYTES} bytes")
-        ids, unk = self.ids, self.ids[UNK]
-        tokens = [ids[BOS]] + [ids.get(w, unk) for w in self.words(prompt)]
+        ids = self.ids
+        words = [w if w in ids else ALIASES.get(w, w) for w in self.words(prompt)]
+        unknown = list(dict.fromkeys(w for w in words if w not in ids))  # a word is [a-z0-9]+: never <unk>
+        if unknown and not known_only:
+            words = [w if w in ids else UNK for w in words]
+        elif unknown:
+            known = ", ".join(w for w in self.vocab if w not in (PAD, BOS, UNK))
+            raise InputError(f"{name}: unknown words {unknown}; this model knows only the words of its "
+                             f"checkpoint's {TOKENIZER_FILE}: {known}")
+        tokens = [ids[BOS]] + [ids[w] for w in words]
         if len(tokens) > self.max_tokens:
             raise InputError(f"{name}: {len(tokens) - 1} words, at most {self.max_tokens - 1}")
         return tokens
