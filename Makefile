@@ -67,9 +67,10 @@ BENCH_ARGS ?=
 
 .PHONY: serve bench-serve train-demo
 
-serve: tiny
+serve: setup
 	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
-	  "(make train-demo writes the demo one; or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
+	  "(make train-demo writes the demo one, make tiny the tiny test ones in $(TINY_DIR);" \
+	  "or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
 	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no demo language tower:" \
 	  "neopp_prompt_encoder and neopp_t2i are not loaded")
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) NEOPP_CHECKPOINT_NEOPP_MOE=$(NEOPP_MOE_CHECKPOINT) \
@@ -91,9 +92,10 @@ train-demo: setup
 	PYTHONPATH=. $(PY) -m demo.card --dir $(DEMO_DIR)
 
 # perf_analyzer against the server `make serve` runs (same GRPC_PORT); BENCH_ARGS="--own-server" starts one.
-bench-serve: tiny
+bench-serve: setup
 	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
-	  "(make train-demo writes the demo one; or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
+	  "(make train-demo writes the demo one, make tiny the tiny test ones in $(TINY_DIR);" \
+	  "or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
 	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no demo language tower:" \
 	  "neopp_prompt_encoder and neopp_t2i are not loaded")
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m bench.perf_analyzer --model neopp_dense \

@@ -1,6 +1,6 @@
 """Deterministic tiny checkpoints in the real SenseNova-U1 key layout, and matching KV files.
 
-Used by the tests and by `make serve` on machines without a real checkpoint. Each variant is a
+Used by the tests, and by `make serve NEOPP_CHECKPOINT=build/tiny/dense` after `make tiny`. Each variant is a
 complete checkpoint folder (config.json + safetensors); weights are random but scaled so that
 activations stay O(1) and images are not flat.
 """
