@@ -111,9 +111,9 @@ def start_fronts(tmp: Path, server: TritonServer, rev: str) -> tuple[list[subpro
 
     def door(port: int, region_min_bytes: int) -> str:
         return (f"from neopp.launcher.door.body import DoorLimits; from neopp.launcher.door.server import DoorServer; "
-                f"DoorServer({LOOPBACK!r}, {port}, {server.grpc_url!r}, ({LOOPBACK!r}, {server.http_port}), "
+                f"door = DoorServer({LOOPBACK!r}, {port}, {server.grpc_url!r}, ({LOOPBACK!r}, {server.http_port}), "
                 f"{FRONT_KEY!r}, DoorLimits(region_min_bytes={region_min_bytes}), admin_key={ADMIN_KEY!r}).start(); "
-                f"{wait}")
+                f"{wait}; door.stop()")
     front = (f"import sys; sys.path.insert(0, {str(old.parent)!r}); from old_front.http_front import HttpFront; "
              f"HttpFront({LOOPBACK!r}, {ports[2]}, ({LOOPBACK!r}, {server.http_port}), {FRONT_KEY!r}).start(); {wait}")
     codes = (door(ports[0], 1 << 20), door(ports[1], 0), front)
@@ -206,10 +206,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rows[size] = measure(calls, args.repeats)
             finally:
                 channel.close()
-                for proc in procs:
+                for proc in procs:  # end of input: each front stops (the door removes its region)
                     proc.stdin.close()
-                    proc.kill()
-                    proc.wait(timeout=30)
+                for proc in procs:
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                        proc.wait(timeout=10)
     mb = kv.numel() * kv.element_size() / 1e6
     write_report(args.out, "HTTP door: its cost next to the old front and gRPC", report(rows, mb, args))
     return 0

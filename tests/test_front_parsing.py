@@ -7,7 +7,10 @@ import asyncio
 import base64
 import gzip
 import json
+import os
 import struct
+import subprocess
+import sys
 import zlib
 
 import grpc
@@ -223,6 +226,18 @@ def test_the_tensor_region_lends_disjoint_slices_and_takes_them_back(tmp_path) -
     finally:
         arena.close()
     assert not (tmp_path / arena.name).exists()
+
+
+def test_regions_of_doors_that_died_are_removed_and_no_other(tmp_path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"neopp_door_{int(dead.stdout)}_00112233aabbccdd"
+    alive = tmp_path / f"neopp_door_{os.getppid()}_00112233aabbccdd"  # a live process: another server's
+    foreign = tmp_path / "neopp_kv_0011"
+    for path in (orphan, alive, foreign):
+        path.write_bytes(b"x")
+    arena = ShmArena(1024, directory=tmp_path)
+    arena.close()
+    assert not orphan.exists() and alive.exists() and foreign.exists()
 
 
 def test_binary_inputs_of_a_plain_body_are_written_into_the_region(tmp_path) -> None:

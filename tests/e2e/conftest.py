@@ -65,6 +65,13 @@ class TritonHandle:
                                DoorLimits(region_min_bytes=1)).start()
         self.http = httpclient.InferenceServerClient(self.door_url, network_timeout=120.0)
 
+    def close(self) -> None:
+        """Clients first (an open keep-alive connection would hold a graceful stop), then the door,
+        which removes its shared-memory region."""
+        self.grpc.close()
+        self.http.close()
+        self.door.stop()
+
     @property
     def door_url(self) -> str:
         return f"{LOOPBACK}:{self.door.server_address[1]}"
@@ -193,9 +200,7 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
         handle = TritonHandle(server, tiny_dense, load_kv_file(kv / "cond_kv.pt"),
                               load_kv_file(kv / "uncond_kv.pt"), log_path)
         yield handle
-        handle.grpc.close()
-        handle.http.close()  # an open keep-alive connection would hold a graceful stop
-        handle.door.stop()
+        handle.close()
     finally:
         server.stop(timeout=30)
         left = process_group_members(pgid)

@@ -67,8 +67,7 @@ def cfg_server(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPa
         handle = TritonHandle(server, tiny_dense, load_kv_file(kv / "cond_kv.pt"),
                               load_kv_file(kv / "uncond_kv.pt"), server.log_path)
         yield handle
-        handle.grpc.close()
-        handle.http.close()
+        handle.close()
     finally:
         _stop(server)
 

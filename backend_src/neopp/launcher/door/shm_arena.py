@@ -19,7 +19,20 @@ from pathlib import Path
 from typing import Any
 
 SHM_DIR = Path("/dev/shm")
+PREFIX = "neopp_door_"  # then the owner's pid and 64 random bits
 ALIGN = 64
+
+
+def remove_orphans(directory: Path = SHM_DIR) -> list[str]:
+    """Remove the regions of doors whose process is gone (killed before it could): the name holds
+    the owner's pid, so a live door's region, this host's other servers' included, is never touched."""
+    removed = []
+    for path in directory.glob(PREFIX + "*"):
+        pid = path.name[len(PREFIX):].split("_", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
 
 
 @dataclass(frozen=True)
@@ -35,7 +48,8 @@ class ShmArena:
     """A region of ``size`` bytes with a first-fit allocator; ``None`` when a slice does not fit."""
 
     def __init__(self, size: int, directory: Path = SHM_DIR) -> None:
-        self.name = f"neopp_door_{secrets.token_hex(8)}"
+        remove_orphans(directory)
+        self.name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
         self.path = directory / self.name
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
