@@ -92,9 +92,8 @@ class Door:
 
     async def body(self, request: Request, reader: BodyReader) -> bytes:
         data = await reader.read(request.receive, request.headers)
-        self.metrics.body_bytes_held = self.budget.used
-        values = data.count(b",") + data.count(b":")
-        if values > self.limits.max_json_values and request.headers.get("inference-header-content-length") is None:
+        if request.headers.get("inference-header-content-length") is None \
+                and data.count(b",") + data.count(b":") > self.limits.max_json_values:  # a JSON body only
             raise DoorError(413, f"the JSON body holds over {self.limits.max_json_values} values; "
                             f"{kserve_infer.JSON_HINT}", reason="json_too_large")
         return data
@@ -302,8 +301,7 @@ def build_app(door: Door, api_key: str | None = None, admin_key: str | None = No
         return Response(PLAYGROUND, media_type="text/html; charset=utf-8")
 
     async def metrics(request: Request) -> Response:
-        door.metrics.body_bytes_held = door.budget.used
-        return Response(door.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(door.metrics.render(door.budget.used), media_type="text/plain; version=0.0.4")
 
     routes = [
         Route("/v2/health/live", control(lambda r: "/v2/health/live"), methods=["GET"]),

@@ -22,7 +22,6 @@ class DoorMetrics:
         self.requests: Counter[tuple[tuple[str, str], ...]] = Counter()
         self.refused: Counter[tuple[tuple[str, str], ...]] = Counter()
         self.restarts: Counter[tuple[tuple[str, str], ...]] = Counter()
-        self.body_bytes_held = 0
         self.cancelled = 0
 
     def request(self, route: str, status: int) -> None:
@@ -37,7 +36,8 @@ class DoorMetrics:
         with self._lock:
             self.restarts[(("reason", reason),)] += 1
 
-    def render(self) -> str:
+    def render(self, body_bytes_held: int) -> str:
+        """The text exposition; ``body_bytes_held`` is read from the door's budget at the time."""
         with self._lock:
             lines = []
             for name, help_text, series in (
@@ -49,7 +49,7 @@ class DoorMetrics:
                 lines += [f"# HELP {name} {help_text}", f"# TYPE {name} counter"]
                 lines += [f"{name}{_labels(k)} {v}" for k, v in sorted(series.items())]
             lines += ["# HELP neopp_http_body_bytes_held bytes of request bodies the door holds now",
-                      "# TYPE neopp_http_body_bytes_held gauge", f"neopp_http_body_bytes_held {self.body_bytes_held}",
+                      "# TYPE neopp_http_body_bytes_held gauge", f"neopp_http_body_bytes_held {body_bytes_held}",
                       "# HELP neopp_http_cancelled_total requests cancelled because the HTTP client left",
                       "# TYPE neopp_http_cancelled_total counter", f"neopp_http_cancelled_total {self.cancelled}"]
             return "\n".join(lines) + "\n"

@@ -80,7 +80,9 @@ def parameter_value(param: pb.InferParameter) -> Any:
 def _request_parameters(request: pb.ModelInferRequest, params: Any, plan: OutputPlan) -> None:
     if params is None:
         return
-    for key, value in _keys(params, set(params) if isinstance(params, dict) else set(), "'parameters'").items():
+    if not isinstance(params, dict):
+        raise invalid("'parameters' must be a JSON object")
+    for key, value in params.items():
         if key == "binary_data_output":
             if type(value) is not bool:
                 raise invalid("parameters.binary_data_output must be true or false")
