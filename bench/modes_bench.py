@@ -100,7 +100,7 @@ def bench_modes(ckpts: dict[str, Path], size: int, steps: int, device: str, thre
         try:
             req = request(mid_config(ckpt == "moe"), size, steps, mode.sampling)
             times = step_times(gen, req)
-            guided = sum(gen.guidance_plan(req)[1:]) if hasattr(gen, "guidance_plan") else None
+            guided = sum(req.step_plan.guided_steps[1:])
         finally:
             if hasattr(gen, "close"):
                 gen.close()

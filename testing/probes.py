@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from neopp.embeddings import patchify
-from neopp.pipeline import NeoPPPipeline
-from neopp.request import GenerationRequest
+from neopp.pipeline import NeoPPPipeline, Prepared
+from neopp.request import GenerationRequest, StepPlan
+from neopp.sampler import FlowSampler
 from neopp.schedule import initial_noise_scale
 
 
@@ -17,6 +18,8 @@ def branch_velocity(pipe: NeoPPPipeline, req: GenerationRequest, x: torch.Tensor
     grid = pipe.grid(req.height, req.width)
     kv, off = (req.cond_kv, req.index_offset_cond) if branch == "cond" else (req.uncond_kv, req.index_offset_uncond)
     ctx = pipe.branch(kv, off, grid)
-    ns = initial_noise_scale(pipe.config, grid.num_tokens)
-    hid = pipe.transformer.embed(x.to(pipe.device, pipe.dtype), t, ns, grid)
-    return pipe.velocity(hid, patchify(x.to(pipe.device, torch.float32), grid.token_size), t, ctx, grid)
+    one_step = (t, 1.0)  # a plan whose step 0 is at time t
+    prep = Prepared(grid, StepPlan(one_step, (False,), ("cond",)),
+                    FlowSampler(one_step, initial_noise_scale(pipe.config, grid.num_tokens)), {branch: ctx})
+    hid = pipe.embed(x.to(pipe.device), prep, 0)
+    return pipe.velocity(hid, patchify(x.to(pipe.device, torch.float32), grid.token_size), prep, 0, ctx)

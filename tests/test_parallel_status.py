@@ -10,7 +10,7 @@ import torch
 
 from neopp import parallel_status as ps
 from neopp.modes import load_mode
-from neopp.request import GenerationRequest, plan_of
+from neopp.request import GenerationRequest, StepPlan
 from neopp.request_log import request_line
 from neopp.tools import replay_kv, replay_kv_multiturn
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
@@ -27,7 +27,7 @@ OFF_ONE_SEQ = "seq_parallel=off(reason=one_seq_rank)"
 
 def status(mode, has_uncond=True, **sampling):
     s = mode.sampling.replace(**sampling)
-    return ps.parallel_status(mode, s, has_uncond, plan_of(s))
+    return ps.parallel_status(mode, s, has_uncond, list(StepPlan.of(s).guided_steps))
 
 
 @pytest.mark.parametrize("mode,has_uncond,sampling,field", [
@@ -94,7 +94,7 @@ def test_request_line_fields():
     kv = torch.zeros(2, 2, 30, 2, 32)
     req = GenerationRequest(cond_kv=kv, index_offset_cond=30, height=64, width=96, uncond_kv=kv[:, :, :5],
                             index_offset_uncond=5, sampling=CFG.sampling.replace(output_format="png", **FOUR))
-    line = request_line("neopp_dense_cfg", CFG, req, plan_of(req.sampling), 1234, 0.0876)
+    line = request_line("neopp_dense_cfg", CFG, req, 1234, 0.0876)
     m = LINE.match(line)
     assert m, line
     assert m.groupdict() == {"name": "neopp_dense_cfg", "h": "64", "w": "96", "sc": "30", "su": "5", "steps": "4",
@@ -102,7 +102,7 @@ def test_request_line_fields():
                              "seq": OFF_ONE_SEQ}
     no_uncond = GenerationRequest(cond_kv=kv, index_offset_cond=30, height=64, width=96,
                                   sampling=CFG.sampling.replace(output_format="png", cfg_scale=1.0))
-    line = request_line("neopp_dense_cfg", CFG, no_uncond, plan_of(no_uncond.sampling), 10, 2.0)
+    line = request_line("neopp_dense_cfg", CFG, no_uncond, 10, 2.0)
     assert "prefix=30+0 tokens" in line and "e2e_time_ms=2000 cfg_parallel=off(reason=cfg_scale<=1)" in line
 
 

@@ -18,7 +18,7 @@ import torch
 from .embeddings import patchify, unpatchify
 from .errors import InputError, NeoPPError
 from .image_io import to_pixels
-from .pipeline import NeoPPPipeline, Prepared, check_finite
+from .pipeline import NeoPPPipeline, Prepared
 from .request import GenerationRequest
 from .streaming import StepEvent
 from .transformer import BatchedBranches, BranchContext
@@ -42,7 +42,7 @@ class Active:
 
     @property
     def total(self) -> int:
-        return len(self.prep.times) - 1
+        return self.prep.sampler.steps
 
     def wants_preview(self, done: int) -> bool:
         return self.preview_every > 0 and done % self.preview_every == 0 and done < self.total
@@ -51,13 +51,10 @@ class Active:
 def start(pipe: NeoPPPipeline, job: int, req: GenerationRequest, preview_every: int = 0,
           submitted: float | None = None) -> Active:
     """Prepare a request's branches and its starting state (as `NeoPPPipeline.sample` does)."""
-    if req.noise is None or tuple(req.noise.shape) != (1, 3, req.height, req.width):
-        raise InputError(f"noise: must be drawn with shape (1, 3, {req.height}, {req.width}) before sampling")
     if not isinstance(preview_every, int) or preview_every < 0:
         raise InputError(f"preview_every: must be a non-negative integer, got {preview_every!r}")
     prep = pipe.prepare(req)
-    x = req.noise.to(torch.float32) if req.noise_scaled else req.noise.to(torch.float32) * prep.noise_scale
-    x = x.to(pipe.device)
+    x = prep.sampler.start(req, pipe.device)
     z = patchify(x, prep.grid.token_size)
     return Active(job, req, prep, z, x, preview_every, 0, submitted if submitted is not None else time.monotonic())
 
@@ -105,14 +102,12 @@ class StepBatcher:
                                                        for j, b in enumerate(bs) if self.owns(j, b)]
         out: dict[BranchKey, torch.Tensor] = {}
         if owned:
-            hids = {i: pipe.transformer.embed(batch[i].x.to(pipe.dtype), batch[i].prep.times[batch[i].k],
-                                              batch[i].prep.noise_scale, batch[i].prep.grid)
-                    for i in sorted({i for i, _, _ in owned})}
+            hids = {i: pipe.embed(batch[i].x, batch[i].prep, batch[i].k) for i in sorted({i for i, _, _ in owned})}
             inputs = [self.layer_input(hids[i], b) for i, _, b in owned]
             hidden = pipe.transformer.run_layers(torch.cat(inputs), BatchedBranches([b for _, _, b in owned]))
             for (i, j, b), h in zip(owned, hidden.split([t.shape[0] for t in inputs])):
                 a = batch[i]
-                out[i, j] = pipe._velocity_from(self.layer_output(h, b), a.z, a.prep.times[a.k], a.prep.grid)
+                out[i, j] = pipe.head_velocity(self.layer_output(h, b), a.z, a.prep, a.k)
         return plans, self.exchange(batch, plans, out)
 
     @torch.inference_mode()
@@ -131,10 +126,9 @@ class StepBatcher:
             done, t_size = k + 1, prep.grid.token_size
             preview = None
             if a.wants_preview(done):  # the clean-image prediction behind the guided velocity
-                x_pred = a.z + max(1.0 - prep.times[k], 0.02) * v
+                x_pred = prep.sampler.clean_estimate(a.z, v, k)
                 preview = to_pixels(unpatchify(x_pred, a.req.height, a.req.width, t_size))
-            a.z.add_(v, alpha=prep.times[k + 1] - prep.times[k])
-            check_finite(a.z, done, a.total)
+            prep.sampler.step(a.z, v, k)
         except NeoPPError as exc:
             return StepEvent(k, a.total, error=exc)
         a.x = unpatchify(a.z, a.req.height, a.req.width, t_size)

@@ -18,15 +18,16 @@ import torch
 from .checkpoint import default_dtype, load_checkpoint
 from .checkpoint_config import CheckpointConfig
 from .embeddings import Grid, patchify, unpatchify
-from .errors import ConfigError, GenerationCancelled, InputError, NonFiniteState
-from .guidance import COND, UNCOND, combine, guidance_plan, guided_branches
+from .errors import ConfigError, GenerationCancelled
+from .guidance import COND, UNCOND, combine
 from .image_io import to_pixels
 from .limits import Limits
 from .lora import apply_loras_
 from .modes import TASKS, ModeSpec, SamplingParams
 from .quant import fp8_layer_linear, quantize_layer_linears_
-from .request import GenerationRequest, RequestRules, plan_of
-from .schedule import initial_noise_scale, shifted_timesteps
+from .request import GenerationRequest, RequestRules, StepPlan
+from .sampler import FlowSampler
+from .schedule import initial_noise_scale
 from .transformer import BatchedBranches, BranchContext, LinearFactory, NeoPPTransformer
 
 StopFn = Callable[[], bool]
@@ -42,12 +43,23 @@ class Prepared:
     """Everything about a request that does not change from step to step."""
 
     grid: Grid
-    times: list[float]
-    plan: list[bool]
-    noise_scale: float
+    plan: StepPlan
+    sampler: FlowSampler
     branches: dict[str, BranchContext]  # the branches this process runs, by name
-    guided: tuple[str, ...] = (COND, UNCOND)  # the branches a guided step combines, cond first
     image: bool = False  # image-editing guidance
+
+    @property
+    def times(self) -> tuple[float, ...]:
+        return self.plan.times
+
+    @property
+    def noise_scale(self) -> float:
+        return self.sampler.noise_scale
+
+    @property
+    def guided(self) -> tuple[str, ...]:
+        """The branches a guided step combines, cond first."""
+        return self.plan.guided_branches
 
     @property
     def cond(self) -> BranchContext | None:
@@ -97,7 +109,8 @@ class NeoPPPipeline:
 
     # ---- preparation ------------------------------------------------------------------
     def guidance_plan(self, req: GenerationRequest) -> list[bool]:
-        return plan_of(req.sampling, req.image_editing)
+        """Per step: does it run guidance (the request's plan, computed once)."""
+        return list(req.step_plan.guided_steps)
 
     def grid(self, height: int, width: int) -> Grid:
         c = self.config
@@ -109,31 +122,30 @@ class NeoPPPipeline:
 
     def prepare(self, req: GenerationRequest, names: tuple[str, ...] | None = None) -> Prepared:
         """Lay out the branches ``names`` (default: cond, plus what guided steps read, if any)."""
-        s, image = req.sampling, req.image_editing
-        grid = self.grid(req.height, req.width)
-        times = shifted_timesteps(s.infer_steps, s.timestep_shift)
-        plan = guidance_plan(s, times, image)
-        guided = guided_branches(s, image)
+        plan, grid = req.step_plan, self.grid(req.height, req.width)
         if names is None:
-            names = guided if any(plan) else (COND,)
+            names = plan.guided_branches if any(plan.guided_steps) else (COND,)
         branches = {name: self.branch(*req.branch_input(name), grid) for name in names}
-        return Prepared(grid, times, plan, initial_noise_scale(self.config, grid.num_tokens), branches, guided, image)
+        sampler = FlowSampler(plan.times, initial_noise_scale(self.config, grid.num_tokens))
+        return Prepared(grid, plan, sampler, branches, req.image_editing)
 
     # ---- the loop ---------------------------------------------------------------------
-    def velocity(self, hid: torch.Tensor, z: torch.Tensor, t: float, branch: BranchContext, grid: Grid) -> torch.Tensor:
-        return self._velocity_from(self.transformer.run_layers(hid, branch), z, t, grid)
+    def velocity(self, hid: torch.Tensor, z: torch.Tensor, prep: Prepared, k: int,
+                 branch: BranchContext) -> torch.Tensor:
+        """One branch's velocity at step k: the layers, then the head."""
+        return self.head_velocity(self.transformer.run_layers(hid, branch), z, prep, k)
 
-    def _velocity_from(self, hid: torch.Tensor, z: torch.Tensor, t: float, grid: Grid) -> torch.Tensor:
-        """Head on the final hidden states, then `(x_pred - z) / max(1 - t, 0.02)`."""
-        x_pred = self.transformer.predict(hid, grid).float()
-        return x_pred.sub_(z).div_(max(1.0 - t, 0.02))  # x_pred is a fresh tensor: no temporaries
+    def head_velocity(self, hid: torch.Tensor, z: torch.Tensor, prep: Prepared, k: int) -> torch.Tensor:
+        """The head on the final hidden states; the sampler turns its prediction into a velocity."""
+        return prep.sampler.velocity(self.transformer.predict(hid, prep.grid), z, k)
+
+    def embed(self, x: torch.Tensor, prep: Prepared, k: int) -> torch.Tensor:
+        """The image tokens entering the layers at step k."""
+        return self.transformer.embed(x.to(self.dtype), prep.times[k], prep.noise_scale, prep.grid)
 
     def step_branch_names(self, prep: Prepared, k: int) -> tuple[str, ...]:
-        """The branches step k runs, cond first: the one place that says so.
-
-        The step batcher asks it too, so a guidance rule lives in `neopp.guidance` only.
-        """
-        return prep.guided if prep.plan[k] else (COND,)
+        """The branches step k runs, cond first (the request's plan says so)."""
+        return prep.plan.branch_names(k)
 
     def step_branches(self, prep: Prepared, k: int) -> list[BranchContext | None]:
         """The contexts of `step_branch_names`, in order; a rank of the CFG-parallel engine holds
@@ -151,20 +163,19 @@ class NeoPPPipeline:
     def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
                       sampling: SamplingParams) -> torch.Tensor:
         """The (guided) velocity of step k; the parallel engine overrides this."""
-        t = prep.times[k]
-        hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
+        hid = self.embed(x, prep, k)
         names = self.step_branch_names(prep, k)
-        vs = self.branch_velocities(hid, z, t, prep, names)
+        vs = self.branch_velocities(hid, z, prep, k, names)
         return self.combine_step(prep, k, [vs[n] for n in names], sampling)
 
-    def branch_velocities(self, hid: torch.Tensor, z: torch.Tensor, t: float, prep: Prepared,
+    def branch_velocities(self, hid: torch.Tensor, z: torch.Tensor, prep: Prepared, k: int,
                           names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """Velocities of several branches at one step: one batch, or one pass each."""
         if len(names) > 1 and self.batch_cfg(prep.grid.num_tokens):
             batch = BatchedBranches([prep.branches[n] for n in names])
             out = self.transformer.run_layers(torch.cat([hid] * len(names)), batch).split(hid.shape[0])
-            return {n: self._velocity_from(h, z, t, prep.grid) for n, h in zip(names, out)}
-        return {n: self.velocity(hid, z, t, prep.branches[n], prep.grid) for n in names}
+            return {n: self.head_velocity(h, z, prep, k) for n, h in zip(names, out)}
+        return {n: self.velocity(hid, z, prep, k, prep.branches[n]) for n in names}
 
     def batch_cfg(self, num_tokens: int) -> bool:
         """Run a step's branches as one batch? `cfg_batching` is on, off, or auto (by token count)."""
@@ -177,19 +188,15 @@ class NeoPPPipeline:
                prep: Prepared | None = None) -> torch.Tensor:
         """Run every step; the state stays float32 whatever the run dtype."""
         prep = prep or self.prepare(req)
-        t_size = prep.grid.token_size
-        if req.noise is None or tuple(req.noise.shape) != (1, 3, req.height, req.width):
-            raise InputError(f"noise: must be drawn with shape (1, 3, {req.height}, {req.width}) before sampling")
-        x = req.noise.to(torch.float32) if req.noise_scaled else req.noise.to(torch.float32) * prep.noise_scale
-        x = x.to(self.device)
+        sampler, t_size = prep.sampler, prep.grid.token_size
+        x = sampler.start(req, self.device)
         z = patchify(x, t_size)
-        for k in range(len(prep.times) - 1):
+        for k in range(sampler.steps):
             if should_stop is not None and should_stop():
-                raise GenerationCancelled(f"cancelled before step {k + 1} of {len(prep.times) - 1}")
+                raise GenerationCancelled(f"cancelled before step {k + 1} of {sampler.steps}")
             start = time.perf_counter()
             v = self.step_velocity(prep, x, z, k, req.sampling)
-            z.add_(v, alpha=prep.times[k + 1] - prep.times[k])
-            check_finite(z, k + 1, len(prep.times) - 1)
+            sampler.step(z, v, k)
             x = unpatchify(z, req.height, req.width, t_size)
             if on_step is not None:
                 on_step(k, time.perf_counter() - start)
@@ -199,19 +206,6 @@ class NeoPPPipeline:
                  on_step: StepFn | None = None) -> np.ndarray:
         """Final uint8 pixels [H, W, 3]."""
         return to_pixels(self.sample(req, should_stop, on_step))
-
-
-def check_finite(state: torch.Tensor, step: int, steps: int) -> None:
-    """Refuse to go on once the state holds inf or NaN (it would decode to a flat image).
-
-    One reduction per step: the sum is finite only if every element is (a finite sum can
-    overflow only for values no sane state reaches, which is just as wrong).
-    """
-    if not bool(torch.isfinite(state.sum())):
-        raise NonFiniteState(
-            f"cond_kv: the denoising state stopped being finite (inf or NaN) at step {step} of {steps}; "
-            "the request's values (KV prefix magnitudes, CFG_SCALE) drive the model out of range, "
-            "so no image is returned")
 
 
 def set_threads(threads: int | None) -> None:

@@ -10,6 +10,7 @@ the serving layer spells it as the client's input name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +40,16 @@ class GenerationRequest:
     noise_scaled: bool = False  # True: ``noise`` is the starting state itself (LightX2V draws it scaled)
     image_kv: torch.Tensor | None = None  # image-editing guidance: the input images without the prompt
     index_offset_image: int | None = None
+    _plan: tuple[Any, StepPlan] | None = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def step_plan(self) -> StepPlan:
+        """The request's steps and guidance, computed once for its sampling values (validation,
+        the engine and the log line all read this one)."""
+        key = (self.sampling, self.image_editing)
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, StepPlan.of(self.sampling, self.image_editing))
+        return self._plan[1]
 
     @property
     def image_editing(self) -> bool:
@@ -81,9 +92,30 @@ def check_steps(steps: int, limits: Limits, field: str = "infer_steps") -> None:
         raise InputError(f"{field}: must be in 1..{limits.max_steps}, got {steps}")
 
 
-def plan_of(sampling: SamplingParams, image: bool = False) -> list[bool]:
-    """Which steps run guidance for these sampling values (``image``: an image-editing request)."""
-    return guidance_plan(sampling, shifted_timesteps(sampling.infer_steps, sampling.timestep_shift), image)
+@dataclass(frozen=True)
+class StepPlan:
+    """A request's time grid and, per step, whether it is guided and by which branches."""
+
+    times: tuple[float, ...]
+    guided_steps: tuple[bool, ...]  # per step: does it run more than the cond branch
+    guided_branches: tuple[str, ...]  # what a guided step runs, cond first
+
+    @classmethod
+    def of(cls, sampling: SamplingParams, image: bool = False) -> StepPlan:
+        times = shifted_timesteps(sampling.infer_steps, sampling.timestep_shift)
+        return cls(tuple(times), tuple(guidance_plan(sampling, times, image)), guided_branches(sampling, image))
+
+    @property
+    def steps(self) -> int:
+        return len(self.times) - 1
+
+    def branch_names(self, k: int) -> tuple[str, ...]:
+        """The branches step k runs, cond first: the one place that says so."""
+        return self.guided_branches if self.guided_steps[k] else (COND,)
+
+    def reads(self, name: str) -> bool:
+        """Does any step of this plan run branch ``name``?"""
+        return name == COND or (any(self.guided_steps) and name in self.guided_branches)
 
 
 def image_branch_refusal(sampling: SamplingParams) -> str:
@@ -147,11 +179,8 @@ class RequestRules:
     def check_branches_present(req: GenerationRequest) -> None:
         """The uncond branch, when a guided step of this request reads it, must have been sent
         (the image branch cannot be missing: sending it is what selects image-editing guidance)."""
-        image = req.image_kv is not None
-        if not any(plan_of(req.sampling, image)) or UNCOND not in guided_branches(req.sampling, image):
-            return
-        if req.uncond_kv is None:
-            raise InputError(f"uncond_kv: required because {uncond_reason(req.sampling, image)}")
+        if req.uncond_kv is None and req.step_plan.reads(UNCOND):
+            raise InputError(f"uncond_kv: required because {uncond_reason(req.sampling, req.image_editing)}")
 
     def check_size(self, height: int, width: int, field: str = "size") -> None:
         """Bounds, then what the checkpoint needs: whole tokens and enough vision positions."""

@@ -194,7 +194,7 @@ class NeoppRunner:
             else:
                 result = self.process_images_after_vae_decoder()
             size = len(result) if isinstance(result, (bytes, str)) else 0
-            log.info(request_line(self.mode.name, self.mode, req, self.engine.guidance_plan(req), size,
+            log.info(request_line(self.mode.name, self.mode, req, size,
                                   time.perf_counter() - start))
             return result
         finally:

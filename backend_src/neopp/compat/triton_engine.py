@@ -24,13 +24,13 @@ from ..errors import GenerationCancelled, InputError
 from ..limits import Limits
 from ..modes import ModeSpec
 from ..pipeline import StepFn, StopFn
-from ..request import GenerationRequest, RequestRules, plan_of
+from ..request import GenerationRequest, RequestRules
 
 POLL_S = 0.05
 
 
 class TritonEngine:
-    """The engine interface (validate, guidance_plan, generate, close) over one Triton model."""
+    """The engine interface (validate, generate, close) over one Triton model."""
 
     def __init__(self, url: str, model: str, checkpoint: str | Path, mode: ModeSpec,
                  headers: dict[str, str] | None = None, timeout_s: float = 600.0) -> None:
@@ -44,9 +44,6 @@ class TritonEngine:
 
     def validate(self, req: GenerationRequest) -> None:
         self.rules.validate(req)
-
-    def guidance_plan(self, req: GenerationRequest) -> list[bool]:
-        return plan_of(req.sampling)
 
     def close(self) -> None:
         self.client.close()

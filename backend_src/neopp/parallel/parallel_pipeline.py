@@ -155,16 +155,17 @@ class ParallelPipeline(NeoPPPipeline):
             return super().prepare(req, names)
         prep = super().prepare(req, names=())
         rank = self.mesh.cfg_rank
-        if any(prep.plan):
+        if any(prep.plan.guided_steps):
             mine = self.layout(prep)[rank]
         else:
             mine = (COND,) if rank == 0 else ()
         prep.branches = {n: self.branch(*req.branch_input(n), prep.grid) for n in mine}
         return prep
 
-    def velocity(self, hid: torch.Tensor, z: torch.Tensor, t: float, branch: BranchContext, grid: Grid) -> torch.Tensor:
+    def velocity(self, hid: torch.Tensor, z: torch.Tensor, prep: Prepared, k: int,
+                 branch: BranchContext) -> torch.Tensor:
         if not isinstance(branch, UlyssesBranch):
-            return super().velocity(hid, z, t, branch, grid)
+            return super().velocity(hid, z, prep, k, branch)
         n = branch.num_tokens
         if branch.padded > n:
             hid = torch.cat([hid, hid.new_zeros(branch.padded - n, hid.shape[1])])
@@ -172,27 +173,25 @@ class ParallelPipeline(NeoPPPipeline):
         parts = [torch.empty_like(local) for _ in range(self.mesh.seq_p_size)]
         with self.comm():
             dist.all_gather(parts, local.contiguous(), group=self.mesh.seq_group)
-        return self._velocity_from(torch.cat(parts)[:n], z, t, grid)
+        return self.head_velocity(torch.cat(parts)[:n], z, prep, k)
 
     def step_velocity(self, prep: Prepared, x: torch.Tensor, z: torch.Tensor, k: int,
                       sampling: SamplingParams) -> torch.Tensor:
         if not self.cfg_parallel:
             return super().step_velocity(prep, x, z, k, sampling)
-        t, first = prep.times[k], self.mesh.cfg_rank == 0
-        if not prep.plan[k]:
+        first = self.mesh.cfg_rank == 0
+        if not prep.plan.guided_steps[k]:
             # Outside guidance only the cond branch runs; its velocity is shared.
             if first:
-                hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
-                v = self.velocity(hid, z, t, prep.cond, prep.grid)
+                v = self.velocity(self.embed(x, prep, k), z, prep, k, prep.cond)
             else:
                 v = torch.empty_like(z)
             with self.comm():
                 dist.broadcast(v, src=self.mesh.global_rank(0, self.mesh.seq_rank), group=self.mesh.cfg_group)
             return v
-        hid = self.transformer.embed(x.to(self.dtype), t, prep.noise_scale, prep.grid)
         layout = self.layout(prep)
         mine = layout[self.mesh.cfg_rank]
-        vs = self.branch_velocities(hid, z, t, prep, mine)
+        vs = self.branch_velocities(self.embed(x, prep, k), z, prep, k, mine)
         # Equal-sized pieces for all_gather: a rank with fewer branches pads with zeros.
         width = max(len(names) for names in layout)
         sent = torch.stack([vs[n] for n in mine] + [torch.zeros_like(z)] * (width - len(mine)))

@@ -25,7 +25,7 @@ from ..guidance import COND, IMAGE, UNCOND, guided_branches
 from ..limits import Limits
 from ..modes import ModeSpec
 from ..pipeline import StepFn, StopFn
-from ..request import GenerationRequest, RequestRules, plan_of
+from ..request import GenerationRequest, RequestRules
 from .lifeline import die_with_parent, silent_rank, start_heartbeat, start_processes
 
 POLL_S = 0.02
@@ -239,9 +239,6 @@ class WorkerPool:
     # ---- requests -----------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
         self.rules.validate(req)
-
-    def guidance_plan(self, req: GenerationRequest) -> list[bool]:
-        return plan_of(req.sampling, req.image_editing)
 
     def _rank_request(self, req: GenerationRequest, rank: int) -> GenerationRequest:
         return rank_request(self.mode, req, rank)

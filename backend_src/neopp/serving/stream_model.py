@@ -168,7 +168,7 @@ class NeoPPStreamModel(NeoPPTritonModel):
         image = encode_image(event.final, req.sampling.output_format, call.resize)
         seconds = time.perf_counter() - call.start
         self.metrics.success(seconds)
-        self.logger.log_info(request_line(self.model_name, self.mode, req, self.engine.guidance_plan(req),
+        self.logger.log_info(request_line(self.model_name, self.mode, req,
                                           len(image), seconds))
         return self.pb.InferenceResponse(output_tensors=[
             self.pb.Tensor("IMAGE", self._bytes(call, image)),

@@ -199,7 +199,7 @@ class NeoPPTritonModel:
             self.stream = stream  # the instance stream advances only when an image is delivered
         seconds = time.perf_counter() - start
         self.metrics.success(seconds)
-        self.logger.log_info(request_line(self.model_name, self.mode, gen_req, self.engine.guidance_plan(gen_req),
+        self.logger.log_info(request_line(self.model_name, self.mode, gen_req,
                                           len(image), seconds))
         state = np.frombuffer(stream.state(), dtype=np.uint8).copy()
         return pb.InferenceResponse(output_tensors=[

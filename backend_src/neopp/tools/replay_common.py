@@ -21,7 +21,7 @@ import torch
 from ..errors import ConfigError, InputError
 from ..kv_cache import load_kv_file
 from ..modes import CFG_NORMS, TASKS, ModeSpec, load_mode
-from ..request import GenerationRequest, plan_of
+from ..request import GenerationRequest
 from ..request_log import request_line
 from ..rng import NoiseStream
 from ..runner import NeoPPRunner
@@ -152,7 +152,7 @@ class Replayer:
                                 width=self.size[1], sampling=self.runner.sampling, uncond_kv=uncond,
                                 index_offset_uncond=turn.offset_uncond, task=self.task)
         seed = turn.seed if turn.seed is not None else "continued"
-        return (f"{request_line(self.mode.name, self.mode, req, plan_of(req.sampling), size, seconds)} "
+        return (f"{request_line(self.mode.name, self.mode, req, size, seconds)} "
                 f"output={out_path} seed={seed} offsets={turn.offset_cond}/{turn.offset_uncond}")
 
     def _load(self, turn: Turn) -> tuple[torch.Tensor, torch.Tensor | None]:
