@@ -20,11 +20,11 @@ from safetensors.torch import save_file
 
 from bench.common import section_main, stats
 from bench.step_efficiency import BenchGeometry
-from neopp.engines import build_engine
+from neopp.engines.factory import build_engine
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_tensors
 
 PREFIX, UNCOND_PREFIX = 300, 12

@@ -24,7 +24,7 @@ from bench.common import section_main, stats
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.ports import free_ports
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 
 LAYOUTS = {"cond / uncond+image": (("cond",), ("uncond", "image")),

@@ -34,13 +34,13 @@ from bench.common import REPO, PeakRSS, rss_bytes, write_report
 from bench.geometry import config_8b, random_tower_tensors
 from bench.instances import TwoInstances
 from bench.step_efficiency import BenchGeometry, build_pipeline
-from neopp.batch_engine import BatchingEngine
-from neopp.checkpoint_config import CheckpointConfig
+from neopp.engines.batch_engine import BatchingEngine
+from neopp.model.checkpoint_config import CheckpointConfig
+from neopp.model.transformer import NeoPPTransformer
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
-from neopp.transformer import NeoPPTransformer
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_config, tiny_tensors
 
 PREFIX = 120

@@ -21,10 +21,10 @@ import torch
 
 from bench.common import REPO, write_report
 from demo import shapes
-from neopp.engines import build_engine
+from neopp.engines.factory import build_engine
 from neopp.modes import ModeSpec, load_mode
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.rng import NoiseStream
 from neopp.text.language_tower import LanguageTower
 
 MODES = REPO / "configs" / "neopp"

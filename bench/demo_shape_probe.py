@@ -31,10 +31,10 @@ from bench.common import REPO, write_report
 from demo import shapes
 from demo.model import load_demo, target_tokens, towers
 from demo.training import prompt_ids
-from neopp.embeddings import unpatchify
-from neopp.guidance import COND, UNCOND, combine
+from neopp.model.embeddings import unpatchify
 from neopp.modes import load_mode
-from neopp.schedule import initial_noise_scale, shifted_timesteps
+from neopp.sampling.guidance import COND, UNCOND, combine
+from neopp.sampling.schedule import initial_noise_scale, shifted_timesteps
 
 SIZE = 256
 SAMPLING = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json").sampling

@@ -20,8 +20,8 @@ from torch.profiler import ProfilerActivity, profile
 from bench.common import section_main
 from demo.model import PIXEL_CONV1, demo_config, demo_tokenizer, init_weights, towers
 from demo.training import Batches, flow_matching_loss, optimizer, train_step, vocabulary
-from neopp.checkpoint_config import CheckpointConfig
-from neopp.layers import row_tiles
+from neopp.model.checkpoint_config import CheckpointConfig
+from neopp.model.layers import row_tiles
 
 
 @dataclass(frozen=True)

@@ -68,11 +68,11 @@ def drop_page_cache(ckpt: Path) -> None:
 
 def child(path: str, ckpt: Path, size: int, steps: int, layers: int) -> dict:
     """Load, one warm-up image (pages the weights in), one timed image, then the matmul anchor."""
+    from neopp.model.quant import weight_bytes
     from neopp.modes import ModeSpec, SamplingParams
-    from neopp.pipeline import NeoPPPipeline
-    from neopp.quant import weight_bytes
     from neopp.request import GenerationRequest
-    from neopp.rng import NoiseStream
+    from neopp.sampling.pipeline import NeoPPPipeline
+    from neopp.sampling.rng import NoiseStream
     from testing.tiny_checkpoint import random_kv
 
     base = rss_bytes()

@@ -1,6 +1,6 @@
 """SenseNova-U1 8B generation geometry, its random tower, and a streaming sharded checkpoint writer.
 
-One place for the shapes (from `neopp.checkpoint.expected_shapes`, so the keys are exactly
+One place for the shapes (from `neopp.model.checkpoint.expected_shapes`, so the keys are exactly
 the ones the loader checks) and for the random values: the GPU check draws the tower on
 the device, the 8B benchmark streams the same tensors into safetensors shards one tensor at
 a time, so writing a 14 GB checkpoint never holds more than one tensor in memory.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from neopp.checkpoint import FM, ST_DTYPES, expected_shapes, layer_prefix
-from neopp.checkpoint_config import CheckpointConfig
+from neopp.model.checkpoint import FM, ST_DTYPES, expected_shapes, layer_prefix
+from neopp.model.checkpoint_config import CheckpointConfig
 
 REAL_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
            "head_dim": 128, "rope_theta": 5_000_000.0, "rope_theta_hw": 10_000.0}

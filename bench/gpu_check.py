@@ -22,7 +22,7 @@ import torch
 from bench.geometry import MOE_GEOMETRY
 from bench.gpu_modes import CheckSpec, ModeRun, mode_runs, pixel_agreement, release, run_local, run_ranks
 from bench.step_efficiency import BenchGeometry, flops, gemm_shapes
-from neopp.checkpoint_config import CheckpointConfig
+from neopp.model.checkpoint_config import CheckpointConfig
 
 # Pixel agreement of a parallel mode with the single-device image, in 8-bit levels: bf16 GEMMs
 # reassociate differently when the branches or tokens are split, and 50 steps compound it.

@@ -22,17 +22,17 @@ import torch
 import torch.distributed as dist
 
 from bench.geometry import HEAD_WIDTH, MLP_WIDTH, MOE_WIDTH, config_8b, config_moe, random_tower_tensors
-from neopp.checkpoint import load_checkpoint
-from neopp.checkpoint_config import CheckpointConfig
-from neopp.lora import check_pair, read_lora_pairs
+from neopp.model.checkpoint import load_checkpoint
+from neopp.model.checkpoint_config import CheckpointConfig
+from neopp.model.lora import check_pair, read_lora_pairs
+from neopp.model.quant import fp8_layer_linear, quantize_layer_linears_
+from neopp.model.transformer import NeoPPTransformer
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.parallel.mesh import backend_for, build_mesh
 from neopp.parallel.parallel_pipeline import CommTimer, ParallelPipeline, check_heads
-from neopp.pipeline import NeoPPPipeline
-from neopp.quant import fp8_layer_linear, quantize_layer_linears_
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
-from neopp.transformer import NeoPPTransformer
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_lora import tiny_lora_tensors
 
 PREFIX_UNCOND = 12

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
+from neopp.sampling.pipeline import NeoPPPipeline
 
 # (geometry, dtype name, device, threads) -> (pipeline, raw config); must be importable by a spawned child.
 Loader = Callable[[str, torch.dtype, str], tuple[NeoPPPipeline, dict]]

@@ -25,13 +25,13 @@ import torch
 from safetensors.torch import save_file
 
 from bench.common import REPO
-from neopp.engines import build_engine
-from neopp.layers import Linear, MoE, SwiGLU
+from neopp.engines.factory import build_engine
+from neopp.model.layers import Linear, MoE, SwiGLU
+from neopp.model.quant import weight_bytes
 from neopp.modes import load_mode
-from neopp.pipeline import NeoPPPipeline
-from neopp.quant import weight_bytes
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
 from testing.tiny_lora import write_tiny_loras
 
@@ -131,7 +131,7 @@ def weight_memory(ckpt: Path, device: str) -> dict:
 _RSS_PROBE = """
 import ctypes, gc, sys, torch
 from neopp.modes import load_mode
-from neopp.pipeline import NeoPPPipeline
+from neopp.sampling.pipeline import NeoPPPipeline
 def kb(field):
     for line in open("/proc/self/status"):
         if line.startswith(field):

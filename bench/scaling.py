@@ -23,9 +23,9 @@ from bench.cfg_bench import write_checkpoint
 from bench.common import REPO, PeakRSS, rss_bytes, save_figure, section_main, stats
 from bench.step_efficiency import BenchGeometry, build_pipeline
 from neopp.modes import SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv
 
 SIZES = (256, 512, 768, 1024)        # L = 64, 256, 576, 1024 tokens

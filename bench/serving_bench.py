@@ -40,9 +40,9 @@ from bench.perf_analyzer import perf_input_data, run_perf_analyzer
 from neopp.image_io import encode_image
 from neopp.launcher.tritonserver import TritonServer
 from neopp.modes import load_mode
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv
 
 MODEL = "neopp_dense"

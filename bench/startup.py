@@ -30,9 +30,9 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from bench.common import REPO, section_main
-from neopp.kv_cache import load_kv_file
 from neopp.launcher.model_states import KEEP_GOING_ARGS
 from neopp.launcher.tritonserver import TritonLaunchError, TritonServer
+from neopp.model.kv_cache import load_kv_file
 from testing.loadgen import grpc_inputs
 
 MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_dense_8steps",

@@ -15,12 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from bench.common import section_main, stats, timed
-from neopp.checkpoint_config import CheckpointConfig
+from neopp.model.checkpoint_config import CheckpointConfig
+from neopp.model.transformer import NeoPPTransformer
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
-from neopp.transformer import NeoPPTransformer
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
 
 

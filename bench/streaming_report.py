@@ -16,7 +16,7 @@ from pathlib import Path
 from bench.common import save_figure
 from bench.geometry import config_8b, tower_shapes
 from bench.step_efficiency import BenchGeometry, flops, gemm_shapes
-from neopp.checkpoint_config import CheckpointConfig
+from neopp.model.checkpoint_config import CheckpointConfig
 
 STREAM, PLAIN, PLAIN_X2 = "neopp_dense_stream", "neopp_dense", "neopp_dense_x2"
 CONFIGS = (("batching", STREAM), ("one plain", PLAIN), ("two plain", PLAIN_X2))

@@ -309,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from t2i_common import run_client  # beside this file: found when it runs as a script
 
-    from neopp.kv_cache import load_kv_file  # the project's loader: weights_only, either layout
+    from neopp.model.kv_cache import load_kv_file  # the project's loader: weights_only, either layout
 
     return run_client(lambda: _demo(args, load_kv_file))
 

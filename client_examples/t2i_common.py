@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
-from neopp.kv_cache import load_kv_file
+from neopp.model.kv_cache import load_kv_file
 
 
 def example(script: str, url: str, extra: str = "") -> str:

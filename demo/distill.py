@@ -18,10 +18,10 @@ from safetensors.torch import save_file
 
 from demo.model import GenerationBatch, load_demo, target_tokens, towers
 from demo.training import Batches, Schedule, fit, prompt_ids, run_parser, start_run
-from neopp.checkpoint import layer_prefix
-from neopp.checkpoint_config import CheckpointConfig
-from neopp.embeddings import unpatchify
-from neopp.schedule import initial_noise_scale, shifted_timesteps
+from neopp.model.checkpoint import layer_prefix
+from neopp.model.checkpoint_config import CheckpointConfig
+from neopp.model.embeddings import unpatchify
+from neopp.sampling.schedule import initial_noise_scale, shifted_timesteps
 
 STUDENT_STEPS, SUBSTEPS, SHIFT, CFG_SCALE = 8, 6, 3.0, 4.0
 RANK, ALPHA = 8, 8.0

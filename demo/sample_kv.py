@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from neopp.kv_cache import ONLINE, save_kv_file
+from neopp.model.kv_cache import ONLINE, save_kv_file
 from neopp.text.language_tower import LanguageTower
 
 PROMPT = "a red circle on the left on a blue background"

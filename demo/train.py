@@ -18,7 +18,7 @@ import torch
 
 from demo.model import demo_config, demo_tokenizer, init_weights, load_demo, save_checkpoint, towers
 from demo.training import SIZE_POWER, Batches, Schedule, fit, flow_matching_loss, vocabulary
-from neopp.checkpoint_config import CheckpointConfig
+from neopp.model.checkpoint_config import CheckpointConfig
 
 
 def train(args: argparse.Namespace) -> dict:

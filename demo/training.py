@@ -16,9 +16,9 @@ import torch
 
 from demo import shapes
 from demo.model import GenerationBatch, target_tokens
-from neopp.checkpoint_config import CheckpointConfig
-from neopp.layers import row_tiles
-from neopp.schedule import initial_noise_scale
+from neopp.model.checkpoint_config import CheckpointConfig
+from neopp.model.layers import row_tiles
+from neopp.sampling.schedule import initial_noise_scale
 from neopp.text.language_tower import LanguageTower
 from neopp.text.tokenizer import PAD, WordTokenizer
 

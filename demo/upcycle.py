@@ -16,8 +16,8 @@ from safetensors.torch import load_file
 
 from demo.model import save_checkpoint, towers
 from demo.training import Batches, Schedule, fit, flow_matching_loss, run_parser, start_run
-from neopp.checkpoint import layer_prefix
-from neopp.checkpoint_config import CheckpointConfig
+from neopp.model.checkpoint import layer_prefix
+from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.text.language_tower import is_language_key
 from neopp.text.tokenizer import TOKENIZER_FILE, WordTokenizer
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from neopp.errors import InputError
 from neopp.limits import Limits
-from neopp.rng import STATE_NBYTES, NoiseStream
+from neopp.sampling.rng import STATE_NBYTES, NoiseStream
 
 Inputs = dict[str, tuple[np.ndarray, str]]
 I64, I32, F32, U8 = np.int64, np.int32, np.float32, np.uint8

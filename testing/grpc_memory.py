@@ -28,9 +28,9 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.kv_cache import load_kv_file
 from neopp.launcher.triton_install import MALLOC_ENV
 from neopp.launcher.tritonserver import GRPC_POOL_ARG, TritonServer
+from neopp.model.kv_cache import load_kv_file
 from neopp.procs import process_group_members, rss_parts
 from testing import REPO
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint

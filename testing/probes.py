@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from neopp.embeddings import patchify
-from neopp.pipeline import NeoPPPipeline, Prepared
+from neopp.model.embeddings import patchify
 from neopp.request import GenerationRequest, StepPlan
-from neopp.sampler import FlowSampler
-from neopp.schedule import initial_noise_scale
+from neopp.sampling.pipeline import NeoPPPipeline, Prepared
+from neopp.sampling.sampler import FlowSampler
+from neopp.sampling.schedule import initial_noise_scale
 
 
 @torch.inference_mode()

@@ -22,10 +22,10 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.kv_cache import load_kv_file
 from neopp.launcher.tritonserver import TritonServer
 from neopp.launcher.watchdog import StubWatchdog
 from neopp.limits import Limits
+from neopp.model.kv_cache import load_kv_file
 from testing import REPO as REPO_ROOT
 from testing.faults import STEPS_METRIC, kill_stub, metric, sigterm_in_flight
 from testing.fuzz import generate_cases

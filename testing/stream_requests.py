@@ -1,7 +1,7 @@
 """Requests and event collectors shared by the streaming-engine tests.
 
 Pixels are compared byte for byte: on the CPU the layers' GEMMs run in fixed row tiles
-(`neopp.layers.ROW_TILE`), so a request's rows give the same float32 bytes whichever other
+(`neopp.model.layers.ROW_TILE`), so a request's rows give the same float32 bytes whichever other
 requests share the step.
 """
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from neopp.kv_cache import load_kv_file
+from neopp.model.kv_cache import load_kv_file
 from neopp.modes import SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
 

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from neopp.checkpoint import FM, LM, VISION, layer_prefix
-from neopp.kv_cache import ONLINE, REPLAY, save_kv_file
+from neopp.model.checkpoint import FM, LM, VISION, layer_prefix
+from neopp.model.kv_cache import ONLINE, REPLAY, save_kv_file
 
 VARIANTS = ("dense", "pixel", "moe", "fp8", "sharded")
 TINY_LLM = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -115,7 +115,7 @@ def write_tiny_checkpoint(out_dir: str | Path, variant: str = "dense", seed: int
     """A checkpoint folder; `fp8` stores pre-quantised decoder linears, `sharded` uses an index.
 
     `overrides` edits config.json as :func:`tiny_config` does (weights follow the edited config)."""
-    from neopp.quant import quantize_checkpoint_tensors
+    from neopp.model.quant import quantize_checkpoint_tensors
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from neopp.lora import SCHEME_SUFFIX, SCHEMES
+from neopp.model.lora import SCHEME_SUFFIX, SCHEMES
 
 
 def tiny_lora_tensors(weights: Mapping[str, torch.Tensor], targets: Iterable[str], scheme: str,

@@ -8,11 +8,11 @@ this test pins the sequential path to it.
 
 import torch
 
-from neopp.kv_cache import load_kv_file
+from neopp.model.kv_cache import load_kv_file
 from neopp.modes import SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
 

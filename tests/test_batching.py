@@ -2,7 +2,7 @@
 
 Each request's final pixels from a shared batched step must be the same bytes as its solo
 `NeoPPPipeline.generate` pixels. Batching changes only how many rows the layers' float32 GEMMs
-carry, and on the CPU those run in fixed row tiles (`neopp.layers.ROW_TILE`), so a row's sums
+carry, and on the CPU those run in fixed row tiles (`neopp.model.layers.ROW_TILE`), so a row's sums
 do not depend on its neighbours. A request that saw another one's tokens, a wrong t, grid or
 prefix differs by tens of levels almost everywhere (the negative control below).
 """
@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from neopp.batch_engine import BatchingEngine
-from neopp.batching import StepBatcher, start
+from neopp.engines.batch_engine import BatchingEngine
+from neopp.engines.streaming import EngineHooks
 from neopp.errors import GenerationCancelled, InputError, NonFiniteState
-from neopp.streaming import EngineHooks
+from neopp.sampling.batching import StepBatcher, start
 from testing.stream_requests import Collector, assert_pixels_match, assert_pixels_near, make, mixed, tiny_setup
 from tests.reference import neopp_reference as ref
 
@@ -160,7 +160,7 @@ def test_the_token_budget_bounds_each_step(setup):
 
 def test_a_rows_product_does_not_depend_on_the_rows_beside_it():
     """The CPU tiles behind the byte-equality above, at widths where whole products do vary."""
-    from neopp.layers import linear_rows
+    from neopp.model.layers import linear_rows
 
     gen = torch.Generator().manual_seed(4)
     w, b = torch.randn(2816, 1024, generator=gen), torch.randn(2816, generator=gen)

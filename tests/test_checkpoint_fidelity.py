@@ -16,13 +16,13 @@ import math
 import pytest
 import torch
 
-from neopp.checkpoint_config import CheckpointConfig
 from neopp.errors import ConfigError
+from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
-from neopp.schedule import initial_noise_scale
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
+from neopp.sampling.schedule import initial_noise_scale
 from testing.probes import branch_velocity
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 from tests.reference import neopp_reference as ref
@@ -164,12 +164,12 @@ def test_noise_scale_modes_match_upstream(mode, init, cap, tokens, want):
 
 
 def test_unknown_noise_mode_loads_with_a_warning(caplog):
-    with caplog.at_level(logging.WARNING, logger="neopp.checkpoint_config"):
+    with caplog.at_level(logging.WARNING, logger="neopp.model.checkpoint_config"):
         c = cfg_with(noise_scale_mode="linear")
     assert c.noise_scale_mode == "linear"
     assert "'linear'" in caplog.text and "noise_scale_mode" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="neopp.checkpoint_config"):
+    with caplog.at_level(logging.WARNING, logger="neopp.model.checkpoint_config"):
         cfg_with(noise_scale_mode="dynamic")
     assert caplog.text == ""
 

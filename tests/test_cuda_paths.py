@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from neopp.batch_engine import BatchingEngine
-from neopp.pipeline import NeoPPPipeline
+from neopp.engines.batch_engine import BatchingEngine
+from neopp.sampling.pipeline import NeoPPPipeline
 from testing.stream_requests import Collector, mixed, tiny_setup
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -18,14 +18,14 @@ from demo.distill import ALPHA, RANK, lora_targets
 from demo.model import load_demo, save_checkpoint, towers
 from demo.training import LOSS_MIN_GAP, Batches, flow_matching_loss
 from demo.upcycle import EXPERTS, TOP_K, upcycled
-from neopp.checkpoint_config import CheckpointConfig
-from neopp.lora import apply_loras_
+from neopp.model.checkpoint_config import CheckpointConfig
+from neopp.model.lora import apply_loras_
+from neopp.model.transformer import BranchContext
 from neopp.modes import ModeSpec, load_mode
-from neopp.pipeline import NeoPPPipeline
-from neopp.schedule import shifted_timesteps
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.schedule import shifted_timesteps
 from neopp.text.language_tower import LanguageTower, is_language_key
 from neopp.text.tokenizer import WordTokenizer
-from neopp.transformer import BranchContext
 from testing import REPO
 from testing.demo_checkpoint import write_demo_checkpoint
 

@@ -13,9 +13,9 @@ from google.protobuf import json_format, text_format
 from safetensors import safe_open
 from tritonclient.grpc import model_config_pb2 as mc
 
-from neopp.checkpoint import generation_shapes
 from neopp.errors import ConfigError
-from neopp.lora import split_key
+from neopp.model.checkpoint import generation_shapes
+from neopp.model.lora import split_key
 from neopp.serving.model_settings import PARAMETER_DEFAULTS, TritonModelSettings, load_model_mode, resolve_lora_dir
 from neopp.serving.parameters import read_parameters
 from testing import REPO
@@ -116,11 +116,11 @@ def test_warm_up_runs_the_default_size_and_leaves_the_engine_exact(tiny: Path) -
     """The warm-up changes nothing a request sees: the same seeded request gives the same pixels."""
     import torch
 
-    from neopp.engines import build_engine
-    from neopp.kv_cache import load_kv_file
+    from neopp.engines.factory import build_engine
+    from neopp.model.kv_cache import load_kv_file
     from neopp.modes import load_mode
     from neopp.request import GenerationRequest
-    from neopp.rng import NoiseStream
+    from neopp.sampling.rng import NoiseStream
     from neopp.warmup import warm_up
 
     mode = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json")

@@ -26,13 +26,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neopp.checkpoint import FP8_DTYPE, load_checkpoint
 from neopp.image_io import to_pixels
+from neopp.model.checkpoint import FP8_DTYPE, load_checkpoint
+from neopp.model.quant import FP8Linear, dequantize_fp8, is_layer_linear, quantize_fp8, weight_bytes
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import NeoPPPipeline
-from neopp.quant import FP8Linear, dequantize_fp8, is_layer_linear, quantize_fp8, weight_bytes
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.probes import branch_velocity
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 from tests.reference import neopp_reference as ref
@@ -186,7 +186,7 @@ def test_moe_fp8_quantises_experts_not_router(ckpts):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_scaled_mm_path_on_gpu():
-    from neopp.quant import scaled_mm_supported
+    from neopp.model.quant import scaled_mm_supported
 
     dev = torch.device("cuda")
     if not scaled_mm_supported(dev):

@@ -11,8 +11,8 @@ import torch
 
 from bench.geometry import config_8b, random_tower_tensors, tower_shapes
 from bench.gpu_modes import CheckSpec, mode_runs
-from neopp.checkpoint import check_shapes
-from neopp.checkpoint_config import CheckpointConfig
+from neopp.model.checkpoint import check_shapes
+from neopp.model.checkpoint_config import CheckpointConfig
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from neopp.errors import InputError
-from neopp.guidance import combine
 from neopp.limits import Limits
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.guidance import combine
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 from tests.reference import neopp_reference as ref
 

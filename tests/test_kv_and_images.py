@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from neopp.errors import InputError
 from neopp.image_io import encode_image
-from neopp.kv_cache import load_kv_file, online_to_replay, replay_to_online, save_kv_file, validate_kv
+from neopp.model.kv_cache import load_kv_file, online_to_replay, replay_to_online, save_kv_file, validate_kv
 
 DIMS = (3, 2, 16)  # layers, kv heads, head dim
 
@@ -55,7 +55,7 @@ def test_file_round_trips(tmp_path, dtype):
 
 
 def test_sample_kv_files_of_tiny_checkpoint_agree(tmp_path):
-    from neopp.checkpoint_config import CheckpointConfig
+    from neopp.model.checkpoint_config import CheckpointConfig
     from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
     ckpt = write_tiny_checkpoint(tmp_path / "ckpt", variant="dense", seed=0)

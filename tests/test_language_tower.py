@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from neopp.checkpoint_config import CheckpointConfig
 from neopp.errors import ConfigError, InputError
+from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.text.language_tower import LanguageTower
 from neopp.text.tokenizer import MAX_PROMPT_BYTES, WordTokenizer
 from testing.demo_checkpoint import write_demo_checkpoint

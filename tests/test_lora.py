@@ -1,7 +1,7 @@
 """LoRA merge at load: every naming scheme, alpha/rank scaling, order, FP8 after merge, refusals.
 
 The expected weights are computed here from the raw file keys written out by hand, in
-float64, not through neopp.lora.
+float64, not through neopp.model.lora.
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from neopp.checkpoint import FP8_DTYPE, load_checkpoint
 from neopp.errors import ConfigError
+from neopp.model.checkpoint import FP8_DTYPE, load_checkpoint
+from neopp.model.quant import FP8Linear
 from neopp.modes import ModeSpec, SamplingParams, load_mode
-from neopp.pipeline import NeoPPPipeline
-from neopp.quant import FP8Linear
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.probes import branch_velocity
 from testing.tiny_checkpoint import main as tiny_main
 from testing.tiny_checkpoint import random_kv, tiny_config

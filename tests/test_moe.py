@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neopp.layers import Linear, MoE, SwiGLU
+from neopp.model.layers import Linear, MoE, SwiGLU
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.probes import branch_velocity
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 from tests.reference import neopp_reference as ref

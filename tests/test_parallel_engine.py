@@ -13,11 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neopp.kv_cache import load_kv_file
+from neopp.model.kv_cache import load_kv_file
 from neopp.modes import load_mode
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.ranks import run_ranks
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
@@ -53,7 +53,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str, kv: dict, mode_path: str,
     req = _request(kv, mode_path, interval)
     prep = pipe.prepare(req)
     x = req.noise * prep.noise_scale
-    from neopp.embeddings import patchify
+    from neopp.model.embeddings import patchify
 
     z = patchify(x, prep.grid.token_size)
     with torch.inference_mode():
@@ -76,7 +76,7 @@ def test_parallel_velocities_match_sequential(ckpt, name, world, interval):
     req = _request(kv, mode_path, interval)
     prep = seq.prepare(req)
     assert 0 < sum(prep.plan.guided_steps) <= STEPS
-    from neopp.embeddings import patchify
+    from neopp.model.embeddings import patchify
 
     x = req.noise * prep.noise_scale
     z = patchify(x, prep.grid.token_size)

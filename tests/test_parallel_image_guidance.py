@@ -65,7 +65,7 @@ def ckpt(tmp_path_factory):
 @pytest.mark.parametrize("world", [2, 4], ids=["cfg", "cfg_seq"])
 def test_parallel_image_editing_matches_reference(ckpt, world):
     path, model = ckpt
-    from neopp.rng import NoiseStream
+    from neopp.sampling.rng import NoiseStream
     from tests.test_image_guidance import PREFIXES
 
     expected = {}

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from neopp import parallel_status as ps
 from neopp.modes import load_mode
+from neopp.parallel import status as ps
 from neopp.request import GenerationRequest, StepPlan
 from neopp.request_log import request_line
 from neopp.tools import replay_kv, replay_kv_multiturn

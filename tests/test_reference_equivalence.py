@@ -34,11 +34,11 @@ import numpy as np
 import pytest
 import torch
 
-from neopp.guidance import COND, UNCOND, combine, guidance_plan, norm_clamp
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.guidance import COND, UNCOND, combine, guidance_plan, norm_clamp
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing.probes import branch_velocity
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 from tests.reference import neopp_reference as ref

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from neopp.kv_cache import load_kv_file
+from neopp.model.kv_cache import load_kv_file
 from neopp.runner import NeoPPRunner
 from neopp.tools import replay_kv, replay_kv_multiturn
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint

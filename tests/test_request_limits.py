@@ -11,9 +11,9 @@ import torch
 from neopp.errors import InputError, NonFiniteState, shown
 from neopp.limits import Limits
 from neopp.modes import SamplingParams
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.sampler import check_finite
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.sampler import check_finite
 from neopp.serving.request_parsing import parse_request
 from testing.tiny_checkpoint import write_tiny_checkpoint
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from neopp.errors import InputError
-from neopp.rng import STATE_NBYTES, NoiseStream
+from neopp.sampling.rng import STATE_NBYTES, NoiseStream
 
 
 def _spec_draws(seed, n, H=64, W=32):

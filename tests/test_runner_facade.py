@@ -11,10 +11,10 @@ import torch
 from PIL import Image
 
 from neopp.errors import InputError
-from neopp.kv_cache import save_kv_file
+from neopp.model.kv_cache import save_kv_file
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.rng import NoiseStream
 from neopp.runner import NeoPPRunner
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 from tests.reference import neopp_reference as ref
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from neopp.checkpoint_config import CheckpointConfig
-from neopp.schedule import initial_noise_scale, shifted_timesteps
+from neopp.model.checkpoint_config import CheckpointConfig
+from neopp.sampling.schedule import initial_noise_scale, shifted_timesteps
 
 BASE = CheckpointConfig(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, head_dim=16,
                    rope_theta=10000.0, rope_theta_hw=10000.0, vision_hidden_size=16,

@@ -17,10 +17,10 @@ from bench.geometry import (
     write_safetensors,
     write_sharded_checkpoint,
 )
-from neopp.checkpoint import is_generation_key, load_checkpoint, read_generation_tensors
-from neopp.checkpoint_config import CheckpointConfig
 from neopp.errors import ConfigError
-from neopp.pipeline import NeoPPPipeline
+from neopp.model.checkpoint import is_generation_key, load_checkpoint, read_generation_tensors
+from neopp.model.checkpoint_config import CheckpointConfig
+from neopp.sampling.pipeline import NeoPPPipeline
 from testing.tiny_checkpoint import tiny_config
 
 MLP, HEAD = 256, 256

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import threading
 
+from neopp.engines.streaming import StepEvent
 from neopp.serving.stream_delivery import Delivery
-from neopp.streaming import StepEvent
 
 
 def test_order_failures_and_close():

@@ -1,7 +1,7 @@
 """The batched loop on CFG-parallel rank processes (real processes, gloo) against one process.
 
 Ranks run the same float32 layer code on their branches (or token shards, or head shards), the
-CFG sum adds exact zeros, and CPU GEMMs run in fixed row tiles (`neopp.layers.ROW_TILE`), so a
+CFG sum adds exact zeros, and CPU GEMMs run in fixed row tiles (`neopp.model.layers.ROW_TILE`), so a
 row's sums do not depend on which rows share its product: the pool's pixels are the same bytes
 as one process's.
 """
@@ -14,11 +14,11 @@ import signal
 import pytest
 import torch
 
-from neopp.batch_engine import BatchingEngine
-from neopp.engines import build_stream_engine
+from neopp.engines.batch_engine import BatchingEngine
+from neopp.engines.factory import build_stream_engine
+from neopp.engines.streaming import EngineHooks
 from neopp.errors import GenerationCancelled, WorkerFailure
 from neopp.modes import load_mode
-from neopp.streaming import EngineHooks
 from testing.stream_requests import Collector, assert_pixels_match, make, mixed, tiny_setup
 
 MODES = {"cfg": "configs/neopp/neopp_dense_parallel_cfg.json",

@@ -9,14 +9,14 @@ import time
 import pytest
 import torch
 
-from neopp.engines import build_engine
+from neopp.engines.factory import build_engine
 from neopp.errors import ConfigError, GenerationCancelled, InputError
-from neopp.kv_cache import load_kv_file
+from neopp.model.kv_cache import load_kv_file
 from neopp.modes import load_mode
 from neopp.parallel.mesh import check_world
 from neopp.parallel.workers import WorkerFailure
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 
 CFG_MODE = "configs/neopp/neopp_dense_parallel_cfg.json"

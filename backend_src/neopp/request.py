@@ -15,13 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from .checkpoint_config import CheckpointConfig
 from .errors import InputError, shown
-from .guidance import COND, IMAGE, UNCOND, guidance_plan, guided_branches
-from .kv_cache import validate_kv
 from .limits import Limits
+from .model.checkpoint_config import CheckpointConfig
+from .model.kv_cache import validate_kv
 from .modes import TASKS, SamplingParams
-from .schedule import shifted_timesteps
+from .sampling.guidance import COND, IMAGE, UNCOND, guidance_plan, guided_branches
+from .sampling.schedule import shifted_timesteps
 
 
 @dataclass

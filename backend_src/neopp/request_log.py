@@ -5,14 +5,14 @@ One line per delivered image, space-separated fields a script can grep, e.g. (on
     neopp_dense_cfg: 1024x1024 task=t2i prefix=325+9 tokens steps=50 png 1534511 B
     e2e_time_ms=9120 cfg_parallel=on seq_parallel=off(reason=one_seq_rank)
 
-The parallel fields come from :func:`neopp.parallel_status.parallel_status`; the wording is
+The parallel fields come from :func:`neopp.parallel.status.parallel_status`; the wording is
 written once here so the server's log and the replay output read the same.
 """
 
 from __future__ import annotations
 
 from .modes import ModeSpec
-from .parallel_status import parallel_status
+from .parallel.status import parallel_status
 from .request import GenerationRequest
 
 

@@ -15,11 +15,11 @@ import torch
 
 from .errors import InputError
 from .image_io import encode_image
-from .kv_cache import load_kv_file
+from .model.kv_cache import load_kv_file
 from .modes import TASKS, ModeSpec, load_mode
-from .pipeline import NeoPPPipeline
 from .request import GenerationRequest
-from .rng import NoiseStream
+from .sampling.pipeline import NeoPPPipeline
+from .sampling.rng import NoiseStream
 
 _KEEP = object()
 

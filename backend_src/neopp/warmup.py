@@ -15,13 +15,13 @@ import time
 
 import torch
 
-from .engines import GenerationEngine
+from .engines.factory import GenerationEngine
+from .engines.streaming import StepEvent, StreamEngine
 from .errors import ConfigError
 from .image_io import encode_image
 from .modes import ModeSpec
 from .request import GenerationRequest
-from .rng import NoiseStream
-from .streaming import StepEvent, StreamEngine
+from .sampling.rng import NoiseStream
 
 PREFIX_TOKENS = 16
 

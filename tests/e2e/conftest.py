@@ -24,11 +24,11 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from PIL import Image
 
-from neopp.kv_cache import load_kv_file
 from neopp.launcher.door.body import DoorLimits
 from neopp.launcher.door.server import DoorServer
 from neopp.launcher.model_states import KEEP_GOING_ARGS
 from neopp.launcher.tritonserver import TritonServer
+from neopp.model.kv_cache import load_kv_file
 from neopp.ports import LOOPBACK
 from neopp.procs import process_group_members
 from testing import REPO as REPO_ROOT

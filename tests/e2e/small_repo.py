@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from neopp.kv_cache import load_kv_file
 from neopp.launcher.tritonserver import TritonServer
+from neopp.model.kv_cache import load_kv_file
 from neopp.procs import process_group_members
 from testing import REPO as REPO_ROOT
 

@@ -19,7 +19,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.kv_cache import load_kv_file
+from neopp.model.kv_cache import load_kv_file
 from testing.launched import launch
 from testing.loadgen import grpc_inputs
 

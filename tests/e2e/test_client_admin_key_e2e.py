@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import tritonclient.grpc as grpcclient
 
-from neopp.kv_cache import load_kv_file
 from neopp.launcher.admin import KEY_ENV, grpc_headers
 from neopp.launcher.tritonserver import TritonServer
+from neopp.model.kv_cache import load_kv_file
 from testing import REPO as REPO_ROOT
 from testing import lightllm_client_module
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from neopp.checkpoint_config import CheckpointConfig
 from neopp.image_io import encode_image
+from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.modes import load_mode
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
 from neopp.runner import NeoPPRunner
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing import REPO as REPO_ROOT
 
 MODE_FILE = REPO_ROOT / "configs" / "neopp" / "neopp_dense.json"

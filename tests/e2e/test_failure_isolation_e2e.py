@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from neopp.kv_cache import load_kv_file
 from neopp.launcher.admin import KEY_HEADER
+from neopp.model.kv_cache import load_kv_file
 from testing.launched import Launched, launch
 from testing.tiny_lora import write_mismatched_loras
 

@@ -25,9 +25,9 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.kv_cache import load_kv_file
 from neopp.launcher.admin import grpc_headers, http_headers
 from neopp.launcher.watchdog import model_stub_pids
+from neopp.model.kv_cache import load_kv_file
 from neopp.ports import LOOPBACK
 from neopp.procs import process_group_members, rss_bytes
 from testing.faults import wait_for

@@ -11,9 +11,9 @@ from PIL import Image
 
 from neopp.image_io import encode_image
 from neopp.modes import load_mode
-from neopp.pipeline import NeoPPPipeline
 from neopp.request import GenerationRequest
-from neopp.rng import NoiseStream
+from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.rng import NoiseStream
 from testing import REPO as REPO_ROOT
 
 STEPS_METRIC = "neopp_denoising_steps_total"

@@ -23,9 +23,9 @@ from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from demo import shapes
-from neopp.checkpoint_config import CheckpointConfig
 from neopp.launcher.door.server import DoorServer
 from neopp.launcher.tritonserver import TritonServer
+from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.ports import LOOPBACK
 from neopp.procs import process_group_members
 from neopp.text.language_tower import LanguageTower

@@ -19,9 +19,9 @@ import tritonclient.grpc as grpcclient
 from conftest import MOE_MODELS, TritonHandle, ensure_8steps_lora
 from tritonclient.utils import InferenceServerException
 
-from neopp.kv_cache import load_kv_file
 from neopp.launcher.model_states import KEEP_GOING_ARGS
 from neopp.launcher.tritonserver import TritonServer
+from neopp.model.kv_cache import load_kv_file
 from neopp.procs import cmdline, descendants, process_group_members
 from testing import REPO as REPO_ROOT
 

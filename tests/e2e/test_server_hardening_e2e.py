@@ -55,7 +55,7 @@ def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def kv(launched, tiny_dense: Path):
-    from neopp.kv_cache import load_kv_file
+    from neopp.model.kv_cache import load_kv_file
 
     sample = tiny_dense / "sample_kv"
     return tuple(load_kv_file(sample / f"{which}_kv.pt").float().numpy() for which in ("cond", "uncond"))

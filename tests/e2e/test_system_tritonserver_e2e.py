@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from neopp.kv_cache import load_kv_file
 from neopp.launcher.triton_install import find_install, prepare_backend_dir
+from neopp.model.kv_cache import load_kv_file
 from neopp.ports import free_ports
 from testing import REPO
 from testing.launched import run_launcher

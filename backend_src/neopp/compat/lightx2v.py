@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import default_dtype
-from ..engines import GenerationEngine, build_engine
+from ..engines.factory import GenerationEngine, build_engine
 from ..errors import ConfigError, InputError
+from ..model.checkpoint import default_dtype
 from ..modes import TASKS, ModeSpec
 from .lightx2v_config import LockedConfig, mode_of, read_config_json
 from .lightx2v_rng import seed_all

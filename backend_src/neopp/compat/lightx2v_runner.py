@@ -22,14 +22,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..engines import GenerationEngine
+from ..engines.factory import GenerationEngine
 from ..errors import GenerationCancelled, InputError
 from ..image_io import encode_image
-from ..kv_cache import load_kv_file
+from ..model.kv_cache import load_kv_file
 from ..modes import ModeSpec, SamplingParams, normalise_format
 from ..request import GenerationRequest
 from ..request_log import request_line
-from ..schedule import initial_noise_scale
+from ..sampling.schedule import initial_noise_scale
 from .lightx2v_config import LockedConfig
 from .lightx2v_rng import draw_start
 

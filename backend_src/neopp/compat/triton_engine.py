@@ -19,12 +19,12 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..checkpoint_config import CheckpointConfig
 from ..errors import GenerationCancelled, InputError
 from ..limits import Limits
+from ..model.checkpoint_config import CheckpointConfig
 from ..modes import ModeSpec
-from ..pipeline import StepFn, StopFn
 from ..request import GenerationRequest, RequestRules
+from ..sampling.pipeline import StepFn, StopFn
 
 POLL_S = 0.05
 

@@ -17,15 +17,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint_config import CheckpointConfig
-from ..embeddings import Grid
 from ..errors import ConfigError
-from ..guidance import COND, IMAGE, UNCOND
 from ..limits import Limits
+from ..model.checkpoint_config import CheckpointConfig
+from ..model.embeddings import Grid
+from ..model.transformer import BranchContext
 from ..modes import ModeSpec, SamplingParams
-from ..pipeline import NeoPPPipeline, Prepared, StepFn, StopFn
 from ..request import GenerationRequest
-from ..transformer import BranchContext
+from ..sampling.guidance import COND, IMAGE, UNCOND
+from ..sampling.pipeline import NeoPPPipeline, Prepared, StepFn, StopFn
 from .mesh import Mesh, leave_mesh
 
 # Which branches each of the 2 CFG ranks runs at a step that needs three: cond stays on rank 0

@@ -16,13 +16,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import default_dtype
-from ..checkpoint_config import CheckpointConfig
-from ..errors import GenerationCancelled, WorkerFailure
-from ..limits import Limits
-from ..modes import ModeSpec
-from ..request import GenerationRequest, RequestRules
-from ..streaming import (
+from ..engines.streaming import (
     DEFAULT_TOKEN_BUDGET,
     CancelledFn,
     EmitFn,
@@ -33,6 +27,12 @@ from ..streaming import (
     is_cancelled,
     send,
 )
+from ..errors import GenerationCancelled, WorkerFailure
+from ..limits import Limits
+from ..model.checkpoint import default_dtype
+from ..model.checkpoint_config import CheckpointConfig
+from ..modes import ModeSpec
+from ..request import GenerationRequest, RequestRules
 from .lifeline import silent_rank
 from .parallel_pipeline import check_heads
 from .stream_workers import ERRORS, StreamPoolSpec, _stream_rank_main

@@ -22,11 +22,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..batching import Active, BranchKey, StepBatcher, fits, start, step_cost
+from ..engines.streaming import DEFAULT_TOKEN_BUDGET, StepEvent
 from ..errors import GenerationCancelled, InputError, NeoPPError, NonFiniteState
+from ..model.transformer import BranchContext
 from ..request import GenerationRequest
-from ..streaming import DEFAULT_TOKEN_BUDGET, StepEvent
-from ..transformer import BranchContext
+from ..sampling.batching import Active, BranchKey, StepBatcher, fits, start, step_cost
 from .parallel_pipeline import UlyssesBranch
 from .workers import PoolSpec, load_rank
 

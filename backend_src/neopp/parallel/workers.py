@@ -21,11 +21,11 @@ import torch
 import torch.multiprocessing as tmp
 
 from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
-from ..guidance import COND, IMAGE, UNCOND, guided_branches
 from ..limits import Limits
 from ..modes import ModeSpec
-from ..pipeline import StepFn, StopFn
 from ..request import GenerationRequest, RequestRules
+from ..sampling.guidance import COND, IMAGE, UNCOND, guided_branches
+from ..sampling.pipeline import StepFn, StopFn
 from .lifeline import die_with_parent, silent_rank, start_heartbeat, start_processes
 
 POLL_S = 0.02

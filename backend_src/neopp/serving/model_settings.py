@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import generation_shapes
+from ..engines.streaming import DEFAULT_TOKEN_BUDGET
 from ..errors import ConfigError
 from ..limits import Limits
-from ..lora import check_loras
+from ..model.checkpoint import generation_shapes
+from ..model.lora import check_loras
 from ..modes import TASKS, ModeSpec, load_mode
-from ..streaming import DEFAULT_TOKEN_BUDGET
 from .parameters import read_parameters
 
 PARAMETER_DEFAULTS: dict[str, str] = {

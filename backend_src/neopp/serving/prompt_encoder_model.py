@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint_config import CheckpointConfig
 from ..errors import ConfigError, InputError
+from ..model.checkpoint_config import CheckpointConfig
 from ..text.language_tower import LanguageTower
 from .model_settings import choose_device, int_param, project_root, resolve_checkpoint
 from .parameters import narrow_kv_dims, read_parameters

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..streaming import StepEvent
+from ..engines.streaming import StepEvent
 
 HandleFn = Callable[[Any, StepEvent], None]
 

@@ -1,12 +1,12 @@
 """What a streaming (decoupled) NeoPP model's ``model.py`` does: progress, previews, final image.
 
 ``execute`` parses and validates each request exactly as the plain models do, draws its noise,
-hands it to a :class:`~neopp.streaming.StreamEngine` and returns; the engine's events become
+hands it to a :class:`~neopp.engines.streaming.StreamEngine` and returns; the engine's events become
 responses on the request's sender, on a delivery thread so that the engine never waits for
 them: one per step (``STEP``/``TOTAL_STEPS``, sometimes a JPEG ``PREVIEW``); the last step's
 carries ``IMAGE`` and ``NEXT_RNG_STATE`` and the final flag. A refused, failed or cancelled request
 gets one error response with the final flag instead.
-Requests run on a batching engine (``neopp.batch_engine``): a request joins the running batch
+Requests run on a batching engine (``neopp.engines.batch_engine``): a request joins the running batch
 at the next step boundary, within the model's ``token_budget``.
 """
 
@@ -19,13 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from ..batch_engine import BatchingEngine
-from ..engines import GenerationEngine, build_stream_engine
+from ..engines.batch_engine import BatchingEngine
+from ..engines.factory import GenerationEngine, build_stream_engine
+from ..engines.streaming import EngineHooks, StepEvent, StreamEngine
 from ..errors import GenerationCancelled
 from ..image_io import encode_image
 from ..request import GenerationRequest
 from ..request_log import request_line
-from ..streaming import EngineHooks, StepEvent, StreamEngine
 from ..warmup import warm_up_stream
 from .metrics import StreamMetrics
 from .request_parsing import KV_INPUTS

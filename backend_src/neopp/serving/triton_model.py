@@ -20,15 +20,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..checkpoint_config import CheckpointConfig
-from ..engines import GenerationEngine, build_engine
+from ..engines.factory import GenerationEngine, build_engine
 from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
+from ..model.checkpoint_config import CheckpointConfig
 from ..parallel.mesh import check_world
 from ..procs import restore_malloc_defaults
 from ..request import GenerationRequest
 from ..request_log import request_line
-from ..rng import NoiseStream
+from ..sampling.rng import NoiseStream
 from ..warmup import warm_up
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .metrics import GenerationMetrics

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import LM, layer_prefix, read_generation_tensors
-from ..checkpoint_config import CheckpointConfig
 from ..errors import ConfigError
-from ..layers import DecoderLayer, Linear, SwiGLU, rms_norm, split_head_norm
-from ..rope import Rope3D
+from ..model.checkpoint import LM, layer_prefix, read_generation_tensors
+from ..model.checkpoint_config import CheckpointConfig
+from ..model.layers import DecoderLayer, Linear, SwiGLU, rms_norm, split_head_norm
+from ..model.rope import Rope3D
 from .tokenizer import TOKENIZER_FILE, WordTokenizer
 
 EMBED = LM + "embed_tokens.weight"

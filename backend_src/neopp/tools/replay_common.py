@@ -19,12 +19,12 @@ from pathlib import Path
 import torch
 
 from ..errors import ConfigError, InputError
-from ..kv_cache import load_kv_file
+from ..model.kv_cache import load_kv_file
 from ..modes import CFG_NORMS, TASKS, ModeSpec, load_mode
 from ..request import GenerationRequest
 from ..request_log import request_line
-from ..rng import NoiseStream
 from ..runner import NeoPPRunner
+from ..sampling.rng import NoiseStream
 
 FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

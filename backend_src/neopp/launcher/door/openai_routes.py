@@ -14,18 +14,32 @@ import base64
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from . import openai_images as oa
 from . import strict_json
-from .body import BodyReader
+from .body import BodyReader, ByteBudget, DoorLimits
+from .door_metrics import DoorMetrics
 from .errors import DoorError
+from .upstream import Upstream
 
-if TYPE_CHECKING:  # the door holds these routes; they only call it
-    from .app import Door
+
+class Door(Protocol):
+    """What these routes use of the door that holds them (the door imports them, not the reverse)."""
+
+    budget: ByteBudget
+    limits: DoorLimits
+    metrics: DoorMetrics
+    upstream: Upstream
+
+    async def body(self, request: Request, reader: BodyReader) -> bytes: ...
+
+    async def next_event(self, call: Any) -> dict[str, Any] | DoorError | None: ...
+
+    async def until_disconnect(self, request: Request, call: Any) -> Any: ...
 
 
 class ImagesRoutes:

@@ -14,16 +14,16 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..limits import Limits
+from ..model.checkpoint import default_dtype
+from ..model.checkpoint_config import CheckpointConfig
+from ..modes import ModeSpec
+from ..parallel.parallel_pipeline import check_heads
+from ..parallel.stream_pool import build_stream_pool
+from ..parallel.workers import PoolSpec, WorkerPool, instance_devices
+from ..request import GenerationRequest, RequestRules
+from ..sampling.pipeline import NeoPPPipeline, StepFn, StopFn, set_threads
 from .batch_engine import BatchingEngine
-from .checkpoint import default_dtype
-from .checkpoint_config import CheckpointConfig
-from .limits import Limits
-from .modes import ModeSpec
-from .parallel.parallel_pipeline import check_heads
-from .parallel.stream_pool import build_stream_pool
-from .parallel.workers import PoolSpec, WorkerPool, instance_devices
-from .pipeline import NeoPPPipeline, StepFn, StopFn, set_threads
-from .request import GenerationRequest, RequestRules
 from .streaming import DEFAULT_TOKEN_BUDGET, EngineHooks, StreamEngine
 
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
-from .json_file import read_json_object
+from ..errors import ConfigError
+from ..json_file import read_json_object
 
 # Modes whose noise grows with the token count; any other mode (upstream names "constant") keeps
 # noise_scale as given. Every mode is capped at noise_scale_max_value, as upstream does.

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .errors import InputError
+from ..errors import InputError
 
 ONLINE, REPLAY = "online", "replay"
 LAYOUT_METADATA_KEY = "layout"

@@ -18,8 +18,8 @@ from typing import BinaryIO
 
 import torch
 
+from ..errors import ConfigError
 from .checkpoint_config import CheckpointConfig
-from .errors import ConfigError
 
 LM = "language_model.model."
 FM = "fm_modules."

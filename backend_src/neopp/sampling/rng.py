@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .errors import InputError
+from ..errors import InputError
 
 STATE_NBYTES = torch.Generator().get_state().numel()
 

@@ -15,20 +15,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .checkpoint import default_dtype, load_checkpoint
-from .checkpoint_config import CheckpointConfig
-from .embeddings import Grid, patchify, unpatchify
-from .errors import ConfigError, GenerationCancelled
+from ..errors import ConfigError, GenerationCancelled
+from ..image_io import to_pixels
+from ..limits import Limits
+from ..model.checkpoint import default_dtype, load_checkpoint
+from ..model.checkpoint_config import CheckpointConfig
+from ..model.embeddings import Grid, patchify, unpatchify
+from ..model.lora import apply_loras_
+from ..model.quant import fp8_layer_linear, quantize_layer_linears_
+from ..model.transformer import BatchedBranches, BranchContext, LinearFactory, NeoPPTransformer
+from ..modes import TASKS, ModeSpec, SamplingParams
+from ..request import GenerationRequest, RequestRules, StepPlan
 from .guidance import COND, UNCOND, combine
-from .image_io import to_pixels
-from .limits import Limits
-from .lora import apply_loras_
-from .modes import TASKS, ModeSpec, SamplingParams
-from .quant import fp8_layer_linear, quantize_layer_linears_
-from .request import GenerationRequest, RequestRules, StepPlan
 from .sampler import FlowSampler
 from .schedule import initial_noise_scale
-from .transformer import BatchedBranches, BranchContext, LinearFactory, NeoPPTransformer
 
 StopFn = Callable[[], bool]
 StepFn = Callable[[int, float], None]

@@ -13,10 +13,10 @@ import threading
 import time
 from collections import deque
 
-from .batching import Active, StepBatcher, fits, start, step_cost
-from .errors import GenerationCancelled
-from .pipeline import NeoPPPipeline
-from .request import GenerationRequest
+from ..errors import GenerationCancelled
+from ..request import GenerationRequest
+from ..sampling.batching import Active, StepBatcher, fits, start, step_cost
+from ..sampling.pipeline import NeoPPPipeline
 from .streaming import (
     DEFAULT_TOKEN_BUDGET,
     CancelledFn,

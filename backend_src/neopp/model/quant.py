@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from .checkpoint import FP8_DTYPE, LM
-from .errors import ConfigError
 from .layers import Linear, linear_rows
 from .transformer import LinearFactory
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..errors import ConfigError
 from .checkpoint import FP8_DTYPE
-from .errors import ConfigError
 from .quant import dequantize_fp8
 
 # suffix -> (role, scheme); roles: up (B, [out, r]), down (A, [r, in]), alpha (scalar)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError, NonFiniteState
-from .request import GenerationRequest
+from ..errors import InputError, NonFiniteState
+from ..request import GenerationRequest
 
 # The velocity divides by 1 - t; near the clean end that is clamped so the last step stays finite.
 MIN_ONE_MINUS_T = 0.02

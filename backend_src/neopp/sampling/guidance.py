@@ -17,8 +17,8 @@ from collections.abc import Mapping
 
 import torch
 
-from .errors import InputError
-from .modes import SamplingParams
+from ..errors import InputError
+from ..modes import SamplingParams
 
 COND, UNCOND, IMAGE = "cond", "uncond", "image"
 

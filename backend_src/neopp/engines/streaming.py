@@ -16,8 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
-from .errors import GenerationCancelled
-from .request import GenerationRequest
+from ..errors import GenerationCancelled
+from ..request import GenerationRequest
 
 log = logging.getLogger(__name__)
 

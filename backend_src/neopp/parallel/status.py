@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .modes import ModeSpec, SamplingParams
+from ..modes import ModeSpec, SamplingParams
 
 GUIDANCE_OFF_IN_MODE = "guidance_off_in_mode"
 ONE_CFG_RANK = "one_cfg_rank"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from .checkpoint_config import SIZE_SCALED_NOISE_MODES, CheckpointConfig
+from ..model.checkpoint_config import SIZE_SCALED_NOISE_MODES, CheckpointConfig
 
 
 def shifted_timesteps(steps: int, shift: float) -> list[float]:

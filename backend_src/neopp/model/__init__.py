@@ -1,0 +1,10 @@
+"""The model: its checkpoint, its layers and the tower that runs them, with nothing of sampling.
+
+``checkpoint_config`` (the geometry read from ``config.json``), ``checkpoint`` (safetensors
+loading, sharded or not), ``kv_cache`` (the KV prefix layouts and their checks), ``rope`` and
+``embeddings`` (positions, patches, the image grid), ``layers`` and ``transformer`` (one decoder
+layer, dense or MoE; the tower that embeds, runs the layers over a branch's prefix and predicts
+the clean image), ``quant`` (FP8 layer linears) and ``lora`` (adapters merged into weights).
+It may import torch, safetensors and the package's foundation modules (``errors``, ``limits``,
+``modes``, ``json_file``); nothing of sampling, engines or serving.
+"""
