@@ -7,7 +7,7 @@ PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TINY_DIR ?= build/tiny
 
-.PHONY: setup test lint bench tiny clean
+.PHONY: setup test lint bench tiny clean contract-configs
 
 setup: $(STAMP)
 
@@ -30,6 +30,11 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q
+
+# The input/output blocks of every config.pbtxt, written from the code's tables (a test fails when
+# a file differs from them).
+contract-configs: setup
+	$(PY) -m testing.contract_configs
 
 bench: setup
 	$(PY) -m bench.report --out bench

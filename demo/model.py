@@ -23,9 +23,9 @@ from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.model.embeddings import PixelHead, patchify, sinusoid
 from neopp.model.layers import rms_norm, split_head_norm
 from neopp.model.rope import Rope3D, apply_vision_rope, vision_rope_tables
+from neopp.model.transformer import NeoPPTransformer
 from neopp.text.language_tower import LanguageTower
 from neopp.text.tokenizer import BOS, PAD, TOKENIZER_FILE, UNK, WordTokenizer
-from neopp.model.transformer import NeoPPTransformer
 
 LLM = {"num_hidden_layers": 3, "hidden_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2,
        "head_dim": 48, "rope_theta": 10_000.0, "rope_theta_hw": 10_000.0, "rms_norm_eps": 1e-6}

@@ -14,10 +14,11 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from neopp.modes import load_mode
+from neopp.serving.contract import ENCODER_OUTPUTS, generation_models
+from neopp.serving.contract import T2I_PASSED_INPUTS as T2I_PASSED
 from neopp.serving.request_parsing import INPUT_SPECS, OUTPUT_SPECS, InputSpec
 from neopp.serving.stream_parsing import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
-from neopp.serving.t2i_model import ENCODER_OUTPUTS
-from neopp.serving.t2i_model import PASSED_INPUTS as T2I_PASSED
+from testing import contract_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
@@ -89,19 +90,35 @@ def test_stream_config_matches_contract_and_its_plain_twin(model):
     assert list(cfg.instance_group) == list(twin.instance_group)
 
 
+def test_config_blocks_are_the_tables_written_out(tmp_path):
+    """`make contract-configs` leaves nothing to write, and a hand edit is caught."""
+    assert contract_configs.stale() == []
+    copy = tmp_path / "model_repository"
+    for path, _ in contract_configs.config_files():
+        target = copy / path.relative_to(REPO)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    (copy / "neopp_dense" / "1").mkdir(parents=True)
+    (copy / "neopp_dense" / "1" / "model.py").write_text((REPO / "neopp_dense" / "1" / "model.py").read_text())
+    edited = copy / "neopp_dense" / "config.pbtxt"
+    seed = 'name: "SEED" data_type: TYPE_INT64'
+    edited.write_text(edited.read_text().replace(seed, seed.replace("INT64", "INT32")))
+    assert contract_configs.stale(copy) == [edited]
+
+
 @pytest.mark.parametrize("model", GENERATION_MODELS + STREAM_MODELS)
-def test_worker_processes_match_mode(model):
-    p = params(parse(model))
-    mode = load_mode(ROOT / p["mode_file"])
-    assert int(p["worker_processes"]) == mode.world_size
+def test_configs_do_not_restate_what_the_code_derives(model):
+    """The process count comes from the mode file, the BLS allowlist from the repository."""
+    assert "worker_processes" not in params(parse(model))
+    assert load_mode(ROOT / params(parse(model))["mode_file"]).world_size >= 1
 
 
 def test_session_config_matches_contract():
     cfg = parse("neopp_session")
     assert table(cfg.input) == SESSION_INPUTS
     assert outputs_table(cfg.output) == SESSION_OUTPUTS
-    allowed = params(cfg)["allowed_models"].split(",")
-    assert sorted(allowed) == GENERATION_MODELS
+    assert "allowed_models" not in params(cfg)
+    assert list(generation_models(REPO)) == GENERATION_MODELS
 
 
 def test_t2i_config_passes_generation_inputs_with_the_contract_s_types():
@@ -111,7 +128,7 @@ def test_t2i_config_passes_generation_inputs_with_the_contract_s_types():
     passed = {n: INPUT_SPECS[n] for n in T2I_PASSED}
     assert table(cfg.input) == {**own, **passed}
     assert outputs_table(cfg.output) == {"IMAGE": OUTPUT_SPECS["IMAGE"]}
-    assert sorted(params(cfg)["allowed_models"].split(",")) == GENERATION_MODELS
+    assert "allowed_models" not in params(cfg)
 
 
 def test_prompt_encoder_outputs_are_the_generation_models_prefix_inputs():

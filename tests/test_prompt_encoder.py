@@ -10,12 +10,15 @@ import pytest
 import torch
 
 from neopp.errors import ConfigError, InputError
+from neopp.serving.parameters import model_allowlist
 from neopp.serving.prompt_encoder_model import encode_prompts
 from neopp.serving.prompt_parsing import PromptRequest, parse_prompts
-from neopp.serving.t2i_model import allowed_models, chosen_model, default_size
+from neopp.serving.t2i_model import chosen_model, default_size
 from neopp.text.language_tower import LanguageTower
 from neopp.text.tokenizer import MAX_PROMPT_BYTES, TOKENIZER_FILE
 from testing.demo_checkpoint import write_demo_checkpoint
+
+REPO = Path(__file__).resolve().parents[1] / "model_repository"
 
 
 def text(value: bytes | str) -> np.ndarray:
@@ -73,7 +76,8 @@ def test_a_checkpoint_without_tokenizer_has_no_prompt_encoder(demo_ckpt: Path, t
 
 
 def test_t2i_model_choice_is_an_allowlist():
-    allowed, default = allowed_models({"allowed_models": "neopp_dense, neopp_moe", "default_model": "neopp_dense"})
+    allowed, default = model_allowlist({"allowed_models": "neopp_dense, neopp_moe", "default_model": "neopp_dense"},
+                                       REPO / "neopp_t2i")
     assert chosen_model(None, allowed, default) == "neopp_dense"
     assert chosen_model(text(b"neopp_moe"), allowed, default) == "neopp_moe"
     for bad in (b"neopp_session", b"neopp_t2i", b"neopp_prompt_encoder"):
@@ -82,7 +86,11 @@ def test_t2i_model_choice_is_an_allowlist():
     with pytest.raises(InputError, match=r"MODEL: shape must be \[1\]"):
         chosen_model(np.array([], dtype=np.object_), allowed, default)
     with pytest.raises(ConfigError, match="default_model"):
-        allowed_models({"allowed_models": "neopp_moe", "default_model": "neopp_dense"})
+        model_allowlist({"allowed_models": "neopp_moe", "default_model": "neopp_dense"}, REPO / "neopp_t2i")
+    # unset: the repository's plain generation models, read from what each folder serves
+    allowed, _ = model_allowlist({"allowed_models": "", "default_model": "neopp_dense"}, REPO / "neopp_t2i")
+    assert allowed == ("neopp_dense", "neopp_dense_8steps", "neopp_dense_cfg", "neopp_dense_cfg_seq",
+                       "neopp_dense_fp8", "neopp_moe", "neopp_moe_cfg")
 
 
 def test_t2i_default_size_is_checked_at_load():

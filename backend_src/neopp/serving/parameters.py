@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
-# The plain generation models (one image per request): the BLS models (sessions, prompt to image)
-# call these and no others by default (their ``allowed_models`` parameter).
-GENERATION_MODELS = ("neopp_dense", "neopp_dense_fp8", "neopp_dense_cfg", "neopp_dense_cfg_seq",
-                     "neopp_dense_8steps", "neopp_moe", "neopp_moe_cfg")
+from ..errors import ConfigError
+from .contract import generation_models
 
 
 def read_parameters(model_config: Mapping[str, Any], defaults: Mapping[str, str]) -> dict[str, str]:
@@ -26,3 +25,14 @@ def narrow_kv_dims(entry: dict[str, Any], kv_dims: list[int]) -> None:
     if len(dims) not in (0, 5) or any(d not in (-1, k) for d, k in zip(dims, kv_dims)):
         raise ValueError(f"{entry['name']}: config.pbtxt dims {dims} contradict the checkpoint's {kv_dims}")
     entry["dims"] = kv_dims
+
+
+def model_allowlist(params: Mapping[str, str], model_dir: str | Path) -> tuple[tuple[str, ...], str]:
+    """The models a BLS model may call and its default, checked once at load. ``allowed_models``
+    unset: the plain generation models of the repository holding ``model_dir``."""
+    allowed = tuple(m.strip() for m in params["allowed_models"].split(",") if m.strip())
+    allowed = allowed or generation_models(Path(model_dir).parent)
+    default = params["default_model"].strip()
+    if default not in allowed:
+        raise ConfigError(f"parameter default_model: {default!r} is not in allowed_models {allowed}")
+    return allowed, default

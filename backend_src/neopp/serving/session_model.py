@@ -57,13 +57,13 @@ from ..errors import ConfigError, InputError, shown
 from ..limits import text_value
 from ..procs import own_server_grpc_url
 from .error_status import status_of_message
-from .parameters import GENERATION_MODELS, read_parameters
+from .parameters import model_allowlist, read_parameters
 from .sessions import TOKEN_INPUT, SequenceSlots, SessionTable, TurnPlan, UnknownSession, authorize
 from .stop_watch import StopWatch, server_exiting
 
 SESSION_PARAMETERS = {
     "default_model": "neopp_dense",
-    "allowed_models": ",".join(GENERATION_MODELS),
+    "allowed_models": "",
     "default_seed": "0",
     "max_sessions": "1024",
     "session_idle_timeout_s": "600",
@@ -163,11 +163,7 @@ class SessionTritonModel:
         self._internal_token = secrets.token_hex(16)  # the model's own closes carry it
         self._stop_client: Any = None
         self.stop_watch = self._watch_for_stop()
-        self.allowed = tuple(m.strip() for m in params["allowed_models"].split(",") if m.strip())
-        self.default_model = params["default_model"].strip()
-        if self.default_model not in self.allowed:
-            raise ConfigError(f"parameter default_model: {self.default_model!r} is not in allowed_models "
-                              f"{self.allowed}")
+        self.allowed, self.default_model = model_allowlist(params, args["model_repository"])
         idle_us = int((config.get("sequence_batching") or {}).get("max_sequence_idle_microseconds") or 1_000_000)
         if idle_us < self.table.idle_timeout_s * 1e6:
             self.logger.log_warn(

@@ -19,30 +19,20 @@ from __future__ import annotations
 
 import json
 import traceback
-from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError, GenerationCancelled, InputError, shown
 from ..limits import text_value
+from .contract import ENCODER_OUTPUTS
+from .contract import T2I_PASSED_INPUTS as PASSED_INPUTS
 from .error_status import status_of_message
-from .parameters import GENERATION_MODELS, read_parameters
+from .parameters import model_allowlist, read_parameters
 from .prompt_parsing import PROMPT_INPUTS, parse_prompts
 
-T2I_PARAMETERS = {"default_model": "neopp_dense", "allowed_models": ",".join(GENERATION_MODELS),
+T2I_PARAMETERS = {"default_model": "neopp_dense", "allowed_models": "",
                   "encoder_model": "neopp_prompt_encoder", "default_size": "256x256"}
-PASSED_INPUTS = ("SIZE", "SEED", "STEPS", "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT", "OUTPUT_FORMAT")
-ENCODER_OUTPUTS = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")
-
-
-def allowed_models(params: Mapping[str, str]) -> tuple[tuple[str, ...], str]:
-    """The allowlist and the default model, checked once at load."""
-    allowed = tuple(m.strip() for m in params["allowed_models"].split(",") if m.strip())
-    default = params["default_model"].strip()
-    if default not in allowed:
-        raise ConfigError(f"parameter default_model: {default!r} is not in allowed_models {allowed}")
-    return allowed, default
 
 
 def default_size(text: str) -> np.ndarray:
@@ -80,7 +70,7 @@ class T2ITritonModel:
         config = json.loads(args["model_config"])
         self.model_name = args.get("model_name", config.get("name", "neopp_t2i"))
         params = read_parameters(config, T2I_PARAMETERS)
-        self.allowed, self.default_model = allowed_models(params)
+        self.allowed, self.default_model = model_allowlist(params, args["model_repository"])
         self.encoder = params["encoder_model"].strip()
         self.default_size = default_size(params["default_size"])
         self.logger.log_info(f"{self.model_name}: encoder {self.encoder}, default model {self.default_model}, "
