@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.common import section_main, stats
-from bench.step_efficiency import BenchGeometry
+from bench.geometry import BenchGeometry
 from neopp.engines.factory import build_engine
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.request import GenerationRequest

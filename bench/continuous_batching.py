@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 from bench.common import REPO, PeakRSS, rss_bytes, write_report
-from bench.geometry import config_8b, random_tower_tensors
+from bench.geometry import EIGHT_B, BenchGeometry, random_tower_tensors
 from bench.instances import TwoInstances
-from bench.step_efficiency import BenchGeometry, build_pipeline
+from bench.step_efficiency import build_pipeline
 from neopp.engines.batch_engine import BatchingEngine
 from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.model.transformer import NeoPPTransformer
@@ -53,7 +53,7 @@ def load(name: str, dtype: torch.dtype, device: str) -> tuple[NeoPPPipeline, dic
     dev = torch.device(device)
     if name == "mid":
         return build_pipeline(MID, dtype, device), MID.config()
-    raw = tiny_config("dense") if name == "tiny" else config_8b()
+    raw = tiny_config("dense") if name == "tiny" else EIGHT_B.config()
     cfg = CheckpointConfig.from_dict(raw)
     tensors = tiny_tensors(raw, seed=1) if name == "tiny" else random_tower_tensors(cfg, dev, dtype)
     return NeoPPPipeline(cfg, NeoPPTransformer.from_tensors(cfg, tensors, dev, dtype), ModeSpec(), dev, dtype), raw

@@ -20,26 +20,18 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from bench.common import REPO, rss_bytes, stats, write_report
-from bench.geometry import HEAD_WIDTH, MLP_WIDTH, VISION_WIDTH, config_8b, write_sharded_checkpoint
-from bench.step_efficiency import BenchGeometry, flops, gemm_shapes, matmul_seconds
+from bench.geometry import EIGHT_B, BenchGeometry, write_sharded_checkpoint
+from bench.step_efficiency import flops, gemm_shapes, matmul_seconds
 
 
 def geometry(layers: int) -> BenchGeometry:
-    return BenchGeometry(
-        layers=layers,
-        hidden=4096,
-        heads=32,
-        kv_heads=8,
-        head_dim=128,
-        mlp=MLP_WIDTH,
-        head_width=HEAD_WIDTH,
-        vision=VISION_WIDTH,
-    )
+    return replace(EIGHT_B, layers=layers)
 
 
 PREFIX_COND, PREFIX_UNCOND = 300, 12
@@ -82,7 +74,7 @@ def child(path: str, ckpt: Path, size: int, steps: int, layers: int) -> dict:
     start = time.perf_counter()
     pipe = NeoPPPipeline.from_pretrained(ckpt, mode, device="cpu", dtype=torch.bfloat16)
     load_s, rss_load = time.perf_counter() - start, rss_bytes()
-    raw = config_8b(layers)
+    raw = geometry(layers).config()
     req = GenerationRequest(
         cond_kv=random_kv(raw, PREFIX_COND, 1),
         uncond_kv=random_kv(raw, PREFIX_UNCOND, 2),
@@ -150,7 +142,7 @@ def ensure_checkpoint(ckpt: Path, layers: int) -> tuple[int, float | None]:
     if (ckpt / "config.json").is_file() and index.is_file():
         return json.loads(index.read_text())["metadata"]["total_size"], None
     start = time.perf_counter()
-    total = write_sharded_checkpoint(ckpt, config_8b(layers))
+    total = write_sharded_checkpoint(ckpt, geometry(layers).config())
     return total, time.perf_counter() - start
 
 

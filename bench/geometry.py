@@ -1,5 +1,7 @@
 """SenseNova-U1 8B generation geometry, its random tower, and a streaming sharded checkpoint writer.
 
+`BenchGeometry` is the one description of a benchmark tower (the CPU benchmarks' mid-size
+tower, the 8B and MoE geometries of the GPU check and the 8B benchmark are instances of it).
 One place for the shapes (from `neopp.model.checkpoint.expected_shapes`, so the keys are exactly
 the ones the loader checks) and for the random values: the GPU check draws the tower on
 the device, the 8B benchmark streams the same tensors into safetensors shards one tensor at
@@ -12,6 +14,7 @@ import json
 import math
 import zlib
 from collections.abc import Callable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,31 +22,57 @@ import torch
 from neopp.model.checkpoint import FM, ST_DTYPES, expected_shapes, layer_prefix
 from neopp.model.checkpoint_config import CheckpointConfig
 
-REAL_8B = {"num_hidden_layers": 36, "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
-           "head_dim": 128, "rope_theta": 5_000_000.0, "rope_theta_hw": 10_000.0}
-MLP_WIDTH, HEAD_WIDTH, VISION_WIDTH = 12288, 4096, 1024
-VISION = {"hidden_size": VISION_WIDTH, "rope_theta_vision": 10_000.0, "max_position_embeddings_vision": 1024}
-# A MoE geometry of the usual fine-grained kind (assumed, not a published U1 checkpoint's).
-MOE_GEOMETRY = {"num_hidden_layers": 48, "hidden_size": 2048, "num_attention_heads": 32,
-                "num_key_value_heads": 4, "head_dim": 128, "gen_num_experts": 128, "num_experts_per_tok": 8,
-                "norm_topk_prob": True}
-MOE_WIDTH = 768
 ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 ShapeMap = dict[str, tuple[int, ...]]
 
 
-def config_8b(layers: int = 36, **llm_overrides: object) -> dict:
-    """A `config.json` with the 8B generation geometry (layer count and other keys overridable)."""
-    llm = {**REAL_8B, "num_hidden_layers": layers, **llm_overrides}
-    return {"model_type": "neo_chat", "llm_config": llm, "vision_config": dict(VISION), "patch_size": 16}
+@dataclass(frozen=True)
+class BenchGeometry:
+    """A tower's shapes: `config()` is its config.json; `mlp` and `head_width` are the widths a
+    config does not hold (per expert for MoE)."""
+
+    layers: int = 8
+    hidden: int = 1024
+    heads: int = 16
+    kv_heads: int = 4
+    head_dim: int = 64
+    mlp: int = 2816
+    head_width: int = 1024
+    vision: int = 256
+    experts: int = 0  # 0: dense
+    top_k: int = 0
+    rope_theta: float = 1e6
+
+    def config(self) -> dict:
+        llm = {"num_hidden_layers": self.layers, "hidden_size": self.hidden, "num_attention_heads": self.heads,
+               "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "rope_theta": self.rope_theta,
+               "rope_theta_hw": 1e4}
+        if self.experts:
+            llm.update(gen_num_experts=self.experts, num_experts_per_tok=min(self.top_k, self.experts),
+                       norm_topk_prob=True)
+        vision = {"hidden_size": self.vision, "rope_theta_vision": 1e4, "max_position_embeddings_vision": 1024}
+        return {"model_type": "neo_chat", "llm_config": llm, "vision_config": vision, "patch_size": 16}
+
+    def shrunk(self, k: int) -> BenchGeometry:
+        """Widths and head counts divided by ``k`` (head_dim kept): a CPU smoke run of a GPU geometry."""
+        return replace(self, hidden=max(1, self.hidden // k), heads=max(1, self.heads // k),
+                       kv_heads=max(1, self.kv_heads // k), vision=self.vision // k, mlp=self.mlp // k,
+                       head_width=self.head_width // k)
+
+    @property
+    def active_mlp(self) -> int:
+        """The MLP width a token passes through (the top-k experts' for MoE): what FLOP counts use."""
+        return self.mlp * max(1, min(self.top_k, self.experts) if self.experts else 1)
 
 
-def config_moe(layers: int = 48, experts: int = 128, top_k: int = 8) -> dict:
-    return config_8b(layers, **{**MOE_GEOMETRY, "num_hidden_layers": layers, "gen_num_experts": experts,
-                                "num_experts_per_tok": min(top_k, experts)})
+# SenseNova-U1 8B's generation tower.
+EIGHT_B = BenchGeometry(layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=12288, head_width=4096,
+                        vision=1024, rope_theta=5_000_000.0)
+# A MoE geometry of the usual fine-grained kind (assumed, not a published U1 checkpoint's).
+MOE = replace(EIGHT_B, layers=48, hidden=2048, kv_heads=4, mlp=768, experts=128, top_k=8)
 
 
-def tower_shapes(cfg: CheckpointConfig, mlp_width: int = MLP_WIDTH, head_width: int = HEAD_WIDTH) -> ShapeMap:
+def tower_shapes(cfg: CheckpointConfig, mlp_width: int = EIGHT_B.mlp, head_width: int = EIGHT_B.head_width) -> ShapeMap:
     """Every generation-tower key and shape; the free widths are given as meta tensors."""
     meta = {FM + "fm_head.0.weight": torch.empty(head_width, cfg.hidden_size, device="meta")}
     for i in range(cfg.num_layers):
@@ -70,7 +99,7 @@ def random_tensor(key: str, shape: tuple[int, ...], device: torch.device | str =
 
 
 def random_tower_tensors(cfg: CheckpointConfig, device: torch.device | str, dtype: torch.dtype,
-                         mlp_width: int = MLP_WIDTH, head_width: int = HEAD_WIDTH) -> dict[str, torch.Tensor]:
+                         mlp_width: int = EIGHT_B.mlp, head_width: int = EIGHT_B.head_width) -> dict[str, torch.Tensor]:
     """The whole tower drawn on `device` (no file)."""
     shapes = tower_shapes(cfg, mlp_width, head_width)
     return {key: random_tensor(key, shape, device, dtype) for key, shape in shapes.items()}
@@ -122,7 +151,7 @@ def with_understanding_keys(cfg: CheckpointConfig, shapes: ShapeMap) -> ShapeMap
 
 def write_sharded_checkpoint(out_dir: Path, raw_config: dict, max_shard_bytes: int = 4 << 30,
                              dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                             mlp_width: int = MLP_WIDTH, head_width: int = HEAD_WIDTH) -> int:
+                             mlp_width: int = EIGHT_B.mlp, head_width: int = EIGHT_B.head_width) -> int:
     """config.json + `model-0000k-of-0000n.safetensors` + the index; returns the tensor bytes."""
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = CheckpointConfig.from_dict(raw_config)

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 
-from bench.geometry import MOE_GEOMETRY
+from bench.geometry import MOE
 from bench.gpu_modes import CheckSpec, ModeRun, mode_runs, pixel_agreement, release, run_local, run_ranks
-from bench.step_efficiency import BenchGeometry, flops, gemm_shapes
-from neopp.model.checkpoint_config import CheckpointConfig
+from bench.step_efficiency import flops, gemm_shapes
 
 # Pixel agreement of a parallel mode with the single-device image, in 8-bit levels: bf16 GEMMs
 # reassociate differently when the branches or tokens are split, and 50 steps compound it.
@@ -31,19 +31,8 @@ TOL_MEAN, TOL_WITHIN2 = 1.0, 0.95
 
 def step_tflop(spec: CheckSpec, run: ModeRun, cfg_on: bool) -> float:
     """Analytic TFLOP of one step (both branches when guided; MoE counts its top-k experts)."""
-    raw = spec.raw_config(run.moe)["llm_config"]
-    top_k = CheckpointConfig.from_dict(spec.raw_config(run.moe)).num_experts_per_tok if run.moe else 1
-    mlp = spec.widths(run.moe)[0] * top_k  # the top-k as the tower reads it (gen_ key first)
-    geo = BenchGeometry(
-        layers=raw["num_hidden_layers"],
-        hidden=raw["hidden_size"],
-        heads=raw["num_attention_heads"],
-        kv_heads=raw["num_key_value_heads"],
-        head_dim=raw["head_dim"],
-        mlp=mlp,
-        head_width=spec.widths(run.moe)[1],
-        vision=spec.raw_config(False)["vision_config"]["hidden_size"],
-    )
+    tower = spec.geometry(run.moe)
+    geo = replace(tower, mlp=tower.active_mlp)
     tokens = (spec.size // 32) ** 2
     one = flops(gemm_shapes(geo, tokens, spec.prefix))
     return (one + flops(gemm_shapes(geo, tokens, 12)) if cfg_on else one) / 1e12
@@ -105,8 +94,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, CheckSpec]:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--lora-steps", type=int, default=8)
     p.add_argument("--prefix", type=int, default=300)
-    p.add_argument("--moe-layers", type=int, default=MOE_GEOMETRY["num_hidden_layers"])
-    p.add_argument("--moe-experts", type=int, default=MOE_GEOMETRY["gen_num_experts"])
+    p.add_argument("--moe-layers", type=int, default=MOE.layers)
+    p.add_argument("--moe-experts", type=int, default=MOE.experts)
     p.add_argument("--moe-steps", type=int, default=50)
     p.add_argument("--checkpoint", default=None, help="a real dense checkpoint instead of random weights")
     p.add_argument("--budget-s", type=float, default=540.0, help="skip modes that would start after this")
@@ -139,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [r for r in runs if not r.moe]  # a dense checkpoint has no experts
     print(f"device: {devices} x {name}; torch {torch.__version__}; modes: {', '.join(r.name for r in runs)}")
     print(
-        f"geometry: {spec.layers} layers x {spec.raw_config(False)['llm_config']['hidden_size']} (shrink "
+        f"geometry: {spec.layers} layers x {spec.geometry(False).hidden} (shrink "
         f"{spec.shrink}); image {spec.size}x{spec.size}, {spec.steps} steps (LoRA {spec.lora_steps}, MoE "
         f"{spec.moe_steps}), prefix {spec.prefix}; time budget {args.budget_s:.0f} s for starting modes "
         "(the 1-GPU modes are sized for < 10 min on one H200)"

@@ -14,14 +14,14 @@ import resource
 import socket
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from bench.geometry import HEAD_WIDTH, MLP_WIDTH, MOE_WIDTH, config_8b, config_moe, random_tower_tensors
+from bench.geometry import EIGHT_B, MOE, BenchGeometry, random_tower_tensors
 from neopp.model.checkpoint import load_checkpoint
 from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.model.lora import check_pair, read_lora_pairs
@@ -54,16 +54,11 @@ class CheckSpec:
     moe_steps: int = 50
     checkpoint: str | None = None
 
-    def raw_config(self, moe: bool) -> dict:
-        raw = config_moe(self.moe_layers, self.moe_experts) if moe else config_8b(self.layers)
-        llm, k = raw["llm_config"], self.shrink
-        for key in ("hidden_size", "num_attention_heads", "num_key_value_heads"):
-            llm[key] = max(1, llm[key] // k)
-        raw["vision_config"]["hidden_size"] //= k
-        return raw
-
-    def widths(self, moe: bool) -> tuple[int, int]:
-        return (MOE_WIDTH if moe else MLP_WIDTH) // self.shrink, HEAD_WIDTH // self.shrink
+    def geometry(self, moe: bool) -> BenchGeometry:
+        """The tower of a dense or MoE mode, shrunk for a CPU smoke run."""
+        base = replace(MOE, layers=self.moe_layers, experts=self.moe_experts) if moe else \
+            replace(EIGHT_B, layers=self.layers)
+        return base.shrunk(self.shrink)
 
 
 @dataclass(frozen=True)
@@ -132,8 +127,9 @@ def build(spec: CheckSpec, run: ModeRun, device: torch.device, dtype: torch.dtyp
                 mode = dataclasses.replace(mode, lora_configs=({"path": str(path), "strength": 1.0},))
             pipe = NeoPPPipeline.from_pretrained(spec.checkpoint, mode, str(device), dtype)
         return pipe if cls is NeoPPPipeline else cls(pipe.config, pipe.transformer, run.mode, device, dtype)
-    cfg = CheckpointConfig.from_dict(spec.raw_config(run.moe))
-    tensors = random_tower_tensors(cfg, device, dtype, *spec.widths(run.moe))
+    geo = spec.geometry(run.moe)
+    cfg = CheckpointConfig.from_dict(geo.config())
+    tensors = random_tower_tensors(cfg, device, dtype, geo.mlp, geo.head_width)
     layer_linear = None
     if run.mode.lora_configs:
         with tempfile.TemporaryDirectory() as tmp:

@@ -21,7 +21,8 @@ import torch
 
 from bench.cfg_bench import write_checkpoint
 from bench.common import REPO, PeakRSS, rss_bytes, save_figure, section_main, stats
-from bench.step_efficiency import BenchGeometry, build_pipeline
+from bench.geometry import BenchGeometry
+from bench.step_efficiency import build_pipeline
 from neopp.modes import SamplingParams
 from neopp.request import GenerationRequest
 from neopp.sampling.pipeline import NeoPPPipeline

@@ -10,36 +10,18 @@ ratio says how close the step is to this machine's limit for its work.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
 
 import torch
 
 from bench.common import section_main, stats, timed
+from bench.geometry import BenchGeometry
 from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.model.transformer import NeoPPTransformer
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.request import GenerationRequest
 from neopp.sampling.pipeline import NeoPPPipeline
 from neopp.sampling.rng import NoiseStream
-from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
-
-
-@dataclass(frozen=True)
-class BenchGeometry:
-    layers: int = 8
-    hidden: int = 1024
-    heads: int = 16
-    kv_heads: int = 4
-    head_dim: int = 64
-    mlp: int = 2816
-    head_width: int = 1024
-    vision: int = 256
-
-    def config(self) -> dict:
-        llm = {"num_hidden_layers": self.layers, "hidden_size": self.hidden, "num_attention_heads": self.heads,
-               "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "rope_theta": 1e6,
-               "rope_theta_hw": 1e4}
-        return {"llm_config": llm, "vision_config": {**TINY_VISION, "hidden_size": self.vision}, "patch_size": 16}
+from testing.tiny_checkpoint import random_kv, tiny_tensors
 
 
 def build_pipeline(geo: BenchGeometry, dtype: torch.dtype, device: str = "cpu") -> NeoPPPipeline:

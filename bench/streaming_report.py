@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import save_figure
-from bench.geometry import config_8b, tower_shapes
-from bench.step_efficiency import BenchGeometry, flops, gemm_shapes
+from bench.geometry import EIGHT_B, tower_shapes
+from bench.step_efficiency import flops, gemm_shapes
 from neopp.model.checkpoint_config import CheckpointConfig
 
 STREAM, PLAIN, PLAIN_X2 = "neopp_dense_stream", "neopp_dense", "neopp_dense_x2"
@@ -23,9 +23,6 @@ CONFIGS = (("batching", STREAM), ("one plain", PLAIN), ("two plain", PLAIN_X2))
 MIB = 2**20
 # H200 (SXM): dense bf16 tensor-core rate and HBM3e bandwidth from the data sheet.
 H200_FLOPS, H200_BYTES_S = 990e12, 4.8e12
-# The 8B generation tower (bench/geometry.py REAL_8B and its widths), as bench/gpu_check counts it.
-GEOMETRY_8B = BenchGeometry(layers=36, hidden=4096, heads=32, kv_heads=8, head_dim=128, mlp=12288,
-                            head_width=4096, vision=1024)
 
 
 # perf_analyzer's CSV splits the mean latency into these parts (microseconds); they add up to it.
@@ -141,7 +138,7 @@ def memory_table(loaded: dict, after: dict) -> list[str]:
 
 def weight_bytes(itemsize: int = 2) -> int:
     """Bytes of the 8B tower's weights (every key the loader checks: bench/geometry), all read once per step."""
-    cfg = CheckpointConfig.from_dict(config_8b())
+    cfg = CheckpointConfig.from_dict(EIGHT_B.config())
     return sum(math.prod(shape) for shape in tower_shapes(cfg).values()) * itemsize
 
 
@@ -152,7 +149,7 @@ def step_estimate(size: int, requests: int, prefixes: tuple[int, ...] = (256, 16
     Roofline for the 8B tower: the weights are read once per step whatever the batch; each branch
     adds its FLOPs (GEMMs and attention) and reads its own prefix KV (bf16). Activations are left out.
     """
-    geo = GEOMETRY_8B
+    geo = EIGHT_B
     tokens = (size // 32) ** 2
     work = requests * sum(flops(gemm_shapes(geo, tokens, p)) for p in prefixes)
     kv = requests * sum(geo.layers * 2 * p * geo.kv_heads * geo.head_dim * 2 for p in prefixes)

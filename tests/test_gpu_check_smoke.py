@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from bench.geometry import config_8b, random_tower_tensors, tower_shapes
+from bench.geometry import EIGHT_B, random_tower_tensors, tower_shapes
 from bench.gpu_modes import CheckSpec, mode_runs
 from neopp.model.checkpoint import check_shapes
 from neopp.model.checkpoint_config import CheckpointConfig
@@ -62,13 +63,13 @@ def test_mode_list_follows_the_device_count() -> None:
 
 
 def test_random_tower_has_the_real_8b_keys_and_shapes() -> None:
-    cfg = CheckpointConfig.from_dict(config_8b(36))
+    cfg = CheckpointConfig.from_dict(EIGHT_B.config())
     shapes = tower_shapes(cfg)
     params = sum(torch.Size(s).numel() for s in shapes.values())
     assert 6.9e9 < params < 7.2e9  # the 8B model's generation tower
     assert sum(k.startswith("language_model.model.layers.35.") for k in shapes) == 13
     check_shapes(cfg, {k: torch.empty(s, device="meta") for k, s in shapes.items()})
-    small = CheckpointConfig.from_dict(config_8b(1, hidden_size=256))
+    small = CheckpointConfig.from_dict(replace(EIGHT_B, layers=1, hidden=256).config())
     tensors = random_tower_tensors(small, "cpu", torch.bfloat16, mlp_width=64, head_width=64)
     check_shapes(small, tensors)
     assert all(t.dtype == torch.bfloat16 for t in tensors.values())

@@ -184,3 +184,27 @@ def test_cases_read_lightllm_names_but_keep_their_logged_offsets(tmp_path):
     assert [(t.offset_cond, t.offset_uncond) for t in turns] == [(298, 9), (366, 12), (441, 15)]
     touch(kv, "turn1_cond.pt")  # the project's own name wins where both are present
     assert [t.cond.name for t in parsed("dense_3turn_2k", KV_DIR=str(kv))[2]][1] == "turn1_cond.pt"
+
+
+def test_demo_case_runs_on_what_ships_from_any_directory(tmp_path):
+    """`make replay CASE=demo` needs no variable: its script finds the checkout's demo model and
+    sample KV from another directory, and its image is the one replay_kv draws from those files."""
+    import os
+    import subprocess
+    import sys
+
+    root = LAUNCHERS.parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "NEOPP_BASE_DIR"}
+    env.update(PYTHON=sys.executable, OUT_DIR=str(tmp_path), STEPS="4")
+    done = subprocess.run(["bash", str(LAUNCHERS / "demo.sh")], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "neopp_dense: 256x256" in done.stdout and "seed=7 offsets=11/1" in done.stdout
+    kv = root / "demo" / "checkpoints" / "dense" / "sample_kv"
+    direct = tmp_path / "direct.png"
+    assert replay_kv.main(["--checkpoint", str(root / "demo" / "checkpoints" / "dense"),
+                           "--mode", str(root / "configs" / "neopp" / "neopp_dense.json"),
+                           "--cond-kv", str(kv / "cond_kv.pt"), "--uncond-kv", str(kv / "uncond_kv.pt"),
+                           "--offset-cond", "11", "--offset-uncond", "1", "--seed", "7", "--size", "256", "256",
+                           "--steps", "4", "--cfg-norm", "global", "--output", str(direct)]) == 0
+    assert (tmp_path / "demo_0.png").read_bytes() == direct.read_bytes()

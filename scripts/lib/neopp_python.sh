@@ -16,3 +16,7 @@ neopp_python() {
        "python3); run 'make setup' in $root or set PYTHON to an interpreter that has neopp installed" >&2
   return 1
 }
+
+# Relative default paths of the replay cases (checkpoints, KV folders, mode files) are the
+# checkout's, whatever directory the launcher runs from.
+export NEOPP_BASE_DIR="${NEOPP_BASE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}"

@@ -27,7 +27,7 @@ from pathlib import Path
 from ..errors import InputError
 from . import replay_kv
 from .dump_names import RULE, find_dump, offset_of
-from .replay_cases import MOE, launch, repo_file
+from .replay_cases import MOE, base_path, launch
 
 
 @dataclass(frozen=True)
@@ -81,10 +81,10 @@ def launcher_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
     def pick(var: str, default: object) -> str:
         return env.get(var) or str(default)
 
-    cond, uncond = dump_paths(pick("KV_DIR", f"replay_kv/{spec.kv}"), env)
-    output = pick("OUTPUT", f"{pick('OUT_DIR', 'outputs/replay')}/{name.removeprefix('run_')}.png")
-    argv = ["--checkpoint", pick("CKPT", spec.checkpoint),
-            "--mode", pick("MODE", repo_file(f"configs/neopp/{spec.mode}")),
+    cond, uncond = dump_paths(pick("KV_DIR", base_path(f"replay_kv/{spec.kv}", env)), env)
+    output = pick("OUTPUT", f"{pick('OUT_DIR', base_path('outputs/replay', env))}/{name.removeprefix('run_')}.png")
+    argv = ["--checkpoint", pick("CKPT", base_path(spec.checkpoint, env)),
+            "--mode", pick("MODE", base_path(f"configs/neopp/{spec.mode}", env)),
             "--task", spec.task, "--size", *(env.get("SIZE") or f"{spec.size[0]} {spec.size[1]}").split(),
             "--cond-kv", str(cond), "--uncond-kv", str(uncond),
             "--offset-cond", str(offset_of(cond, env.get("OFFSET_COND"), "OFFSET_COND")),

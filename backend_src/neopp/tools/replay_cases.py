@@ -3,9 +3,11 @@
     python -m neopp.tools.replay_cases dense_t2i_1k [more replay_kv_multiturn flags]
     python -m neopp.tools.replay_cases --list
 
-`scripts/replay/<case>.sh` call this with their own name, from the repository root. Turn `i`
-reads `$KV_DIR/turn<i>_cond.pt`, or LightLLM's `to_x2v_cond_kv_<i>_<len>.pt` when that is what
-the folder holds, and, when the turn has an uncond offset, the uncond file named alike; the
+`scripts/replay/<case>.sh` call this with their own name. Relative default paths (checkpoint,
+KV folder, mode file) resolve against `NEOPP_BASE_DIR` (the scripts set it to the checkout),
+else the current directory. Turn `i` reads `$KV_DIR/turn<i>_cond.pt`, LightLLM's
+`to_x2v_cond_kv_<i>_<len>.pt` when that is what the folder holds, or, for a one-turn case,
+`cond_kv.pt` (the demo's sample naming), and, when the turn has an uncond offset, the uncond file named alike; the
 case's offsets are LightLLM's logged ones and win over the lengths in the names. Images land
 in `$OUT_DIR/<prefix>_<i>.png`. These environment variables override a case:
 
@@ -43,7 +45,7 @@ class Case:
 
     about: str
     mode: str                                        # file under configs/neopp/
-    kv: str                                          # folder under replay_kv/
+    kv: str                                          # the KV folder
     size: tuple[int, int]
     turns: tuple[tuple[int, int | None, int | None], ...]
     checkpoint: str = "checkpoints/neopp"
@@ -52,29 +54,32 @@ class Case:
     cfg_scale: float = 4.0
     cfg_interval: tuple[float, float] = (-1.0, 2.0)
     config: bool = True
+    cfg_norm: str = "none"
 
 
-REPO = Path(__file__).resolve().parents[3]  # the checkout (the package is installed editable)
 MOE = "checkpoints/neopp_moe"
 LORA_DIR = "checkpoints/lora"  # where a mode file's LoRA file names are looked up (as the 8-step model's lora_dir)
 CASES: dict[str, Case] = {
-    "dense_t2i_1k": Case("dense t2i, three explicitly seeded turns", "neopp_dense.json", "dense_t2i_1k",
+    "demo": Case("the embedded demo model on its sample prompt's KV (runs on a CPU in seconds)",
+                 "neopp_dense.json", "demo/checkpoints/dense/sample_kv", (256, 256), ((11, 1, 7),),
+                 checkpoint="demo/checkpoints/dense", cfg_norm="global"),
+    "dense_t2i_1k": Case("dense t2i, three explicitly seeded turns", "neopp_dense.json", "replay_kv/dense_t2i_1k",
                          (1024, 1024), DENSE_CHAT),
     "dense_i2i_1k": Case("dense i2i (the input image is inside both prefixes), one turn", "neopp_dense.json",
-                         "dense_i2i_1k", (1024, 1024), ((298, 9, 200),), task="i2i"),
+                         "replay_kv/dense_i2i_1k", (1024, 1024), ((298, 9, 200),), task="i2i"),
     "dense_cfg_parallel_1k": Case("dense_t2i_1k on 2 CFG ranks: its images must match dense_t2i_1k",
-                                  "neopp_dense_parallel_cfg.json", "dense_t2i_1k", (1024, 1024), DENSE_CHAT,
+                                  "neopp_dense_parallel_cfg.json", "replay_kv/dense_t2i_1k", (1024, 1024), DENSE_CHAT,
                                   nproc=2),
     "dense_3turn_2k": Case("dense 2K chat: seed 200, then the stream continues", "neopp_dense.json",
-                           "dense_3turn_2k", (2048, 2048), ((298, 9, 200), (366, 12, None), (441, 15, None))),
+                           "replay_kv/dense_3turn_2k", (2048, 2048), ((298, 9, 200), (366, 12, None), (441, 15, None))),
     "dense_8steps_lora_2k": Case("dense 8-step LoRA, CFG off (no uncond prefix)", "neopp_dense_8steps.json",
-                                 "dense_8steps_2k", (2048, 2048), ((298, None, 200),),
+                                 "replay_kv/dense_8steps_2k", (2048, 2048), ((298, None, 200),),
                                  cfg_scale=1.0, config=False),
-    "moe_t2i_1k": Case("MoE t2i, one turn", "neopp_moe.json", "moe_t2i_1k", (1024, 1024), MOE_TURN,
+    "moe_t2i_1k": Case("MoE t2i, one turn", "neopp_moe.json", "replay_kv/moe_t2i_1k", (1024, 1024), MOE_TURN,
                        checkpoint=MOE, cfg_interval=(0.0, 1.0)),
-    "moe_cfg_parallel_1k": Case("moe_t2i_1k on 2 CFG ranks", "neopp_moe_parallel_cfg.json", "moe_t2i_1k",
+    "moe_cfg_parallel_1k": Case("moe_t2i_1k on 2 CFG ranks", "neopp_moe_parallel_cfg.json", "replay_kv/moe_t2i_1k",
                                 (1024, 1024), MOE_TURN, checkpoint=MOE, nproc=2, cfg_interval=(0.0, 1.0)),
-    "moe_512": Case("MoE t2i at 512 (SIZE='2048 2048' for the 2K run)", "neopp_moe.json", "moe_512",
+    "moe_512": Case("MoE t2i at 512 (SIZE='2048 2048' for the 2K run)", "neopp_moe.json", "replay_kv/moe_512",
                     (512, 512), MOE_TURN, checkpoint=MOE, cfg_interval=(0.0, 1.0)),
 }
 
@@ -100,11 +105,10 @@ def _turns(case: Case, env: Mapping[str, str]) -> list[tuple[object, object, obj
     return [tuple("none" if v is None else v for v in t) for t in turns]
 
 
-def repo_file(path: str) -> str:
-    """A default path of the checkout (a mode file) found from any directory the script runs in."""
-    if Path(path).is_absolute() or Path(path).exists() or not (REPO / path).exists():
-        return path
-    return str(REPO / path)
+def base_path(path: str, env: Mapping[str, str]) -> str:
+    """A relative default path, under ``NEOPP_BASE_DIR`` when that is set."""
+    base = env.get("NEOPP_BASE_DIR")
+    return path if not base or Path(path).is_absolute() else str(Path(base) / path)
 
 
 def kv_file(kv_dir: str, branch: str, turn: int) -> str:
@@ -112,6 +116,9 @@ def kv_file(kv_dir: str, branch: str, turn: int) -> str:
     plain = f"{kv_dir}/turn{turn}_{branch}.pt"
     if Path(plain).exists() or not Path(kv_dir).is_dir():
         return plain
+    sample = Path(kv_dir) / f"{branch}_kv.pt"
+    if turn == 0 and sample.exists():
+        return str(sample)
     dump = find_dump(kv_dir, branch, turn)
     return plain if dump is None else str(dump)
 
@@ -123,16 +130,17 @@ def case_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
     def pick(var: str, default: object) -> str:
         return env.get(var) or str(default)
 
-    kv_dir = pick("KV_DIR", f"replay_kv/{case.kv}")
-    argv = ["--checkpoint", pick("CKPT", case.checkpoint), "--lora-dir", pick("LORA_DIR", LORA_DIR),
-            "--mode", pick("MODE", repo_file(f"configs/neopp/{case.mode}")),
+    kv_dir = pick("KV_DIR", base_path(case.kv, env))
+    argv = ["--checkpoint", pick("CKPT", base_path(case.checkpoint, env)),
+            "--lora-dir", pick("LORA_DIR", base_path(LORA_DIR, env)),
+            "--mode", pick("MODE", base_path(f"configs/neopp/{case.mode}", env)),
             "--task", pick("TASK", case.task), "--size", *_words(env, "SIZE", case.size),
             "--cfg-scale", pick("CFG_SCALE", case.cfg_scale),
             "--cfg-interval", *_words(env, "CFG_INTERVAL", case.cfg_interval),
-            "--cfg-norm", pick("CFG_NORM", "none"), "--timestep-shift", pick("SHIFT", 3.0)]
+            "--cfg-norm", pick("CFG_NORM", case.cfg_norm), "--timestep-shift", pick("SHIFT", 3.0)]
     argv += ["--steps", env["STEPS"]] if env.get("STEPS") else []
     argv += [] if case.config else ["--no-cfg"]
-    argv += ["--output-dir", pick("OUT_DIR", "outputs/replay"), "--output-prefix", pick("PREFIX", name)]
+    argv += ["--output-dir", pick("OUT_DIR", base_path("outputs/replay", env)), "--output-prefix", pick("PREFIX", name)]
     for i, (cond, uncond, seed) in enumerate(_turns(case, env)):
         uncond_file = "none" if uncond == "none" else kv_file(kv_dir, "uncond", i)
         argv += ["--turn", f"{kv_file(kv_dir, 'cond', i)},{uncond_file},{cond},{uncond},{seed}"]
