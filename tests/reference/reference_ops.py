@@ -162,12 +162,8 @@ def rotate_pair(out, src, i, j, angle):
 # --------------------------------------------------------------------------- schedule, noise
 
 def shifted_timesteps(steps, shift):
-    out = []
-    for k in range(steps + 1):
-        sigma = 1.0 - k / steps
-        sigma = shift * sigma / (1.0 + (shift - 1.0) * sigma)
-        out.append(1.0 - sigma)
-    return out
+    """t_k = 1 - sigma'(1 - k/N) with sigma' = shift s / (1 + (shift - 1) s), written as one fraction."""
+    return [(k / steps) / (1.0 + (shift - 1.0) * (1.0 - k / steps)) for k in range(steps + 1)]
 
 
 def noise_scale(m: RefModel, num_tokens):

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 
 from ..procs import model_stubs
+from .poller import Poller
 
 # Triton's first line of a load, and our own last line of initialize (the generation models' and the
 # prompt encoder's "loaded", the session model's settings, neopp_t2i's "encoder"); Triton's last line of a
@@ -48,19 +49,15 @@ class StuckLoadWatch:
         self._done: dict[str, tuple[int, float]] = {}  # model -> (instances that finished, when the last did)
         self._lock = threading.Lock()
         self.rescued: list[str] = []
-        self._closed = threading.Event()
-        self._poll_s = poll_s
-        self._thread: threading.Thread | None = None
+        self._poller = Poller("neopp-load-rescue", poll_s, self.check,
+                              lambda exc: log(f"neopp load rescue: check failed: {type(exc).__name__}: {exc}"))
 
     def start(self) -> StuckLoadWatch:
-        self._thread = threading.Thread(target=self._run, name="neopp-load-rescue", daemon=True)
-        self._thread.start()
+        self._poller.start()
         return self
 
     def close(self) -> None:
-        self._closed.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
+        self._poller.stop(timeout_s=5)
 
     def feed(self, line: bytes) -> None:
         """One line of the server's output (called by the log relay)."""
@@ -100,7 +97,3 @@ class StuckLoadWatch:
             out.append(model)
         self.rescued += out
         return out
-
-    def _run(self) -> None:
-        while not self._closed.wait(self._poll_s):
-            self.check()

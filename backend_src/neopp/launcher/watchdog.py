@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +36,7 @@ from typing import Any
 
 from ..procs import all_pids, cmdline, is_stopped, ppid
 from .admin import KEY_ENV, grpc_headers, http_headers
+from .poller import Poller
 
 STUB_NAME = "triton_python_backend_stub"
 RELOAD_PARAMETER = "neopp_reload"
@@ -111,8 +111,7 @@ class StubWatchdog:
     log: Callable[[str], None] = print
     recoveries: list[Recovery] = field(default_factory=list)
     _missing_since: dict[str, float] = field(default_factory=dict)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
+    _poller: Poller | None = None
 
     def replace_unhealthy(self, instance: str) -> None:
         """Kill the stub of an instance Triton called not healthy; the next poll reloads its model."""
@@ -169,24 +168,16 @@ class StubWatchdog:
             done.append(recovery)
         return done
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                self.check_once()
-            except Exception as exc:  # noqa: BLE001 - server busy or stopping: try again later
-                self.log(f"neopp watchdog: poll failed: {type(exc).__name__}: {exc}")
-
     def start(self) -> StubWatchdog:
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name="neopp-stub-watchdog", daemon=True)
-        self._thread.start()
+        self._poller = Poller("neopp-stub-watchdog", self.interval_s, self.check_once,
+                              lambda exc: self.log(f"neopp watchdog: poll failed: {type(exc).__name__}: {exc}"))
+        self._poller.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-            self._thread = None
+        if self._poller is not None:
+            self._poller.stop(timeout_s=30)
+            self._poller = None
 
     def __enter__(self) -> StubWatchdog:
         return self.start()

@@ -35,9 +35,7 @@ STREAM_INPUT_SPECS: dict[str, InputSpec] = {
        for name, spec in INPUT_SPECS.items()},
     "PREVIEW_EVERY": InputSpec("TYPE_INT64", (1,)),
     "PREVIEW_SIZE": InputSpec("TYPE_INT64", (2,)),
-    "COND_KV_B64": InputSpec("TYPE_STRING", (1,)),
-    "UNCOND_KV_B64": InputSpec("TYPE_STRING", (1,)),
-    "IMAGE_KV_B64": InputSpec("TYPE_STRING", (1,)),
+    **{name: InputSpec("TYPE_STRING", (1,)) for name in ("COND_KV_B64", "UNCOND_KV_B64", "IMAGE_KV_B64")},
     "BASE64_OUTPUT": InputSpec("TYPE_INT64", (1,)),
 }
 STREAM_OUTPUT_SPECS: dict[str, InputSpec] = {

@@ -16,12 +16,9 @@ RAW_INPUT_TAG = bytes([7 << 3 | 2])  # field 7, wire type 2 (length-delimited)
 
 
 def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, value = value & 0x7F, value >> 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
+    """Protobuf's base-128 varint: 7 bits a byte, low first, the high bit set on all but the last."""
+    groups = [(value >> shift) & 0x7F for shift in range(0, max(value.bit_length(), 1), 7)]
+    return bytes([g | 0x80 for g in groups[:-1]] + groups[-1:])
 
 
 @dataclass
