@@ -303,7 +303,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--uncond-kv")
     parser.add_argument("--offsets", type=int, nargs=2, required=True, metavar=("COND", "UNCOND"))
     parser.add_argument("--seeds", nargs="+", default=["200", "none", "none"], help="one per turn; none continues")
-    parser.add_argument("--size", type=int, nargs=2, default=[1024, 1024])
+    parser.add_argument("--size", type=int, nargs=2, metavar=("H", "W"),
+                        help="default: the model's own (its checkpoint's, 256x256 for the demo)")
     parser.add_argument("--out-prefix", default="lightllm_turn")
     parser.add_argument("--admin-key-file", help=f"operator key for shared memory (default ${KEY_ENV})")
     args = parser.parse_args(argv)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import queue
 import time
+from collections.abc import Callable
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -26,34 +27,44 @@ def stream_inputs(args) -> list[grpcclient.InferInput]:
     return tensors
 
 
-def main() -> None:
-    args = stream_parser(__doc__, "localhost:8001", "stream_grpc.py").parse_args()
-    client = grpcclient.InferenceServerClient(args.url)
+def stream_to_image(client: grpcclient.InferenceServerClient, model: str, inputs: list[grpcclient.InferInput],
+                    timeout_s: float, on_preview: Callable[[int, bytes], None] | None = None) -> grpcclient.InferResult:
+    """Stream one request with a progress bar; the last response (it carries IMAGE). Ctrl-C
+    cancels the request on the server."""
     answers: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
-        client.async_stream_infer(args.model, stream_inputs(args))
-        deadline = time.monotonic() + args.timeout
+        client.async_stream_infer(model, inputs)
+        deadline = time.monotonic() + timeout_s
         while True:
             try:
                 result, error = answers.get(timeout=max(0.1, deadline - time.monotonic()))
             except queue.Empty:
-                raise InferenceServerException(f"no answer within --timeout {args.timeout:g}s") from None
+                raise InferenceServerException(f"no answer within --timeout {timeout_s:g}s") from None
             if error is not None:
                 raise error
             step, total = int(result.as_numpy("STEP")[0]), int(result.as_numpy("TOTAL_STEPS")[0])
             show_progress(step, total)
             if result.as_numpy("IMAGE") is not None:  # the last step's response carries the image
-                save_result(args, result)
-                return
+                return result
             preview = result.as_numpy("PREVIEW")
-            if preview is not None:
-                save_preview(args, step, preview[0])
+            if preview is not None and on_preview is not None:
+                on_preview(step, preview[0])
     except KeyboardInterrupt:
         client.stop_stream(cancel_requests=True)
         raise InferenceServerException("cancelled by the user") from None
     finally:
         client.stop_stream()
+
+
+def main() -> None:
+    args = stream_parser(__doc__, "localhost:8001", "stream_grpc.py").parse_args()
+    client = grpcclient.InferenceServerClient(args.url)
+    try:
+        result = stream_to_image(client, args.model, stream_inputs(args), args.timeout,
+                                 lambda step, jpeg: save_preview(args, step, jpeg))
+        save_result(args, result)
+    finally:
         client.close()
 
 

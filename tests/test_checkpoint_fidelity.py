@@ -198,3 +198,23 @@ def test_sample_with_noise_mode_matches_reference(ckpts, name):
     x_ref = ref.reference_generate(m.ref, cond, uncond, 12, 3, H, W, req.noise, 2, 3.0, 4.0, (-1.0, 2.0),
                                    "global", True)
     assert ((x_run - x_ref).abs().max() / max(1.0, x_ref.abs().max().item())).item() <= X_RTOL
+
+
+def test_a_checkpoint_s_default_image_size_becomes_its_models_default():
+    """Ours, optional: a mode file's 1024x1024 is the default only for a checkpoint that names none."""
+    raw = tiny_config("dense")
+    mode = ModeSpec(default_size=(1024, 1024))
+    assert CheckpointConfig.from_dict(raw).fit(mode) is mode
+    fitted = CheckpointConfig.from_dict({**raw, "default_image_size": [256, 320]}).fit(mode)
+    assert fitted.default_size == (256, 320) and fitted.sampling == mode.sampling
+    for bad in ([256], [250, 256], [0, 256], "256x256", [256.0, 256], [True, 256]):
+        with pytest.raises(ConfigError, match="default_image_size must be"):
+            CheckpointConfig.from_dict({**raw, "default_image_size": bad})
+
+
+def test_the_demo_names_the_size_it_was_trained_to_draw():
+    from pathlib import Path
+
+    demo = Path(__file__).resolve().parents[1] / "demo" / "checkpoints"
+    for name in ("dense", "moe"):
+        assert CheckpointConfig.from_checkpoint(demo / name).default_image_size == (256, 256)

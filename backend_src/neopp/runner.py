@@ -39,7 +39,7 @@ class NeoPPRunner:
         self.default_task = default_task
         self.mode_sampling = mode.sampling
         self.sampling = mode.sampling
-        self.default_size = mode.default_size
+        self.default_size = self.pipeline.config.fit(mode).default_size
         self.stream = NoiseStream()
         self._cond: torch.Tensor | None = None
         self._uncond: torch.Tensor | None = None

@@ -118,9 +118,18 @@ def test_t2i_answers_a_png_of_the_size_equal_to_neopp_dense_on_the_encoder_s_out
     assert direct == image
 
 
-def test_t2i_draws_256x256_when_no_size_is_given(served: Served):
-    png = served.infer("neopp_t2i", PROMPT=text(PROMPT), STEPS=np.array([2], np.int64))["IMAGE"][0]
+def test_without_size_every_model_draws_its_checkpoint_s_256x256(served: Served):
+    """The demo checkpoint names 256x256: neopp_t2i sends no SIZE, and a KV request without SIZE
+    to neopp_dense (whose mode file says 1024x1024) draws 256x256 too."""
+    steps = np.array([2], np.int64)
+    png = served.infer("neopp_t2i", PROMPT=text(PROMPT), STEPS=steps)["IMAGE"][0]
     assert Image.open(io.BytesIO(png)).size == (256, 256)
+    names = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")
+    enc = served.infer("neopp_prompt_encoder", names, PROMPT=text(PROMPT))
+    direct = served.infer("neopp_dense", COND_KV=(enc["COND_KV"], "BF16"), UNCOND_KV=(enc["UNCOND_KV"], "BF16"),
+                          INDEX_OFFSET_COND=enc["INDEX_OFFSET_COND"], INDEX_OFFSET_UNCOND=enc["INDEX_OFFSET_UNCOND"],
+                          STEPS=steps)["IMAGE"][0]
+    assert Image.open(io.BytesIO(direct)).size == (256, 256)
 
 
 @pytest.mark.parametrize("model, inputs, status, message", [
@@ -150,13 +159,21 @@ def test_bad_requests_are_refused_naming_the_input_and_the_server_stays_ready(se
     assert served.infer("neopp_t2i", PROMPT=text("blue square"), **SMALL)["IMAGE"][0][:4] == b"\x89PNG"
 
 
-def test_the_client_example_writes_a_png(served: Served, tmp_path: Path):
-    out = tmp_path / "sub" / "out.png"
-    done = subprocess.run([sys.executable, str(REPO / "client_examples" / "prompt_t2i.py"), PROMPT, "--url",
-                           served.server.grpc_url, "--size", "64", "64", "--seed", "3", "--steps", "1",
-                           "--cfg-scale", "2", "-o", str(out)], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 0, done.stderr
-    assert Image.open(out).format == "PNG" and Image.open(out).size == (64, 64)
+def test_the_client_example_shows_progress_and_writes_neopp_t2i_s_png(served: Served, tmp_path: Path):
+    """With the streamed twin served, the client shows every step over gRPC; its picture is the
+    one neopp_t2i draws for the seed (--no-progress asks neopp_t2i itself)."""
+    pictures = {}
+    for flag in ("", "--no-progress"):
+        out = tmp_path / "sub" / f"out{flag}.png"
+        done = subprocess.run([sys.executable, str(REPO / "client_examples" / "prompt_t2i.py"), PROMPT, "--url",
+                               served.server.grpc_url, "--size", "64", "64", "--seed", "3", "--steps", "3",
+                               "--cfg-scale", "2", "-o", str(out), *([flag] if flag else [])],
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+        assert done.returncode == 0, done.stderr
+        assert Image.open(out).format == "PNG" and Image.open(out).size == (64, 64)
+        assert ("] 3/3" in done.stderr) == (flag == ""), done.stderr
+        pictures[flag] = out.read_bytes()
+    assert pictures[""] == pictures["--no-progress"]
     bad = subprocess.run([sys.executable, str(REPO / "client_examples" / "prompt_t2i.py"), PROMPT, "--url",
                           served.server.grpc_url, "--model", "nope", "-o", str(tmp_path / "b.png")],
                          capture_output=True, text=True, timeout=120, cwd=REPO)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
 from ..json_file import read_json_object
+from ..modes import ModeSpec
 
 # Modes whose noise grows with the token count; any other mode (upstream names "constant") keeps
 # noise_scale as given. Every mode is capped at noise_scale_max_value, as upstream does.
@@ -79,6 +80,9 @@ class CheckpointConfig:
     num_experts_per_tok: int = 0
     norm_topk_prob: bool = True
     rms_norm_eps: float = DEFAULT_RMS_NORM_EPS
+    # Ours, optional: the size the checkpoint draws well ([height, width]); absent, a mode file's
+    # default_size stands. The demo model (trained at 256x256) carries it.
+    default_image_size: tuple[int, int] | None = None
 
     @property
     def token_size(self) -> int:
@@ -126,9 +130,17 @@ class CheckpointConfig:
             num_experts_per_tok=top_k,
             norm_topk_prob=_get(llm, "norm_topk_prob", L, True, bool),
             rms_norm_eps=_get(llm, "rms_norm_eps", L, DEFAULT_RMS_NORM_EPS, float),
+            default_image_size=_image_size(raw.get("default_image_size")),
         )
         config.check()
         return config
+
+    def fit(self, mode: ModeSpec) -> ModeSpec:
+        """``mode`` with this checkpoint's default size, where it names one (a mode file's 1024x1024
+        is the default only for a checkpoint that can draw it)."""
+        if self.default_image_size is None or mode.default_size == self.default_image_size:
+            return mode
+        return replace(mode, default_size=self.default_image_size)
 
     @staticmethod
     def from_checkpoint(ckpt_dir: str | Path) -> CheckpointConfig:
@@ -159,3 +171,14 @@ class CheckpointConfig:
             raise ConfigError(f"config.json: the MoE top-k ('llm_config.gen_num_experts_per_tok', else "
                               f"'num_experts_per_tok') must be in 1..{self.num_experts} (the expert count), "
                               f"got {self.num_experts_per_tok}")
+
+
+def _image_size(value: Any) -> tuple[int, int] | None:
+    """``default_image_size``: two positive multiples of 32, or absent."""
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 and v % 32 == 0 for v in value)):
+        raise ConfigError(f"config.json: default_image_size must be [height, width], positive multiples of 32, "
+                          f"got {value!r}")
+    return int(value[0]), int(value[1])

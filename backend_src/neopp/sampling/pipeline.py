@@ -88,6 +88,7 @@ class NeoPPPipeline:
         dtype = dtype or default_dtype(dev)
         mode = mode or ModeSpec()
         config, tensors = load_checkpoint(ckpt_dir)
+        mode = config.fit(mode)
         if (mode.version == "moe") != config.is_moe:
             raise ConfigError(f"mode {mode.name}: version {mode.version!r} does not match the checkpoint "
                               f"({'MoE' if config.is_moe else 'dense'} weights in {ckpt_dir})")

@@ -46,6 +46,7 @@ from ..engines.streaming import DEFAULT_TOKEN_BUDGET
 from ..errors import ConfigError
 from ..limits import Limits
 from ..model.checkpoint import generation_shapes
+from ..model.checkpoint_config import CheckpointConfig
 from ..model.lora import check_loras
 from ..modes import TASKS, ModeSpec, load_mode
 from .parameters import read_parameters
@@ -198,6 +199,6 @@ def load_model_mode(settings: TritonModelSettings) -> ModeSpec:
                 raise ConfigError(f"LoRA file {missing[0]} does not exist (lora_dir {settings.lora_dir}; "
                                   f"set parameter lora_dir or env {override} / NEOPP_LORA_DIR)")
             check_loras(generation_shapes(settings.checkpoint), mode.lora_configs)
+        return CheckpointConfig.from_checkpoint(settings.checkpoint).fit(mode)
     except ConfigError as exc:
         raise ConfigError(f"model {settings.model_name}: {exc}") from exc
-    return mode

@@ -12,7 +12,8 @@ usual geometry message.
 
 Parameters (``config.pbtxt``): ``default_model``, ``allowed_models`` (comma-separated; the plain
 generation models by default), ``encoder_model``, ``default_size`` (``HxW`` sent when the client
-gives no ``SIZE``; 256x256).
+gives no ``SIZE``; unset: no SIZE is sent and the generation model draws its own default, the
+size its checkpoint names, e.g. the demo's 256x256).
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from .parameters import model_allowlist, read_parameters
 from .prompt_parsing import PROMPT_INPUTS, parse_prompts
 
 T2I_PARAMETERS = {"default_model": "neopp_dense", "allowed_models": "",
-                  "encoder_model": "neopp_prompt_encoder", "default_size": "256x256"}
+                  "encoder_model": "neopp_prompt_encoder", "default_size": ""}
 
 
-def default_size(text: str) -> np.ndarray:
-    """``HxW`` (the SIZE sent when the client gives none; the generation modes default to 1024x1024,
-    the demo model's images are 128 to 320), checked once at load."""
+def default_size(text: str) -> np.ndarray | None:
+    """``HxW`` (the SIZE sent when the client gives none), checked once at load; empty: send none."""
+    if not text.strip():
+        return None
     try:
         height, width = (int(v) for v in text.lower().split("x"))
     except ValueError as exc:
@@ -96,7 +98,7 @@ class T2ITritonModel:
                 return self._forward_error(self.encoder, encoded.error())
             prefix = [pb.get_output_tensor_by_name(encoded, name) for name in ENCODER_OUTPUTS]
             passed = [inputs[n] for n in PASSED_INPUTS if n in inputs]
-            if "SIZE" not in inputs:
+            if "SIZE" not in inputs and self.default_size is not None:
                 passed.append(pb.Tensor("SIZE", self.default_size))
             self._check_cancelled(request)
             result = self._call(model, prefix + passed, ("IMAGE",))

@@ -113,7 +113,7 @@ class Replayer:
         if args.state_in is not None:
             self.runner.stream = NoiseStream.from_state(args.state_in.read_bytes())
         self.seeded = args.state_in is not None  # is there a stream to continue yet?
-        self.size = tuple(args.size) if args.size else self.mode.default_size
+        self.size = tuple(args.size) if args.size else self.runner.default_size
         self.task, self.layout = args.task, None if args.kv_layout == "auto" else args.kv_layout
 
     def _parallel_pipeline(self, checkpoint: str, device: str | None, dtype: torch.dtype | None):

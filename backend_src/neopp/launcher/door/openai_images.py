@@ -146,7 +146,7 @@ def encoder_request(req: ImagesRequest) -> WireRequest:
     return wire
 
 
-def streamed_request(req: ImagesRequest, encoded: pb.ModelInferResponse, size: tuple[int, int],
+def streamed_request(req: ImagesRequest, encoded: pb.ModelInferResponse, size: tuple[int, int] | None,
                      preview_every: int) -> WireRequest:
     """The streamed twin's request: the encoder's prefixes and the sampling inputs ``neopp_t2i``
     would pass its generation model, plus previews; the final image is the same bytes."""

@@ -135,12 +135,14 @@ class ImagesRoutes:
         finally:
             call.cancel()
 
-    async def _default_size(self) -> tuple[int, int]:
-        """``neopp_t2i``'s own default size, so that "auto" draws what the non-streamed call draws."""
+    async def _default_size(self) -> tuple[int, int] | None:
+        """``neopp_t2i``'s own default size, so that "auto" draws what the non-streamed call draws
+        (None: it sets none, and the model draws its checkpoint's default either way)."""
         answer = await self.door.upstream.control("GET", f"/v2/models/{oa.PROMPT_MODEL}/config", None, self.admin_key)
         try:
-            return oa.size_of(strict_json.loads(answer.body)["parameters"]["default_size"]["string_value"])
-        except (DoorError, KeyError, TypeError, ValueError):
+            text = strict_json.loads(answer.body)["parameters"].get("default_size", {}).get("string_value", "")
+            return oa.size_of(text) if text.strip() else None
+        except (DoorError, AttributeError, KeyError, TypeError, ValueError):
             raise oa.OpenAIError(500, f"{oa.PROMPT_MODEL}'s default size is not readable ({answer.status})",
                                  kind="server_error") from None
 
