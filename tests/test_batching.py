@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from neopp.engines.batch_engine import BatchingEngine
-from neopp.engines.streaming import EngineHooks
+from neopp.engines.engine import EngineHooks
 from neopp.errors import GenerationCancelled, InputError, NonFiniteState
 from neopp.sampling.batching import StepBatcher, start
 from testing.stream_requests import Collector, assert_pixels_match, assert_pixels_near, make, mixed, tiny_setup

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from neopp.engines.streaming import StepEvent
+from neopp.engines.engine import StepEvent
 from neopp.serving.stream_delivery import Delivery
 
 

@@ -10,14 +10,11 @@ instance's random stream and the metrics are untouched).
 
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
 
-from .engines.factory import GenerationEngine
-from .engines.streaming import StepEvent, StreamEngine
-from .errors import ConfigError
+from .engines.engine import Engine
 from .image_io import encode_image
 from .modes import ModeSpec
 from .request import GenerationRequest
@@ -26,7 +23,7 @@ from .sampling.rng import NoiseStream
 PREFIX_TOKENS = 16
 
 
-def warm_up_request(engine: GenerationEngine, mode: ModeSpec, prefix_tokens: int = PREFIX_TOKENS) -> GenerationRequest:
+def warm_up_request(engine: Engine, mode: ModeSpec, prefix_tokens: int = PREFIX_TOKENS) -> GenerationRequest:
     """One guided step at the default size on a small synthetic prefix, validated, noise drawn."""
     layers, kv_heads, head_dim = engine.config.kv_dims
     gen = torch.Generator().manual_seed(0)
@@ -43,29 +40,9 @@ def warm_up_request(engine: GenerationEngine, mode: ModeSpec, prefix_tokens: int
     return req
 
 
-def warm_up(engine: GenerationEngine, mode: ModeSpec, prefix_tokens: int = PREFIX_TOKENS) -> float:
-    """Seconds one warm-up generation took."""
+def warm_up(engine: Engine, mode: ModeSpec, prefix_tokens: int = PREFIX_TOKENS) -> float:
+    """Seconds one warm-up generation took (through a batching engine's loop and ranks too)."""
     start = time.perf_counter()
     req = warm_up_request(engine, mode, prefix_tokens)
     encode_image(engine.generate(req), mode.sampling.output_format, None)
-    return time.perf_counter() - start
-
-
-def warm_up_stream(stream: StreamEngine, engine: GenerationEngine, mode: ModeSpec, timeout_s: float = 600.0) -> float:
-    """The same warm-up through a streaming engine (its batched loop and, for a pool, its ranks)."""
-    start = time.perf_counter()
-    done = threading.Event()
-    last: list[StepEvent] = []
-
-    def emit(event: StepEvent) -> None:
-        if event.last:
-            last.append(event)
-            done.set()
-
-    stream.submit(warm_up_request(engine, mode), emit, lambda: False)
-    if not done.wait(timeout_s):
-        raise ConfigError(f"mode {mode.name}: the warm-up generation did not finish within {timeout_s:.0f} s")
-    if last[0].error is not None:
-        raise last[0].error
-    encode_image(last[0].final, mode.sampling.output_format, None)
     return time.perf_counter() - start

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch
 
-from ..engines.factory import GenerationEngine, build_engine
+from ..engines.engine import Engine
+from ..engines.factory import build_engine
+from ..engines.in_process import InProcessEngine
 from ..errors import ConfigError, InputError
 from ..model.checkpoint import default_dtype
 from ..modes import TASKS, ModeSpec
@@ -82,7 +84,7 @@ class LightX2VPipeline:
         self.runner = NeoppRunner(config, mode, engine, noise_device)
 
     def _engine(self, mode: ModeSpec, device: str | None,
-                dtype: str | torch.dtype | None) -> tuple[GenerationEngine, torch.device]:
+                dtype: str | torch.dtype | None) -> tuple[Engine, torch.device]:
         if self.server_url:
             from .triton_engine import TritonEngine
 
@@ -93,7 +95,7 @@ class LightX2VPipeline:
         if mode.world_size > 1 and "WORLD_SIZE" in os.environ:
             from ..parallel.torchrun import rank_pipeline
 
-            return rank_pipeline(self.model_path, mode, dev, run_dtype), dev
+            return InProcessEngine(rank_pipeline(self.model_path, mode, dev, run_dtype)), dev
         return build_engine(self.model_path, mode, str(dev), run_dtype), dev
 
     def modify_config(self, config_modify: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..engines.factory import GenerationEngine
+from ..engines.engine import Engine
 from ..errors import GenerationCancelled, InputError
 from ..image_io import encode_image
 from ..model.kv_cache import load_kv_file
@@ -87,9 +87,9 @@ class StepHooks:
 
 
 class NeoppRunner:
-    """LightX2V's ``NeoppRunner`` surface over a ``GenerationEngine``."""
+    """LightX2V's ``NeoppRunner`` surface over a ``Engine``."""
 
-    def __init__(self, config: LockedConfig, mode: ModeSpec, engine: GenerationEngine,
+    def __init__(self, config: LockedConfig, mode: ModeSpec, engine: Engine,
                  noise_device: torch.device) -> None:
         self.config, self.mode, self.engine, self.noise_device = config, mode, engine, noise_device
         self.scheduler = SchedulerState(mode.sampling.infer_steps, mode.sampling.timestep_shift)

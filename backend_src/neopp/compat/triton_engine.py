@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..engines.engine import CancelledFn, EmitFn, submit_in_caller
 from ..errors import GenerationCancelled, InputError
 from ..limits import Limits
 from ..model.checkpoint_config import CheckpointConfig
@@ -30,7 +31,7 @@ POLL_S = 0.05
 
 
 class TritonEngine:
-    """The engine interface (validate, generate, close) over one Triton model."""
+    """The `Engine` interface over one Triton model (one request at a time, in the caller's thread)."""
 
     def __init__(self, url: str, model: str, checkpoint: str | Path, mode: ModeSpec,
                  headers: dict[str, str] | None = None, timeout_s: float = 600.0) -> None:
@@ -47,6 +48,9 @@ class TritonEngine:
 
     def close(self) -> None:
         self.client.close()
+
+    def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
+        submit_in_caller(self.generate, req, emit, cancelled)
 
     def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
                  on_step: StepFn | None = None) -> np.ndarray:

@@ -1,8 +1,9 @@
-"""Engines: what runs a mode's requests, in this process or on rank processes, behind one face.
+"""Engines: what runs a mode's requests, behind one interface, chosen by one factory.
 
-``factory`` (the ``GenerationEngine`` interface and the two builders every caller uses),
-``streaming`` (the ``StreamEngine`` interface, its step events and the submission path that the
-step-batching engine and the rank pool share) and ``batch_engine`` (step batching in this
-process). The rank pools live in ``neopp.parallel``. It may import ``neopp.sampling``,
-``neopp.model``, ``neopp.parallel`` and the foundation modules; nothing of serving.
+``engine`` (the ``Engine`` interface: validate, submit with step events, generate, close; the
+step events and the submission path the step-batching engines share), ``in_process`` (the
+pipeline in this process, one request at a time), ``batch_engine`` (step batching in this
+process) and ``factory`` (``build_engine``: which of them, or of the rank pools in
+``neopp.parallel``, a mode runs on). It may import ``neopp.sampling``, ``neopp.model``,
+``neopp.parallel`` and the foundation modules; nothing of serving.
 """

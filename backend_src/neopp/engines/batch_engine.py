@@ -1,4 +1,4 @@
-"""`BatchingEngine`: a `StreamEngine` that runs many requests at once, batched step by step.
+"""`BatchingEngine`: an `Engine` that runs many requests at once, batched step by step.
 
 A scheduler thread owns the active set. At each step boundary it drops cancelled requests
 (with a `GenerationCancelled` event), admits queued ones in arrival order while the token
@@ -13,34 +13,40 @@ import threading
 import time
 from collections import deque
 
+import numpy as np
+
 from ..errors import GenerationCancelled
 from ..request import GenerationRequest
 from ..sampling.batching import Active, StepBatcher, fits, start, step_cost
-from ..sampling.pipeline import NeoPPPipeline
-from .streaming import (
+from ..sampling.pipeline import NeoPPPipeline, StepFn, StopFn
+from .engine import (
     DEFAULT_TOKEN_BUDGET,
     CancelledFn,
     EmitFn,
     EngineHooks,
     StepEvent,
-    StreamEngine,
     Ticket,
     TicketOffice,
+    generate_by_waiting,
     is_cancelled,
     send,
 )
+from .in_process import InProcessEngine
 
 log = logging.getLogger(__name__)
 
 
-class BatchingEngine(StreamEngine):
-    """Single-process step batcher behind a scheduler thread."""
+class BatchingEngine(InProcessEngine):
+    """Single-process step batcher behind a scheduler thread (the pipeline's face is inherited)."""
+
+    wait_s = 3600.0  # how long `generate` waits for its request at most
 
     def __init__(self, pipe: NeoPPPipeline, token_budget: int = DEFAULT_TOKEN_BUDGET,
                  hooks: EngineHooks | None = None) -> None:
         if token_budget < 1:
             raise ValueError(f"token_budget: must be positive, got {token_budget}")
-        self.pipe, self.token_budget, self.hooks = pipe, token_budget, hooks or EngineHooks()
+        super().__init__(pipe)
+        self.token_budget, self.hooks = token_budget, hooks or EngineHooks()
         self.batcher = StepBatcher(pipe)
         self._cv = threading.Condition()
         self._queue: deque[Ticket] = deque()
@@ -57,6 +63,11 @@ class BatchingEngine(StreamEngine):
                 self._cv.notify()
                 return
         TicketOffice.closed(ticket)
+
+    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
+                 on_step: StepFn | None = None) -> np.ndarray:
+        """One request through the batch, waited for."""
+        return generate_by_waiting(self.submit, req, should_stop, on_step, self.wait_s)
 
     def close(self) -> None:
         with self._cv:

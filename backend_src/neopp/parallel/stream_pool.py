@@ -1,4 +1,4 @@
-"""`StreamPool`: the parent side of the batched rank loop (a `StreamEngine`).
+"""`StreamPool`: the parent side of the batched rank loop (a step-batching `Engine`).
 
 `submit` hands a request to every rank and returns; a pump thread polls cancellations (sent
 to rank 0, which decides at the next step boundary), turns rank 0's reports into events and
@@ -11,32 +11,27 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-import torch
+import numpy as np
 
-from ..engines.streaming import (
-    DEFAULT_TOKEN_BUDGET,
+from ..engines.engine import (
     CancelledFn,
     EmitFn,
     EngineHooks,
     StepEvent,
     Ticket,
     TicketOffice,
+    generate_by_waiting,
     is_cancelled,
     send,
 )
 from ..errors import GenerationCancelled, WorkerFailure
-from ..limits import Limits
-from ..model.checkpoint import default_dtype
-from ..model.checkpoint_config import CheckpointConfig
-from ..modes import ModeSpec
 from ..request import GenerationRequest, RequestRules
+from ..sampling.pipeline import StepFn, StopFn
 from .lifeline import silent_rank
-from .parallel_pipeline import check_heads
 from .stream_workers import ERRORS, StreamPoolSpec, _stream_rank_main
-from .workers import POLL_S, SILENCE_CHECK_S, WorkerPool, instance_devices
+from .workers import POLL_S, SILENCE_CHECK_S, WorkerPool
 
 CLOSE_WAIT_S = 10.0
 
@@ -67,6 +62,12 @@ class StreamPool(WorkerPool):
             self._tickets[ticket.job] = ticket
             for rank, q in enumerate(self._tasks):
                 q.put(("req", ticket.job, self._rank_request(req, rank), preview_every, ticket.submitted))
+
+    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
+                 on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:
+        """One request through the ranks' batch, waited for."""
+        return generate_by_waiting(self.submit, req, should_stop, on_step,
+                                   timeout_s or 10 * self.spec.collective_timeout_s)
 
     def close(self) -> None:
         with self._lock:
@@ -142,18 +143,3 @@ class StreamPool(WorkerPool):
         elif kind == "error" and not self._closing:
             self._fail_all(self._fail_and_rebuild(self._death_notice() or f"generation failed in {info}"))
 
-
-def build_stream_pool(ckpt_dir: str | Path, mode: ModeSpec, dtype: torch.dtype | None = None,
-                      limits: Limits | None = None, threads: int | None = None,
-                      token_budget: int = DEFAULT_TOKEN_BUDGET, hooks: EngineHooks | None = None,
-                      instance_index: int = 0, gpus: list[int] | None = None,
-                      collective_timeout_s: float = 120.0) -> StreamPool:
-    """A `StreamPool` for a mode with several ranks (as `engines.build_engine` builds a `WorkerPool`)."""
-    limits = limits or Limits()
-    config = CheckpointConfig.from_checkpoint(ckpt_dir)
-    check_heads(config, mode)
-    devices = instance_devices(mode.world_size, instance_index, gpus)
-    dtype = dtype or default_dtype(torch.device(devices[0]))
-    spec = StreamPoolSpec(str(ckpt_dir), mode, devices, dtype, limits, threads, collective_timeout_s,
-                          token_budget=token_budget)
-    return StreamPool(spec, RequestRules(config, limits), hooks)

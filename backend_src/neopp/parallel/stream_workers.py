@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engines.streaming import DEFAULT_TOKEN_BUDGET, StepEvent
+from ..engines.engine import DEFAULT_TOKEN_BUDGET, StepEvent
 from ..errors import GenerationCancelled, InputError, NeoPPError, NonFiniteState
 from ..model.transformer import BranchContext
 from ..request import GenerationRequest

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
+from ..engines.engine import CancelledFn, EmitFn, submit_in_caller
 from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
 from ..limits import Limits
 from ..modes import ModeSpec
@@ -116,7 +117,7 @@ def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any,
 
 
 class WorkerPool:
-    """A `GenerationEngine` whose steps run in rank processes (one per GPU on a GPU host)."""
+    """An `Engine` whose steps run in rank processes (one per GPU on a GPU host), one request at a time."""
 
     # What each rank process runs; the streaming pool runs its batched loop on the same ranks.
     worker_main = staticmethod(_worker_main)
@@ -242,6 +243,10 @@ class WorkerPool:
 
     def _rank_request(self, req: GenerationRequest, rank: int) -> GenerationRequest:
         return rank_request(self.mode, req, rank)
+
+    def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
+        """Runs in the caller's thread, reporting each step (no previews on this engine)."""
+        submit_in_caller(self.generate, req, emit, cancelled)
 
     def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
                  on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:

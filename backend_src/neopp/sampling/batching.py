@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engines.streaming import StepEvent
+from ..engines.engine import StepEvent
 from ..errors import InputError, NeoPPError
 from ..image_io import to_pixels
 from ..model.embeddings import patchify, unpatchify

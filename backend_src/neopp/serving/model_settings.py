@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ..engines.streaming import DEFAULT_TOKEN_BUDGET
+from ..engines.engine import DEFAULT_TOKEN_BUDGET
 from ..errors import ConfigError
 from ..limits import Limits
 from ..model.checkpoint import generation_shapes

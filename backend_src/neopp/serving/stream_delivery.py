@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..engines.streaming import StepEvent
+from ..engines.engine import StepEvent
 
 HandleFn = Callable[[Any, StepEvent], None]
 

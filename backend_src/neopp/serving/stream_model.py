@@ -1,7 +1,7 @@
 """What a streaming (decoupled) NeoPP model's ``model.py`` does: progress, previews, final image.
 
 ``execute`` parses and validates each request exactly as the plain models do, draws its noise,
-hands it to a :class:`~neopp.engines.streaming.StreamEngine` and returns; the engine's events become
+hands it to its step-batching :class:`~neopp.engines.engine.Engine` and returns; the engine's events become
 responses on the request's sender, on a delivery thread so that the engine never waits for
 them: one per step (``STEP``/``TOTAL_STEPS``, sometimes a JPEG ``PREVIEW``); the last step's
 carries ``IMAGE`` and ``NEXT_RNG_STATE`` and the final flag. A refused, failed or cancelled request
@@ -19,14 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from ..engines.batch_engine import BatchingEngine
-from ..engines.factory import GenerationEngine, build_stream_engine
-from ..engines.streaming import EngineHooks, StepEvent, StreamEngine
+from ..engines.engine import Engine, EngineHooks, StepEvent
+from ..engines.factory import build_engine
 from ..errors import GenerationCancelled
 from ..image_io import encode_image
 from ..request import GenerationRequest
 from ..request_log import request_line
-from ..warmup import warm_up_stream
 from .metrics import StreamMetrics
 from .request_parsing import KV_INPUTS
 from .stream_delivery import Delivery
@@ -68,26 +66,21 @@ class NeoPPStreamModel(NeoPPTritonModel):
         return super().auto_complete_config(auto_complete_model_config)
 
     def initialize(self, args: dict[str, str]) -> None:
-        self.stream_engine: StreamEngine | None = None
+        self.engine: Engine | None = None
         super().initialize(args)
         self._counting = True
         self.delivery = Delivery(self._emit)
 
     def _build_engine(self, device: str, gpus: list[int] | None, instance_index: int,
-                      threads: int | None) -> GenerationEngine:
-        """A batching engine (rank pool for a parallel mode); requests are checked on the engine
-        that runs them, so the plain path's rules and geometry are the same."""
+                      threads: int | None) -> Engine:
+        """The same engine as the plain model's, step-batching (a rank pool's for a parallel mode):
+        requests are checked on the engine that runs them, so the rules and geometry are the same."""
         self.stream_metrics = StreamMetrics(self.pb, self.model_name)
         self._counting = False  # the warm-up leaves the metrics untouched
         hooks = EngineHooks(queue_wait=self._queue_wait, batch_size=self._batch, step_seconds=self._step_time)
-        self.stream_engine = build_stream_engine(
-            self.settings.checkpoint, self.mode, device, self.settings.dtype, self.settings.limits, threads,
-            token_budget=self.settings.token_budget, hooks=hooks, instance_index=instance_index, gpus=gpus,
-            collective_timeout_s=self.settings.collective_timeout_s)
-        return self.stream_engine.pipe if isinstance(self.stream_engine, BatchingEngine) else self.stream_engine
-
-    def _warm_up(self) -> float:
-        return warm_up_stream(self.stream_engine, self.engine, self.mode)
+        return build_engine(self.settings.checkpoint, self.mode, device, self.settings.dtype, self.settings.limits,
+                            threads, instance_index, gpus=gpus, collective_timeout_s=self.settings.collective_timeout_s,
+                            step_batching=True, token_budget=self.settings.token_budget, hooks=hooks)
 
     def _queue_wait(self, seconds: float) -> None:
         if self._counting:
@@ -110,13 +103,8 @@ class NeoPPStreamModel(NeoPPTritonModel):
 
     def finalize(self) -> None:
         """Queued and running streams end with CANCELLED before the engine's workers stop."""
-        if self.stream_engine is not None:
-            self.stream_engine.close()
-            if self.engine is self.stream_engine:  # a rank pool is both; close it once
-                self.engine = None
-        self.stream_engine = None
+        super().finalize()  # closes the engine
         self.delivery.close()  # after the engine: its cancellation events are delivered too
-        super().finalize()
 
     # ------------------------------------------------------------------ one request
 
@@ -124,7 +112,7 @@ class NeoPPStreamModel(NeoPPTritonModel):
         sender = request.get_response_sender()
         start = time.perf_counter()
         try:
-            if self._stopping.is_set() or self.stream_engine is None:
+            if self._stopping.is_set() or self.engine is None:
                 raise GenerationCancelled("request cancelled before generation started")
             parsed, options = parse_stream_request(self._inputs(request), self.settings.limits, self.kv_dims)
             gen_req, stream = self._ready_request(parsed)
@@ -139,8 +127,8 @@ class NeoPPStreamModel(NeoPPTritonModel):
                                                                                              gen_req.width),
                      parsed.resize, np.frombuffer(stream.state(), dtype=np.uint8).copy(), start)
         cancelled = lambda: sender.is_cancelled() or self._stopping.is_set()  # noqa: E731
-        self.stream_engine.submit(gen_req, lambda event: self.delivery.put(call, event), cancelled,
-                                  preview_every=options.preview_every)
+        self.engine.submit(gen_req, lambda event: self.delivery.put(call, event), cancelled,
+                           preview_every=options.preview_every)
 
     def _emit(self, call: _Call, event: StepEvent) -> None:
         """One engine event -> one response (the delivery thread)."""

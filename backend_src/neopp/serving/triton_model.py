@@ -20,7 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..engines.factory import GenerationEngine, build_engine
+from ..engines.engine import Engine
+from ..engines.factory import build_engine
 from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
 from ..model.checkpoint_config import CheckpointConfig
@@ -139,8 +140,8 @@ class NeoPPTritonModel:
             f"threads={torch.get_num_threads()}{warmed}")
 
     def _build_engine(self, device: str, gpus: list[int] | None, instance_index: int,
-                      threads: int | None) -> GenerationEngine:
-        """The engine requests run on (the streaming models build a batching one instead)."""
+                      threads: int | None) -> Engine:
+        """The engine requests run on (the streaming models ask for step batching)."""
         return build_engine(self.settings.checkpoint, self.mode, device, self.settings.dtype, self.settings.limits,
                             threads, instance_index, gpus=gpus, collective_timeout_s=self.settings.collective_timeout_s)
 
