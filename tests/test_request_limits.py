@@ -11,9 +11,10 @@ import torch
 from neopp.errors import InputError, NonFiniteState, shown
 from neopp.limits import Limits
 from neopp.modes import SamplingParams
-from neopp.request import GenerationRequest
+from neopp.request import GenerationRequest, StepPlan
 from neopp.sampling.pipeline import NeoPPPipeline
 from neopp.sampling.sampler import check_finite
+from neopp.sampling.schedule import shifted_timesteps
 from neopp.serving.request_parsing import parse_request
 from testing.tiny_checkpoint import write_tiny_checkpoint
 
@@ -147,3 +148,16 @@ def test_a_finite_but_absurd_kv_fails_naming_the_step(pipe):
 def test_a_sane_request_still_generates(pipe):
     pixels = pipe.generate(_request(pipe, None))
     assert pixels.shape == (32, 32, 3) and pixels.std() > 0
+
+
+def test_a_request_s_step_plan_is_computed_once_and_follows_its_values():
+    """Validation, the engine and the log line read the same plan object."""
+    kv = torch.zeros(1, 2, 3, 1, 8)
+    req = GenerationRequest(cond_kv=kv, index_offset_cond=3, height=64, width=64,
+                            sampling=SamplingParams(infer_steps=4, cfg_interval=(0.2, 0.8)))
+    assert req.step_plan is req.step_plan
+    assert req.step_plan == StepPlan.of(req.sampling)
+    assert req.step_plan.times == tuple(shifted_timesteps(4, req.sampling.timestep_shift))
+    assert req.step_plan.guided_steps == (False, False, True, True)  # t = 0, 0.1, 0.25, 0.5
+    req.sampling = req.sampling.replace(enable_cfg=False)
+    assert req.step_plan.guided_steps == (False,) * 4 and req.step_plan.branch_names(1) == ("cond",)

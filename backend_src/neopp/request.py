@@ -9,8 +9,8 @@ the serving layer spells it as the client's input name.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -40,16 +40,15 @@ class GenerationRequest:
     noise_scaled: bool = False  # True: ``noise`` is the starting state itself (LightX2V draws it scaled)
     image_kv: torch.Tensor | None = None  # image-editing guidance: the input images without the prompt
     index_offset_image: int | None = None
-    _plan: tuple[Any, StepPlan] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def step_plan(self) -> StepPlan:
         """The request's steps and guidance, computed once for its sampling values (validation,
         the engine and the log line all read this one)."""
-        key = (self.sampling, self.image_editing)
-        if self._plan is None or self._plan[0] != key:
-            self._plan = (key, StepPlan.of(self.sampling, self.image_editing))
-        return self._plan[1]
+        try:
+            return _step_plan(self.sampling, self.image_editing)
+        except TypeError:  # sampling values that do not hash (built by hand): computed each time
+            return StepPlan.of(self.sampling, self.image_editing)
 
     @property
     def image_editing(self) -> bool:
@@ -116,6 +115,11 @@ class StepPlan:
     def reads(self, name: str) -> bool:
         """Does any step of this plan run branch ``name``?"""
         return name == COND or (any(self.guided_steps) and name in self.guided_branches)
+
+
+@functools.lru_cache(maxsize=256)
+def _step_plan(sampling: SamplingParams, image: bool) -> StepPlan:
+    return StepPlan.of(sampling, image)
 
 
 def image_branch_refusal(sampling: SamplingParams) -> str:
