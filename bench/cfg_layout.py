@@ -61,7 +61,7 @@ def _rank(rank: int, port: int, ckpt: str, size: int, steps: int, repeats: int, 
     for i in range(repeats):
         for name in names[i % 3:] + names[:i % 3]:  # a different layout first in each round
             layout = LAYOUTS[name]
-            pipe.three_branch_layout = layout
+            pipe.three_branch_split = layout
             req = rank_request(MODE, bench_request(size, steps), rank, layout)
             step: list[float] = []
             pipe.sample(req, on_step=lambda _k, s, step=step: step.append(s))
@@ -108,10 +108,10 @@ def run(args: argparse.Namespace) -> str:
                         f"image {n['image']}, uncond {n['uncond']})\n\n| rank 0 / rank 1 | ms per step, median "
                         f"(min-max) | median vs {next(iter(LAYOUTS))} | min vs same |\n|---|---|---|---|\n"
                         + "\n".join(rows))
-    from neopp.parallel.parallel_pipeline import THREE_BRANCH_LAYOUT
+    from neopp.parallel.parallel_pipeline import THREE_BRANCH_SPLIT
 
-    used = next(name for name, layout in LAYOUTS.items() if layout == THREE_BRANCH_LAYOUT)
-    sections.append(f"The engine runs {used} (`neopp.parallel.parallel_pipeline.THREE_BRANCH_LAYOUT`).")
+    used = next(name for name, layout in LAYOUTS.items() if layout == THREE_BRANCH_SPLIT)
+    sections.append(f"The engine runs {used} (`neopp.parallel.parallel_pipeline.THREE_BRANCH_SPLIT`).")
     return (f"Tiny checkpoint, float32, CPU, 2 ranks x 1 thread; cfg_scale 4, image_guidance_scale 2 (all three "
             f"branches on every step); {args.steps} timed steps x {args.repeats} rounds, layouts interleaved.\n\n"
             + "\n\n".join(sections))

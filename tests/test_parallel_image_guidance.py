@@ -44,7 +44,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str, out) -> None:
     pipe = ParallelPipeline.from_pretrained(ckpt, mode, mesh, "cpu", torch.float32)
     results = []
     for case, layout in jobs(world):
-        pipe.three_branch_layout = LAYOUTS[layout]
+        pipe.three_branch_split = LAYOUTS[layout]
         req = rank_request(mode, image_request(case), rank, LAYOUTS[layout])
         with torch.inference_mode():
             results.append(pipe.sample(req).numpy())

@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from neopp.model.kv_cache import load_kv_file
-from neopp.runner import NeoPPRunner
+from neopp.runner import InProcessRunner
 from neopp.tools import replay_kv, replay_kv_multiturn
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 from testing.tiny_lora import write_tiny_loras
@@ -52,7 +52,7 @@ def test_multiturn_equals_runner_and_chained_single_replays(ckpt, tmp_path):
     multi = [(tmp_path / "multi" / f"turn_{i}.png").read_bytes() for i in range(3)]
     assert len(set(multi)) == 3
 
-    runner = NeoPPRunner(ckpt, DENSE_MODE)
+    runner = InProcessRunner(ckpt, DENSE_MODE)
     runner.load_kvcache(ckpt / "kv" / "cond_kv.pt", ckpt / "kv" / "uncond_kv.pt")
     direct = []
     for seed in (200, None, None):
@@ -113,7 +113,7 @@ def test_image_editing_replay_equals_the_runner_and_refuses_without_the_image_br
                            "--image-guidance-scale", "2"]
     out = tmp_path / "edit.png"
     assert replay_kv.main(base + ["--image-kv", str(image_kv), "--offset-image", "15", "--output", str(out)]) == 0
-    runner = NeoPPRunner(ckpt, DENSE_MODE)
+    runner = InProcessRunner(ckpt, DENSE_MODE)
     runner.set_kvcache_i2i(*(load_kv_file(p) for p in (kv / "cond_kv.pt", kv / "uncond_kv.pt", image_kv)))
     runner.set_inference_params(24, 7, infer_steps=2, output_format="png", image_guidance_scale=2.0,
                                 index_offset_image=15)

@@ -1,4 +1,4 @@
-"""neopp.runner.NeoPPRunner, the stateful facade LightLLM calls: parameters, streams, KV loading."""
+"""neopp.runner.InProcessRunner, the stateful facade LightLLM calls: parameters, streams, KV loading."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from PIL import Image
 from neopp.errors import InputError
 from neopp.model.kv_cache import save_kv_file
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.runner import NeoPPRunner
+from neopp.runner import InProcessRunner
 from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 from tests.reference import neopp_reference as ref
@@ -43,7 +43,7 @@ OFF_C, OFF_U = 15, 3
 def make_runner(ckpt, **kw):
     mode = ModeSpec(name="test", version="dense", sampling=SamplingParams(infer_steps=STEPS, output_format="png"),
                       default_size=DEFAULT_SIZE)
-    runner = NeoPPRunner(ckpt, mode, device="cpu", dtype=torch.float32, **kw)
+    runner = InProcessRunner(ckpt, mode, device="cpu", dtype=torch.float32, **kw)
     runner.set_kvcache(COND, UNCOND)
     runner.set_inference_params(OFF_C, OFF_U)
     return runner
@@ -186,7 +186,7 @@ def test_load_kvcache_from_replay_files(ckpt, tmp_path):
 
 def test_generate_before_kv_is_refused(ckpt):
     mode = ModeSpec(name="test", version="dense", sampling=SamplingParams(infer_steps=STEPS))
-    runner = NeoPPRunner(ckpt, mode, device="cpu", dtype=torch.float32)
+    runner = InProcessRunner(ckpt, mode, device="cpu", dtype=torch.float32)
     with pytest.raises(InputError):
         runner.generate(seed=1)
 

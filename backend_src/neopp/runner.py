@@ -24,7 +24,11 @@ from .sampling.rng import NoiseStream
 _KEEP = object()
 
 
-class NeoPPRunner:
+class InProcessRunner:
+    """The stateful in-process API, shaped as LightLLM calls it: set the KV prefixes and the
+    parameters, generate; one noise stream carries across calls. (LightX2V's own runner face,
+    ``NeoppRunner``, is ``neopp.compat.lightx2v``'s.)"""
+
     def __init__(self, ckpt_dir: str | Path, mode: ModeSpec | str | Path | None = None, device: str | None = None,
                  dtype: torch.dtype | None = None, default_task: str = "t2i",
                  support_tasks: Sequence[str] = TASKS, pipeline: NeoPPPipeline | None = None,
@@ -40,7 +44,7 @@ class NeoPPRunner:
         self.mode_sampling = mode.sampling
         self.sampling = mode.sampling
         self.default_size = self.pipeline.config.fit(mode).default_size
-        self.stream = NoiseStream()
+        self.noise_stream = NoiseStream()
         self._cond: torch.Tensor | None = None
         self._uncond: torch.Tensor | None = None
         self._image: torch.Tensor | None = None
@@ -88,13 +92,13 @@ class NeoPPRunner:
         size = size if size is not None else target_shape
         height, width = (int(v) for v in (size or self.default_size))
         if seed is not None:
-            self.stream.reseed(seed)
+            self.noise_stream.reseed(seed)
         req = GenerationRequest(cond_kv=self._cond, uncond_kv=self._uncond, index_offset_cond=self._offsets[0],
                                 index_offset_uncond=self._offsets[1], height=height, width=width,
                                 sampling=self.sampling, task=task or self.default_task,
                                 image_kv=self._image, index_offset_image=self._offset_image)
         self.pipeline.validate(req)  # before drawing, so a refused request does not advance the stream
-        req.noise = self.stream.draw(height, width)
+        req.noise = self.noise_stream.draw(height, width)
         data = encode_image(self.pipeline.generate(req), self.sampling.output_format, self._resize)
         if save_result_path:
             Path(save_result_path).write_bytes(data)

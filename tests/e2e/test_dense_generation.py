@@ -9,7 +9,7 @@ from neopp.image_io import encode_image
 from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.modes import load_mode
 from neopp.request import GenerationRequest
-from neopp.runner import NeoPPRunner
+from neopp.runner import InProcessRunner
 from neopp.sampling.pipeline import NeoPPPipeline
 from neopp.sampling.rng import NoiseStream
 from testing import REPO as REPO_ROOT
@@ -75,7 +75,7 @@ def test_seeded_png_is_identical_across_calls_transports_and_in_process(triton, 
 
 
 def test_rng_state_continues_the_stream_like_the_runner(triton, tiny_dense):
-    runner = NeoPPRunner(tiny_dense, MODE_FILE)
+    runner = InProcessRunner(tiny_dense, MODE_FILE)
     runner.set_kvcache(triton.cond, triton.uncond)
     expected = []
     for seed in (200, None, None):  # LightLLM's turns: params, then generate

@@ -31,16 +31,16 @@ from .mesh import Mesh, leave_mesh
 # Which branches each of the 2 CFG ranks runs at a step that needs three: cond stays on rank 0
 # (where unguided steps run it) and the two shorter prefixes share rank 1. Measured against the
 # other pairings (bench/cfg_layout.py, bench/RESULTS.md): as fast or faster; cond+image the slowest.
-THREE_BRANCH_LAYOUT: tuple[tuple[str, ...], tuple[str, ...]] = ((COND,), (UNCOND, IMAGE))
+THREE_BRANCH_SPLIT: tuple[tuple[str, ...], tuple[str, ...]] = ((COND,), (UNCOND, IMAGE))
 
 
-def cfg_layout(guided: tuple[str, ...],
-               three: tuple[tuple[str, ...], ...] = THREE_BRANCH_LAYOUT) -> tuple[tuple[str, ...], ...]:
+def branches_by_rank(guided: tuple[str, ...],
+                     three: tuple[tuple[str, ...], ...] = THREE_BRANCH_SPLIT) -> tuple[tuple[str, ...], ...]:
     """The branches of a guided step spread over 2 CFG ranks: one each, or ``three`` for three."""
     if len(guided) == 2:
         return (guided[:1], guided[1:])
     if sorted(sum(three, ())) != sorted(guided) or COND not in three[0]:
-        raise ConfigError(f"three-branch layout {three} must place {guided} once each, cond on rank 0")
+        raise ConfigError(f"three-branch split {three} must place {guided} once each, cond on rank 0")
     return three
 
 
@@ -143,11 +143,11 @@ class ParallelPipeline(NeoPPPipeline):
             return super().branch(kv, offset, grid)
         return UlyssesBranch(kv, offset, grid, self.config, self.device, self.dtype, self.mesh, self.comm)
 
-    three_branch_layout = THREE_BRANCH_LAYOUT  # a benchmark or test may try another pairing
+    three_branch_split = THREE_BRANCH_SPLIT  # a benchmark or test may try another pairing
 
-    def layout(self, prep: Prepared) -> tuple[tuple[str, ...], ...]:
+    def rank_branches(self, prep: Prepared) -> tuple[tuple[str, ...], ...]:
         """Which branches each CFG rank runs at this request's guided steps."""
-        return cfg_layout(prep.guided, self.three_branch_layout)
+        return branches_by_rank(prep.guided, self.three_branch_split)
 
     def prepare(self, req: GenerationRequest, names: tuple[str, ...] | None = None) -> Prepared:
         """This CFG rank lays out only its own branches (rank 0 always has cond)."""
@@ -156,7 +156,7 @@ class ParallelPipeline(NeoPPPipeline):
         prep = super().prepare(req, names=())
         rank = self.mesh.cfg_rank
         if any(prep.plan.guided_steps):
-            mine = self.layout(prep)[rank]
+            mine = self.rank_branches(prep)[rank]
         else:
             mine = (COND,) if rank == 0 else ()
         prep.branches = {n: self.branch(*req.branch_input(n), prep.grid) for n in mine}
@@ -189,7 +189,7 @@ class ParallelPipeline(NeoPPPipeline):
             with self.comm():
                 dist.broadcast(v, src=self.mesh.global_rank(0, self.mesh.seq_rank), group=self.mesh.cfg_group)
             return v
-        layout = self.layout(prep)
+        layout = self.rank_branches(prep)
         mine = layout[self.mesh.cfg_rank]
         vs = self.branch_velocities(self.embed(x, prep, k), z, prep, k, mine)
         # Equal-sized pieces for all_gather: a rank with fewer branches pads with zeros.

@@ -319,10 +319,10 @@ def rank_request(mode: ModeSpec, req: GenerationRequest, rank: int,
     layout ``three`` (default: the engine's); the offsets all stay, so every rank plans alike."""
     if mode.cfg_p_size < 2:
         return req
-    from .parallel_pipeline import THREE_BRANCH_LAYOUT, cfg_layout
+    from .parallel_pipeline import THREE_BRANCH_SPLIT, branches_by_rank
 
     cfg_rank = rank // mode.seq_p_size
-    mine = cfg_layout(guided_branches(req.sampling, req.image_editing), three or THREE_BRANCH_LAYOUT)[cfg_rank]
+    mine = branches_by_rank(guided_branches(req.sampling, req.image_editing), three or THREE_BRANCH_SPLIT)[cfg_rank]
     if cfg_rank == 0:
         mine = (COND, *mine)  # unguided steps run cond on CFG rank 0
     return replace(req, **{f"{name}_kv": getattr(req, f"{name}_kv") if name in mine else None

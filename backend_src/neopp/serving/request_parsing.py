@@ -83,6 +83,7 @@ class ParsedRequest:
     task: str | None = None
     resize: tuple[int, int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams.replace overrides
+    sampling_values: SamplingParams = field(default_factory=SamplingParams)  # the defaults with them, checked
 
     @property
     def uses_instance_stream(self) -> bool:
@@ -193,8 +194,11 @@ def _check_request_bytes(inputs: Mapping[str, Any], limits: Limits) -> None:
                          f"over the limit max_request_bytes={limits.max_request_bytes}")
 
 
-def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
+def parse_request(inputs: Mapping[str, Any], limits: Limits, defaults: SamplingParams | None = None) -> ParsedRequest:
     """Type and shape checks of every contract input, plus the rules the core does not know.
+
+    ``defaults``: the model's sampling values, which the request's overrides replace (checked
+    once, here, under the inputs' names).
 
     ``inputs`` maps input names to numpy arrays (torch tensors for BF16 KV); absent optional
     inputs are simply missing. The checks that need the checkpoint (KV geometry, NaN, size,
@@ -220,7 +224,7 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits) -> ParsedRequest:
     _parse_randomness(inputs, req)
     if inputs.get("TASK") is not None:
         req.task = _choice("TASK", inputs["TASK"], TASKS, "task")
-    _parse_sampling(inputs, req, limits)
+    _parse_sampling(inputs, req, limits, defaults or SamplingParams())
     return req
 
 
@@ -272,7 +276,7 @@ def check_noise(noise: np.ndarray, size: tuple[int, int]) -> None:
                          f"(SIZE, or the model's default size), got {list(noise.shape)}")
 
 
-def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limits) -> None:
+def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limits, defaults: SamplingParams) -> None:
     """Sampling overrides, keyed by SamplingParams field; the mode keeps what is absent.
 
     Types are checked here; the values' rules are SamplingParams' and the step bound the
@@ -293,7 +297,7 @@ def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limit
         if inputs.get(name) is not None:
             s[key] = _string(name, inputs[name], INPUT_SPECS[name]).lower()
     try:
-        SamplingParams().replace(**s)
+        req.sampling_values = defaults.replace(**s)
     except InputError as exc:
         raise InputError(exc.named(SAMPLING_INPUT_NAMES)) from None
 

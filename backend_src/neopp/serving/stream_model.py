@@ -114,7 +114,8 @@ class NeoPPStreamModel(NeoPPTritonModel):
         try:
             if self._stopping.is_set() or self.engine is None:
                 raise GenerationCancelled("request cancelled before generation started")
-            parsed, options = parse_stream_request(self._inputs(request), self.settings.limits, self.kv_dims)
+            parsed, options = parse_stream_request(self._inputs(request), self.settings.limits, self.kv_dims,
+                                                   self.mode.sampling)
             gen_req, stream = self._ready_request(parsed)
         except Exception as exc:  # noqa: BLE001 - every refusal is answered; the model stays usable
             self._send(sender, self._refuse(exc, start), final=True)
@@ -122,7 +123,7 @@ class NeoPPStreamModel(NeoPPTritonModel):
         if parsed.uses_instance_stream:
             # Streams run concurrently, so the instance stream moves on when a request is accepted
             # (the plain models move it when the image is delivered); no two requests share a draw.
-            self.stream = stream
+            self.noise_stream = stream
         call = _Call(sender, gen_req, options, options.preview_size or default_preview_size(gen_req.height,
                                                                                              gen_req.width),
                      parsed.resize, np.frombuffer(stream.state(), dtype=np.uint8).copy(), start)

@@ -28,6 +28,7 @@ import torch
 
 from ..errors import InputError
 from ..limits import Limits
+from ..modes import SamplingParams
 from .request_parsing import INPUT_SPECS, OUTPUT_SPECS, InputSpec, ParsedRequest, _check_request_bytes, parse_request
 
 STREAM_INPUT_SPECS: dict[str, InputSpec] = {
@@ -124,8 +125,8 @@ def decode_kv_b64(name: str, value: Any, kv_dims: tuple[int, int, int],
     return flat.view(layers, 2, seq, kv_heads, head_dim)
 
 
-def parse_stream_request(inputs: Mapping[str, Any], limits: Limits,
-                         kv_dims: tuple[int, int, int]) -> tuple[ParsedRequest, StreamOptions]:
+def parse_stream_request(inputs: Mapping[str, Any], limits: Limits, kv_dims: tuple[int, int, int],
+                         defaults: SamplingParams | None = None) -> tuple[ParsedRequest, StreamOptions]:
     """The plain parse of the contract inputs (KV from base64 where given), plus the stream options."""
     unknown = sorted(set(inputs) - set(STREAM_INPUT_SPECS))
     if unknown:
@@ -140,7 +141,7 @@ def parse_stream_request(inputs: Mapping[str, Any], limits: Limits,
         plain[kv_name] = decode_kv_b64(b64_name, inputs[b64_name], kv_dims, limits.max_prefix_tokens)
     if plain.get("COND_KV") is None:
         raise InputError("COND_KV: required input is missing (or COND_KV_B64, its base64 form)")
-    parsed = parse_request(plain, limits)
+    parsed = parse_request(plain, limits, defaults)
     options = StreamOptions(
         preview_every=_preview_every(inputs["PREVIEW_EVERY"], limits) if inputs.get("PREVIEW_EVERY") is not None else 0,
         preview_size=_preview_size(inputs["PREVIEW_SIZE"], limits) if inputs.get("PREVIEW_SIZE") is not None else None,

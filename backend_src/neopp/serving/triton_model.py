@@ -130,7 +130,7 @@ class NeoPPTritonModel:
         device, gpus = self._place(model_config, model_dir, args, instance_index)
         self.engine = self._build_engine(device, gpus, instance_index, self._threads(model_config))
         self.kv_dims = self.engine.config.kv_dims
-        self.stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
+        self.noise_stream = NoiseStream()  # the instance's own stream for requests with neither SEED nor RNG_STATE
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
         self._stopping = stop_on_sigterm(self.logger, self.model_name)
         warmed = f" warm-up {self._warm_up():.2f}s" if self.settings.warmup else ""
@@ -188,7 +188,7 @@ class NeoPPTritonModel:
         try:
             if request.is_cancelled() or self._stopping.is_set():
                 raise GenerationCancelled("request cancelled before generation started")
-            parsed = parse_request(self._inputs(request), self.settings.limits)
+            parsed = parse_request(self._inputs(request), self.settings.limits, self.mode.sampling)
             gen_req, stream = self._ready_request(parsed)
             stop = lambda: request.is_cancelled() or self._stopping.is_set()  # noqa: E731
             pixels = self.engine.generate(gen_req, should_stop=stop,
@@ -197,7 +197,7 @@ class NeoPPTritonModel:
         except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
             return self._refuse(exc, start)
         if parsed.uses_instance_stream:
-            self.stream = stream  # the instance stream advances only when an image is delivered
+            self.noise_stream = stream  # the instance stream advances only when an image is delivered
         seconds = time.perf_counter() - start
         self.metrics.success(seconds)
         self.logger.log_info(request_line(self.model_name, self.mode, gen_req,
@@ -252,13 +252,13 @@ class NeoPPTritonModel:
 
     def _generation_request(self, parsed: ParsedRequest) -> tuple[GenerationRequest, NoiseStream]:
         """Sampling values and the stream of one request (the instance stream on a copy)."""
-        sampling = self.mode.sampling.replace(**parsed.sampling)
+        sampling = parsed.sampling_values
         if parsed.seed is not None:
             stream = NoiseStream(parsed.seed)
         elif parsed.rng_state is not None:
             stream = NoiseStream.from_state(parsed.rng_state)
         else:
-            stream = NoiseStream.from_state(self.stream.state())
+            stream = NoiseStream.from_state(self.noise_stream.state())
         height, width = parsed.size or self.mode.default_size
         return GenerationRequest(
             cond_kv=parsed.cond_kv, index_offset_cond=parsed.index_offset_cond, height=height, width=width,

@@ -1,7 +1,7 @@
 """What both replay tools share: flags, the runner (one process or a torchrun mesh), turns.
 
 Replay means regenerating images offline from KV prefixes saved by LightLLM (or by the
-server's clients), with the same code that serves requests: `NeoPPRunner` over a
+server's clients), with the same code that serves requests: `InProcessRunner` over a
 `NeoPPPipeline`, or over a `ParallelPipeline` rank when the mode file has parallel sizes.
 A parallel mode must be started as `torchrun --standalone --nproc_per_node=N` with N the
 product of its parallel sizes; any other count is refused.
@@ -23,7 +23,7 @@ from ..model.kv_cache import load_kv_file
 from ..modes import CFG_NORMS, TASKS, ModeSpec, load_mode
 from ..request import GenerationRequest
 from ..request_log import request_line
-from ..runner import NeoPPRunner
+from ..runner import InProcessRunner
 from ..sampling.rng import NoiseStream
 
 FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
@@ -106,12 +106,12 @@ class Replayer:
         pipeline = None
         if self.mode.world_size > 1:
             pipeline = self._parallel_pipeline(args.checkpoint, device, dtype)
-        self.runner = NeoPPRunner(args.checkpoint, self.mode, device=device, dtype=dtype,
+        self.runner = InProcessRunner(args.checkpoint, self.mode, device=device, dtype=dtype,
                                   default_task=args.task, pipeline=pipeline)
         self.overrides = overrides(args)  # applied on every turn (the runner resets them per call)
         self.runner.set_inference_params(0, **self.overrides)  # checks the flags before any turn
         if args.state_in is not None:
-            self.runner.stream = NoiseStream.from_state(args.state_in.read_bytes())
+            self.runner.noise_stream = NoiseStream.from_state(args.state_in.read_bytes())
         self.seeded = args.state_in is not None  # is there a stream to continue yet?
         self.size = tuple(args.size) if args.size else self.runner.default_size
         self.task, self.layout = args.task, None if args.kv_layout == "auto" else args.kv_layout
@@ -166,7 +166,7 @@ class Replayer:
 
     def save_state(self, path: Path | None) -> None:
         if path is not None and self.is_writer:
-            path.write_bytes(self.runner.stream.state())
+            path.write_bytes(self.runner.noise_stream.state())
 
     def close(self) -> None:
         self.runner.pipeline.close()
