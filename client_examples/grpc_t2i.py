@@ -4,11 +4,11 @@ line on stderr (status and message) and exit code 1."""
 from __future__ import annotations
 
 import tritonclient.grpc as grpcclient
-from t2i_common import build_parser, requested_outputs, run_client, save_result, triton_inputs
+from t2i_common import GRPC_URL, build_parser, requested_outputs, run_client, save_result, triton_inputs
 
 
 def main() -> None:
-    args = build_parser(__doc__, "localhost:8001", "grpc_t2i.py").parse_args()
+    args = build_parser(__doc__, GRPC_URL, "grpc_t2i.py").parse_args()
     client = grpcclient.InferenceServerClient(args.url)
     result = client.infer(args.model, triton_inputs(grpcclient, args), outputs=requested_outputs(grpcclient),
                           client_timeout=args.timeout)

@@ -5,11 +5,11 @@ line on stderr (status and message) and exit code 1."""
 from __future__ import annotations
 
 import tritonclient.http as httpclient
-from t2i_common import build_parser, requested_outputs, run_client, save_result, triton_inputs
+from t2i_common import HTTP_URL, build_parser, requested_outputs, run_client, save_result, triton_inputs
 
 
 def main() -> None:
-    args = build_parser(__doc__, "localhost:8000", "http_t2i.py").parse_args()
+    args = build_parser(__doc__, HTTP_URL, "http_t2i.py").parse_args()
     client = httpclient.InferenceServerClient(args.url, network_timeout=args.timeout,
                                               connection_timeout=args.timeout)
     inputs = triton_inputs(httpclient, args, binary_data=True)

@@ -296,7 +296,7 @@ def _tensor(name: str, arr: np.ndarray) -> grpcclient.InferInput:
 def main(argv: Sequence[str] | None = None) -> int:
     """Three turns (seed, then continued) from KV files, as LightLLM would drive them."""
     parser = argparse.ArgumentParser(description=DEMO, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="localhost:8001")
+    parser.add_argument("--url", default=os.environ.get("NEOPP_GRPC_URL", "localhost:8001"))
     parser.add_argument("--stateless", action="store_true", help="call a generation model directly")
     parser.add_argument("--model", help="neopp_session (default) or, with --stateless, a generation model")
     parser.add_argument("--cond-kv", required=True, help="replay-layout KV file (.pt/.safetensors)")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 from stream_grpc import stream_to_image
-from t2i_common import infer_inputs, run_client
+from t2i_common import GRPC_URL, infer_inputs, run_client
 
 EXAMPLE = ("example (after `make serve`, from the repository root):\n"
            "  python client_examples/prompt_t2i.py --url localhost:8001 \\\n"
@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("prompt", help="the text the image should show")
     p.add_argument("--negative", help="NEGATIVE_PROMPT (default: none, the unconditional branch)")
-    p.add_argument("--url", default="localhost:8001", help="server gRPC address (default localhost:8001)")
+    p.add_argument("--url", default=GRPC_URL, help=f"server gRPC address (default {GRPC_URL})")
     p.add_argument("--model", help="generation model behind neopp_t2i (default: the server's, neopp_dense)")
     p.add_argument("--size", type=int, nargs=2, metavar=("H", "W"),
                    help="multiples of 32 (default: the model's own, its checkpoint's: 256x256 for the demo)")

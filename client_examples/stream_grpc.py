@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import tritonclient.grpc as grpcclient
 from stream_common import save_preview, show_progress, stream_parser
-from t2i_common import request_inputs, run_client, save_result
+from t2i_common import GRPC_URL, request_inputs, run_client, save_result
 from tritonclient.utils import InferenceServerException
 
 
@@ -58,7 +58,7 @@ def stream_to_image(client: grpcclient.InferenceServerClient, model: str, inputs
 
 
 def main() -> None:
-    args = stream_parser(__doc__, "localhost:8001", "stream_grpc.py").parse_args()
+    args = stream_parser(__doc__, GRPC_URL, "stream_grpc.py").parse_args()
     client = grpcclient.InferenceServerClient(args.url)
     try:
         result = stream_to_image(client, args.model, stream_inputs(args), args.timeout,

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from stream_common import save_preview, show_progress, stream_parser
-from t2i_common import request_inputs, run_client, save_result
+from t2i_common import HTTP_URL, request_inputs, run_client, save_result
 from tritonclient.utils import InferenceServerException
 
 
@@ -75,7 +75,7 @@ def _error_text(body: bytes) -> str:
 
 
 def main() -> None:
-    args = stream_parser(__doc__, "localhost:8000", "stream_http.py").parse_args()
+    args = stream_parser(__doc__, HTTP_URL, "stream_http.py").parse_args()
     for event in events(args, json_body(args)):
         show_progress(event["STEP"], event["TOTAL_STEPS"])
         if "IMAGE" in event:  # the last step's event carries the image

@@ -7,6 +7,7 @@ transport is passed in and only the client itself differs between the two exampl
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +18,10 @@ import numpy as np
 from tritonclient.utils import InferenceServerException
 
 from neopp.model.kv_cache import load_kv_file
+
+# The server the examples call when --url is not given (make serve's ports, or the environment's).
+GRPC_URL = os.environ.get("NEOPP_GRPC_URL", "localhost:8001")
+HTTP_URL = os.environ.get("NEOPP_HTTP_URL", "localhost:8000")
 
 
 def example(script: str, url: str, extra: str = "") -> str:
