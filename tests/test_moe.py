@@ -154,3 +154,55 @@ def test_moe_dispatch_agrees_with_dense_loop_in_bf16():
     got = bf(x.bfloat16()).float()
     assert ((got - want).norm() / want.norm()).item() < 0.02
     assert F.cosine_similarity(got.flatten(), want.flatten(), dim=0) > 0.999
+
+
+def copy_moe(moe: MoE, dispatch: str) -> MoE:
+    experts = [SwiGLU(*(Linear(lin.weight.clone()) for lin in e.linears())) for e in moe.experts]
+    return MoE(Linear(moe.router.weight), experts, moe.top_k, moe.norm_topk_prob, dispatch=dispatch)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+@pytest.mark.parametrize("top_k,n_tokens,starve", [(2, 9, None), (1, 5, 3), (3, 1, None), (E, 300, None),
+                                                    (2, 200, 0)])
+def test_grouped_dispatch_equals_the_loop(norm_topk_prob, top_k, n_tokens, starve):
+    """One grouped product per projection over the tokens sorted by expert (no count reaches the
+    host) gives the loop's result, experts without a token included."""
+    loop = make_moe(top_k, norm_topk_prob, seed=5, starve=starve)
+    grouped = copy_moe(loop, "grouped")
+    assert loop.grouped is None and grouped.grouped is not None
+    x = tokens(n_tokens, seed=2)
+    torch.testing.assert_close(grouped(x), loop(x), rtol=1e-6, atol=1e-6)
+    want, _ = per_token_reference(loop, x)
+    torch.testing.assert_close(grouped(x).double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_experts_hold_their_weights_once_and_fp8_experts_keep_the_loop():
+    moe = copy_moe(make_moe(2, True), "grouped")
+    for stack, name in zip(moe.grouped.stacks, ("gate", "up", "down")):
+        for j, e in enumerate(moe.experts):
+            assert getattr(e, name).weight.data_ptr() == stack[j].data_ptr()
+
+    class Scaled(Linear):  # any linear of another kind (FP8 experts) is run by the loop
+        pass
+
+    odd = make_moe(2, True)
+    odd.experts[0].gate = Scaled(odd.experts[0].gate.weight)
+    assert MoE(odd.router, odd.experts, 2, True, dispatch="grouped").grouped is None
+    with pytest.raises(ValueError, match="NEOPP_MOE_DISPATCH"):
+        MoE(odd.router, odd.experts, 2, True, dispatch="fast")
+
+
+def test_a_moe_tower_draws_the_same_image_grouped(moe_ckpts, monkeypatch):
+    import neopp.model.layers as layers
+
+    images = {}
+    for dispatch in ("loop", "grouped"):
+        monkeypatch.setattr(layers, "MOE_DISPATCH", dispatch)
+        pipe = NeoPPPipeline.from_pretrained(moe_ckpts[True], ModeSpec(version="moe"), "cpu", torch.float32)
+        assert (pipe.transformer.layers[0].mlp.grouped is None) == (dispatch == "loop")
+        cfg = tiny_config("moe")
+        req = GenerationRequest(cond_kv=random_kv(cfg, 7, 1), uncond_kv=random_kv(cfg, 3, 2), index_offset_cond=7,
+                                index_offset_uncond=3, height=64, width=64, noise=NoiseStream(4).draw(64, 64),
+                                sampling=SamplingParams(infer_steps=3))
+        images[dispatch] = pipe.sample(req)
+    torch.testing.assert_close(images["grouped"], images["loop"], rtol=1e-5, atol=1e-5)

@@ -82,11 +82,57 @@ class SwiGLU:
         return [self.gate, self.up, self.down]
 
 
-class MoE:
-    """Top-k routed SwiGLU experts; tokens are grouped so each expert runs one matmul."""
+# How the experts run: "loop" (one product per expert, the CPU default: its products are
+# batch-invariant row tiles, so step-batched requests equal solo ones), "grouped" (one grouped
+# product per projection over all experts, no host sync: the CUDA default), or "auto".
+MOE_DISPATCH = os.environ.get("NEOPP_MOE_DISPATCH", "auto")
 
-    def __init__(self, router: Linear, experts: list[SwiGLU], top_k: int, norm_topk_prob: bool) -> None:
+
+class GroupedExperts:
+    """The experts' projections stacked [experts, out, in], run as one grouped product each
+    (``torch._grouped_mm``) over the tokens sorted by expert. The experts' own linears become
+    views into the stacks, so the weights are held once."""
+
+    def __init__(self, experts: list[SwiGLU]) -> None:
+        self.stacks = []
+        for name in ("gate", "up", "down"):
+            stack = torch.stack([getattr(e, name).weight for e in experts])
+            for e, weight in zip(experts, stack):
+                getattr(e, name).weight = weight
+            self.stacks.append(stack)
+
+    @staticmethod
+    def fits(experts: list[SwiGLU]) -> bool:
+        """Plain unbiased linears of one shape set, dtype and device, rows 16-byte aligned (what the
+        grouped product needs); anything else (FP8 experts) keeps the loop."""
+        first = experts[0].linears()
+        w = first[0].weight
+        return all(type(lin) is Linear and lin.bias is None and lin.weight.dtype == w.dtype
+                   and lin.weight.device == w.device and lin.weight.shape == ref.weight.shape
+                   for e in experts for lin, ref in zip(e.linears(), first)) \
+            and w.dtype in (torch.float32, torch.bfloat16) \
+            and all(side * w.element_size() % 16 == 0 for lin in first for side in lin.weight.shape)
+
+    def __call__(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """``x_sorted`` [tokens x top-k, in] grouped by expert; ``offsets``: each group's end."""
+        gate, up, down = (s.transpose(-2, -1) for s in self.stacks)
+        hidden = F.silu(torch._grouped_mm(x_sorted, gate, offs=offsets)) * torch._grouped_mm(x_sorted, up, offs=offsets)
+        return torch._grouped_mm(hidden, down, offs=offsets)
+
+
+class MoE:
+    """Top-k routed SwiGLU experts; tokens are grouped so each expert runs one matmul (or all of
+    them one grouped product: ``MOE_DISPATCH``)."""
+
+    def __init__(self, router: Linear, experts: list[SwiGLU], top_k: int, norm_topk_prob: bool,
+                 dispatch: str | None = None) -> None:
         self.router, self.experts, self.top_k, self.norm_topk_prob = router, experts, top_k, norm_topk_prob
+        dispatch = dispatch or MOE_DISPATCH
+        if dispatch not in ("auto", "loop", "grouped"):
+            raise ValueError(f"NEOPP_MOE_DISPATCH: auto, loop or grouped, got {dispatch!r}")
+        cuda = experts[0].gate.weight.is_cuda
+        wanted = dispatch == "grouped" or (dispatch == "auto" and cuda)
+        self.grouped = GroupedExperts(experts) if wanted and GroupedExperts.fits(experts) else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k] float32, expert ids [N, k])."""
@@ -100,10 +146,14 @@ class MoE:
         weights, ids = self.route(x)
         flat_ids = ids.reshape(-1)
         order = flat_ids.argsort(stable=True)
-        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
         token_of = order // self.top_k
         slot_weight = weights.reshape(-1)[order]
         out = torch.zeros_like(x)
+        if self.grouped is not None:  # on the device throughout: no count reaches the host
+            ends = torch.bincount(flat_ids, minlength=len(self.experts)).cumsum(0).to(torch.int32)
+            y = self.grouped(x[token_of], ends) * slot_weight[:, None].to(x.dtype)
+            return out.index_add_(0, token_of, y)
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
         start = 0
         for expert, count in zip(self.experts, counts):
             if count:
