@@ -263,6 +263,7 @@ def test_partial_images_come_before_the_same_final_bytes(served: Served, openai_
                                              partial_images=2, extra_body=extra))
         assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
         assert [e.partial_image_index for e in events[:2]] == [0, 1]
+        assert {e.size for e in events} == {size}  # as the non-streamed answer says it
         assert base64.b64decode(events[-1].b64_json) == base64.b64decode(plain.data[0].b64_json)
         assert Image.open(io.BytesIO(base64.b64decode(events[0].b64_json))).size == \
             Image.open(io.BytesIO(base64.b64decode(plain.data[0].b64_json))).size

@@ -109,8 +109,8 @@ class ImagesRoutes:
         if not isinstance(first, dict):
             call.cancel()
             raise first or oa.OpenAIError(500, f"{twin} answered nothing", kind="server_error")
-        return StreamingResponse(self._preview_events(call, req, f"{size[1]}x{size[0]}", first),
-                                 media_type="text/event-stream")
+        size_text = req.size_text if size is None else f"{size[1]}x{size[0]}"
+        return StreamingResponse(self._preview_events(call, req, size_text, first), media_type="text/event-stream")
 
     async def _preview_events(self, call, req: oa.ImagesRequest, size: str, first: dict) -> AsyncIterator[bytes]:
         event, sent = first, 0
