@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 TINY_DIR ?= build/tiny
+# The checkout this Makefile belongs to (through symlinks): the editable install always points here.
+REPO_DIR := $(realpath $(dir $(realpath $(firstword $(MAKEFILE_LIST)))))
 
 .PHONY: setup test lint bench tiny clean contract-configs
 
@@ -15,7 +17,7 @@ $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON_BOOTSTRAP) -m venv $(VENV)
 	$(PIP) install -qq --upgrade pip
 	$(PIP) install -qq -r requirements.txt
-	$(PIP) install -qq --no-deps -e .
+	$(PIP) install -qq --no-deps -e $(REPO_DIR)
 	touch $(STAMP)
 
 tiny: setup
