@@ -124,7 +124,7 @@ class SplicedInfer:
                                              response_deserializer=service_pb2.ModelInferResponse.FromString)
 
     def infer(self, model: str, inputs: list[grpcclient.InferInput], kv: list[torch.Tensor], sequence_id: int,
-              sequence_start: bool, timeout_s: float) -> grpcclient.InferResult:
+              sequence_start: bool, timeout_s: float, headers: dict[str, str] | None = None) -> grpcclient.InferResult:
         kv_inputs, others = inputs[:len(kv)], inputs[len(kv):]
         request = _get_inference_request(model, others + kv_inputs, "", "", None, sequence_id, sequence_start,
                                          False, 0, None, None)
@@ -133,7 +133,8 @@ class SplicedInfer:
             raw = memoryview(t.view(torch.int16).numpy()).cast("B")
             parts += [_varint(self.FIELD << 3 | 2) + _varint(raw.nbytes), raw]
         try:
-            return grpcclient.InferResult(self.call(b"".join(parts), timeout=timeout_s))
+            return grpcclient.InferResult(self.call(b"".join(parts), timeout=timeout_s,
+                                                    metadata=list((headers or {}).items())))
         except grpc.RpcError as exc:
             raise InferenceServerException(msg=exc.details(), status=str(exc.code())) from None
 

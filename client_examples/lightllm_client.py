@@ -14,6 +14,12 @@ This class offers the same calls against the Triton server, in one of two ways:
   model. The client keeps the stream itself (the last ``NEXT_RNG_STATE``, sent back as
   ``RNG_STATE``), so any server replica can take any turn.
 
+Behind a load balancer with several replicas, every session request carries the header
+``neopp-session: <sequence_id>``, which the balancer hashes so that all turns of a chat reach the
+replica holding it (docs/scale-out.md). When that replica is gone (its turn fails UNAVAILABLE, or
+reaches a replica that does not hold the session: NOT_FOUND), the client says so once and
+continues the chat statelessly from the last ``NEXT_RNG_STATE``: the same images, byte for byte.
+
 KV tensors (tens of MB) go through system shared memory when the server is on this host
 (a loopback URL; ``shared_memory=True/False`` forces a choice), over the wire otherwise,
 as raw bf16 bytes spliced into the serialized request (one copy of the KV on the client, where
@@ -56,6 +62,8 @@ example (after `make serve`, from the repository root):
     --offsets 11 1 --size 256 256 --admin-key-file build/admin.key
 """
 START_FLAG_MISSING = "must specify the START flag"  # Triton: the sequence has no slot (any more)
+ROUTE_HEADER = "neopp-session"  # what a load balancer hashes: a chat's turns go to one replica
+QUEUE_FULL = "Exceeds maximum queue size"  # UNAVAILABLE from a live replica that is busy: not a lost session
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
 SAMPLING_INPUTS = {"cfg_scale": ("CFG_SCALE", np.float32), "timestep_shift": ("TIMESTEP_SHIFT", np.float32),
                    "infer_steps": ("STEPS", np.int64), "cfg_interval": ("CFG_INTERVAL", np.float32),
@@ -173,7 +181,7 @@ class NeoPPTritonClient:
         if self.stateless or not self.started:
             return
         self.client.infer(self.model, self._token(), sequence_id=self.sequence_id, sequence_end=True,
-                          client_timeout=self.timeout_s)
+                          client_timeout=self.timeout_s, headers={ROUTE_HEADER: str(self.sequence_id)})
         self.started, self.session_token = False, None
 
     def new_session(self, sequence_id: int | None = None) -> None:
@@ -199,7 +207,21 @@ class NeoPPTritonClient:
 
     # ------------------------------------------------------------------ internals
 
-    def _generate_session(self, inputs: list[grpcclient.InferInput], seed: int | None) -> bytes:
+    def _generate_session(self, base: list[grpcclient.InferInput], seed: int | None) -> bytes:
+        try:
+            return self._session_turn(list(base), seed)
+        except InferenceServerException as exc:
+            if not (self.started and self.rng_state is not None and session_lost(exc)):
+                raise
+            print(f"neopp client: session {self.sequence_id} is gone ({exc.status()}: {exc.message()[:160]}); "
+                  "continuing its stream statelessly", file=sys.stderr)
+        # The chat's stream is the last NEXT_RNG_STATE this client received: continuing it through a
+        # generation model gives the images the session would have given.
+        self.stateless, self.started, self.session_token = True, False, None
+        self.model = self.generation_model or "neopp_dense"
+        return self._generate_stateless(base, seed)
+
+    def _session_turn(self, inputs: list[grpcclient.InferInput], seed: int | None) -> bytes:
         if seed is not None:
             inputs.append(_tensor("SEED", np.array([seed], np.int64)))
         if self.generation_model:
@@ -243,12 +265,13 @@ class NeoPPTritonClient:
 
     def _infer(self, inputs: list[grpcclient.InferInput], sequence_id: int = 0,
                sequence_start: bool = False) -> grpcclient.InferResult:
+        headers = {ROUTE_HEADER: str(sequence_id)} if sequence_id else None
         if not self._spliced():
             return self.client.infer(self.model, inputs, sequence_id=sequence_id, sequence_start=sequence_start,
-                                     client_timeout=self.timeout_s)
+                                     client_timeout=self.timeout_s, headers=headers)
         if self._wire is None:
             self._wire = SplicedInfer(self.url)
-        return self._wire.infer(self.model, inputs, self._kv, sequence_id, sequence_start, self.timeout_s)
+        return self._wire.infer(self.model, inputs, self._kv, sequence_id, sequence_start, self.timeout_s, headers)
 
     def _inputs(self, size: Sequence[int] | None) -> list[grpcclient.InferInput]:
         p = self._params
@@ -291,6 +314,13 @@ def _tensor(name: str, arr: np.ndarray) -> grpcclient.InferInput:
     tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
     tensor.set_data_from_numpy(arr)
     return tensor
+
+
+def session_lost(exc: InferenceServerException) -> bool:
+    """The replica that held the session is gone: the turn failed UNAVAILABLE (not a full queue), or
+    reached a replica that does not hold it (NOT_FOUND)."""
+    status = str(exc.status() or "")
+    return status.endswith("NOT_FOUND") or (status.endswith("UNAVAILABLE") and QUEUE_FULL not in exc.message())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

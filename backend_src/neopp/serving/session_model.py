@@ -58,7 +58,7 @@ from ..limits import text_value
 from ..procs import own_server_grpc_url
 from .error_status import status_of_message
 from .parameters import model_allowlist, read_parameters
-from .sessions import TOKEN_INPUT, SequenceSlots, SessionTable, TurnPlan, UnknownSession, authorize
+from .sessions import CONTINUE_ELSEWHERE, TOKEN_INPUT, SequenceSlots, SessionTable, TurnPlan, UnknownSession, authorize
 from .stop_watch import StopWatch, server_exiting
 
 SESSION_PARAMETERS = {
@@ -257,7 +257,7 @@ class SessionTritonModel:
                 raise ConfigError(f"control inputs {missing} missing: config.pbtxt must declare START, END, CORRID")
             start, asked_end = bool(_scalar(inputs["START"])), bool(_scalar(inputs["END"]))
             session_id = int(_scalar(inputs["CORRID"]))
-            self._authorize(session_id, inputs)  # before anything changes: a refused turn changes nothing
+            self._authorize(session_id, inputs, generates="COND_KV" in inputs)  # a refused turn changes nothing
             end = asked_end
             self.slots.seen(session_id, end)
             seed = int(_scalar(inputs["SEED"])) if "SEED" in inputs else None
@@ -304,12 +304,19 @@ class SessionTritonModel:
             pb.Tensor(TOKEN_INPUT, np.array([session.token.encode()], dtype=np.object_)),
         ])
 
-    def _authorize(self, session_id: int, inputs: dict[str, Any]) -> None:
-        """A live session's turns (later, closing, restarting) need its token; a new id needs none."""
+    def _authorize(self, session_id: int, inputs: dict[str, Any], generates: bool) -> None:
+        """A live session's turns (later, closing, restarting) need its token; a new id needs none.
+
+        A turn that carries a token but finds no session here (it ended, expired, or lives on a
+        replica that is gone) is refused rather than started afresh: a new stream would give other
+        images without a word. Closing one is harmless and answered as a close."""
         session = self.table.held(session_id)
+        token = _text(TOKEN_INPUT, inputs[TOKEN_INPUT]) if TOKEN_INPUT in inputs else None
         if session is not None:
-            token = _text(TOKEN_INPUT, inputs[TOKEN_INPUT]) if TOKEN_INPUT in inputs else None
             authorize(session, token, self._internal_token)
+        elif token is not None and generates and token != self._internal_token:
+            raise UnknownSession(f"sequence_id {session_id}: unknown session ({self.table.why_gone(session_id)}): "
+                                 f"its SESSION_TOKEN names a session this server does not hold; {CONTINUE_ELSEWHERE}")
 
     def _closed(self, session_id: Any, how: str) -> Any:
         """Answer of a request that only closes a session: no image (empty IMAGE, TURN -1)."""

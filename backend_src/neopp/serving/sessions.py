@@ -34,6 +34,12 @@ SessionId = Hashable
 REMEMBERED_DROPPED = 4096  # ids of dropped sessions kept (id and reason only) to explain a refusal
 
 
+# What a client whose session is gone can do: the stream it had is its last NEXT_RNG_STATE.
+CONTINUE_ELSEWHERE = ("to continue the chat's stream exactly, send the last NEXT_RNG_STATE as RNG_STATE to a "
+                      "generation model (stateless turns); or start a new session with sequence_start=True and "
+                      "no SESSION_TOKEN")
+
+
 class UnknownSession(InputError):
     """A turn of a session the table does not hold (never started, ended, expired, evicted)."""
 
@@ -131,15 +137,17 @@ class SessionTable:
         self.expire()
         return self._sessions.get(session_id)
 
+    def why_gone(self, session_id: SessionId) -> str:
+        return self._dropped.get(session_id, "never started here, already ended, or held by another replica")
+
     def get(self, session_id: SessionId) -> Session:
         """The session of a later turn, or UnknownSession saying why it is not there."""
         now = self._clock()
         self.expire(now)
         session = self._sessions.get(session_id)
         if session is None:
-            why = self._dropped.get(session_id, "never started or already ended")
-            raise UnknownSession(f"sequence_id {session_id}: unknown session ({why}); "
-                                 "start a new session with sequence_start=True")
+            raise UnknownSession(f"sequence_id {session_id}: unknown session ({self.why_gone(session_id)}); "
+                                 f"{CONTINUE_ELSEWHERE}")
         self._sessions.move_to_end(session_id)
         session.last_used = now
         return session
