@@ -9,7 +9,7 @@ TINY_DIR ?= build/tiny
 # The checkout this Makefile belongs to (through symlinks): the editable install always points here.
 REPO_DIR := $(realpath $(dir $(realpath $(firstword $(MAKEFILE_LIST)))))
 
-.PHONY: setup test lint bench tiny clean contract-configs
+.PHONY: setup test lint bench tiny clean contract-configs router-config serve-replicas
 
 setup: $(STAMP)
 
@@ -37,6 +37,16 @@ test: lint
 # a file differs from them).
 contract-configs: setup
 	$(PY) -m testing.contract_configs
+
+# The cluster router's configuration (deploy/kubernetes/base/router/haproxy.cfg), written from
+# deploy/router.py's rules (a test fails when the file differs).
+router-config: setup
+	$(PY) -m deploy.router --kubernetes > deploy/kubernetes/base/router/haproxy.cfg
+
+# N replicas of the demo server behind HAProxy (Debian's, `make deps`) on HTTP_PORT/GRPC_PORT.
+N ?= 2
+serve-replicas: setup
+	$(PY) -m deploy.replicas --replicas $(N) --http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT)
 
 bench: setup
 	$(PY) -m bench.report --out bench
@@ -112,7 +122,7 @@ bench-serve: setup
 # chromium and its driver for the playground's browser test.
 .PHONY: deps
 deps:
-	apt-get update -qq && apt-get install -y -qq libb64-0d chromium chromium-driver
+	apt-get update -qq && apt-get install -y -qq libb64-0d chromium chromium-driver haproxy
 
 # ---- GPU check (needs a CUDA device): the CUDA tests (GPU against CPU, FP8 kernel, step batching),
 # every mode the GPU count allows on the 8B geometry (1024px, 50 steps), then continuous batching

@@ -1,0 +1,93 @@
+"""The load balancer in front of the replicas: HAProxy, one set of routing rules for every place.
+
+    python -m deploy.router --kubernetes > deploy/kubernetes/base/router/haproxy.cfg   (make router-config)
+
+The same rules serve `make serve-replicas` (servers listed by address) and the cluster (servers
+found through the replicas' headless Service); a test checks the committed cluster file against
+this rendering. The rules:
+
+* gRPC (HTTP/2, Triton's port 8001) and HTTP (the door, 8000) are balanced on the header
+  ``neopp-session`` (a chat's Triton sequence id, sent by the LightLLM client on every session
+  request) with a consistent hash: every turn of a chat reaches the replica that holds its session,
+  and a replica that goes away moves only its own chats. Requests without the header (stateless
+  turns, plain generations) go round-robin.
+* A replica is in the pool while its door answers ``GET /v2/health/ready`` (Triton's strict
+  readiness: every model it loaded is ready), checked every 500 ms; two misses take it out, so new
+  requests reach the others within about a second of a crash. A request whose connection to a
+  replica fails before it was sent is sent to another one (``retry-on conn-failure``); one that
+  was already running there fails (gRPC UNAVAILABLE / HTTP 502): it is never sent twice.
+* Timeouts are longer than the longest image (15 minutes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ROUTE_HEADER = "neopp-session"
+CHECK = "GET /v2/health/ready"
+REPLICAS_SERVICE = "neopp-replicas"  # the headless Service of the replica pods
+MAX_REPLICAS = 16  # server slots the cluster router fills from DNS
+
+
+@dataclass(frozen=True)
+class Replica:
+    """One replica's address: its gRPC port and its door's HTTP port (which the health check reads)."""
+
+    host: str
+    grpc_port: int
+    http_port: int
+
+
+def _global(stats_port: int | None) -> list[str]:
+    lines = ["global", "    log stdout format raw local0 info", "    maxconn 4096", "",
+             "defaults", "    mode http", "    log global", "    option httplog", "    timeout connect 2s",
+             "    timeout client 15m", "    timeout server 15m", "    timeout http-request 60s",
+             "    timeout check 2s", "    option redispatch", "    retries 2", "    retry-on conn-failure",
+             f"    balance hdr({ROUTE_HEADER})", "    hash-type consistent", f"    option httpchk {CHECK}",
+             "    http-check expect status 200", "    default-server inter 500ms fall 2 rise 2", ""]
+    if stats_port is not None:
+        lines += ["frontend stats", f"    bind :{stats_port}", "    http-request use-service prometheus-exporter "
+                  "if { path /metrics }", "    stats enable", "    stats uri /stats", ""]
+    return lines
+
+
+def _frontends(bind: str, grpc_port: int, http_port: int) -> list[str]:
+    return ["frontend grpc", f"    bind {bind}:{grpc_port} proto h2", "    default_backend grpc_replicas", "",
+            "frontend http", f"    bind {bind}:{http_port}", "    default_backend http_replicas", ""]
+
+
+def render_local(replicas: Sequence[Replica], bind: str, grpc_port: int, http_port: int,
+                 stats_port: int | None = None) -> str:
+    """The router of `make serve-replicas`: each replica listed by address."""
+    grpc = [f"    server r{i} {r.host}:{r.grpc_port} proto h2 check port {r.http_port} check-proto h1"
+            for i, r in enumerate(replicas)]
+    http = [f"    server r{i} {r.host}:{r.http_port} check" for i, r in enumerate(replicas)]
+    lines = [*_global(stats_port), *_frontends(bind, grpc_port, http_port),
+             "backend grpc_replicas", *grpc, "", "backend http_replicas", *http, ""]
+    return "\n".join(lines)
+
+
+def render_kubernetes() -> str:
+    """The cluster's router: up to MAX_REPLICAS replicas, found through the headless Service."""
+    slots = f"server-template r {MAX_REPLICAS} {REPLICAS_SERVICE}"
+    options = "resolvers kube init-addr none"
+    lines = [*_global(8404), "resolvers kube", "    parse-resolv-conf", "    hold valid 5s", "",
+             *_frontends("", 8001, 8000),
+             "backend grpc_replicas", f"    {slots}:8001 proto h2 check port 8000 check-proto h1 {options}", "",
+             "backend http_replicas", f"    {slots}:8000 check {options}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kubernetes", action="store_true", help="the cluster's configuration (the default)")
+    parser.parse_args(argv)
+    sys.stdout.write(render_kubernetes())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
