@@ -121,7 +121,7 @@ def open_chats(rs: ReplicaSet, count: int) -> list[tuple[NeoPPTritonClient, int,
     kv = [load_kv_file(KV / f"{b}_kv.pt") for b in ("cond", "uncond")]
     chats = []
     for i in range(count):
-        client = NeoPPTritonClient(rs.grpc_url, sequence_id=7000 + i, shared_memory=False)
+        client = NeoPPTritonClient(rs.url("grpc"), sequence_id=7000 + i, shared_memory=False)
         client.set_kvcache(*kv)
         client.set_inference_params(11, 1, infer_steps=STEPS, output_format="png")
         seed = 300 + i
@@ -131,7 +131,7 @@ def open_chats(rs: ReplicaSet, count: int) -> list[tuple[NeoPPTritonClient, int,
 
 
 def load(rs: ReplicaSet, stop: threading.Event, crashed_at: list[float], out: list[Outcome]) -> None:
-    client = grpcclient.InferenceServerClient(rs.grpc_url)
+    client = grpcclient.InferenceServerClient(rs.url("grpc"))
     while not stop.is_set():
         start = time.monotonic()
         error = None

@@ -68,13 +68,9 @@ class ReplicaSet:
     running: list[Running] = field(default_factory=list)
     router: subprocess.Popen | None = None
 
-    @property
-    def grpc_url(self) -> str:
-        return f"{LOOPBACK}:{self.grpc_port}"
-
-    @property
-    def http_url(self) -> str:
-        return f"{LOOPBACK}:{self.http_port}"
+    def url(self, kind: str) -> str:
+        """The router's address for ``grpc`` or ``http`` clients."""
+        return f"{LOOPBACK}:{self.grpc_port if kind == 'grpc' else self.http_port}"
 
     def start(self, timeout_s: float = 600.0) -> ReplicaSet:
         haproxy = shutil.which("haproxy")
@@ -126,7 +122,7 @@ class ReplicaSet:
         deadline = time.monotonic() + 30
         while True:
             try:
-                with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2):
+                with urllib.request.urlopen(f"http://{self.url('http')}/v2/health/ready", timeout=2):
                     return
             except OSError:
                 if self.router.poll() is not None or time.monotonic() > deadline:
@@ -174,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, r in enumerate(replicas.running):
             print(f"replica {i}: gRPC {r.replica.host}:{r.replica.grpc_port}, HTTP {r.replica.host}:"
                   f"{r.replica.http_port} (log {r.log})", flush=True)
-        print(f"router: gRPC {replicas.grpc_url}, HTTP {replicas.http_url}; operator key "
+        print(f"router: gRPC {replicas.url('grpc')}, HTTP {replicas.url('http')}; operator key "
               f"{args.workdir / 'admin.key'}; Ctrl-C stops everything", flush=True)
         while all(r.proc.poll() is None for r in replicas.running) and replicas.router.poll() is None:
             time.sleep(1)

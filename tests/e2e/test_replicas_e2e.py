@@ -49,7 +49,7 @@ def successes(rs: ReplicaSet, model: str) -> list[int]:
 
 def test_plain_requests_spread_over_the_replicas(replicas: ReplicaSet):
     before = successes(replicas, "neopp_dense")
-    client = grpcclient.InferenceServerClient(replicas.grpc_url)
+    client = grpcclient.InferenceServerClient(replicas.url("grpc"))
     images = {bytes(client.infer("neopp_dense", plain_inputs(STEPS, seed=9)).as_numpy("IMAGE")[0]) for _ in range(8)}
     client.close()
     served = [a - b for a, b in zip(successes(replicas, "neopp_dense"), before)]
@@ -65,14 +65,14 @@ def test_every_turn_of_a_chat_reaches_its_replica_and_a_replica_readiness_names_
 
     kv = REPO / "demo" / "checkpoints" / "dense" / "sample_kv"
     for chat in range(4):
-        client = NeoPPTritonClient(replicas.grpc_url, sequence_id=500 + chat, shared_memory=False)
+        client = NeoPPTritonClient(replicas.url("grpc"), sequence_id=500 + chat, shared_memory=False)
         client.set_kvcache(load_kv_file(kv / "cond_kv.pt"), load_kv_file(kv / "uncond_kv.pt"))
         client.set_inference_params(11, 1, infer_steps=STEPS, output_format="png")
         images = [base64.b64decode(client.generate(seed=40 + chat if t == 0 else None, target_shape=SIZE))
                   for t in range(3)]
         assert client.last_turn == 2 and not client.stateless, "the session served all three turns"
         client.close()
-        assert images == reference_chat(replicas.grpc_url, 40 + chat, 3)
+        assert images == reference_chat(replicas.url("grpc"), 40 + chat, 3)
     for r in replicas.running:  # docker/ready.py: the probe of the container and of Kubernetes
         ready = subprocess.run([sys.executable, str(REPO / "docker" / "ready.py")], capture_output=True, text=True,
                                env={**os.environ, "NEOPP_HTTP_PORT": str(r.replica.http_port),

@@ -13,21 +13,19 @@ import threading
 import time
 from collections import deque
 
-import numpy as np
-
 from ..errors import GenerationCancelled
 from ..request import GenerationRequest
 from ..sampling.batching import Active, StepBatcher, fits, start, step_cost
-from ..sampling.pipeline import NeoPPPipeline, StepFn, StopFn
+from ..sampling.pipeline import NeoPPPipeline
 from .engine import (
     DEFAULT_TOKEN_BUDGET,
     CancelledFn,
     EmitFn,
     EngineHooks,
+    QueuedEngine,
     StepEvent,
     Ticket,
     TicketOffice,
-    generate_by_waiting,
     is_cancelled,
     send,
 )
@@ -36,10 +34,8 @@ from .in_process import InProcessEngine
 log = logging.getLogger(__name__)
 
 
-class BatchingEngine(InProcessEngine):
+class BatchingEngine(QueuedEngine, InProcessEngine):
     """Single-process step batcher behind a scheduler thread (the pipeline's face is inherited)."""
-
-    wait_s = 3600.0  # how long `generate` waits for its request at most
 
     def __init__(self, pipe: NeoPPPipeline, token_budget: int = DEFAULT_TOKEN_BUDGET,
                  hooks: EngineHooks | None = None) -> None:
@@ -63,11 +59,6 @@ class BatchingEngine(InProcessEngine):
                 self._cv.notify()
                 return
         TicketOffice.closed(ticket)
-
-    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
-                 on_step: StepFn | None = None) -> np.ndarray:
-        """One request through the batch, waited for."""
-        return generate_by_waiting(self.submit, req, should_stop, on_step, self.wait_s)
 
     def close(self) -> None:
         with self._cv:

@@ -104,6 +104,18 @@ def submit_in_caller(generate: Callable[..., np.ndarray], req: GenerationRequest
     emit(StepEvent(total, total, final=pixels, seconds=last[0]))
 
 
+class QueuedEngine:
+    """``generate`` for an engine that queues (a step batcher): ``submit``, then wait for the last
+    event, at most ``wait_s``."""
+
+    wait_s = 3600.0
+    submit: Callable[..., None]
+
+    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
+                 on_step: StepFn | None = None) -> np.ndarray:
+        return generate_by_waiting(self.submit, req, should_stop, on_step, self.wait_s)
+
+
 def generate_by_waiting(submit: Callable[..., None], req: GenerationRequest, should_stop: StopFn | None,
                         on_step: StepFn | None, timeout_s: float) -> np.ndarray:
     """``generate`` of an engine that queues: submit, then wait for the last event. ``on_step``

@@ -13,22 +13,9 @@ import threading
 import time
 from typing import Any
 
-import numpy as np
-
-from ..engines.engine import (
-    CancelledFn,
-    EmitFn,
-    EngineHooks,
-    StepEvent,
-    Ticket,
-    TicketOffice,
-    generate_by_waiting,
-    is_cancelled,
-    send,
-)
+from ..engines import engine as eng
 from ..errors import GenerationCancelled, WorkerFailure
 from ..request import GenerationRequest, RequestRules
-from ..sampling.pipeline import StepFn, StopFn
 from .lifeline import silent_rank
 from .stream_workers import ERRORS, StreamPoolSpec, _stream_rank_main
 from .workers import POLL_S, SILENCE_CHECK_S, WorkerPool
@@ -36,38 +23,38 @@ from .workers import POLL_S, SILENCE_CHECK_S, WorkerPool
 CLOSE_WAIT_S = 10.0
 
 
-class StreamPool(WorkerPool):
+class StreamPool(eng.QueuedEngine, WorkerPool):
     """Rank processes running the batched loop; rank 0's events reach ``emit`` here."""
 
     worker_main = staticmethod(_stream_rank_main)
 
-    def __init__(self, spec: StreamPoolSpec, rules: RequestRules, hooks: EngineHooks | None = None) -> None:
+    @property
+    def wait_s(self) -> float:
+        """How long `generate` waits for its request: as long as the plain pool waits for one."""
+        return 10 * self.spec.collective_timeout_s
+
+    def __init__(self, spec: StreamPoolSpec, rules: RequestRules, hooks: eng.EngineHooks | None = None) -> None:
         super().__init__(spec, rules)
-        self.hooks = hooks or EngineHooks()
-        self._tickets: dict[int, Ticket] = {}
-        self._office = TicketOffice()
+        self.hooks = hooks or eng.EngineHooks()
+        self._tickets: dict[int, eng.Ticket] = {}
+        self._office = eng.TicketOffice()
         self._told: set[int] = set()      # cancellations already sent to rank 0
         self._closing = False
         self._rank0_closed = threading.Event()
         self._pump_thread = threading.Thread(target=self._pump, name="neopp-stream-pump", daemon=True)
         self._pump_thread.start()
 
-    def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
+    def submit(self, req: GenerationRequest, emit: eng.EmitFn, cancelled: eng.CancelledFn,
+               preview_every: int = 0) -> None:
         with self._lock:
             ticket = self._office.issue(req, emit, cancelled, preview_every)
             if self._closing:
-                TicketOffice.closed(ticket)
+                eng.TicketOffice.closed(ticket)
                 return
             self._ensure_healthy()
             self._tickets[ticket.job] = ticket
             for rank, q in enumerate(self._tasks):
                 q.put(("req", ticket.job, self._rank_request(req, rank), preview_every, ticket.submitted))
-
-    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
-                 on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:
-        """One request through the ranks' batch, waited for."""
-        return generate_by_waiting(self.submit, req, should_stop, on_step,
-                                   timeout_s or 10 * self.spec.collective_timeout_s)
 
     def close(self) -> None:
         with self._lock:
@@ -84,13 +71,13 @@ class StreamPool(WorkerPool):
         with self._lock:
             tickets, self._tickets = list(self._tickets.values()), {}
         for ticket in tickets:
-            send(ticket, StepEvent(0, ticket.req.sampling.infer_steps, error=exc))
+            eng.send(ticket, eng.StepEvent(0, ticket.req.sampling.infer_steps, error=exc))
 
     def _poll_cancels(self) -> None:
         with self._lock:
             tickets = [t for t in self._tickets.values() if t.job not in self._told]
         for ticket in tickets:
-            if is_cancelled(ticket):
+            if eng.is_cancelled(ticket):
                 self._told.add(ticket.job)
                 with self._lock:
                     if self._tasks:
@@ -124,7 +111,7 @@ class StreamPool(WorkerPool):
             ticket = self._tickets.get(job)
             if ticket is None:
                 return
-            ok = send(ticket, StepEvent(step, total, preview=preview, final=final, error=error))
+            ok = eng.send(ticket, eng.StepEvent(step, total, preview=preview, final=final, error=error))
             if not ok or final is not None or error is not None:
                 with self._lock:
                     self._tickets.pop(job, None)
