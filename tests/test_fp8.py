@@ -207,3 +207,21 @@ def test_scaled_mm_path_on_gpu():
     assert bool(((y_fast - y_ref).abs() <= bound).all())
     rel = ((y_fast - y_slow).norm() / y_slow.norm()).item()
     assert rel < 2.0 ** -4
+
+
+def test_the_compiled_activation_quantisation_gives_the_eager_bytes():
+    """One fused kernel (torch.compile; the CUDA default) or separate ones: the same FP8 bytes and
+    scales, any row count (compiled once, for dynamic shapes), zero rows included."""
+    from neopp.model.quant import activation_quantizer, compiled_quantize_rows, quantize_rows
+
+    assert activation_quantizer(torch.device("cpu")) is quantize_rows  # nothing to fuse on the CPU
+    assert activation_quantizer(torch.device("cpu"), "compiled") is compiled_quantize_rows()
+    with pytest.raises(Exception, match="NEOPP_FP8_ACTIVATION_QUANT"):
+        activation_quantizer(torch.device("cpu"), "fused")
+    gen = torch.Generator().manual_seed(3)
+    for rows in (1, 77, 300):
+        x = torch.randn(rows, 64, generator=gen) * torch.logspace(-3, 3, rows).unsqueeze(1)
+        x[0] = 0.0
+        want, got = quantize_rows(x), compiled_quantize_rows()(x)
+        assert torch.equal(got[1], want[1])
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
