@@ -64,6 +64,8 @@ class Supervisor:
 
     def __init__(self, ns: argparse.Namespace, extra: Sequence[str], key: str) -> None:
         self.ns, self.extra, self.key = ns, list(extra), key
+        if ns.stop_timeout_s is not None and not any(a.startswith("--exit-timeout-secs") for a in self.extra):
+            self.extra.append(f"--exit-timeout-secs={int(ns.stop_timeout_s)}")  # Triton waits as long
         self.front_key = new_front_key()
         self.upstream_port = free_ports(1)[0]
         self.stop_requested = False
@@ -102,7 +104,11 @@ class Supervisor:
             self.watchdog.stop()
             self.watchdog = None
         if self.server is not None:
-            self.server.stop()
+            drain = self.ns.stop_timeout_s
+            if drain is None:
+                self.server.stop()
+            else:
+                self.server.stop(timeout=drain + 20.0, drain_s=drain)
             if self.server.removed_regions:
                 log(f"removed {len(self.server.removed_regions)} shm region(s) left by the server")
             self.server = None
@@ -250,6 +256,9 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--max-restarts", type=int, default=5,
                    help="restarts of a server that died allowed within --restart-window-s")
     s.add_argument("--restart-window-s", type=float, default=600.0, help="the window --max-restarts counts in")
+    s.add_argument("--stop-timeout-s", type=float, default=None,
+                   help="at a stop, how long running requests may finish before the stubs are told to stop "
+                        "(also tritonserver's --exit-timeout-secs unless given); default: 10 s, killed at 30 s")
     s.add_argument("--max-body-mib", type=float, default=128.0, help="largest HTTP body accepted (after gzip)")
     s.add_argument("--bodies-in-flight-mib", type=float, default=384.0,
                    help="HTTP request bodies held at once, all requests together (beyond: 503, Retry-After)")
