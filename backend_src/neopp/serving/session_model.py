@@ -257,9 +257,14 @@ class SessionTritonModel:
                 raise ConfigError(f"control inputs {missing} missing: config.pbtxt must declare START, END, CORRID")
             start, asked_end = bool(_scalar(inputs["START"])), bool(_scalar(inputs["END"]))
             session_id = int(_scalar(inputs["CORRID"]))
-            self._authorize(session_id, inputs, generates="COND_KV" in inputs)  # a refused turn changes nothing
+            self.slots.seen(session_id, asked_end)  # Triton holds (or, at an end, frees) its slot whatever we answer
+            try:
+                self._authorize(session_id, inputs, generates="COND_KV" in inputs)  # a refused turn changes nothing
+            except UnknownSession:
+                if start and not asked_end:  # the slot Triton gave this start serves nothing: free it now
+                    self.releaser.release([session_id])
+                raise
             end = asked_end
-            self.slots.seen(session_id, end)
             seed = int(_scalar(inputs["SEED"])) if "SEED" in inputs else None
             if "COND_KV" not in inputs:
                 if not end:
@@ -314,7 +319,8 @@ class SessionTritonModel:
         token = _text(TOKEN_INPUT, inputs[TOKEN_INPUT]) if TOKEN_INPUT in inputs else None
         if session is not None:
             authorize(session, token, self._internal_token)
-        elif token is not None and generates and token != self._internal_token:
+        elif token is not None and generates and not secrets.compare_digest(token.encode(),
+                                                                            self._internal_token.encode()):
             raise UnknownSession(f"sequence_id {session_id}: unknown session ({self.table.why_gone(session_id)}): "
                                  f"its SESSION_TOKEN names a session this server does not hold; {CONTINUE_ELSEWHERE}")
 
