@@ -16,9 +16,10 @@ This class offers the same calls against the Triton server, in one of two ways:
 
 Behind a load balancer with several replicas, every session request carries the header
 ``neopp-session: <sequence_id>``, which the balancer hashes so that all turns of a chat reach the
-replica holding it (docs/scale-out.md). When that replica is gone (its turn fails UNAVAILABLE, or
-reaches a replica that does not hold the session: NOT_FOUND), the client says so once and
-continues the chat statelessly from the last ``NEXT_RNG_STATE``: the same images, byte for byte.
+replica holding it (docs/scale-out.md). When that replica is gone, a turn that failed UNAVAILABLE
+is sent once more; once a server answers that it does not hold the session (NOT_FOUND, unknown
+session), the client says so and continues the chat statelessly from the last
+``NEXT_RNG_STATE``, through the session's generation model: the same images, byte for byte.
 
 KV tensors (tens of MB) go through system shared memory when the server is on this host
 (a loopback URL; ``shared_memory=True/False`` forces a choice), over the wire otherwise,
@@ -83,6 +84,7 @@ class NeoPPTritonClient:
         self.url, self.stateless = url, stateless
         self.admin_key = admin_key or os.environ.get(KEY_ENV, "").strip() or None
         self.model = model or ("neopp_dense" if stateless else "neopp_session")
+        self._session_mode, self._session_model = not stateless, self.model
         self.generation_model = generation_model  # session mode: MODEL input (None: the server's default)
         self.client = grpcclient.InferenceServerClient(url)
         self._wire: SplicedInfer | None = None  # opened on the first wire request with raw bf16
@@ -189,6 +191,8 @@ class NeoPPTritonClient:
         self.end_session()
         self.sequence_id = sequence_id if sequence_id is not None else uuid.uuid4().int % (2**63 - 1) + 1
         self.rng_state, self.last_turn = None, None
+        if self._session_mode:  # a chat that went on statelessly leaves the next one a session again
+            self.stateless, self.model = False, self._session_model
 
     def close(self) -> None:
         try:
@@ -211,15 +215,31 @@ class NeoPPTritonClient:
         try:
             return self._session_turn(list(base), seed)
         except InferenceServerException as exc:
-            if not (self.started and self.rng_state is not None and session_lost(exc)):
+            if not (self.started and self.rng_state is not None):
                 raise
-            print(f"neopp client: session {self.sequence_id} is gone ({exc.status()}: {exc.message()[:160]}); "
-                  "continuing its stream statelessly", file=sys.stderr)
-        # The chat's stream is the last NEXT_RNG_STATE this client received: continuing it through a
-        # generation model gives the images the session would have given.
+            lost = exc
+        if unavailable(lost):  # its replica died mid-turn, or is busy reloading: once more, through the router
+            try:
+                return self._session_turn(list(base), seed)
+            except InferenceServerException as exc:
+                lost = exc
+        if not session_unknown(lost):
+            raise lost
+        print(f"neopp client: session {self.sequence_id} is gone ({lost.status()}: {lost.message()[:160]}); "
+              "continuing its stream statelessly", file=sys.stderr)
+        # The chat's stream is the last NEXT_RNG_STATE this client received: continuing it through the
+        # session's generation model gives the images the session would have given.
+        self.model = self.generation_model or self._session_default_model()
         self.stateless, self.started, self.session_token = True, False, None
-        self.model = self.generation_model or "neopp_dense"
         return self._generate_stateless(base, seed)
+
+    def _session_default_model(self) -> str:
+        """The generation model a session turn without MODEL uses (neopp_session's default_model)."""
+        try:
+            config = self.client.get_model_config(self.model, as_json=True)["config"]
+            return config["parameters"]["default_model"]["string_value"]
+        except (InferenceServerException, KeyError):
+            return "neopp_dense"  # the shipped default
 
     def _session_turn(self, inputs: list[grpcclient.InferInput], seed: int | None) -> bytes:
         if seed is not None:
@@ -316,11 +336,14 @@ def _tensor(name: str, arr: np.ndarray) -> grpcclient.InferInput:
     return tensor
 
 
-def session_lost(exc: InferenceServerException) -> bool:
-    """The replica that held the session is gone: the turn failed UNAVAILABLE (not a full queue), or
-    reached a replica that does not hold it (NOT_FOUND)."""
-    status = str(exc.status() or "")
-    return status.endswith("NOT_FOUND") or (status.endswith("UNAVAILABLE") and QUEUE_FULL not in exc.message())
+def unavailable(exc: InferenceServerException) -> bool:
+    """UNAVAILABLE, but not a full queue (a busy replica that still holds the session)."""
+    return str(exc.status() or "").endswith("UNAVAILABLE") and QUEUE_FULL not in exc.message()
+
+
+def session_unknown(exc: InferenceServerException) -> bool:
+    """The server says it does not hold the session (its replica is gone, or it expired)."""
+    return str(exc.status() or "").endswith("NOT_FOUND") and "unknown session" in exc.message()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
