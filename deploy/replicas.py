@@ -133,8 +133,9 @@ class ReplicaSet:
     def crash(self, index: int) -> None:
         """Kill replica ``index``'s tritonserver and its stubs at once (the launcher does not restart it)."""
         pid = self.running[index].server_pid()
-        if pid is not None:
-            os.killpg(pid, signal.SIGKILL)
+        if pid is None:
+            raise RuntimeError(f"replica {index} has no server to kill")
+        os.killpg(pid, signal.SIGKILL)
 
     def stop(self) -> None:
         if self.router is not None and self.router.poll() is None:

@@ -17,6 +17,9 @@ this rendering. The rules:
   replica fails before it was sent is sent to another one (``retry-on conn-failure``); one that
   was already running there fails (gRPC UNAVAILABLE / HTTP 502): it is never sent twice.
 * Timeouts are longer than the longest image (15 minutes).
+* Every router pod lists the same servers under the same names: the replicas are a StatefulSet,
+  server ``rI`` is pod ``neopp-I`` (its stable DNS name), so all router pods hash a chat to the
+  same replica. Slots whose pod does not exist (fewer replicas now) are simply down.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from dataclasses import dataclass
 
 ROUTE_HEADER = "neopp-session"
 CHECK = "GET /v2/health/ready"
-REPLICAS_SERVICE = "neopp-replicas"  # the headless Service of the replica pods
-MAX_REPLICAS = 16  # server slots the cluster router fills from DNS
+NAMESPACE = "neopp"  # the manifests' namespace (HAProxy's resolver does not apply DNS search domains)
+REPLICAS_SERVICE = f"neopp-replicas.{NAMESPACE}.svc.cluster.local"  # the replicas' headless Service
+MAX_REPLICAS = 16  # replica pods neopp-0 .. neopp-15 the cluster router lists (the autoscaler's maximum)
 
 
 @dataclass(frozen=True)
@@ -71,13 +75,13 @@ def render_local(replicas: Sequence[Replica], bind: str, grpc_port: int, http_po
 
 
 def render_kubernetes() -> str:
-    """The cluster's router: up to MAX_REPLICAS replicas, found through the headless Service."""
-    slots = f"server-template r {MAX_REPLICAS} {REPLICAS_SERVICE}"
-    options = "resolvers kube init-addr none"
+    """The cluster's router: replica pods neopp-0 .. neopp-(MAX_REPLICAS - 1) by their stable names."""
+    pods = [f"neopp-{i}.{REPLICAS_SERVICE}" for i in range(MAX_REPLICAS)]
+    found = "resolvers kube init-addr none"
+    grpc = [f"    server r{i} {pod}:8001 proto h2 check port 8000 check-proto h1 {found}" for i, pod in enumerate(pods)]
+    http = [f"    server r{i} {pod}:8000 check {found}" for i, pod in enumerate(pods)]
     lines = [*_global(8404), "resolvers kube", "    parse-resolv-conf", "    hold valid 5s", "",
-             *_frontends("", 8001, 8000),
-             "backend grpc_replicas", f"    {slots}:8001 proto h2 check port 8000 check-proto h1 {options}", "",
-             "backend http_replicas", f"    {slots}:8000 check {options}", ""]
+             *_frontends("", 8001, 8000), "backend grpc_replicas", *grpc, "", "backend http_replicas", *http, ""]
     return "\n".join(lines)
 
 

@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy.router import MAX_REPLICAS, render_kubernetes
+from deploy.router import MAX_REPLICAS, NAMESPACE, render_kubernetes
 from neopp.serving.contract import generation_models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,8 +33,8 @@ def render(overlay: str) -> dict[tuple[str, str], dict]:
     return {(d["kind"], d["metadata"]["name"]): d for d in yaml.safe_load_all(out) if d}
 
 
-def container(objects: dict, deployment: str = "neopp") -> dict:
-    return objects["Deployment", deployment]["spec"]["template"]["spec"]["containers"][0]
+def container(objects: dict, kind: str = "StatefulSet", name: str = "neopp") -> dict:
+    return objects[kind, name]["spec"]["template"]["spec"]["containers"][0]
 
 
 def env_of(c: dict) -> dict[str, dict]:
@@ -44,14 +44,15 @@ def env_of(c: dict) -> dict[str, dict]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_object_is_valid_kubernetes(overlay):
     objects = render(overlay)
-    assert {kind for kind, _ in objects} == {"ConfigMap", "Deployment", "Service", "PersistentVolumeClaim",
-                                             "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+    assert {kind for kind, _ in objects} == {"Namespace", "ConfigMap", "StatefulSet", "Deployment", "Service",
+                                             "PersistentVolumeClaim", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+    assert all(o["metadata"].get("namespace") == NAMESPACE for (kind, _), o in objects.items() if kind != "Namespace")
     for obj in objects.values():
         kubernetes_validate.validate(obj, VERSION, strict=True)
 
 
 def test_the_validation_refuses_a_misspelt_field():
-    deployment = render("cpu")["Deployment", "neopp"]
+    deployment = render("cpu")["StatefulSet", "neopp"]
     deployment["spec"]["template"]["spec"]["terminationGracePeriod"] = 60
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, VERSION, strict=True)
@@ -60,12 +61,13 @@ def test_the_validation_refuses_a_misspelt_field():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_a_replica_drains_before_it_stops_and_is_ready_only_with_its_models(overlay):
     objects = render(overlay)
-    spec = objects["Deployment", "neopp"]["spec"]
+    spec = objects["StatefulSet", "neopp"]["spec"]
     pod, c = spec["template"]["spec"], container(objects)
-    drain = int(re.search(r"--exit-timeout-secs=(\d+)", " ".join(c["args"])).group(1))
+    drain = float(env_of(c)["NEOPP_STOP_TIMEOUT_S"]["value"])  # the launcher's --stop-timeout-s
     pre_stop = int(c["lifecycle"]["preStop"]["exec"]["command"][-1])
-    assert pod["terminationGracePeriodSeconds"] > pre_stop + drain, "the kubelet must not kill a draining replica"
-    assert spec["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    # the launcher gives running requests `drain` s, then the stubs 20 s more (supervisor._stop_server)
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + drain + 20, "the kubelet must not kill a draining replica"
+    assert spec["serviceName"] == "neopp-replicas" and spec["updateStrategy"]["type"] == "RollingUpdate"
     assert c["readinessProbe"]["exec"]["command"][-1] == "/opt/neopp/docker/ready.py"
     assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"  # answered by a busy replica too
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 600
@@ -91,7 +93,11 @@ def test_the_router_runs_the_routing_rules_and_fronts_the_clients_service():
     objects = render("cpu")
     config = next(o for (kind, name), o in objects.items() if kind == "ConfigMap" and name.startswith("neopp-router"))
     assert config["data"]["haproxy.cfg"] == render_kubernetes(), "run make router-config"
-    assert objects["HorizontalPodAutoscaler", "neopp"]["spec"]["maxReplicas"] <= MAX_REPLICAS
+    scaler = objects["HorizontalPodAutoscaler", "neopp"]["spec"]
+    assert scaler["maxReplicas"] <= MAX_REPLICAS and scaler["scaleTargetRef"]["kind"] == "StatefulSet"
+    named = r"server r(\d+) neopp-(\d+)\.neopp-replicas\.neopp\.svc\.cluster\.local:8001"
+    servers = re.findall(named, config["data"]["haproxy.cfg"])  # slot I is pod I in every router pod
+    assert [int(a) for a, b in servers] == [int(b) for a, b in servers] == list(range(MAX_REPLICAS))
     router = objects["Deployment", "neopp-router"]["spec"]["template"]["spec"]
     assert router["volumes"][0]["configMap"]["name"] == config["metadata"]["name"]
     assert objects["Service", "neopp"]["spec"]["selector"] == {"app.kubernetes.io/name": "neopp-router"}
