@@ -69,7 +69,7 @@ class Drill:
     @property
     def first_success_s(self) -> float:
         """How soon after the crash a request sent after it was answered."""
-        return min(o.end for o in self.outcomes if o.start >= 0 and not o.error)
+        return min((o.end for o in self.outcomes if o.start >= 0 and not o.error), default=float("inf"))
 
 
 def _tensor(name: str, array: np.ndarray, datatype: str) -> grpcclient.InferInput:
@@ -156,8 +156,8 @@ def drill(rs: ReplicaSet, chats: int = 6, clients: int = 3, before_s: float = 2.
     for t in threads:
         t.start()
     time.sleep(before_s)
-    crashed_at.append(time.monotonic())
     rs.crash(victim)
+    crashed_at.append(time.monotonic())  # after the kill: a request sent before it counts as in flight
     deadline = time.monotonic() + 30
     while result.down_after_s is None and time.monotonic() < deadline:
         if f"r{victim} is DOWN" in (rs.workdir / "router.log").read_text(errors="replace"):

@@ -64,3 +64,58 @@ def test_restarts_are_a_rate_not_a_lifetime_budget():
     for _ in range(20):  # one crash every five minutes is restarted forever
         now[0] += 300.0
         assert rare.allow(), "a rare crash was not restarted"
+
+
+def test_a_stop_timeout_gives_triton_the_same_exit_timeout():
+    """--stop-timeout-s: running requests get that long at a stop, and tritonserver waits as long."""
+    import argparse
+
+    from neopp.launcher.supervisor import Supervisor, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, "model_repository", "build/admin.key", "")
+    ns = parser.parse_args(["--stop-timeout-s", "600", "--", "--model-control-mode=explicit"])
+    assert "--exit-timeout-secs=600" in Supervisor(ns, ns.extra[1:], "k").extra
+    given = parser.parse_args(["--stop-timeout-s", "600", "--", "--exit-timeout-secs=90"])
+    exits = [a for a in Supervisor(given, given.extra[1:], "k").extra if "exit-timeout" in a]
+    assert exits == ["--exit-timeout-secs=90"]
+    plain = parser.parse_args([])
+    assert plain.stop_timeout_s is None and not any("exit-timeout" in a for a in Supervisor(plain, [], "k").extra)
+
+
+def test_a_request_given_up_by_its_waiter_is_cancelled_in_the_engine():
+    """generate_by_waiting's timeout tells the engine to drop the request at its next step."""
+    from neopp.engines.engine import generate_by_waiting
+    from neopp.errors import WorkerFailure
+
+    seen = {}
+
+    def submit(req, emit, cancelled):  # an engine that never answers
+        seen["cancelled"] = cancelled
+
+    with pytest.raises(WorkerFailure, match="no answer within"):
+        generate_by_waiting(submit, None, None, None, timeout_s=0.01)
+    assert seen["cancelled"]() is True
+
+
+def test_the_lightllm_client_goes_stateless_only_when_the_server_lost_the_session():
+    import sys
+
+    from testing import REPO
+
+    sys.path.insert(0, str(REPO / "client_examples"))
+    from lightllm_client import NeoPPTritonClient, session_unknown, unavailable
+    from tritonclient.utils import InferenceServerException
+
+    def err(status: str, message: str) -> InferenceServerException:
+        return InferenceServerException(msg=message, status=status)
+
+    assert session_unknown(err("StatusCode.NOT_FOUND", "sequence_id 7: unknown session (expired after 600 s idle)"))
+    assert not session_unknown(err("StatusCode.NOT_FOUND", "Request for unknown model: 'neopp_dense' is not found"))
+    assert unavailable(err("StatusCode.UNAVAILABLE", "Stream removed"))
+    assert not unavailable(err("StatusCode.UNAVAILABLE", "Exceeds maximum queue size"))
+    client = NeoPPTritonClient("127.0.0.1:1", sequence_id=5)  # no call is made
+    client.stateless, client.model = True, "neopp_dense"  # as after a session was lost
+    client.new_session(6)
+    assert (client.stateless, client.model, client.sequence_id) == (False, "neopp_session", 6)
+    client.client.close()

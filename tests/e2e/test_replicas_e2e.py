@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -95,6 +96,12 @@ def test_a_turn_with_the_token_of_a_session_this_replica_lacks_says_how_to_go_on
     client.close()
     assert "StatusCode.NOT_FOUND" in str(err.value.status())
     assert "does not hold" in err.value.message() and "NEXT_RNG_STATE as RNG_STATE" in err.value.message()
+    # the slot Triton gave that start is freed at once, not held for the sequence idle bound
+    freed = "session 4242 released its Triton slot"
+    deadline = time.monotonic() + 30
+    while freed not in replicas.running[0].log.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the refused start's slot was not released"
+        time.sleep(0.1)
 
 
 def test_a_crash_under_load_loses_only_what_ran_on_it_and_its_chats_go_on(replicas: ReplicaSet):

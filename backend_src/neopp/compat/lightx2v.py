@@ -125,7 +125,8 @@ class LightX2VPipeline:
         if task not in self.support_tasks:
             raise InputError(f"task: {task!r} is not in support_tasks {self.support_tasks}")
         shape = size if size is not None else target_shape
-        height, width = (int(v) for v in shape) if shape else runner.mode.default_size
+        default = runner.engine.config.fit(runner.mode).default_size  # the checkpoint's size, if it names one
+        height, width = (int(v) for v in shape) if shape else default
         if seed is not None:
             seed_all(seed)
         info = SimpleNamespace(seed=seed, task=task, size=(height, width), target_shape=[height, width],

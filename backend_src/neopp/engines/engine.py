@@ -129,8 +129,10 @@ def generate_by_waiting(submit: Callable[..., None], req: GenerationRequest, sho
         elif on_step is not None:
             on_step(event.step - 1, event.seconds)
 
-    submit(req, emit, should_stop or (lambda: False))
+    gave_up = threading.Event()
+    submit(req, emit, lambda: gave_up.is_set() or (should_stop is not None and should_stop()))
     if not done.wait(timeout_s):
+        gave_up.set()  # the engine drops it at its next step boundary
         raise WorkerFailure(f"the request got no answer within {timeout_s:.0f} s")
     if last[0].error is not None:
         raise last[0].error
