@@ -59,13 +59,20 @@ class RestartRate:
         return True
 
 
+def server_args(ns: argparse.Namespace, extra: Sequence[str]) -> list[str]:
+    """The tritonserver arguments after ``--``; with ``--stop-timeout-s``, Triton waits as long
+    for running requests at a stop (unless the arguments set its exit timeout themselves)."""
+    args = list(extra)
+    if ns.stop_timeout_s is not None and not any(a.startswith("--exit-timeout-secs") for a in args):
+        args.append(f"--exit-timeout-secs={int(ns.stop_timeout_s)}")
+    return args
+
+
 class Supervisor:
     """Start the server, restart it when it dies, stop everything on request."""
 
     def __init__(self, ns: argparse.Namespace, extra: Sequence[str], key: str) -> None:
-        self.ns, self.extra, self.key = ns, list(extra), key
-        if ns.stop_timeout_s is not None and not any(a.startswith("--exit-timeout-secs") for a in self.extra):
-            self.extra.append(f"--exit-timeout-secs={int(ns.stop_timeout_s)}")  # Triton waits as long
+        self.ns, self.extra, self.key = ns, server_args(ns, extra), key
         self.front_key = new_front_key()
         self.upstream_port = free_ports(1)[0]
         self.stop_requested = False
