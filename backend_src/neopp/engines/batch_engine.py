@@ -77,7 +77,7 @@ class BatchingEngine(QueuedEngine, InProcessEngine):
                 if self._closed:
                     queued, self._queue = list(self._queue), deque()
                     break
-            active = [(t, a) for t, a in active if not self._dropped(t, a.k, a.total)]
+            active = self._without_cancelled(active)
             if waiting is not None and self._dropped(waiting[0], 0, waiting[1].total):
                 waiting = None
             self._drop_queued()
@@ -88,6 +88,15 @@ class BatchingEngine(QueuedEngine, InProcessEngine):
         for ticket, done in leaving:
             send(ticket, StepEvent(done, ticket.req.sampling.infer_steps,
                                    error=GenerationCancelled("the engine closed before the request finished")))
+
+    def _without_cancelled(self, active: list[tuple[Ticket, Active]]) -> list[tuple[Ticket, Active]]:
+        kept = []
+        for ticket, a in active:
+            if self._dropped(ticket, a.k, a.total):
+                self.pipe.release(a.prep)
+            else:
+                kept.append((ticket, a))
+        return kept
 
     def _dropped(self, ticket: Ticket, k: int, total: int) -> bool:
         if not is_cancelled(ticket):
@@ -143,7 +152,14 @@ class BatchingEngine(QueuedEngine, InProcessEngine):
             log.exception("batched step failed")
             for ticket, a in active:
                 send(ticket, StepEvent(a.k, a.total, error=exc))
+                self.pipe.release(a.prep)
             return []
         self.hooks.call("step_seconds", time.perf_counter() - began)
         self.hooks.call("batch_size", len(active))
-        return [(t, a) for (t, a), ev in zip(active, events) if send(t, ev) and not ev.last]
+        staying = []
+        for (ticket, a), ev in zip(active, events):
+            if send(ticket, ev) and not ev.last:
+                staying.append((ticket, a))
+            else:
+                self.pipe.release(a.prep)
+        return staying

@@ -14,6 +14,7 @@ import torch
 from ..limits import Limits
 from ..model.checkpoint import default_dtype
 from ..model.checkpoint_config import CheckpointConfig
+from ..model.speed import SpeedOptions
 from ..modes import ModeSpec
 from ..parallel.parallel_pipeline import check_heads
 from ..parallel.stream_pool import StreamPool
@@ -30,13 +31,14 @@ def build_engine(ckpt_dir: str | Path, mode: ModeSpec, device: str | None = None
                  dtype: torch.dtype | None = None, limits: Limits | None = None, threads: int | None = None,
                  instance_index: int = 0, gpus: list[int] | None = None, collective_timeout_s: float = 120.0,
                  step_batching: bool = False, token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 hooks: EngineHooks | None = None) -> Engine:
+                 hooks: EngineHooks | None = None, speed: SpeedOptions | None = None) -> Engine:
     """The engine of ``mode`` on ``ckpt_dir`` for this instance (its slice of ``gpus``);
-    ``token_budget`` and ``hooks`` apply to step batching."""
+    ``token_budget`` and ``hooks`` apply to step batching, ``speed`` to every rank."""
     limits = limits or Limits()
+    speed = speed or SpeedOptions()
     set_threads(threads)
     if mode.world_size == 1:
-        pipe = NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype, limits)
+        pipe = NeoPPPipeline.from_pretrained(ckpt_dir, mode, device, dtype, limits, speed=speed)
         return BatchingEngine(pipe, token_budget, hooks) if step_batching else InProcessEngine(pipe)
     config = CheckpointConfig.from_checkpoint(ckpt_dir)
     check_heads(config, mode)
@@ -45,6 +47,7 @@ def build_engine(ckpt_dir: str | Path, mode: ModeSpec, device: str | None = None
     rules = RequestRules(config, limits)
     if step_batching:
         spec = StreamPoolSpec(str(ckpt_dir), mode, devices, dtype, limits, threads, collective_timeout_s,
-                              token_budget=token_budget)
+                              speed=speed, token_budget=token_budget)
         return StreamPool(spec, rules, hooks)
-    return WorkerPool(PoolSpec(str(ckpt_dir), mode, devices, dtype, limits, threads, collective_timeout_s), rules)
+    return WorkerPool(PoolSpec(str(ckpt_dir), mode, devices, dtype, limits, threads, collective_timeout_s,
+                               speed=speed), rules)

@@ -148,11 +148,9 @@ class MoE:
         order = flat_ids.argsort(stable=True)
         token_of = order // self.top_k
         slot_weight = weights.reshape(-1)[order]
+        if self.grouped is not None:
+            return self._grouped(x, flat_ids, order, token_of, slot_weight)
         out = torch.zeros_like(x)
-        if self.grouped is not None:  # on the device throughout: no count reaches the host
-            ends = torch.bincount(flat_ids, minlength=len(self.experts)).cumsum(0).to(torch.int32)
-            y = self.grouped(x[token_of], ends) * slot_weight[:, None].to(x.dtype)
-            return out.index_add_(0, token_of, y)
         counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
         start = 0
         for expert, count in zip(self.experts, counts):
@@ -162,6 +160,18 @@ class MoE:
                 out.index_add_(0, tokens, y)
             start += count
         return out
+
+    def _grouped(self, x: torch.Tensor, flat_ids: torch.Tensor, order: torch.Tensor, token_of: torch.Tensor,
+                 slot_weight: torch.Tensor) -> torch.Tensor:
+        """On the device throughout (no count reaches the host, so a CUDA graph can hold it) and
+        deterministic: each group's end is a search in the sorted ids, and a token's top-k results
+        are summed in a fixed order instead of by atomic adds."""
+        experts = torch.arange(len(self.experts), device=x.device, dtype=flat_ids.dtype)
+        ends = torch.searchsorted(flat_ids[order], experts, right=True).to(torch.int32)
+        y = self.grouped(x[token_of], ends) * slot_weight[:, None].to(x.dtype)
+        slots = torch.empty_like(y)
+        slots[order] = y
+        return slots.view(x.shape[0], self.top_k, -1).sum(dim=1)
 
     def linears(self) -> list[Linear]:
         return [self.router] + [lin for e in self.experts for lin in e.linears()]
@@ -192,17 +202,3 @@ def split_head_norm(x: torch.Tensor, weights: torch.Tensor, eps: float = DEFAULT
     """
     halves = x.view(*x.shape[:-1], 2, x.shape[-1] // 2)
     return rms_norm(halves, weights, eps).view_as(x)
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Unmasked GQA: q [L, NH, HD] over k, v [NKV, S+L, HD] -> [L, NH*HD].
-
-    The query heads that share a KV head are folded into the query length, so keys and
-    values are never repeated per head.
-    """
-    tokens, heads, hd = q.shape
-    kv_heads = k.shape[0]
-    group = heads // kv_heads
-    qg = q.permute(1, 0, 2).reshape(kv_heads, group * tokens, hd)
-    out = F.scaled_dot_product_attention(qg.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), scale=hd ** -0.5)
-    return out.reshape(kv_heads * group, tokens, hd).permute(1, 0, 2).reshape(tokens, heads * hd)

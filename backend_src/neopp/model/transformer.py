@@ -6,10 +6,11 @@ from collections.abc import Callable
 
 import torch
 
+from .attention import Attention, grouped_attention
 from .checkpoint import FM, LM, VISION, layer_prefix
 from .checkpoint_config import CheckpointConfig
 from .embeddings import Grid, MLPEmbedder, MLPHead, PatchEmbed, PixelHead
-from .layers import DecoderLayer, Linear, MoE, SwiGLU, grouped_attention, rms_norm, split_head_norm
+from .layers import DecoderLayer, Linear, MoE, SwiGLU, rms_norm, split_head_norm
 from .rope import Rope3D
 
 # (checkpoint key of the weight, weight, bias or None, all tensors) -> callable linear
@@ -24,8 +25,9 @@ class BranchContext:
     """
 
     def __init__(self, kv_online: torch.Tensor, offset: int, grid: Grid, config: CheckpointConfig,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, attention: Attention = grouped_attention) -> None:
         layers, _, seq, kv_heads, head_dim = kv_online.shape
+        self.attention = attention
         total = seq + grid.num_tokens
         self.prefix_len = seq
         self.k = torch.empty(layers, kv_heads, total, head_dim, device=device, dtype=dtype)
@@ -39,7 +41,7 @@ class BranchContext:
         s = self.prefix_len
         self.k[layer, :, s:].copy_(k.transpose(0, 1))
         self.v[layer, :, s:].copy_(v.transpose(0, 1))
-        return grouped_attention(q, self.k[layer], self.v[layer])
+        return self.attention(q, self.k[layer], self.v[layer])
 
 
 class BatchedBranches:
@@ -63,6 +65,7 @@ class NeoPPTransformer:
                  layers: list[DecoderLayer], final_norm: torch.Tensor, head: MLPHead | PixelHead) -> None:
         self.config, self.patch, self.t_embed, self.ns_embed = config, patch, t_embed, ns_embed
         self.layers, self.final_norm, self.head = layers, final_norm, head
+        self._compiled: tuple[Callable, Callable] | None = None
 
     def embed(self, x: torch.Tensor, t: float, noise_scale: float, grid: Grid) -> torch.Tensor:
         """Image tokens [L, D] of the current estimate at time t (shared by both branches)."""
@@ -73,20 +76,32 @@ class NeoPPTransformer:
         return tokens + cond
 
     def run_layers(self, hid: torch.Tensor, branch: BranchContext) -> torch.Tensor:
-        nh, nkv, hd = self.config.num_heads, self.config.num_kv_heads, self.config.head_dim
+        heads = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
         eps = self.config.rms_norm_eps  # upstream ties every norm of the tower (q/k ones too) to it
         # Row-major like a batch's concatenation: a transposed view (the patch embedding's) would
         # reduce and multiply in another order than the same rows inside a batch.
         hid = hid.contiguous()
+        before, after = self.layer_parts
         for i, layer in enumerate(self.layers):
-            a = rms_norm(hid, layer.input_norm, eps)
-            n = a.shape[0]
-            q = branch.rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm, eps))
-            k = branch.rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm, eps))
-            v = layer.v_proj(a).view(n, nkv, hd)
-            hid = hid + layer.o_proj(branch.attend(i, q, k, v))
-            hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
+            q, k, v = before(layer, hid, branch.rope, heads, eps)
+            hid = after(layer, hid, branch.attend(i, q, k, v), eps)
         return hid
+
+    @property
+    def layer_parts(self) -> tuple[Callable, Callable]:
+        """A layer's work before and after attention: as written, or compiled (`compile_layers`)."""
+        return self._compiled or (attention_inputs, layer_output)
+
+    @property
+    def reads_host_values(self) -> bool:
+        """Does a step copy values to the host mid-layer (MoE experts run as a loop)? A CUDA graph
+        cannot hold such a step."""
+        return any(isinstance(layer.mlp, MoE) and layer.mlp.grouped is None for layer in self.layers)
+
+    def compile_layers(self, on: bool = True) -> None:
+        """Run every layer's elementwise work fused by `torch.compile` (one compilation serves all
+        layers: the weights are arguments; a second token count makes it shape-generic)."""
+        self._compiled = (torch.compile(attention_inputs), torch.compile(layer_output)) if on else None
 
     def predict(self, hid: torch.Tensor, grid: Grid) -> torch.Tensor:
         """Final norm and head: the clean-image prediction [L, T*T*3] in the layout of z."""
@@ -145,6 +160,23 @@ class NeoPPTransformer:
         ns = embedder("noise_scale_embedder") if config.add_noise_scale_embedding else None
         return NeoPPTransformer(config, patch, embedder("timestep_embedder"), ns, layers,
                                 t(LM + "norm_mot_gen.weight"), head)
+
+
+def attention_inputs(layer: DecoderLayer, hid: torch.Tensor, rope: Rope3D, heads: tuple[int, int, int],
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The layer's queries and keys (normed per half-head, rotated) and values, for attention."""
+    nh, nkv, hd = heads
+    a = rms_norm(hid, layer.input_norm, eps)
+    n = a.shape[0]
+    q = rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm, eps))
+    k = rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm, eps))
+    return q, k, layer.v_proj(a).view(n, nkv, hd)
+
+
+def layer_output(layer: DecoderLayer, hid: torch.Tensor, attended: torch.Tensor, eps: float) -> torch.Tensor:
+    """The residual stream after the layer: attention's projection, then the MLP."""
+    hid = hid + layer.o_proj(attended)
+    return hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
 
 
 def dequantised(key: str, tensors: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 from ..errors import ConfigError
 from ..limits import Limits
+from ..model.attention import Attention, grouped_attention
 from ..model.checkpoint_config import CheckpointConfig
 from ..model.embeddings import Grid
+from ..model.speed import SpeedOptions
 from ..model.transformer import BranchContext
 from ..modes import ModeSpec, SamplingParams
 from ..request import GenerationRequest
@@ -72,10 +74,12 @@ class UlyssesBranch(BranchContext):
     """A branch whose rank holds one token shard; attention runs on a head shard over all tokens."""
 
     def __init__(self, kv_online: torch.Tensor, offset: int, grid: Grid, config: CheckpointConfig,
-                 device: torch.device, dtype: torch.dtype, mesh: Mesh, timer: CommTimer) -> None:
+                 device: torch.device, dtype: torch.dtype, mesh: Mesh, timer: CommTimer,
+                 attention: Attention = grouped_attention) -> None:
         sp, r = mesh.seq_p_size, mesh.seq_rank
         kv_local = config.num_kv_heads // sp
-        super().__init__(kv_online[:, :, :, r * kv_local:(r + 1) * kv_local], offset, grid, config, device, dtype)
+        super().__init__(kv_online[:, :, :, r * kv_local:(r + 1) * kv_local], offset, grid, config, device, dtype,
+                         attention)
         self.mesh, self.timer = mesh, timer
         self.num_tokens = grid.num_tokens
         self.shard = -(-grid.num_tokens // sp)
@@ -118,10 +122,10 @@ class ParallelPipeline(NeoPPPipeline):
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeSpec | None = None, mesh: Mesh | None = None,
                         device: str | None = None, dtype: torch.dtype | None = None, limits: Limits | None = None,
-                        layer_linear=None) -> ParallelPipeline:
+                        layer_linear=None, speed: SpeedOptions | None = None) -> ParallelPipeline:
         if mesh is None:
             raise ConfigError("ParallelPipeline needs a mesh (see neopp.parallel.mesh)")
-        pipe = super().from_pretrained(ckpt_dir, mode, device, dtype, limits, layer_linear)
+        pipe = super().from_pretrained(ckpt_dir, mode, device, dtype, limits, layer_linear, speed)
         check_heads(pipe.config, pipe.mode)
         pipe.mesh, pipe.comm = mesh, CommTimer()
         return pipe
@@ -141,7 +145,8 @@ class ParallelPipeline(NeoPPPipeline):
     def branch(self, kv: torch.Tensor, offset: int, grid: Grid) -> BranchContext:
         if self.mesh.seq_p_size == 1:
             return super().branch(kv, offset, grid)
-        return UlyssesBranch(kv, offset, grid, self.config, self.device, self.dtype, self.mesh, self.comm)
+        return UlyssesBranch(kv, offset, grid, self.config, self.device, self.dtype, self.mesh, self.comm,
+                             self.attention)
 
     three_branch_split = THREE_BRANCH_SPLIT  # a benchmark or test may try another pairing
 

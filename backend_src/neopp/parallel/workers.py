@@ -23,6 +23,7 @@ import torch.multiprocessing as tmp
 from ..engines.engine import CancelledFn, EmitFn, submit_in_caller
 from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
 from ..limits import Limits
+from ..model.speed import SpeedOptions
 from ..modes import ModeSpec
 from ..request import GenerationRequest, RequestRules
 from ..sampling.guidance import COND, IMAGE, UNCOND, guided_branches
@@ -48,6 +49,7 @@ class PoolSpec:
     threads: int | None = None
     collective_timeout_s: float = 120.0
     load_timeout_s: float = 600.0
+    speed: SpeedOptions = SpeedOptions()
 
     @property
     def silence_s(self) -> float:
@@ -74,7 +76,8 @@ def load_rank(rank: int, spec: PoolSpec, port: Any, results: Any, parent: int, b
         store = rendezvous(rank, spec.mode.world_size, port, spec.collective_timeout_s)
         mesh = init_mesh(spec.mode, rank, spec.mode.world_size, None, device, spec.collective_timeout_s,
                          store=store)
-        pipe = ParallelPipeline.from_pretrained(spec.ckpt_dir, spec.mode, mesh, str(device), spec.dtype, spec.limits)
+        pipe = ParallelPipeline.from_pretrained(spec.ckpt_dir, spec.mode, mesh, str(device), spec.dtype, spec.limits,
+                                                speed=spec.speed)
     except Exception as exc:  # noqa: BLE001 - reported to the instance, which refuses to load
         results.put(("load_error", rank, f"{type(exc).__name__}: {exc}"))
         return None

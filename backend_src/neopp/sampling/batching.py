@@ -104,7 +104,7 @@ class StepBatcher:
         if owned:
             hids = {i: pipe.embed(batch[i].x, batch[i].prep, batch[i].k) for i in sorted({i for i, _, _ in owned})}
             inputs = [self.layer_input(hids[i], b) for i, _, b in owned]
-            hidden = pipe.transformer.run_layers(torch.cat(inputs), BatchedBranches([b for _, _, b in owned]))
+            hidden = pipe.run_layers(torch.cat(inputs), BatchedBranches([b for _, _, b in owned]))
             for (i, j, b), h in zip(owned, hidden.split([t.shape[0] for t in inputs])):
                 a = batch[i]
                 out[i, j] = pipe.head_velocity(self.layer_output(h, b), a.z, a.prep, a.k)

@@ -23,6 +23,7 @@ from ..model.checkpoint_config import CheckpointConfig
 from ..model.embeddings import Grid, patchify, unpatchify
 from ..model.lora import apply_loras_
 from ..model.quant import fp8_layer_linear, quantize_layer_linears_
+from ..model.speed import SpeedOptions
 from ..model.transformer import BatchedBranches, BranchContext, LinearFactory, NeoPPTransformer
 from ..modes import TASKS, ModeSpec, SamplingParams
 from ..request import GenerationRequest, RequestRules, StepPlan
@@ -73,17 +74,18 @@ class Prepared:
 class NeoPPPipeline:
     def __init__(self, config: CheckpointConfig, transformer: NeoPPTransformer, mode: ModeSpec,
                  device: torch.device, dtype: torch.dtype, limits: Limits | None = None,
-                 support_tasks: tuple[str, ...] = TASKS) -> None:
+                 support_tasks: tuple[str, ...] = TASKS, speed: SpeedOptions | None = None) -> None:
         self.config, self.transformer, self.mode = config, transformer, mode
         self.device, self.dtype = device, dtype
         self.limits = limits or Limits()
         self.rules = RequestRules(config, self.limits, support_tasks)
         self.cfg_batching = "auto"
+        self.use_speed(speed or SpeedOptions())
 
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeSpec | None = None, device: str | None = None,
                         dtype: torch.dtype | None = None, limits: Limits | None = None,
-                        layer_linear: LinearFactory | None = None) -> NeoPPPipeline:
+                        layer_linear: LinearFactory | None = None, speed: SpeedOptions | None = None) -> NeoPPPipeline:
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or default_dtype(dev)
         mode = mode or ModeSpec()
@@ -98,7 +100,18 @@ class NeoPPPipeline:
             quantize_layer_linears_(tensors)
             layer_linear = layer_linear or fp8_layer_linear(dev)
         transformer = NeoPPTransformer.from_tensors(config, tensors, dev, dtype, layer_linear)
-        return cls(config, transformer, mode, dev, dtype, limits)
+        return cls(config, transformer, mode, dev, dtype, limits, speed=speed)
+
+    def use_speed(self, speed: SpeedOptions) -> None:
+        """Take these speed options from the next request on (a benchmark compares them on one tower)."""
+        self.speed = speed
+        self.attention = speed.attention()
+        self.transformer.compile_layers(speed.compile_layers == "on")
+        # Graphs hold one process's launches; a rank of a parallel mode exchanges with others mid-layer.
+        one_process = self.mode.world_size == 1
+        tower = self.transformer
+        self.layer_graphs = speed.layer_graphs(tower.run_layers, self.device, tower.reads_host_values) \
+            if one_process else None
 
     # ---- validation -------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
@@ -106,7 +119,9 @@ class NeoPPPipeline:
         self.rules.validate(req)
 
     def close(self) -> None:
-        """Nothing to release in-process (the worker pool stops its ranks here)."""
+        """Drop the graphs (the worker pool stops its ranks here)."""
+        if self.layer_graphs is not None:
+            self.layer_graphs.clear()
 
     # ---- preparation ------------------------------------------------------------------
     def guidance_plan(self, req: GenerationRequest) -> list[bool]:
@@ -119,7 +134,7 @@ class NeoPPPipeline:
                           self.device)
 
     def branch(self, kv: torch.Tensor, offset: int, grid: Grid) -> BranchContext:
-        return BranchContext(kv, offset, grid, self.config, self.device, self.dtype)
+        return BranchContext(kv, offset, grid, self.config, self.device, self.dtype, self.attention)
 
     def prepare(self, req: GenerationRequest, names: tuple[str, ...] | None = None) -> Prepared:
         """Lay out the branches ``names`` (default: cond, plus what guided steps read, if any)."""
@@ -134,7 +149,17 @@ class NeoPPPipeline:
     def velocity(self, hid: torch.Tensor, z: torch.Tensor, prep: Prepared, k: int,
                  branch: BranchContext) -> torch.Tensor:
         """One branch's velocity at step k: the layers, then the head."""
-        return self.head_velocity(self.transformer.run_layers(hid, branch), z, prep, k)
+        return self.head_velocity(self.run_layers(hid, branch), z, prep, k)
+
+    def run_layers(self, hid: torch.Tensor, branches: BranchContext | BatchedBranches) -> torch.Tensor:
+        """The decoder layers, through a CUDA graph where the model has them."""
+        graphs = self.layer_graphs
+        return self.transformer.run_layers(hid, branches) if graphs is None else graphs(hid, branches)
+
+    def release(self, prep: Prepared) -> None:
+        """Free what a finished request held beyond its branches (its graphs)."""
+        if self.layer_graphs is not None:
+            self.layer_graphs.release(prep.branches.values())
 
     def head_velocity(self, hid: torch.Tensor, z: torch.Tensor, prep: Prepared, k: int) -> torch.Tensor:
         """The head on the final hidden states; the sampler turns its prediction into a velocity."""
@@ -174,7 +199,7 @@ class NeoPPPipeline:
         """Velocities of several branches at one step: one batch, or one pass each."""
         if len(names) > 1 and self.batch_cfg(prep.grid.num_tokens):
             batch = BatchedBranches([prep.branches[n] for n in names])
-            out = self.transformer.run_layers(torch.cat([hid] * len(names)), batch).split(hid.shape[0])
+            out = self.run_layers(torch.cat([hid] * len(names)), batch).split(hid.shape[0])
             return {n: self.head_velocity(h, z, prep, k) for n, h in zip(names, out)}
         return {n: self.velocity(hid, z, prep, k, prep.branches[n]) for n in names}
 
@@ -189,6 +214,13 @@ class NeoPPPipeline:
                prep: Prepared | None = None) -> torch.Tensor:
         """Run every step; the state stays float32 whatever the run dtype."""
         prep = prep or self.prepare(req)
+        try:
+            return self._steps(req, prep, should_stop, on_step)
+        finally:
+            self.release(prep)
+
+    def _steps(self, req: GenerationRequest, prep: Prepared, should_stop: StopFn | None,
+               on_step: StepFn | None) -> torch.Tensor:
         sampler, t_size = prep.sampler, prep.grid.token_size
         x = sampler.start(req, self.device)
         z = patchify(x, t_size)

@@ -25,6 +25,11 @@ See :data:`PARAMETER_DEFAULTS`:
   so the first request is as fast as the next ones; ``false`` skips it.
 * ``token_budget`` (streaming models): image tokens x branches one batched step may hold; a
   request joins a running batch at a step boundary while the sum stays within it.
+* speed on CUDA (:mod:`neopp.model.speed`): ``cuda_graphs`` ``auto`` (default: on for a
+  one-process model on CUDA) | ``on`` | ``off``; ``max_graphs`` (8) graphs kept at once;
+  ``attention_kernel`` ``auto`` (default: the fastest SDPA kernel per shape, measured on CUDA) |
+  ``default`` | ``flash`` | ``cudnn`` | ``efficient`` | ``math``; ``compile_layers`` ``off``
+  (default) | ``on``.
 
 Relative ``checkpoint``/``mode_file``/``lora_dir`` parameters resolve against ``NEOPP_BASE_DIR`` when set,
 else the folder that holds the model repository (the project root), so the same repository
@@ -48,6 +53,7 @@ from ..limits import Limits
 from ..model.checkpoint import generation_shapes
 from ..model.checkpoint_config import CheckpointConfig
 from ..model.lora import check_loras
+from ..model.speed import SpeedOptions
 from ..modes import TASKS, ModeSpec, load_mode
 from .parameters import read_parameters
 
@@ -63,6 +69,10 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "default_task": "t2i",
     "warmup": "true",
     "token_budget": str(DEFAULT_TOKEN_BUDGET),
+    "cuda_graphs": "auto",
+    "attention_kernel": "auto",
+    "max_graphs": str(SpeedOptions().max_graphs),
+    "compile_layers": "off",
     **{k: str(v) for k, v in Limits().__dict__.items()},
 }
 _DTYPES = {"auto": None, "": None, "float32": torch.float32, "fp32": torch.float32,
@@ -150,6 +160,7 @@ class TritonModelSettings:
     limits: Limits
     warmup: bool = True
     token_budget: int = DEFAULT_TOKEN_BUDGET
+    speed: SpeedOptions = SpeedOptions()
 
     @staticmethod
     def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
@@ -177,6 +188,8 @@ class TritonModelSettings:
             collective_timeout_s=float(int_param(params, "collective_timeout_s")),
             warmup=_bool_param(params, "warmup"),
             token_budget=int_param(params, "token_budget"),
+            speed=SpeedOptions(params["cuda_graphs"].strip().lower(), params["attention_kernel"].strip().lower(),
+                               int_param(params, "max_graphs"), params["compile_layers"].strip().lower()),
         )
 
 

@@ -80,7 +80,8 @@ class NeoPPStreamModel(NeoPPTritonModel):
         hooks = EngineHooks(queue_wait=self._queue_wait, batch_size=self._batch, step_seconds=self._step_time)
         return build_engine(self.settings.checkpoint, self.mode, device, self.settings.dtype, self.settings.limits,
                             threads, instance_index, gpus=gpus, collective_timeout_s=self.settings.collective_timeout_s,
-                            step_batching=True, token_budget=self.settings.token_budget, hooks=hooks)
+                            step_batching=True, token_budget=self.settings.token_budget, hooks=hooks,
+                            speed=self.settings.speed)
 
     def _queue_wait(self, seconds: float) -> None:
         if self._counting:

@@ -143,7 +143,8 @@ class NeoPPTritonModel:
                       threads: int | None) -> Engine:
         """The engine requests run on (the streaming models ask for step batching)."""
         return build_engine(self.settings.checkpoint, self.mode, device, self.settings.dtype, self.settings.limits,
-                            threads, instance_index, gpus=gpus, collective_timeout_s=self.settings.collective_timeout_s)
+                            threads, instance_index, gpus=gpus, collective_timeout_s=self.settings.collective_timeout_s,
+                            speed=self.settings.speed)
 
     def _warm_up(self) -> float:
         return warm_up(self.engine, self.mode)
