@@ -124,15 +124,17 @@ bench-serve: setup
 deps:
 	apt-get update -qq && apt-get install -y -qq libb64-0d chromium chromium-driver haproxy
 
-# ---- GPU check (needs a CUDA device): the CUDA tests (GPU against CPU, FP8 kernel, step batching),
-# every mode the GPU count allows on the 8B geometry (1024px, 50 steps), then continuous batching
-# on the 8B tower against one and two plain instances (bench/continuous_batching_gpu.md).
+# ---- GPU check (needs a CUDA device): the CUDA tests (GPU against CPU, CUDA graphs against eager,
+# FP8 kernel, step batching), every mode the GPU count allows on the 8B geometry (1024px, 50 steps;
+# each one-GPU mode eager, through graphs and on the default path, side by side; guided 256/512
+# steps; the step goals), then continuous batching on the 8B tower against one and two plain
+# instances (bench/continuous_batching_gpu.md).
 # GPU_CHECK_ARGS: e.g. --checkpoint /models/SenseNova-U1-8B; smoke run without GPU: --device cpu --layers 2 ...
 GPU_CHECK_ARGS ?=
 GPU_BATCHING_ARGS ?=
 .PHONY: gpu-check
 gpu-check: setup
-	$(PY) -m pytest -q -rA tests/test_cuda_paths.py tests/test_fp8.py
+	$(PY) -m pytest -q -rA tests/test_cuda_paths.py tests/test_cuda_graphs.py tests/test_fp8.py
 	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
 	$(PY) -m bench.continuous_batching --device cuda --dtype bfloat16 --geometries 8b --two-instances \
 	  --report continuous_batching_gpu.md $(GPU_BATCHING_ARGS)

@@ -68,6 +68,86 @@ def report_line(run: ModeRun, out: dict, spec: CheckSpec) -> str:
     )
 
 
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def path_lines(run: ModeRun, out: dict, spec: CheckSpec) -> tuple[list[str], bool]:
+    """One line per speed path of a one-device mode, against eager; graphs must be eager's bytes."""
+    paths = out.get("paths", {})
+    if "eager" not in paths:
+        return [], True
+    eager = median(paths["eager"]["steps"])
+    lines, ok = [], True
+    for name, res in paths.items():
+        step = median(res["steps"])
+        line = f"  {name:<8} {step * 1e3:9.1f} ms/step  x{eager / step:5.2f} vs eager"
+        if res.get("graphs"):
+            captures, replays, enabled = res["graphs"]
+            line += f"  ({captures} graphs captured, {replays} replays{'' if enabled else ', GRAPHS TURNED OFF'})"
+            ok &= enabled
+        elif name != "eager":
+            line += "  (no graphs on this device)"
+        if name == "compiled":
+            line += f"  (first 2-step image, compiling: {res['warmup_s']:.1f} s)"
+        if name == "graphs":
+            agree = pixel_agreement(res["pixels"], paths["eager"]["pixels"])
+            same = agree["max"] == 0
+            ok &= same
+            line += f"  pixels {'byte-equal to eager' if same else 'DIFFER from eager (max ' + str(agree['max']) + ')'}"
+        lines.append(line)
+    for size, by_path in out.get("small", {}).items():
+        lines.append(f"  guided {size}x{size} step: " + ", ".join(f"{n} {t * 1e3:.2f} ms" for n, t in by_path.items()))
+    return lines, ok
+
+
+def attention_lines(timings: dict) -> list[str]:
+    """What the attention kernel measurement saw per shape, and what it chose."""
+    lines = []
+    for (q_shape, kv_heads, keys, dtype, _), times in sorted(timings.items(), key=str):
+        best = min(times, key=times.get) if times else "-"
+        lines.append(f"  q {q_shape} over {kv_heads} KV heads x <= {keys} keys ({str(dtype).removeprefix('torch.')}): "
+                     + ", ".join(f"{n} {t * 1e3:.3f} ms" for n, t in times.items()) + f" -> {best}")
+    return lines
+
+
+def goal_lines(results: dict, spec: CheckSpec, runs: list[ModeRun], matmul: float) -> list[str]:
+    """The step goals, each with its target and what this run measured on the default path and with
+    compiled layers (a parameter away)."""
+    by_name = {r.name: r for r in runs}
+
+    def step_s(name: str, path: str) -> float | None:
+        out = results.get(name)
+        return median(out["paths"][path]["steps"]) if out and path in out.get("paths", {}) else None
+
+    def tflops(name: str, path: str) -> float | None:
+        step = step_s(name, path)
+        run = by_name.get(name)
+        return None if step is None else step_tflop(spec, run, run.mode.sampling.enable_cfg) / step
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    small = results.get("dense bf16", {}).get("small", {})
+    goals = [
+        ("dense bf16 step, share of the bf16 matmul rate", ">=", 0.70,
+         lambda p: ratio(tflops("dense bf16", p), matmul)),
+        ("FP8 speed over dense bf16", ">=", 1.40, lambda p: ratio(step_s("dense bf16", p), step_s("fp8", p))),
+        ("MoE TFLOP/s over dense bf16's", ">=", 0.40, lambda p: ratio(tflops("MoE", p), tflops("dense bf16", p))),
+        ("guided 256x256 step, ms", "<=", 8.0, lambda p: small[256][p] * 1e3 if p in small.get(256, {}) else None),
+        ("guided 512x512 step, ms", "<=", 12.0, lambda p: small[512][p] * 1e3 if p in small.get(512, {}) else None),
+    ]
+    lines = [f"  {'goal':<48} {'target':<8} {'default':>16} {'compiled':>16}"]
+    for what, op, target, measure in goals:
+        cells = []
+        for path in ("default", "compiled"):
+            got = measure(path)
+            met = got is not None and (got >= target if op == ">=" else got <= target)
+            cells.append("-" if got is None else f"{got:.2f} {'met' if met else 'MISSED'}")
+        lines.append(f"  {what:<48} {op} {target:<5} {cells[0]:>16} {cells[1]:>16}")
+    return lines
+
+
 def compare(name: str, out: dict, base: dict) -> tuple[str, bool]:
     agree = pixel_agreement(out["pixels"], base["pixels"])
     ratio = sorted(out["steps"])[len(out["steps"]) // 2] / sorted(base["steps"])[len(base["steps"]) // 2]
@@ -99,7 +179,9 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, CheckSpec]:
     p.add_argument("--moe-steps", type=int, default=50)
     p.add_argument("--checkpoint", default=None, help="a real dense checkpoint instead of random weights")
     p.add_argument("--budget-s", type=float, default=540.0, help="skip modes that would start after this")
+    p.add_argument("--small-sizes", default="256,512", help="sizes of the guided-step goals (dense bf16)")
     a = p.parse_args(argv)
+    a.small_sizes = tuple(int(v) for v in a.small_sizes.split(",") if v)
     spec = CheckSpec(
         a.device,
         a.layers,
@@ -133,22 +215,27 @@ def main(argv: list[str] | None = None) -> int:
         f"{spec.moe_steps}), prefix {spec.prefix}; time budget {args.budget_s:.0f} s for starting modes "
         "(the 1-GPU modes are sized for < 10 min on one H200)"
     )
-    print(f"bf16 matmul: {matmul_tflops(device):.3g} TFLOP/s", flush=True)
+    matmul = matmul_tflops(device)
+    print(f"bf16 matmul: {matmul:.3g} TFLOP/s", flush=True)
     start, results, ok = time.perf_counter(), {}, True
     for run in runs:
         elapsed = time.perf_counter() - start
         if elapsed > args.budget_s:
             print(f"{run.name:<22} skipped: {elapsed:.0f} s elapsed, past the {args.budget_s:.0f} s budget")
             continue
+        small = args.small_sizes if run.name == "dense bf16" else ()
         results[run.name] = (
             run_ranks(spec, run, torch.bfloat16)
             if run.mode.world_size > 1
-            else run_local(spec, run, device, torch.bfloat16)
+            else run_local(spec, run, device, torch.bfloat16, small)
         )
         print(
             report_line(run, results[run.name], spec) + f"  [t={time.perf_counter() - start:.0f} s]",
             flush=True,
         )
+        lines, same = path_lines(run, results[run.name], spec)
+        ok &= same
+        print("\n".join(lines), flush=True)
         release(device)
     base = results.get("dense bf16")
     for run in runs:
@@ -156,9 +243,15 @@ def main(argv: list[str] | None = None) -> int:
             line, passed = compare(run.name, results[run.name], base)
             ok &= passed
             print(line)
+    attention = results.get("dense bf16", {}).get("attention", {})
+    if attention:
+        print("attention kernels measured on the default path (dense bf16):")
+        print("\n".join(attention_lines(attention)))
+    print("goals (default: graphs and the measured attention kernel; compiled: the same with compile_layers on):")
+    print("\n".join(goal_lines(results, spec, runs, matmul)))
     print(
         f"total {time.perf_counter() - start:.0f} s; "
-        f"{'all comparisons passed' if ok else 'A COMPARISON FAILED'}"
+        f"{'all comparisons passed' if ok else 'A COMPARISON FAILED'} (parallel modes' pixels, graphs' bytes)"
     )
     return 0 if ok else 1
 

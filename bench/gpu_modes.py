@@ -26,6 +26,7 @@ from neopp.model.checkpoint import load_checkpoint
 from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.model.lora import check_pair, read_lora_pairs
 from neopp.model.quant import fp8_layer_linear, quantize_layer_linears_
+from neopp.model.speed import SpeedOptions
 from neopp.model.transformer import NeoPPTransformer
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.parallel.mesh import backend_for, build_mesh
@@ -178,8 +179,10 @@ def peak_bytes(device: torch.device) -> int:
 def timed_generation(pipe: NeoPPPipeline, spec: CheckSpec, run: ModeRun) -> dict:
     """A 2-step warm-up, then the timed image; step seconds, total, peak memory and pixels."""
     pipe.validate(request(pipe, spec, run))
+    began = time.perf_counter()
     pipe.generate(request(pipe, spec, run, steps=2))
     sync(pipe.device)
+    warmup_s = time.perf_counter() - began
     if pipe.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(pipe.device)
     steps: list[float] = []
@@ -192,18 +195,55 @@ def timed_generation(pipe: NeoPPPipeline, spec: CheckSpec, run: ModeRun) -> dict
         "peak": peak_bytes(pipe.device),
         "pixels": pixels,
         "batched": pipe.batch_cfg((spec.size // 32) ** 2),
+        "warmup_s": warmup_s,
     }
 
 
-def run_local(spec: CheckSpec, run: ModeRun, device: torch.device, dtype: torch.dtype) -> dict:
+# The speed paths each one-device mode is measured on, one tower, side by side: today's eager step,
+# the same kernels through CUDA graphs (must be the same bytes), and the served default (graphs and
+# the attention kernel measured fastest per shape), and the default with compiled layers (its
+# warm-up, which compiles, is reported as its start cost).
+SPEED_PATHS = {
+    "eager": SpeedOptions(cuda_graphs="off", attention_kernel="default"),
+    "graphs": SpeedOptions(cuda_graphs="auto", attention_kernel="default"),
+    "default": SpeedOptions(),
+    "compiled": SpeedOptions(compile_layers="on"),
+}
+
+
+def run_local(spec: CheckSpec, run: ModeRun, device: torch.device, dtype: torch.dtype,
+              small_sizes: tuple[int, ...] = ()) -> dict:
+    """Every speed path on one tower; the default path's figures at the top level, the others by
+    name, and (``small_sizes``) a guided step's time at small sizes on the eager and default paths."""
     start = time.perf_counter()
     pipe = build(spec, run, device, dtype)
     sync(device)
     build_s = time.perf_counter() - start
-    out = {**timed_generation(pipe, spec, run), "build_s": build_s}
+    paths = {}
+    for name, speed in SPEED_PATHS.items():
+        pipe.use_speed(speed)
+        paths[name] = timed_generation(pipe, spec, run)
+        graphs = pipe.layer_graphs
+        paths[name]["graphs"] = (graphs.captures, graphs.replays, graphs.enabled) if graphs else None
+    timings = dict(pipe.attention.timings)  # the default path's measured attention kernels
+    small: dict[int, dict[str, float]] = {size: {} for size in small_sizes}
+    for name in ("eager", "default", "compiled"):
+        pipe.use_speed(SPEED_PATHS[name])
+        for size in small_sizes:
+            small[size][name] = small_step_s(pipe, spec, run, size)
+    timings.update(pipe.attention.timings)
     del pipe
     release(device)
-    return out
+    return {**paths["default"], "build_s": build_s, "paths": paths, "small": small, "attention": timings}
+
+
+def small_step_s(pipe: NeoPPPipeline, spec: CheckSpec, run: ModeRun, size: int, steps: int = 20) -> float:
+    """Median seconds of a guided step at ``size`` (after a warm-up image of the same size)."""
+    small = replace(spec, size=size)
+    pipe.generate(request(pipe, small, run, steps=3))
+    times: list[float] = []
+    pipe.generate(request(pipe, small, run, steps=steps), on_step=lambda k, s: times.append(s))
+    return sorted(times)[len(times) // 2]
 
 
 def release(device: torch.device) -> None:

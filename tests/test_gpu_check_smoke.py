@@ -45,12 +45,21 @@ def test_smoke_run_covers_every_mode_and_parallel_pixels_agree() -> None:
         "4",
         "--prefix",
         "16",
+        "--small-sizes",
+        "64",
     ]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()
     for name in ("dense bf16", "fp8", "8-step LoRA", "MoE", "CFG-parallel x2", "CFG x2 + Ulysses x2"):
         assert any(line.startswith(name) and "ms/step" in line and "GiB" in line for line in lines), name
+    for path in ("eager", "graphs", "default", "compiled"):
+        assert sum(line.startswith(f"  {path} ") and "ms/step" in line for line in lines) == 4, path
+    assert sum("byte-equal to eager" in line for line in lines) == 4
+    assert any(line.startswith("  guided 64x64 step: eager") for line in lines)
+    goals = lines[lines.index(next(line for line in lines if line.startswith("goals"))) + 2:][:5]
+    assert [line.split()[0] for line in goals] == ["dense", "FP8", "MoE", "guided", "guided"]
+    assert all(line.count("met") + line.count("MISSED") + line.count(" -") == 2 for line in goals), goals
     compared = [line for line in lines if "vs dense bf16 on one device" in line]
     assert len(compared) == 2 and all("PASS" in line for line in compared)
 
