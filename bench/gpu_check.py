@@ -57,6 +57,8 @@ def matmul_tflops(device: torch.device, n: int = 8192, repeats: int = 20) -> flo
 
 
 def report_line(run: ModeRun, out: dict, spec: CheckSpec) -> str:
+    if "steps" not in out:
+        return f"{run.name:<22} FAILED (below)"
     steps = sorted(out["steps"])
     median = steps[len(steps) // 2]
     cfg_on = run.mode.sampling.enable_cfg
@@ -77,9 +79,15 @@ def path_lines(run: ModeRun, out: dict, spec: CheckSpec) -> tuple[list[str], boo
     paths = out.get("paths", {})
     if "eager" not in paths:
         return [], True
+    if "error" in paths["eager"]:
+        return [f"  eager    FAILED: {paths['eager']['error']}"], False
     eager = median(paths["eager"]["steps"])
     lines, ok = [], True
     for name, res in paths.items():
+        if "error" in res:
+            lines.append(f"  {name:<8} FAILED: {res['error']}")
+            ok &= name == "compiled"  # an opt-in path may fail without failing the check
+            continue
         step = median(res["steps"])
         line = f"  {name:<8} {step * 1e3:9.1f} ms/step  x{eager / step:5.2f} vs eager"
         if res.get("graphs"):
@@ -117,8 +125,8 @@ def goal_lines(results: dict, spec: CheckSpec, runs: list[ModeRun], matmul: floa
     by_name = {r.name: r for r in runs}
 
     def step_s(name: str, path: str) -> float | None:
-        out = results.get(name)
-        return median(out["paths"][path]["steps"]) if out and path in out.get("paths", {}) else None
+        res = results.get(name, {}).get("paths", {}).get(path, {})
+        return median(res["steps"]) if "steps" in res else None
 
     def tflops(name: str, path: str) -> float | None:
         step = step_s(name, path)

@@ -219,22 +219,30 @@ def run_local(spec: CheckSpec, run: ModeRun, device: torch.device, dtype: torch.
     pipe = build(spec, run, device, dtype)
     sync(device)
     build_s = time.perf_counter() - start
-    paths = {}
+    paths, timings = {}, {}
     for name, speed in SPEED_PATHS.items():
         pipe.use_speed(speed)
-        paths[name] = timed_generation(pipe, spec, run)
+        try:
+            paths[name] = timed_generation(pipe, spec, run)
+        except Exception as exc:  # noqa: BLE001 - one failed path is reported; the others still run
+            paths[name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            continue
         graphs = pipe.layer_graphs
         paths[name]["graphs"] = (graphs.captures, graphs.replays, graphs.enabled) if graphs else None
-    timings = dict(pipe.attention.timings)  # the default path's measured attention kernels
+        timings.update(pipe.attention.timings)  # the kernels the default path measured
     small: dict[int, dict[str, float]] = {size: {} for size in small_sizes}
     for name in ("eager", "default", "compiled"):
         pipe.use_speed(SPEED_PATHS[name])
         for size in small_sizes:
-            small[size][name] = small_step_s(pipe, spec, run, size)
+            try:
+                small[size][name] = small_step_s(pipe, spec, run, size)
+            except Exception:  # noqa: BLE001 - reported as not measured
+                continue
     timings.update(pipe.attention.timings)
     del pipe
     release(device)
-    return {**paths["default"], "build_s": build_s, "paths": paths, "small": small, "attention": timings}
+    return {**paths["eager"], **paths.get("default", {}), "build_s": build_s, "paths": paths, "small": small,
+            "attention": timings}
 
 
 def small_step_s(pipe: NeoPPPipeline, spec: CheckSpec, run: ModeRun, size: int, steps: int = 20) -> float:
