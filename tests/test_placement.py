@@ -29,7 +29,8 @@ from neopp.serving.placement import (
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
 SHIPPED = sorted(REPO.glob("*/configs/*.pbtxt"))
-LAYOUT_ONLY = {"layout", "gpus", "share_gpus"}  # the parameters a layout adds to config.pbtxt's
+LAYOUT_ONLY = {"layout", "gpus", "share_gpus", "device"}  # what a layout may change in config.pbtxt's parameters
+NODE_GPUS = {"h200x8": 8, "h200x1": 1}  # the GPUs of the node each shipped layout is written for
 
 
 def config(name: str, kind: str = "KIND_MODEL", count: int = 1, group_gpus: list[int] | None = None,
@@ -177,17 +178,27 @@ def test_layout_name_must_be_the_file_s_name(tmp_path):
 
 # ---------------------------------------------------------------- the shipped layouts
 
-def test_h200x8_covers_every_generation_model():
+@pytest.mark.parametrize("layout", sorted(NODE_GPUS))
+def test_each_layout_covers_every_generation_model(layout):
     no_gpu = ("neopp_session", "neopp_t2i", "neopp_prompt_encoder")  # BLS models and the small text tower
     generation = sorted(p.parent.name for p in REPO.glob("*/config.pbtxt") if p.parent.name not in no_gpu)
-    assert sorted(p.parent.parent.name for p in REPO.glob("*/configs/h200x8.pbtxt")) == generation
+    assert sorted(p.parent.parent.name for p in REPO.glob(f"*/configs/{layout}.pbtxt")) == generation
+    assert {p.stem for p in SHIPPED} == set(NODE_GPUS)
+
+
+def pinned_to_cpu(own: dict) -> bool:
+    return own["parameters"]["device"]["string_value"] == "cpu"
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.parent.name}/{p.stem}")
 def test_shipped_layout_loads_on_its_node_and_not_on_a_smaller_one(path):
     own = read_placement_fields(path.read_text())
     assert own["parameters"]["layout"]["string_value"] == path.stem
-    placement = check_layout(own, path.parent.parent, world_of(path), device_count=8)
+    if pinned_to_cpu(own):  # a mode the node cannot hold: it names no GPU and loads anywhere
+        assert world_of(path) > NODE_GPUS[path.stem]
+        assert not check_layout(own, path.parent.parent, world_of(path), device_count=0).gpus
+        return
+    placement = check_layout(own, path.parent.parent, world_of(path), device_count=NODE_GPUS[path.stem])
     assert placement.gpus and all(len(gpus) == world_of(path) for gpus in placement.instances)
     fewer = max(placement.gpus)  # its highest GPU is then missing; a sibling's missing GPU is that sibling's refusal
     with pytest.raises(ConfigError, match=f"only {fewer} are visible|CUDA is not available"):
@@ -204,6 +215,18 @@ def test_h200x8_shares_only_where_declared_and_uses_all_eight():
     assert by_model["neopp_dense_cfg"].instances == by_model["neopp_moe_cfg"].instances == ((2, 3),)
 
 
+def test_h200x1_puts_every_one_process_mode_on_gpu_0_by_declaration():
+    own = {p.parent.parent.name: read_placement_fields(p.read_text()) for p in REPO.glob("*/configs/h200x1.pbtxt")}
+    placements = [model_placement(c, 1, 1) for c in own.values() if not pinned_to_cpu(c)]
+    assert sorted(p.model for p in placements) == ["neopp_dense", "neopp_dense_8steps", "neopp_dense_fp8",
+                                                   "neopp_dense_stream", "neopp_moe"]
+    assert all(p.instances == ((0,),) and p.share for p in placements)
+    check_overlaps(placements, "h200x1")
+    kinds = {m: c["instance_group"][0]["kind"] for m, c in own.items() if pinned_to_cpu(c)}
+    assert kinds == dict.fromkeys(["neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_dense_cfg_stream",
+                                   "neopp_moe_cfg"], "KIND_CPU")
+
+
 def parse(path: Path) -> mc.ModelConfig:
     return text_format.Parse(path.read_text(), mc.ModelConfig())
 
@@ -215,7 +238,9 @@ def test_shipped_layout_parses_and_keeps_the_model_s_interface(path):
     assert list(layout.input) == list(default.input) and list(layout.output) == list(default.output)
     params = {k: v.string_value for k, v in layout.parameters.items()}
     base = {k: v.string_value for k, v in default.parameters.items()}
-    assert {k: v for k, v in params.items() if k not in LAYOUT_ONLY} == base
+    assert {k: v for k, v in params.items() if k not in LAYOUT_ONLY} == \
+        {k: v for k, v in base.items() if k not in LAYOUT_ONLY}
+    assert params["device"] in (base["device"], "cpu")  # a layout may only pin a mode to the CPU
 
 
 @pytest.mark.parametrize("path", SHIPPED + sorted(REPO.glob("*/config.pbtxt")),
