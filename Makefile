@@ -139,6 +139,15 @@ gpu-check: setup
 	$(PY) -m bench.continuous_batching --device cuda --dtype bfloat16 --geometries 8b --two-instances \
 	  --report continuous_batching_gpu.md $(GPU_BATCHING_ARGS)
 
+# ---- The server for a GPU machine without network or container (docs/local-triton.md): tritonserver,
+# the libraries it links, the Python backend with the stub for GPU_PYTHON, perf_analyzer and the
+# client packages, in one archive (about 39 MiB) that `make gpu-serve-check` unpacks there.
+GPU_PYTHON ?= 3.12
+GPU_BUNDLE ?= build/gpu-bundle.tar.xz
+.PHONY: gpu-bundle
+gpu-bundle: setup
+	$(PY) -m deploy.gpu_bundle --out $(GPU_BUNDLE) --python $(GPU_PYTHON)
+
 # ---- 8B geometry on this machine (not in `make test`): writes a ~14 GB sharded random checkpoint to
 # build/8b, generates in bf16 and FP8 (a child process each), deletes the checkpoint, updates bench/RESULTS.md.
 .PHONY: bench-8b
