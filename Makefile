@@ -130,23 +130,40 @@ deps:
 # steps; the step goals), then continuous batching on the 8B tower against one and two plain
 # instances (bench/continuous_batching_gpu.md).
 # GPU_CHECK_ARGS: e.g. --checkpoint /models/SenseNova-U1-8B; smoke run without GPU: --device cpu --layers 2 ...
+# The GPU targets run with the machine's own Python and CUDA torch (GPU_PY; this checkout's venv where
+# there is one) and install nothing: a GPU machine may have no network.
 GPU_CHECK_ARGS ?=
 GPU_BATCHING_ARGS ?=
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+GPU_ENV = PYTHONPATH=$(REPO_DIR)/backend_src:$(REPO_DIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 .PHONY: gpu-check
-gpu-check: setup
-	$(PY) -m pytest -q -rA tests/test_cuda_paths.py tests/test_cuda_graphs.py tests/test_fp8.py
-	$(PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
-	$(PY) -m bench.continuous_batching --device cuda --dtype bfloat16 --geometries 8b --two-instances \
-	  --report continuous_batching_gpu.md $(GPU_BATCHING_ARGS)
+gpu-check:
+	$(GPU_ENV) $(GPU_PY) -m pytest -q -rA tests/test_cuda_paths.py tests/test_cuda_graphs.py tests/test_fp8.py
+	$(GPU_ENV) $(GPU_PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+	$(GPU_ENV) $(GPU_PY) -m bench.continuous_batching --device cuda --dtype bfloat16 --geometries 8b \
+	  --two-instances --report continuous_batching_gpu.md $(GPU_BATCHING_ARGS)
 
 # ---- The server for a GPU machine without network or container (docs/local-triton.md): tritonserver,
 # the libraries it links, the Python backend with the stub for GPU_PYTHON, perf_analyzer and the
 # client packages, in one archive (about 39 MiB) that `make gpu-serve-check` unpacks there.
 GPU_PYTHON ?= 3.12
 GPU_BUNDLE ?= build/gpu-bundle.tar.xz
-.PHONY: gpu-bundle
+.PHONY: gpu-bundle gpu-serve-check
 gpu-bundle: setup
 	$(PY) -m deploy.gpu_bundle --out $(GPU_BUNDLE) --python $(GPU_PYTHON)
+
+# ---- Triton on one GPU (bench/gpu_serve_check.py): the bundle GPU_BUNDLE unpacked into build/gpu-bundle
+# (where it exists; else the tritonserver this environment has), `neopp_dense` and its streamed twin
+# in the layout GPU_SERVE_CONFIG on a random 8B-geometry checkpoint, Triton against in-process, then
+# throughput through Triton. GPU_SERVE_ARGS: e.g. --checkpoint /models/SenseNova-U1-8B.
+GPU_SERVE_ARGS ?=
+GPU_SERVE_CONFIG ?= h200x1
+BUNDLE_TOP = $(REPO_DIR)/build/gpu-bundle/neopp-gpu-bundle
+gpu-serve-check:
+	@if test -f $(GPU_BUNDLE); then $(GPU_ENV) $(GPU_PY) -m deploy.gpu_bundle --unpack $(GPU_BUNDLE) \
+	  --out build/gpu-bundle; fi
+	$(GPU_ENV)$(if $(wildcard $(GPU_BUNDLE)),:$(BUNDLE_TOP)/site NEOPP_TRITONSERVER_ROOT=$(BUNDLE_TOP)/tritonserver) \
+	  $(GPU_PY) -m bench.gpu_serve_check --config "$(GPU_SERVE_CONFIG)" $(GPU_SERVE_ARGS)
 
 # ---- 8B geometry on this machine (not in `make test`): writes a ~14 GB sharded random checkpoint to
 # build/8b, generates in bf16 and FP8 (a child process each), deletes the checkpoint, updates bench/RESULTS.md.

@@ -25,7 +25,13 @@ from pathlib import Path
 
 from client_examples.make_perf_data import perf_input_data
 from neopp.launcher.admin import GRPC_HEADER, KEY_ENV, KEY_HEADER
-from neopp.launcher.triton_install import TritonLaunchError, prepend_path, site_packages_candidates, venv_bin
+from neopp.launcher.triton_install import (
+    SYSTEM_ROOT_ENV,
+    TritonLaunchError,
+    prepend_path,
+    site_packages_candidates,
+    venv_bin,
+)
 
 
 def cuda_runtime_lib_dir() -> Path | None:
@@ -49,7 +55,13 @@ def _has_libb64() -> bool:
 
 
 def perf_analyzer_command(args: Iterable[str]) -> tuple[list[str], dict[str, str]]:
-    """argv and env for perf_analyzer from tritonclient[all]; errors say which piece is missing."""
+    """argv and env for perf_analyzer: the GPU bundle's (with its own libraries) where
+    $NEOPP_TRITONSERVER_ROOT holds one, else tritonclient[all]'s; errors say which piece is missing."""
+    bundled = Path(os.environ.get(SYSTEM_ROOT_ENV) or "/nonexistent") / "bin" / "perf_analyzer"
+    if bundled.is_file():
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = prepend_path(env.get("LD_LIBRARY_PATH"), str(bundled.parent.parent / "lib"))
+        return [str(bundled), *args], env
     exe = venv_bin() / "perf_analyzer"
     if not exe.exists():
         found = shutil.which("perf_analyzer")

@@ -56,26 +56,32 @@ FULL = {"sizes": (256, 512), "concurrency": (1, 2, 4, 8)}
 QUICK = {"sizes": (256,), "concurrency": (1, 4)}
 
 
-def build_repository(dest: Path, x2_threads: int) -> Path:
-    """The three models in a fresh repository; the committed folders are copied, never edited."""
+def build_repository(dest: Path, x2_threads: int, layout: str = "") -> Path:
+    """The three models in a fresh repository; the committed folders are copied, never edited.
+    With ``layout`` the two plain instances are derived from that layout's file (on its GPUs)."""
     for name in (STREAM, PLAIN):
         shutil.copytree(REPO / "model_repository" / name, dest / name)
     shutil.copytree(REPO / "model_repository" / PLAIN, dest / PLAIN_X2)
-    config = dest / PLAIN_X2 / "config.pbtxt"
+    config = dest / PLAIN_X2 / (f"configs/{layout}.pbtxt" if layout else "config.pbtxt")
     text, named = re.subn(rf'^name: "{PLAIN}"$', f'name: "{PLAIN_X2}"', config.read_text(), flags=re.MULTILINE)
-    text, counted = re.subn(r"(instance_group \[ \{ kind: KIND_CPU) count: 1 \}", r"\1 count: 2 }", text)
+    text, counted = re.subn(r"(instance_group \[ \{ kind: KIND_[CG]PU) count: 1", r"\1 count: 2", text)
     text, threaded = re.subn(r'(key: "num_threads" value: \{ string_value: )"\d+"', rf'\1"{x2_threads}"', text)
     if (named, counted, threaded) != (1, 1, 1):
-        raise RuntimeError(f"{PLAIN} config.pbtxt changed shape: cannot derive {PLAIN_X2} from it")
+        raise RuntimeError(f"{PLAIN} {config.name} changed shape: cannot derive {PLAIN_X2} from it")
     config.write_text(text)
+    if layout:  # Triton also reads the default file's name; keep it consistent
+        default = dest / PLAIN_X2 / "config.pbtxt"
+        renamed = re.sub(rf'^name: "{PLAIN}"$', f'name: "{PLAIN_X2}"', default.read_text(), flags=re.MULTILINE)
+        default.write_text(renamed)
     return dest
 
 
-def ensure_loaded(url: str, attempts: int = 3) -> None:
-    """Every model ready; a load the busy machine failed (a stub judged unhealthy) is tried again."""
+def ensure_loaded(url: str, attempts: int = 3, models: Sequence[str] | None = None) -> None:
+    """Every model (default: the three configurations') ready; a load the busy machine failed (a stub
+    judged unhealthy) is tried again."""
     client = grpcclient.InferenceServerClient(url)
     try:
-        for _label, model in CONFIGS:
+        for model in models or [m for _label, m in CONFIGS]:
             for _ in range(attempts):
                 if client.is_model_ready(model):
                     break

@@ -35,9 +35,10 @@ import tarfile
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from bench.perf_analyzer import cuda_runtime_lib_dir
-from neopp.launcher.triton_install import TritonInstall, find_install, venv_bin
+if TYPE_CHECKING:
+    from neopp.launcher.triton_install import TritonInstall
 
 # What the machine must have itself: the loader, the C/C++ runtimes, OpenSSL, zlib, libpython.
 SYSTEM_LIBS = re.compile(r"^(ld-linux.*|lib(c|m|dl|rt|pthread|resolv|gcc_s|stdc\+\+|z|ssl|crypto|python3\.\d+)\.so.*)$")
@@ -77,6 +78,9 @@ def library_closure(roots: list[Path], search: list[Path]) -> tuple[list[Path], 
 
 def server_files(install: TritonInstall, python: str) -> dict[str, Path]:
     """Bundle path -> source path for the server, the Python backend and the stub of ``python``."""
+    from bench.perf_analyzer import cuda_runtime_lib_dir  # building needs this checkout's environment;
+    from neopp.launcher.triton_install import venv_bin  # unpacking (on the GPU machine) only the stdlib
+
     root = install.server_bin.parent.parent
     stub = root / "python_backend_stubs" / python / "triton_python_backend_stub"
     if not stub.is_file():
@@ -123,6 +127,8 @@ def sha256(path: Path) -> str:
 
 def build(out: Path, python: str, with_site: bool = True, compression: str = "xz") -> Path:
     """Write the archive (``compression``: xz for carrying, gz for a quick local check)."""
+    from neopp.launcher.triton_install import find_install
+
     install = find_install()
     with tempfile.TemporaryDirectory(prefix="neopp_bundle_") as tmp:
         top = Path(tmp) / "neopp-gpu-bundle"
