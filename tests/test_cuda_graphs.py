@@ -7,6 +7,7 @@ to torch's pick on both sides (a measured pick could differ between two pipeline
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -99,9 +100,9 @@ def test_a_replay_that_differs_from_eager_turns_graphs_off():
     def noisy(hid, branches):
         return hid + torch.rand_like(hid)
 
-    graphs = LayerGraphs(noisy, torch.device("cuda"))
+    graphs, owner = LayerGraphs(noisy, torch.device("cuda")), object()
     for _ in range(3):
-        out = graphs(x, object())
+        out = graphs(x, owner)
         assert out.shape == x.shape
     assert not graphs.enabled and graphs.captures == 0 and not graphs.graphs
 
@@ -118,3 +119,29 @@ def test_graphs_are_bounded_and_reused():
     graphs.release(owners[1:])
     assert not graphs.graphs
 
+
+
+def test_the_served_default_keeps_its_graphs(tiny):
+    """Graphs with the attention kernel measured per shape (what a CUDA model runs by default):
+    every request replays graphs, and the images stay within bf16 rounding of eager's."""
+    variant, mode = MODES["dense"]
+    ckpt, kvs = tiny[0][variant], tiny[1][variant]
+    served = NeoPPPipeline.from_pretrained(ckpt, mode, "cuda", torch.bfloat16)
+    eager = NeoPPPipeline.from_pretrained(ckpt, mode, "cuda", torch.bfloat16, speed=EAGER)
+    assert served.speed == SpeedOptions() and served.layer_graphs is not None
+    for i, (a, b) in enumerate(zip(requests(kvs), requests(kvs))):
+        diff = np.abs(served.generate(a).astype(np.int16) - eager.generate(b).astype(np.int16))
+        assert diff.mean() <= 0.5, f"request {i}: mean {diff.mean():.3f} levels"
+    assert served.layer_graphs.enabled and served.layer_graphs.replays > 0
+    assert served.attention.timings  # the kernels were measured
+
+
+def test_a_step_that_reads_the_host_is_never_captured(tiny):
+    """MoE experts run as a loop read their token counts on the host: graphs stay off (auto)."""
+    mode = MODES["moe"][1]
+    pipe = NeoPPPipeline.from_pretrained(tiny[0]["moe"], mode, "cuda", torch.bfloat16,
+                                         speed=SpeedOptions(attention_kernel="default"))
+    for layer in pipe.transformer.layers:
+        layer.mlp.grouped = None  # as NEOPP_MOE_DISPATCH=loop builds it
+    pipe.use_speed(SpeedOptions(attention_kernel="default"))
+    assert pipe.transformer.reads_host_values and pipe.layer_graphs is None

@@ -65,6 +65,7 @@ class BatchingEngine(QueuedEngine, InProcessEngine):
             self._closed = True
             self._cv.notify()
         self._thread.join()
+        self.pipe.close()  # what the requests still running held (their graphs)
 
     # ---- the scheduler -------------------------------------------------------------------
     def _loop(self) -> None:

@@ -19,6 +19,7 @@ the same shapes as eager and the padded-prefix question does not arise.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -51,10 +52,18 @@ class Captured:
 
 @dataclass
 class WarmRun:
-    """The eager run of a key's first sighting: the reference its capture must reproduce."""
+    """The eager run of a key's first sighting: the reference its capture must reproduce (the
+    branches are held so that their ids, the key, cannot be reused by others meanwhile)."""
 
     input: torch.Tensor
     output: torch.Tensor
+    branches: tuple[object, ...]
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (`torch.equal` calls NaN unequal to itself)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8),
+                                                                      b.contiguous().view(torch.uint8))
 
 
 class LayerGraphs:
@@ -68,6 +77,11 @@ class LayerGraphs:
         self.warm: dict[tuple, WarmRun] = {}
         self.enabled = True
         self.replays = self.captures = 0
+        # One stream for every warm-up and capture: cuBLAS sets up a workspace per stream, and that
+        # must happen in a warm-up, never inside a capture. One pool for every graph: replays run
+        # one at a time and each output is copied out at once, so the graphs can share scratch.
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
 
     @staticmethod
     def key(hid: torch.Tensor, branches: object) -> tuple:
@@ -80,7 +94,7 @@ class LayerGraphs:
         captured = self.graphs.get(key)
         if captured is None:
             warm = self.warm.pop(key, None)
-            if warm is None:
+            if warm is None or not bool(torch.isfinite(warm.output).all()):  # nothing to check a replay by
                 return self._warm_up(key, hid, branches)
             captured = self._capture(key, hid, branches, warm)
             if captured is None:
@@ -101,14 +115,14 @@ class LayerGraphs:
 
     # ---- the three stages of a key ------------------------------------------------------
     def _warm_up(self, key: tuple, hid: torch.Tensor, branches: object) -> torch.Tensor:
-        """Eager, on a side stream as a capture's warm-up must be; kept as the capture's reference."""
+        """Eager, on the graphs' stream as a capture's warm-up must be; kept as the capture's reference."""
         main = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
             out = self.run_layers(hid, branches)
-        main.wait_stream(side)
-        self.warm[key] = WarmRun(hid.clone(), out.clone())
+        main.wait_stream(self.stream)
+        out.record_stream(main)  # the caller reads it on the main stream
+        self.warm[key] = WarmRun(hid.clone(), out.clone(), members_of(branches))
         return out
 
     def _capture(self, key: tuple, hid: torch.Tensor, branches: object, warm: WarmRun) -> Captured | None:
@@ -117,9 +131,13 @@ class LayerGraphs:
             captured = self._record(hid, branches)
             captured.input.copy_(warm.input)
             captured.graph.replay()
-            same = torch.equal(captured.output, warm.output)
+            same = same_bytes(captured.output, warm.output)
+        except torch.OutOfMemoryError:  # this key only: memory may be free again later
+            log.warning("CUDA graph of %s not captured: out of memory; those steps run eagerly", key[1])
+            return None
         except RuntimeError as exc:  # a kernel that cannot be captured: eager from now on
-            self._disable(f"capture failed ({exc})")
+            cause = exc.__context__ or exc
+            self._disable(f"capture failed ({type(cause).__name__}: {cause})")
             return None
         if not same:
             self._disable("a replay differed from the eager run of the same input")
@@ -131,20 +149,20 @@ class LayerGraphs:
         return captured
 
     def _record(self, hid: torch.Tensor, branches: object) -> Captured:
-        """Capture on a private stream without `torch.cuda.graph`'s garbage collection and cache
-        flush (costly at every request); `thread_local` lets the server's other threads work."""
+        """Capture on the graphs' stream without `torch.cuda.graph`'s garbage collection and cache
+        flush (costly at every request); `thread_local` lets the server's other threads work. A
+        compiled function that would recompile here fails at its guard instead (compiling syncs)."""
         graph = torch.cuda.CUDAGraph()
         static_in = hid.clone()
         main = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream), no_recompiling():
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 static_out = self.run_layers(static_in, branches)
             finally:
                 graph.capture_end()
-        main.wait_stream(side)
+        main.wait_stream(self.stream)
         return Captured(graph, static_in, static_out, branches)
 
     def _replay(self, captured: Captured, hid: torch.Tensor) -> torch.Tensor:
@@ -157,3 +175,9 @@ class LayerGraphs:
         log.error("CUDA graphs turned off for this model: %s; the layers run eagerly", why)
         self.enabled = False
         self.clear()
+
+
+def no_recompiling() -> contextlib.AbstractContextManager:
+    """torch.compile's stance that fails on a recompile (where this torch has it)."""
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    return set_stance("fail_on_recompile") if set_stance is not None else contextlib.nullcontext()

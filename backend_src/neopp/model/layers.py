@@ -113,6 +113,15 @@ class GroupedExperts:
             and w.dtype in (torch.float32, torch.bfloat16) \
             and all(side * w.element_size() % 16 == 0 for lin in first for side in lin.weight.shape)
 
+    @property
+    def reads_host_values(self) -> bool:
+        """Does the grouped product copy the group ends to the host? Its fused kernel (bf16 on
+        compute capability 9.x or 10.x) does not; its fallback loops over the groups on the host."""
+        w = self.stacks[0]
+        if not w.is_cuda:
+            return True
+        return w.dtype != torch.bfloat16 or torch.cuda.get_device_capability(w.device)[0] not in (9, 10)
+
     def __call__(self, x_sorted: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``x_sorted`` [tokens x top-k, in] grouped by expert; ``offsets``: each group's end."""
         gate, up, down = (s.transpose(-2, -1) for s in self.stacks)

@@ -58,5 +58,7 @@ class SpeedOptions:
             raise ConfigError(f"parameter cuda_graphs: 'on' needs a CUDA device, the model runs on {device}")
         if reads_host_values:
             raise ConfigError("parameter cuda_graphs: 'on' needs a step that stays on the device, but the MoE "
-                              "experts run as a loop (FP8 experts, or NEOPP_MOE_DISPATCH=loop); use auto or off")
+                              "experts read their token counts on the host (run as a loop: FP8 experts or "
+                              "NEOPP_MOE_DISPATCH=loop; or grouped outside bf16 on compute capability 9 or 10); "
+                              "use auto or off")
         return LayerGraphs(run_layers, device, self.max_graphs)

@@ -94,9 +94,10 @@ class NeoPPTransformer:
 
     @property
     def reads_host_values(self) -> bool:
-        """Does a step copy values to the host mid-layer (MoE experts run as a loop)? A CUDA graph
-        cannot hold such a step."""
-        return any(isinstance(layer.mlp, MoE) and layer.mlp.grouped is None for layer in self.layers)
+        """Does a step copy values to the host mid-layer (MoE experts run as a loop, or grouped where
+        the fused kernel does not run)? A CUDA graph cannot hold such a step."""
+        return any(isinstance(layer.mlp, MoE) and (layer.mlp.grouped is None or layer.mlp.grouped.reads_host_values)
+                   for layer in self.layers)
 
     def compile_layers(self, on: bool = True) -> None:
         """Run every layer's elementwise work fused by `torch.compile` (one compilation serves all
