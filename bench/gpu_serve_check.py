@@ -25,6 +25,7 @@ import argparse
 import ctypes.util
 import os
 import platform
+import shutil
 import sysconfig
 import tempfile
 import time
@@ -47,6 +48,9 @@ from testing.tiny_checkpoint import random_kv
 # (path, size) -> the most Triton may take over in-process (ratio of medians).
 GOALS = {("Triton shared memory", 1024): 1.03, ("Triton shared memory", 256): 1.10, ("Triton gRPC", 1024): 1.10}
 PREFIX_TOKENS = 300  # the real model's prefix in the KV-ingest and serving benchmarks
+# The Python backend's regions for requests and responses (44 MB of KV each, images back, a few
+# instances): below this a request at the real geometry may not fit.
+SHM_NEEDED = 1 << 30
 
 
 def preflight() -> tuple[list[str], list[str]]:
@@ -63,6 +67,11 @@ def preflight() -> tuple[list[str], list[str]]:
     if not found:
         fatal.append(f"libpython{version}.so is not on this machine: the Python backend's stub cannot start "
                      f"(install the distribution's libpython{version} package)")
+    shm = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").is_dir() else 0
+    lines.append(f"/dev/shm: {shm / 2**30:.1f} GiB (the Python backend moves each request's tensors through it)")
+    if shm < SHM_NEEDED:
+        fatal.append(f"/dev/shm holds {shm / 2**20:.0f} MiB: a 1024x1024 request with the real prefix moves "
+                     f"more than that through it (give the machine at least {SHM_NEEDED / 2**30:.0f} GiB)")
     try:
         install = find_install()
         lines.append(f"tritonserver: {install.server_bin}")
