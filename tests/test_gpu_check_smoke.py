@@ -53,8 +53,8 @@ def test_smoke_run_covers_every_mode_and_parallel_pixels_agree() -> None:
     lines = done.stdout.splitlines()
     for name in ("dense bf16", "fp8", "8-step LoRA", "MoE", "CFG-parallel x2", "CFG x2 + Ulysses x2"):
         assert any(line.startswith(name) and "ms/step" in line and "GiB" in line for line in lines), name
-    for path in ("eager", "graphs", "default", "compiled"):
-        assert sum(line.startswith(f"  {path} ") and "ms/step" in line for line in lines) == 4, path
+    for path, modes in (("eager", 4), ("graphs", 4), ("default", 4), ("compiled", 2)):
+        assert sum(line.startswith(f"  {path} ") and "ms/step" in line for line in lines) == modes, path
     assert sum("byte-equal to eager" in line for line in lines) == 4
     assert any(line.startswith("  guided 64x64 step: eager") for line in lines)
     goals = lines[lines.index(next(line for line in lines if line.startswith("goals"))) + 2:][:5]
