@@ -225,3 +225,19 @@ def test_the_compiled_activation_quantisation_gives_the_eager_bytes():
         want, got = quantize_rows(x), compiled_quantize_rows()(x)
         assert torch.equal(got[1], want[1])
         assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
+
+
+def test_a_quantiser_that_cannot_compile_runs_eagerly():
+    """Where torch.compile fails (no C compiler or Python headers), the FP8 products still run, with
+    the eager quantiser's bytes, instead of every FP8 request failing."""
+    from neopp.model.quant import CompiledOrEager, quantize_rows
+
+    def no_compiler(x):
+        raise RuntimeError("InductorError: no working C compiler found")
+
+    quantiser = CompiledOrEager()
+    quantiser.run = no_compiler
+    x = torch.randn(16, 64)
+    got, want = quantiser(x), quantize_rows(x)
+    assert not quantiser.compiled
+    assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])

@@ -10,6 +10,7 @@ its own weight for the duration of the call, so no full-precision copy of all we
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -19,6 +20,7 @@ from .checkpoint import FP8_DTYPE, LM
 from .layers import Linear, linear_rows
 from .transformer import LinearFactory
 
+log = logging.getLogger(__name__)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KERNELS = ("auto", "scaled_mm", "dequant")
 # The activations' quantisation before each FP8 product: "compiled" (torch.compile fuses the
@@ -34,10 +36,31 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+class CompiledOrEager:
+    """`quantize_rows` compiled once per process (any row count: dynamic shapes). Where compiling
+    fails (a machine without a C compiler or Python's headers), it says so once and runs eagerly:
+    the same bytes, only slower, instead of failing every FP8 request."""
+
+    def __init__(self) -> None:
+        self.run = torch.compile(quantize_rows, dynamic=True, fullgraph=True)
+        self.compiled = True
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.compiled:
+            try:
+                return self.run(x)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure; the eager function is exact
+                if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                    raise  # a CUDA graph capture reports it and runs this step eagerly
+                log.warning("FP8 activation quantisation: torch.compile failed (%s: %s); running it eagerly",
+                            type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+                self.compiled, self.run = False, quantize_rows
+        return self.run(x)
+
+
 @functools.cache
-def compiled_quantize_rows() -> object:
-    """`quantize_rows` compiled once per process (any row count: dynamic shapes)."""
-    return torch.compile(quantize_rows, dynamic=True, fullgraph=True)
+def compiled_quantize_rows() -> CompiledOrEager:
+    return CompiledOrEager()
 
 
 def activation_quantizer(device: torch.device, mode: str | None = None) -> object:
