@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from neopp.errors import ConfigError, InputError
-from neopp.launcher.triton_install import find_install, prepare_backend_dir, python_tag, server_env
+from neopp.launcher.triton_install import (
+    SYSTEM_LIB_DIRS,
+    find_install,
+    prepare_backend_dir,
+    python_tag,
+    server_env,
+)
 from neopp.limits import Limits
 from neopp.ports import ephemeral_range, free_ports
 from neopp.serving.model_settings import PARAMETER_DEFAULTS, choose_device, resolve_checkpoint
@@ -35,9 +41,20 @@ def test_backend_dir_holds_the_stub_for_this_python(tmp_path):
 def test_server_env_puts_interpreter_libdir_first_and_venv_bin_first():
     env = server_env(base={"LD_LIBRARY_PATH": "/elsewhere", "PATH": "/usr/bin"})
     libs = env["LD_LIBRARY_PATH"].split(os.pathsep)
-    assert libs[0] == sysconfig.get_config_var("LIBDIR")
-    assert libs[1].endswith("nvidia_pytriton.libs") and libs[-1] == "/elsewhere"
+    if sysconfig.get_config_var("LIBDIR") not in SYSTEM_LIB_DIRS:  # a Python of its own build (pyenv)
+        assert libs.pop(0) == sysconfig.get_config_var("LIBDIR")
+    assert libs[0].endswith("nvidia_pytriton.libs") and libs[-1] == "/elsewhere"
     assert Path(env["PATH"].split(os.pathsep)[0], "python").exists()
+
+
+def test_a_system_python_adds_no_system_folder_to_the_library_path(monkeypatch):
+    """A distribution's Python has LIBDIR /usr/lib/<arch>: the loader looks there anyway, and first on
+    LD_LIBRARY_PATH it would put a system cuDNN or NCCL before the ones torch brings."""
+    real = sysconfig.get_config_var
+    monkeypatch.setattr(sysconfig, "get_config_var",
+                        lambda name: "/usr/lib/x86_64-linux-gnu" if name == "LIBDIR" else real(name))
+    libs = server_env(base={"LD_LIBRARY_PATH": "", "PATH": "/usr/bin"})["LD_LIBRARY_PATH"].split(os.pathsep)
+    assert "/usr/lib/x86_64-linux-gnu" not in libs and libs[0].endswith("nvidia_pytriton.libs")
 
 
 def test_free_ports_are_distinct_and_bindable():

@@ -22,6 +22,9 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "1310
               "MALLOC_ARENA_MAX": "1"}
 
 
+# The loader's default folders: an interpreter whose LIBDIR is one of them needs no LD_LIBRARY_PATH entry.
+SYSTEM_LIB_DIRS = ("/lib", "/lib64", "/usr/lib", "/usr/lib64", "/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu",
+                   "/lib/aarch64-linux-gnu", "/usr/lib/aarch64-linux-gnu")
 # A tritonserver installed as in NVIDIA's container (bin/, lib/, backends/python/) instead of the wheel.
 SYSTEM_ROOT_ENV = "NEOPP_TRITONSERVER_ROOT"
 
@@ -125,6 +128,8 @@ def server_env(install: TritonInstall | None = None, base: dict[str, str] | None
     for name, value in (MALLOC_ENV if malloc_env is None else malloc_env).items():
         env.setdefault(name, value)
     libdir = sysconfig.get_config_var("LIBDIR") or ""
+    if libdir.rstrip("/") in SYSTEM_LIB_DIRS:  # found there anyway; first on the path it would shadow
+        libdir = ""  # the libraries torch brings with it (a system cuDNN or NCCL over pip's)
     env["LD_LIBRARY_PATH"] = prepend_path(env.get("LD_LIBRARY_PATH"), libdir, str(install.libs))
     env["PATH"] = prepend_path(env.get("PATH"), str(venv_bin()))
     if sys.prefix != sys.base_prefix:

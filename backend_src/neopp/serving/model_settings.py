@@ -29,7 +29,8 @@ See :data:`PARAMETER_DEFAULTS`:
   one-process model on CUDA) | ``on`` | ``off``; ``max_graphs`` (8) graphs kept at once;
   ``attention_kernel`` ``auto`` (default: the fastest SDPA kernel per shape, measured on CUDA) |
   ``default`` | ``flash`` | ``cudnn`` | ``efficient`` | ``math``; ``compile_layers`` ``off``
-  (default) | ``on``.
+  (default) | ``on``. Env ``NEOPP_CUDA_GRAPHS``, ``NEOPP_ATTENTION_KERNEL`` and
+  ``NEOPP_COMPILE_LAYERS`` in the server's environment replace these defaults.
 
 Relative ``checkpoint``/``mode_file``/``lora_dir`` parameters resolve against ``NEOPP_BASE_DIR`` when set,
 else the folder that holds the model repository (the project root), so the same repository
@@ -69,10 +70,11 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "default_task": "t2i",
     "warmup": "true",
     "token_budget": str(DEFAULT_TOKEN_BUDGET),
-    "cuda_graphs": "auto",
-    "attention_kernel": "auto",
+    # The server's environment may set these for every model whose config does not.
+    "cuda_graphs": os.environ.get("NEOPP_CUDA_GRAPHS", "auto"),
+    "attention_kernel": os.environ.get("NEOPP_ATTENTION_KERNEL", "auto"),
     "max_graphs": str(SpeedOptions().max_graphs),
-    "compile_layers": "off",
+    "compile_layers": os.environ.get("NEOPP_COMPILE_LAYERS", "off"),
     **{k: str(v) for k, v in Limits().__dict__.items()},
 }
 _DTYPES = {"auto": None, "": None, "float32": torch.float32, "fp32": torch.float32,
