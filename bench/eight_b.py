@@ -136,13 +136,13 @@ def run_child(path: str, ckpt: Path, size: int, steps: int, layers: int) -> dict
     return json.loads(out.strip().splitlines()[-1])
 
 
-def ensure_checkpoint(ckpt: Path, layers: int) -> tuple[int, float | None]:
+def ensure_checkpoint(ckpt: Path, layers: int, device: str = "cpu") -> tuple[int, float | None]:
     """(file bytes, seconds to write or None when it was already there)."""
     index = ckpt / "model.safetensors.index.json"
     if (ckpt / "config.json").is_file() and index.is_file():
         return json.loads(index.read_text())["metadata"]["total_size"], None
     start = time.perf_counter()
-    total = write_sharded_checkpoint(ckpt, geometry(layers).config())
+    total = write_sharded_checkpoint(ckpt, geometry(layers).config(), device=device)
     return total, time.perf_counter() - start
 
 

@@ -27,7 +27,6 @@ import os
 import platform
 import shutil
 import sysconfig
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,6 +40,7 @@ from neopp.launcher.model_states import KEEP_GOING_ARGS
 from neopp.launcher.triton_install import find_install
 from neopp.launcher.tritonserver import TritonServer
 from neopp.model.checkpoint_config import CheckpointConfig
+from neopp.model.speed import SpeedOptions
 from neopp.modes import load_mode
 from neopp.sampling.pipeline import NeoPPPipeline
 from testing.tiny_checkpoint import random_kv
@@ -48,6 +48,7 @@ from testing.tiny_checkpoint import random_kv
 # (path, size) -> the most Triton may take over in-process (ratio of medians).
 GOALS = {("Triton shared memory", 1024): 1.03, ("Triton shared memory", 256): 1.10, ("Triton gRPC", 1024): 1.10}
 PREFIX_TOKENS = 300  # the real model's prefix in the KV-ingest and serving benchmarks
+PINNED = SpeedOptions(attention_kernel="default")  # graphs as served; one attention kernel everywhere
 # The Python backend's regions for requests and responses (44 MB of KV each, images back, a few
 # instances): below this a request at the real geometry may not fit.
 SHM_NEEDED = 1 << 30
@@ -67,6 +68,13 @@ def preflight() -> tuple[list[str], list[str]]:
     if not found:
         fatal.append(f"libpython{version}.so is not on this machine: the Python backend's stub cannot start "
                      f"(install the distribution's libpython{version} package)")
+    import numpy
+
+    compiler = shutil.which("cc") or shutil.which("gcc") or "none (FP8 quantisation then runs eagerly)"
+    lines.append(f"numpy {numpy.__version__} (the Python backend's stub reads arrays as numpy 1.x lays them out); "
+                 f"C compiler for torch.compile: {compiler}")
+    if int(numpy.__version__.split(".")[0]) >= 2:
+        fatal.append(f"numpy {numpy.__version__}: the stub needs numpy 1.x first on PYTHONPATH (the bundle's site/)")
     shm = shutil.disk_usage("/dev/shm").total if Path("/dev/shm").is_dir() else 0
     lines.append(f"/dev/shm: {shm / 2**30:.1f} GiB (the Python backend moves each request's tensors through it)")
     if shm < SHM_NEEDED:
@@ -87,30 +95,38 @@ def checkpoint(path: Path | None, layers: int) -> Path:
     from bench.eight_b import ensure_checkpoint
 
     ckpt = REPO / "build" / "8b"
-    total, seconds = ensure_checkpoint(ckpt, layers)
+    total, seconds = ensure_checkpoint(ckpt, layers, "cuda" if torch.cuda.is_available() else "cpu")
     print(f"checkpoint {ckpt}: {total / 2**30:.1f} GiB" + (f", written in {seconds:.0f} s" if seconds else ""),
           flush=True)
     return ckpt
 
 
 def server_args(config: str, models: list[str]) -> list[str]:
-    return ["--model-control-mode=explicit", *KEEP_GOING_ARGS, *(f"--load-model={m}" for m in models),
-            *([f"--model-config-name={config}"] if config else [])]
+    """GPU metrics off: the bundle carries DCGM's library, not its modules, and nothing here reads them."""
+    return ["--model-control-mode=explicit", *KEEP_GOING_ARGS, "--allow-gpu-metrics=false",
+            *(f"--load-model={m}" for m in models), *([f"--model-config-name={config}"] if config else [])]
 
 
-def latency(args: argparse.Namespace, ckpt: Path, work: Path) -> tuple[list[str], dict]:
+def server_env(ckpt: Path) -> dict[str, str]:
+    """Every model on torch's own attention kernel pick, as the in-process engine: a kernel measured
+    fastest in each process could differ between them, and then so would the bytes and the time."""
+    return dict(os.environ, NEOPP_CHECKPOINT=str(ckpt), NEOPP_BASE_DIR=str(REPO),
+                NEOPP_ATTENTION_KERNEL=PINNED.attention_kernel)
+
+
+def latency(args: argparse.Namespace, ckpt: Path, work: Path) -> list[str]:
     """Per size: the four paths' median ms, ratios and breakdown; then a streamed request's times."""
-    env = dict(os.environ, NEOPP_CHECKPOINT=str(ckpt), NEOPP_BASE_DIR=str(REPO))
-    server = TritonServer(REPO / "model_repository", env=env, log_path=work / "tritonserver_latency.log",
+    server = TritonServer(REPO / "model_repository", env=server_env(ckpt), log_path=work / "tritonserver_latency.log",
                           extra_args=server_args(args.config, [MODEL, CONFIGS[0][1]]))
     cfg = CheckpointConfig.from_checkpoint(ckpt)
     raw = {"llm_config": {"num_hidden_layers": cfg.num_layers, "num_key_value_heads": cfg.num_kv_heads,
                           "head_dim": cfg.head_dim}}
     kv = random_kv(raw, args.tokens, seed=1)
-    lines, ratios = [], {}
+    lines = []
     with server:
         ensure_loaded(server.grpc_url, models=[MODEL, CONFIGS[0][1]])
-        pipe = NeoPPPipeline.from_pretrained(ckpt, load_mode(REPO / "configs/neopp/neopp_dense.json"), args.device)
+        pipe = NeoPPPipeline.from_pretrained(ckpt, load_mode(REPO / "configs/neopp/neopp_dense.json"), args.device,
+                                             speed=PINNED)
         for size in args.sizes:
             label = f"{args.tokens} tokens"
             result, parts = measure_latency(server, pipe, {label: kv}, size, args.steps, args.rounds)
@@ -119,7 +135,6 @@ def latency(args: argparse.Namespace, ckpt: Path, work: Path) -> tuple[list[str]
                       f"{'yes' if result['same_bytes'] else 'NO'}):"]
             for (_, path), values in result["times"].items():
                 med = stats(values)[0]
-                ratios[(path, size)] = med / base
                 goal = GOALS.get((path, size))
                 verdict = "" if goal is None else f"  goal <= {goal:.2f}: {'met' if med / base <= goal else 'MISSED'}"
                 lines.append(f"  {path:<42} {med * 1e3:9.1f} ms  x{med / base:.3f}{verdict}")
@@ -127,25 +142,27 @@ def latency(args: argparse.Namespace, ckpt: Path, work: Path) -> tuple[list[str]
                       "Python-backend transfer | model"]
             lines += ["  " + breakdown_row(path, samples) for (_, path), samples in parts.items()]
         del pipe
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the servers' stubs need the card, not this process's cache
         layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         for size in args.sizes:
             first, image = first_previews(server.grpc_url, (layers, kv_heads, head_dim), size, args.steps, 1)[0]
             lines.append(f"streamed {size}x{size} with a preview every step: first preview {first * 1e3:.0f} ms, "
                          f"image {image * 1e3:.0f} ms")
-    return lines, ratios
+    return lines
 
 
 def throughput(args: argparse.Namespace, ckpt: Path, work: Path) -> list[str]:
     """One batching instance vs one and two plain instances, through Triton with perf_analyzer."""
     repo = build_repository(work / "repo", args.x2_threads, args.config)
-    env = dict(os.environ, NEOPP_CHECKPOINT=str(ckpt), NEOPP_BASE_DIR=str(REPO))
-    server = TritonServer(repo, env=env, log_path=work / "tritonserver_throughput.log",
+    server = TritonServer(repo, env=server_env(ckpt), log_path=work / "tritonserver_throughput.log",
                           extra_args=server_args(args.config, [m for _, m in CONFIGS]))
     cfg = CheckpointConfig.from_checkpoint(ckpt)
     with server:
         ensure_loaded(server.grpc_url)
         rows = measure_throughput(server.grpc_url, work, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
-                                  args.batching_sizes, args.concurrency, args.batching_steps, args.per_slot)
+                                  args.batching_sizes, args.concurrency, args.batching_steps, args.per_slot,
+                                  args.perf_timeout)
     lines = [f"throughput through Triton (perf_analyzer over gRPC, guided, {args.batching_steps} steps): "
              "images/s, p50 ms, p99 ms"]
     for size in args.batching_sizes:
@@ -166,15 +183,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sizes", default="1024,256")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--tokens", type=int, default=PREFIX_TOKENS)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batching-sizes", default="256,512")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--batching-sizes", default="256")
     p.add_argument("--batching-steps", type=int, default=8)
     p.add_argument("--concurrency", default="1,2,4,8")
-    p.add_argument("--per-slot", type=int, default=2, help="perf_analyzer requests per concurrent slot")
+    p.add_argument("--per-slot", type=int, default=1, help="perf_analyzer requests per concurrent slot (8 at least)")
+    p.add_argument("--perf-timeout", type=float, default=120.0, help="seconds one perf_analyzer point may take")
     p.add_argument("--x2-threads", type=int, default=0, help="torch threads of each plain instance of two")
     p.add_argument("--quick", action="store_true", help="one round, one size, concurrency 1 and 2 (smoke run)")
     p.add_argument("--out", type=Path, default=REPO / "bench")
     p.add_argument("--report", default="gpu_serving.md")
+    p.add_argument("--work", type=Path, default=REPO / "build" / "gpu-serve", help="server logs and perf data "
+                   "(kept: a run cut short leaves them)")
     a = p.parse_args(argv)
     a.sizes, a.batching_sizes = ([int(v) for v in text.split(",") if v] for text in (a.sizes, a.batching_sizes))
     a.concurrency = [int(v) for v in a.concurrency.split(",") if v]
@@ -192,18 +212,20 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(f"cannot run: {why}" for why in fatal))
         return 2
     ckpt = checkpoint(args.checkpoint, args.layers)
-    with tempfile.TemporaryDirectory(prefix="neopp_gpu_serve_") as tmp:
-        part, ratios = latency(args, ckpt, Path(tmp))
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    for measure in (latency, throughput):
+        part = measure(args, ckpt, args.work)
         print("\n".join(part), flush=True)
         lines += part
-        part = throughput(args, ckpt, Path(tmp))
-        print("\n".join(part), flush=True)
-        lines += part
-    lines.append(f"total {time.monotonic() - started:.0f} s")
-    print(lines[-1])
+        lines.append(f"[{time.monotonic() - started:.0f} s]")
+        report(args, lines)  # after each part: a run cut short keeps what it measured
+    return 0
+
+
+def report(args: argparse.Namespace, lines: list[str]) -> None:
     write_report(args.out / args.report, "Triton on one GPU: serving cost and throughput",
                  "```text\n" + "\n".join(lines) + "\n```")
-    return 0
 
 
 if __name__ == "__main__":

@@ -96,12 +96,12 @@ def ensure_loaded(url: str, attempts: int = 3, models: Sequence[str] | None = No
 
 
 def perf_point(url: str, model: str, data: Path, concurrency: int, requests: int, csv_path: Path,
-               streaming: bool) -> PerfPoint:
+               streaming: bool, timeout: float = 600.0) -> PerfPoint:
     """Exactly ``requests`` requests at ``concurrency`` (a generation outlasts any short time window)."""
     args = ["-m", model, "-i", "grpc", "-u", url, "--input-data", str(data), "--concurrency-range",
             str(concurrency), "--request-count", str(requests), "-f", str(csv_path),
             *(["--streaming"] if streaming else [])]
-    code = run_perf_analyzer(args, timeout=600)
+    code = run_perf_analyzer(args, timeout=timeout)
     if code != 0 or not csv_path.exists():
         raise RuntimeError(f"perf_analyzer exited {code} for {model} at concurrency {concurrency}")
     return parse_perf_csv(csv_path.read_text())
@@ -113,7 +113,7 @@ def requests_for(concurrency: int, per_slot: int) -> int:
 
 
 def measure_throughput(url: str, work: Path, kv_dims: tuple[int, int, int], sizes: Sequence[int],
-                       concurrencies: Sequence[int], steps: int, per_slot: int) -> dict:
+                       concurrencies: Sequence[int], steps: int, per_slot: int, timeout: float = 600.0) -> dict:
     """{(config label, size, concurrency): PerfPoint}, configurations rotating at every point."""
     rows: dict[tuple[str, int, int], PerfPoint] = {}
     turn = 0
@@ -122,13 +122,13 @@ def measure_throughput(url: str, work: Path, kv_dims: tuple[int, int, int], size
         data.write_text(json.dumps(perf_input_data(kv_dims, COND_TOKENS, UNCOND_TOKENS, (size, size), steps,
                                                    offsets=(COND_TOKENS, UNCOND_TOKENS))))
         for model in (STREAM, PLAIN, PLAIN_X2):  # every instance has run this size once
-            perf_point(url, model, data, 2, 2, work / "warmup.csv", model == STREAM)
+            perf_point(url, model, data, 2, 2, work / "warmup.csv", model == STREAM, timeout)
         for c in concurrencies:
             order = CONFIGS[turn % 3:] + CONFIGS[:turn % 3]
             turn += 1
             for label, model in order:
                 rows[(label, size, c)] = perf_point(url, model, data, c, requests_for(c, per_slot),
-                                                    work / f"perf_{model}_{size}_{c}.csv", model == STREAM)
+                                                    work / f"perf_{model}_{size}_{c}.csv", model == STREAM, timeout)
                 print(f"  {size}x{size} concurrency {c} {label}: {rows[(label, size, c)]}", flush=True)
     return rows
 

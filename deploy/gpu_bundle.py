@@ -12,9 +12,9 @@ with ``NEOPP_TRITONSERVER_ROOT``):
 * ``tritonserver/bin/perf_analyzer`` with the two libraries a bare machine lacks (libb64 and the
   CUDA 12 runtime);
 * ``site/``: the client and serving packages for ``--python`` (tritonclient, grpcio, protobuf,
-  rapidjson, Pillow, safetensors, at the versions installed here), installed by pip for that
-  interpreter and platform, to put on ``PYTHONPATH`` there (the machine's own torch and numpy
-  are used);
+  rapidjson, Pillow, safetensors, numpy 1.x, packaging, at the versions installed here),
+  installed by pip for that interpreter and platform, to put first on ``PYTHONPATH`` there (the
+  machine's own torch is used);
 * ``MANIFEST.json``: what went in, the versions, and each file's size and sha256.
 
 The system's C and C++ runtimes, OpenSSL, zlib and ``libpython3.X.so`` come from the machine.
@@ -43,7 +43,9 @@ if TYPE_CHECKING:
 # What the machine must have itself: the loader, the C/C++ runtimes, OpenSSL, zlib, libpython.
 SYSTEM_LIBS = re.compile(r"^(ld-linux.*|lib(c|m|dl|rt|pthread|resolv|gcc_s|stdc\+\+|z|ssl|crypto|python3\.\d+)\.so.*)$")
 # Installed at the versions this environment runs and tests (tritonclient's is pinned in requirements.txt).
-SITE_PACKAGES = ("tritonclient", "grpcio", "protobuf", "python-rapidjson", "pillow", "safetensors")
+# numpy: the Python backend's stub of this server release reads arrays as numpy 1.x lays them out.
+SITE_PACKAGES = ("tritonclient", "grpcio", "protobuf", "python-rapidjson", "pillow", "safetensors", "numpy",
+                 "packaging")
 SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib", "/lib")
 
 

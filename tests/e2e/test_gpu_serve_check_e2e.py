@@ -14,11 +14,12 @@ from testing import REPO
 def test_the_serving_check_reports_every_figure(tiny_dense: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "bench.gpu_serve_check", "--device", "cpu", "--config", "", "--checkpoint",
            str(tiny_dense), "--quick", "--sizes", "64", "--batching-sizes", "64", "--steps", "2",
-           "--batching-steps", "2", "--per-slot", "1", "--out", str(tmp_path)]
+           "--batching-steps", "2", "--per-slot", "1", "--out", str(tmp_path), "--work", str(tmp_path / "work")]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = (tmp_path / "gpu_serving.md").read_text()
-    assert "libpython3" in report and "found" in report
+    assert "libpython3" in report and "found" in report and "numpy 1." in report
+    assert (tmp_path / "work" / "tritonserver_latency.log").is_file()  # kept for a run cut short
     assert "same PNG bytes on every path: yes" in report
     for path in ("in-process", "Triton gRPC", "Triton shared memory"):
         assert re.search(rf"^  {path} +[\d.]+ ms  x[\d.]+", report, re.MULTILINE), path
