@@ -202,7 +202,7 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, CheckSpec]:
     p.add_argument("--prefix", type=int, default=300)
     p.add_argument("--moe-layers", type=int, default=MOE.layers)
     p.add_argument("--moe-experts", type=int, default=MOE.experts)
-    p.add_argument("--moe-steps", type=int, default=50)
+    p.add_argument("--moe-steps", type=int, default=20, help="enough for the step rate; each path runs them")
     p.add_argument("--checkpoint", default=None, help="a real dense checkpoint instead of random weights")
     p.add_argument("--budget-s", type=float, default=540.0, help="skip modes that would start after this")
     p.add_argument("--small-sizes", default="256,512", help="sizes of the guided-step goals (dense bf16)")

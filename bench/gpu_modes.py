@@ -52,7 +52,7 @@ class CheckSpec:
     prefix: int = 300
     moe_layers: int = 48
     moe_experts: int = 128
-    moe_steps: int = 50
+    moe_steps: int = 20
     checkpoint: str | None = None
 
     def geometry(self, moe: bool) -> BenchGeometry:
