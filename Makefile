@@ -146,7 +146,7 @@ gpu-check:
 
 # ---- The server for a GPU machine without network or container (docs/local-triton.md): tritonserver,
 # the libraries it links, the Python backend with the stub for GPU_PYTHON, perf_analyzer and the
-# client packages, in one archive (about 39 MiB) that `make gpu-serve-check` unpacks there.
+# client packages, in one archive (about 48 MiB) that `make gpu-serve-check` unpacks there.
 GPU_PYTHON ?= 3.12
 GPU_BUNDLE ?= build/gpu-bundle.tar.xz
 .PHONY: gpu-bundle gpu-serve-check
