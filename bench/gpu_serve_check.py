@@ -119,8 +119,8 @@ def latency(args: argparse.Namespace, ckpt: Path, work: Path) -> list[str]:
     server = TritonServer(REPO / "model_repository", env=server_env(ckpt), log_path=work / "tritonserver_latency.log",
                           extra_args=server_args(args.config, [MODEL, CONFIGS[0][1]]))
     cfg = CheckpointConfig.from_checkpoint(ckpt)
-    raw = {"llm_config": {"num_hidden_layers": cfg.num_layers, "num_key_value_heads": cfg.num_kv_heads,
-                          "head_dim": cfg.head_dim}}
+    layers, kv_heads, head_dim = cfg.kv_dims
+    raw = {"llm_config": {"num_hidden_layers": layers, "num_key_value_heads": kv_heads, "head_dim": head_dim}}
     kv = random_kv(raw, args.tokens, seed=1)
     lines = []
     with server:
@@ -144,9 +144,8 @@ def latency(args: argparse.Namespace, ckpt: Path, work: Path) -> list[str]:
         del pipe
         if torch.cuda.is_available():
             torch.cuda.empty_cache()  # the servers' stubs need the card, not this process's cache
-        layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         for size in args.sizes:
-            first, image = first_previews(server.grpc_url, (layers, kv_heads, head_dim), size, args.steps, 1)[0]
+            first, image = first_previews(server.grpc_url, cfg.kv_dims, size, args.steps, 1)[0]
             lines.append(f"streamed {size}x{size} with a preview every step: first preview {first * 1e3:.0f} ms, "
                          f"image {image * 1e3:.0f} ms")
     return lines
@@ -160,7 +159,7 @@ def throughput(args: argparse.Namespace, ckpt: Path, work: Path) -> list[str]:
     cfg = CheckpointConfig.from_checkpoint(ckpt)
     with server:
         ensure_loaded(server.grpc_url)
-        rows = measure_throughput(server.grpc_url, work, (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+        rows = measure_throughput(server.grpc_url, work, cfg.kv_dims,
                                   args.batching_sizes, args.concurrency, args.batching_steps, args.per_slot,
                                   args.perf_timeout)
     lines = [f"throughput through Triton (perf_analyzer over gRPC, guided, {args.batching_steps} steps): "

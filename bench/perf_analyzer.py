@@ -26,6 +26,7 @@ from pathlib import Path
 from client_examples.make_perf_data import perf_input_data
 from neopp.launcher.admin import GRPC_HEADER, KEY_ENV, KEY_HEADER
 from neopp.launcher.triton_install import (
+    SYSTEM_LIB_DIRS,
     SYSTEM_ROOT_ENV,
     TritonLaunchError,
     prepend_path,
@@ -44,7 +45,7 @@ def cuda_runtime_lib_dir() -> Path | None:
 
 
 def _has_libb64() -> bool:
-    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib", "/lib"):
+    for d in SYSTEM_LIB_DIRS:
         if Path(d, "libb64.so.0d").exists():
             return True
     try:

@@ -46,7 +46,6 @@ SYSTEM_LIBS = re.compile(r"^(ld-linux.*|lib(c|m|dl|rt|pthread|resolv|gcc_s|stdc\
 # numpy: the Python backend's stub of this server release reads arrays as numpy 1.x lays them out.
 SITE_PACKAGES = ("tritonclient", "grpcio", "protobuf", "python-rapidjson", "pillow", "safetensors", "numpy",
                  "packaging")
-SEARCH_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib", "/lib")
 
 
 def needed(binary: Path) -> list[str]:
@@ -78,10 +77,11 @@ def library_closure(roots: list[Path], search: list[Path]) -> tuple[list[Path], 
     return sorted(found.values()), sorted(system)
 
 
-def server_files(install: TritonInstall, python: str) -> dict[str, Path]:
-    """Bundle path -> source path for the server, the Python backend and the stub of ``python``."""
+def server_files(install: TritonInstall, python: str) -> tuple[dict[str, Path], list[str]]:
+    """Bundle path -> source path for the server, the Python backend and the stub of ``python``;
+    and the system libraries they need from the machine."""
     from bench.perf_analyzer import cuda_runtime_lib_dir  # building needs this checkout's environment;
-    from neopp.launcher.triton_install import venv_bin  # unpacking (on the GPU machine) only the stdlib
+    from neopp.launcher.triton_install import SYSTEM_LIB_DIRS, venv_bin  # unpacking: only the stdlib
 
     root = install.server_bin.parent.parent
     stub = root / "python_backend_stubs" / python / "triton_python_backend_stub"
@@ -96,10 +96,10 @@ def server_files(install: TritonInstall, python: str) -> dict[str, Path]:
             install.python_backend / "triton_python_backend_utils.py",
         "tritonserver/backends/python/triton_python_backend_stub": stub,
     }
-    search = [install.libs, *(d for d in [cuda_runtime_lib_dir()] if d), *map(Path, SEARCH_DIRS)]
-    libs, _ = library_closure([files[k] for k in files if not k.endswith(".py")], search)
+    search = [install.libs, *(d for d in [cuda_runtime_lib_dir()] if d), *map(Path, SYSTEM_LIB_DIRS)]
+    libs, system = library_closure([files[k] for k in files if not k.endswith(".py")], search)
     files.update({f"tritonserver/lib/{lib.name}": lib for lib in libs})
-    return files
+    return files, system
 
 
 def site_requirements() -> list[str]:
@@ -134,7 +134,8 @@ def build(out: Path, python: str, with_site: bool = True, compression: str = "xz
     install = find_install()
     with tempfile.TemporaryDirectory(prefix="neopp_bundle_") as tmp:
         top = Path(tmp) / "neopp-gpu-bundle"
-        for rel, src in server_files(install, python).items():
+        carried, system = server_files(install, python)
+        for rel, src in carried.items():
             dst = top / rel
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst)
@@ -143,9 +144,7 @@ def build(out: Path, python: str, with_site: bool = True, compression: str = "xz
         files = sorted(p for p in top.rglob("*") if p.is_file())
         manifest = {"python": python, "tritonserver": "2.51.0 (nvidia-pytriton 0.7.0)",
                     "site_packages": site_requirements() if with_site else [],
-                    "system_libraries": library_closure([top / "tritonserver/bin/tritonserver",
-                                                         top / "tritonserver/bin/perf_analyzer"],
-                                                        [top / "tritonserver/lib"])[1],
+                    "system_libraries": system,
                     "files": {str(p.relative_to(top)): {"bytes": p.stat().st_size, "sha256": sha256(p)}
                               for p in files}}
         (top / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")

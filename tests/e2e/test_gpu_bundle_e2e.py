@@ -16,6 +16,7 @@ from client_examples.make_perf_data import perf_input_data
 from deploy import gpu_bundle
 from neopp.launcher.triton_install import python_tag
 from neopp.launcher.tritonserver import TritonServer
+from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.model.kv_cache import load_kv_file
 from neopp.procs import process_group_members
 from testing import REPO
@@ -75,9 +76,7 @@ def test_tritonserver_runs_from_the_bundle_and_serves(bundle, tiny_dense, tmp_pa
 
 
 def run_bundled_perf_analyzer(bundle: Path, grpc_url: str, ckpt: Path, work: Path) -> subprocess.CompletedProcess:
-    config = json.loads((ckpt / "config.json").read_text())["llm_config"]
-    dims = (config["num_hidden_layers"], config["num_key_value_heads"],
-            config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+    dims = CheckpointConfig.from_checkpoint(ckpt).kv_dims
     data = work / "input.json"
     data.write_text(json.dumps(perf_input_data(dims, COND_TOKENS, size=(64, 64), steps=2)))
     env = {"PATH": "/usr/bin:/bin", "LD_LIBRARY_PATH": str(bundle / "lib")}
