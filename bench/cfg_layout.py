@@ -52,7 +52,7 @@ def _rank(rank: int, port: int, ckpt: str, size: int, steps: int, repeats: int, 
     torch.set_num_threads(1)
     from neopp.parallel.mesh import init_mesh
     from neopp.parallel.parallel_pipeline import ParallelPipeline
-    from neopp.parallel.workers import rank_request
+    from neopp.parallel.rank_step import rank_request
 
     mesh = init_mesh(MODE, rank, 2, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 120)
     pipe = ParallelPipeline.from_pretrained(ckpt, MODE, mesh, "cpu", torch.float32)

@@ -31,6 +31,7 @@ from neopp.model.quant import weight_bytes
 from neopp.modes import load_mode
 from neopp.request import GenerationRequest
 from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.plan import step_plan
 from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import TINY_VISION, random_kv, tiny_tensors
 from testing.tiny_lora import write_tiny_loras
@@ -100,7 +101,7 @@ def bench_modes(ckpts: dict[str, Path], size: int, steps: int, device: str, thre
         try:
             req = request(mid_config(ckpt == "moe"), size, steps, mode.sampling)
             times = step_times(gen, req)
-            guided = sum(req.step_plan.guided_steps[1:])
+            guided = sum(step_plan(req).guided_steps[1:])
         finally:
             if hasattr(gen, "close"):
                 gen.close()

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from neopp.model.embeddings import patchify
-from neopp.request import GenerationRequest, StepPlan
+from neopp.request import GenerationRequest
 from neopp.sampling.pipeline import NeoPPPipeline, Prepared
+from neopp.sampling.plan import StepPlan
 from neopp.sampling.sampler import FlowSampler
 from neopp.sampling.schedule import initial_noise_scale
 

@@ -117,11 +117,11 @@ def test_warm_up_runs_the_default_size_and_leaves_the_engine_exact(tiny: Path) -
     import torch
 
     from neopp.engines.factory import build_engine
+    from neopp.engines.warmup import warm_up
     from neopp.model.kv_cache import load_kv_file
     from neopp.modes import load_mode
     from neopp.request import GenerationRequest
     from neopp.sampling.rng import NoiseStream
-    from neopp.warmup import warm_up
 
     mode = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json")
     mode = dataclasses.replace(mode, default_size=(64, 96))  # a small default for speed

@@ -12,10 +12,10 @@ import threading
 import pytest
 
 from neopp.engines.batch_engine import BatchingEngine
-from neopp.engines.engine import StepEvent
 from neopp.engines.factory import build_engine
 from neopp.engines.in_process import InProcessEngine
 from neopp.errors import GenerationCancelled
+from neopp.sampling.sampler import StepEvent
 from testing.stream_requests import assert_pixels_match, make, tiny_setup
 
 

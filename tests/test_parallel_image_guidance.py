@@ -37,7 +37,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str, out) -> None:
     torch.set_num_threads(1)
     from neopp.parallel.mesh import init_mesh
     from neopp.parallel.parallel_pipeline import ParallelPipeline
-    from neopp.parallel.workers import rank_request
+    from neopp.parallel.rank_step import rank_request
 
     mode = load_mode(MODES[world])
     mesh = init_mesh(mode, rank, world, f"tcp://127.0.0.1:{port}", torch.device("cpu"), 60)

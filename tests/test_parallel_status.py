@@ -10,8 +10,9 @@ import torch
 
 from neopp.modes import load_mode
 from neopp.parallel import status as ps
-from neopp.request import GenerationRequest, StepPlan
-from neopp.request_log import request_line
+from neopp.request import GenerationRequest
+from neopp.sampling.plan import StepPlan
+from neopp.serving.request_log import request_line
 from neopp.tools import replay_kv, replay_kv_multiturn
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint
 

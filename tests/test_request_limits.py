@@ -11,8 +11,9 @@ import torch
 from neopp.errors import InputError, NonFiniteState, shown
 from neopp.limits import Limits
 from neopp.modes import SamplingParams
-from neopp.request import GenerationRequest, StepPlan
+from neopp.request import GenerationRequest
 from neopp.sampling.pipeline import NeoPPPipeline
+from neopp.sampling.plan import StepPlan, step_plan
 from neopp.sampling.sampler import check_finite
 from neopp.sampling.schedule import shifted_timesteps
 from neopp.serving.request_parsing import parse_request
@@ -155,9 +156,9 @@ def test_a_request_s_step_plan_is_computed_once_and_follows_its_values():
     kv = torch.zeros(1, 2, 3, 1, 8)
     req = GenerationRequest(cond_kv=kv, index_offset_cond=3, height=64, width=64,
                             sampling=SamplingParams(infer_steps=4, cfg_interval=(0.2, 0.8)))
-    assert req.step_plan is req.step_plan
-    assert req.step_plan == StepPlan.of(req.sampling)
-    assert req.step_plan.times == tuple(shifted_timesteps(4, req.sampling.timestep_shift))
-    assert req.step_plan.guided_steps == (False, False, True, True)  # t = 0, 0.1, 0.25, 0.5
+    assert step_plan(req) is step_plan(req)
+    assert step_plan(req) == StepPlan.of(req.sampling)
+    assert step_plan(req).times == tuple(shifted_timesteps(4, req.sampling.timestep_shift))
+    assert step_plan(req).guided_steps == (False, False, True, True)  # t = 0, 0.1, 0.25, 0.5
     req.sampling = req.sampling.replace(enable_cfg=False)
-    assert req.step_plan.guided_steps == (False,) * 4 and req.step_plan.branch_names(1) == ("cond",)
+    assert step_plan(req).guided_steps == (False,) * 4 and step_plan(req).branch_names(1) == ("cond",)

@@ -60,6 +60,6 @@ def test_fresh_runtime_venv_imports_every_module(tmp_path):
     assert str(env_dir) in report["file"], "the package was imported from the checkout, not the venv"
     assert report["foreign"] == [], f"runtime modules import {report['foreign']}"
     assert report["harness"] == [], f"installed alongside the runtime: {report['harness']}"
-    assert {"neopp.sampling.pipeline", "neopp.serving.triton_model", "neopp.parallel.workers",
+    assert {"neopp.sampling.pipeline", "neopp.serving.triton_model", "neopp.engines.rank_pool",
             "neopp.tools.replay_kv"} <= set(report["modules"])
     assert not any(m.startswith(("neopp.bench", "neopp.tiny_checkpoint")) for m in report["modules"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from neopp.engines.engine import StepEvent
+from neopp.sampling.sampler import StepEvent
 from neopp.serving.stream_delivery import Delivery
 
 

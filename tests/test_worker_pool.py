@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from neopp.engines.factory import build_engine
+from neopp.engines.rank_pool import WorkerFailure
 from neopp.errors import ConfigError, GenerationCancelled, InputError
 from neopp.model.kv_cache import load_kv_file
 from neopp.modes import load_mode
 from neopp.parallel.mesh import check_world
-from neopp.parallel.workers import WorkerFailure
 from neopp.request import GenerationRequest
 from neopp.sampling.rng import NoiseStream
 from testing.tiny_checkpoint import write_sample_kv, write_tiny_checkpoint

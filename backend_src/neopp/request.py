@@ -1,15 +1,13 @@
-"""One generation request: what it carries, and every rule it must meet, each written once.
+"""One generation request as data, and the bounds of its values that need no checkpoint.
 
-Both engines (the in-process pipeline and the rank worker pool) hold a :class:`RequestRules`
-instead of sharing a base class, and the Triton request parser calls the same checks at its
-boundary, so a rule cannot drift between paths. Sampling values carry their own rules
+The rules that need the checkpoint's geometry and the request's step plan are
+``neopp.sampling.plan.RequestRules``'s; sampling values carry their own
 (``SamplingParams.check``). Errors name the request field (``size``, ``index_offset_cond``);
 the serving layer spells it as the client's input name.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,11 +15,11 @@ import torch
 
 from .errors import InputError, shown
 from .limits import Limits
-from .model.checkpoint_config import CheckpointConfig
-from .model.kv_cache import validate_kv
-from .modes import TASKS, SamplingParams
-from .sampling.guidance import COND, IMAGE, UNCOND, guidance_plan, guided_branches
-from .sampling.schedule import shifted_timesteps
+from .modes import SamplingParams
+
+# The guidance branches a request may carry: its prompt, the empty prompt, and (image editing)
+# the input images without the prompt.
+COND, UNCOND, IMAGE = "cond", "uncond", "image"
 
 
 @dataclass
@@ -40,15 +38,6 @@ class GenerationRequest:
     noise_scaled: bool = False  # True: ``noise`` is the starting state itself (LightX2V draws it scaled)
     image_kv: torch.Tensor | None = None  # image-editing guidance: the input images without the prompt
     index_offset_image: int | None = None
-
-    @property
-    def step_plan(self) -> StepPlan:
-        """The request's steps and guidance, computed once for its sampling values (validation,
-        the engine and the log line all read this one)."""
-        try:
-            return _step_plan(self.sampling, self.image_editing)
-        except TypeError:  # sampling values that do not hash (built by hand): computed each time
-            return StepPlan.of(self.sampling, self.image_editing)
 
     @property
     def image_editing(self) -> bool:
@@ -89,113 +78,3 @@ def check_steps(steps: int, limits: Limits, field: str = "infer_steps") -> None:
     """The deployment's bound on denoising steps (``SamplingParams`` holds the intrinsic one)."""
     if not 1 <= steps <= limits.max_steps:
         raise InputError(f"{field}: must be in 1..{limits.max_steps}, got {steps}")
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """A request's time grid and, per step, whether it is guided and by which branches."""
-
-    times: tuple[float, ...]
-    guided_steps: tuple[bool, ...]  # per step: does it run more than the cond branch
-    guided_branches: tuple[str, ...]  # what a guided step runs, cond first
-
-    @classmethod
-    def of(cls, sampling: SamplingParams, image: bool = False) -> StepPlan:
-        times = shifted_timesteps(sampling.infer_steps, sampling.timestep_shift)
-        return cls(tuple(times), tuple(guidance_plan(sampling, times, image)), guided_branches(sampling, image))
-
-    @property
-    def steps(self) -> int:
-        return len(self.times) - 1
-
-    def branch_names(self, k: int) -> tuple[str, ...]:
-        """The branches step k runs, cond first: the one place that says so."""
-        return self.guided_branches if self.guided_steps[k] else (COND,)
-
-    def reads(self, name: str) -> bool:
-        """Does any step of this plan run branch ``name``?"""
-        return name == COND or (any(self.guided_steps) and name in self.guided_branches)
-
-
-@functools.lru_cache(maxsize=256)
-def _step_plan(sampling: SamplingParams, image: bool) -> StepPlan:
-    return StepPlan.of(sampling, image)
-
-
-def image_branch_refusal(sampling: SamplingParams) -> str:
-    """The one message for image guidance asked for without the image branch (every path uses it)."""
-    return (f"image_guidance_scale: {sampling.image_guidance_scale:g} refused without the image branch "
-            "(image_kv / IMAGE_KV with its index offset: the input images without the prompt); send it, "
-            "or set image_guidance_scale to 1")
-
-
-def uncond_reason(sampling: SamplingParams, image: bool) -> str:
-    """Why this request's guided steps read the uncond branch, in its own values."""
-    s = sampling
-    where = f"inside cfg_interval {s.cfg_interval}"
-    if not image:
-        return (f"guidance is on for some steps (cfg_scale {s.cfg_scale} > 1 {where}); "
-                "send it, or set cfg_scale <= 1")
-    relation = "==" if s.cfg_scale == s.image_guidance_scale else "!="
-    return (f"image_guidance_scale {s.image_guidance_scale:g} {relation} cfg_scale {s.cfg_scale:g} and != 1: "
-            f"image-editing guidance reads the uncond branch (empty prompt, no image) at the steps {where}; "
-            "send it, or set image_guidance_scale to 1")
-
-
-@dataclass(frozen=True)
-class RequestRules:
-    """The checks that need the checkpoint's geometry and the deployment's limits."""
-
-    config: CheckpointConfig
-    limits: Limits
-    support_tasks: tuple[str, ...] = TASKS
-
-    def validate(self, req: GenerationRequest) -> None:
-        """Every rule a request can break, checked before any heavy work or noise draw."""
-        if req.task not in self.support_tasks:
-            raise InputError(f"task: unsupported task {shown(req.task)}; supported: {self.support_tasks}")
-        self.check_size(req.height, req.width)
-        check_steps(req.sampling.infer_steps, self.limits)
-        dims, max_tokens = self.config.kv_dims, self.limits.max_prefix_tokens
-        validate_kv(req.cond_kv, dims, "cond_kv", max_tokens)
-        check_offset(req.index_offset_cond, self.limits, "index_offset_cond")
-        if req.uncond_kv is not None:
-            validate_kv(req.uncond_kv, dims, "uncond_kv", max_tokens)
-            if req.index_offset_uncond is None:
-                raise InputError("index_offset_uncond: required when uncond_kv is given")
-            check_offset(req.index_offset_uncond, self.limits, "index_offset_uncond")
-        self.check_image_branch(req)
-        self.check_branches_present(req)
-
-    def check_image_branch(self, req: GenerationRequest) -> None:
-        """IMAGE_KV checked like the uncond prefix; its offset comes with it, never alone."""
-        if req.image_kv is not None:
-            validate_kv(req.image_kv, self.config.kv_dims, "image_kv", self.limits.max_prefix_tokens)
-            if req.index_offset_image is None:
-                raise InputError("index_offset_image: required when image_kv is given")
-            check_offset(req.index_offset_image, self.limits, "index_offset_image")
-        elif req.index_offset_image is not None:
-            raise InputError("index_offset_image: given without image_kv; send both or neither")
-        elif req.sampling.image_guidance_scale != 1.0:
-            raise InputError(image_branch_refusal(req.sampling))
-
-    @staticmethod
-    def check_branches_present(req: GenerationRequest) -> None:
-        """The uncond branch, when a guided step of this request reads it, must have been sent
-        (the image branch cannot be missing: sending it is what selects image-editing guidance)."""
-        if req.uncond_kv is None and req.step_plan.reads(UNCOND):
-            raise InputError(f"uncond_kv: required because {uncond_reason(req.sampling, req.image_editing)}")
-
-    def check_size(self, height: int, width: int, field: str = "size") -> None:
-        """Bounds, then what the checkpoint needs: whole tokens and enough vision positions."""
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (height, width)):
-            raise InputError(f"{field}: height and width must be integers, got {shown((height, width))}")
-        t = self.config.token_size
-        check_side_bounds(height, width, self.limits, field, t)
-        for what, v in (("height", height), ("width", width)):
-            if v % t:
-                raise InputError(f"{field}: {what} must be a positive multiple of {t}, got {v}")
-        max_patches = self.config.max_position_embeddings_vision
-        if max(height, width) // self.config.patch_size > max_patches:
-            raise InputError(f"{field}: {max(height, width)} pixels exceed the vision positions of the checkpoint "
-                             f"({max_patches} patches of {self.config.patch_size})")

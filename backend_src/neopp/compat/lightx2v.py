@@ -86,7 +86,7 @@ class LightX2VPipeline:
     def _engine(self, mode: ModeSpec, device: str | None,
                 dtype: str | torch.dtype | None) -> tuple[Engine, torch.device]:
         if self.server_url:
-            from .triton_engine import TritonEngine
+            from ..engines.remote import TritonEngine
 
             return TritonEngine(self.server_url, self.triton_model, self.model_path, mode, self.headers), \
                 torch.device(device or "cpu")

@@ -28,8 +28,8 @@ from ..image_io import encode_image
 from ..model.kv_cache import load_kv_file
 from ..modes import ModeSpec, SamplingParams, normalise_format
 from ..request import GenerationRequest
-from ..request_log import request_line
 from ..sampling.schedule import initial_noise_scale
+from ..serving.request_log import request_line
 from .lightx2v_config import LockedConfig
 from .lightx2v_rng import draw_start
 

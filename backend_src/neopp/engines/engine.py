@@ -2,9 +2,9 @@
 
 Every serving path calls an :class:`Engine`. There are three kinds, built by
 ``neopp.engines.factory.build_engine``: the pipeline in this process, one request at a time
-(``InProcessEngine``); the same on rank processes (``neopp.parallel.workers.WorkerPool``); and
+(``InProcessEngine``); the same on rank processes (``neopp.engines.rank_pool.WorkerPool``); and
 step batching, which runs many requests in one batched step (``BatchingEngine`` in this
-process, ``neopp.parallel.stream_pool.StreamPool`` on ranks). Each offers both calls:
+process, ``neopp.engines.rank_stream_pool.StreamPool`` on ranks). Each offers both calls:
 ``submit`` reports every step as a :class:`StepEvent` (a batching engine queues the request and
 returns at once; the others run it in the caller's thread), and ``generate`` blocks until the
 pixels. An engine implements one of the two; ``submit_in_caller`` and ``generate_by_waiting``
@@ -26,31 +26,12 @@ import torch
 from ..errors import GenerationCancelled, WorkerFailure
 from ..model.checkpoint_config import CheckpointConfig
 from ..modes import ModeSpec
-from ..request import GenerationRequest, RequestRules
+from ..request import GenerationRequest
 from ..sampling.pipeline import StepFn, StopFn
+from ..sampling.plan import RequestRules
+from ..sampling.sampler import StepEvent
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepEvent:
-    """One report of one request: ``step`` steps of ``total`` are done.
-
-    ``preview`` (uint8 [H, W, 3], full size) is set on the steps the request asked a preview
-    for; ``final`` (uint8 [H, W, 3]) on the last event; ``error`` ends a request that failed or
-    was cancelled (then nothing else follows). ``seconds``: the step's wall time, where known.
-    """
-
-    step: int
-    total: int
-    preview: np.ndarray | None = None
-    final: np.ndarray | None = None
-    error: Exception | None = None
-    seconds: float = 0.0
-
-    @property
-    def last(self) -> bool:
-        return self.final is not None or self.error is not None
 
 
 EmitFn = Callable[[StepEvent], None]

@@ -17,14 +17,14 @@ from ..model.checkpoint_config import CheckpointConfig
 from ..model.speed import SpeedOptions
 from ..modes import ModeSpec
 from ..parallel.parallel_pipeline import check_heads
-from ..parallel.stream_pool import StreamPool
-from ..parallel.stream_workers import StreamPoolSpec
-from ..parallel.workers import PoolSpec, WorkerPool, instance_devices
-from ..request import RequestRules
 from ..sampling.pipeline import NeoPPPipeline, set_threads
+from ..sampling.plan import RequestRules
 from .batch_engine import BatchingEngine
 from .engine import DEFAULT_TOKEN_BUDGET, Engine, EngineHooks
 from .in_process import InProcessEngine
+from .rank_loop import StreamPoolSpec
+from .rank_pool import PoolSpec, WorkerPool, instance_devices
+from .rank_stream_pool import StreamPool
 
 
 def build_engine(ckpt_dir: str | Path, mode: ModeSpec, device: str | None = None,

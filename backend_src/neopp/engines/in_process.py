@@ -11,8 +11,9 @@ import torch
 
 from ..model.checkpoint_config import CheckpointConfig
 from ..modes import ModeSpec
-from ..request import GenerationRequest, RequestRules
+from ..request import GenerationRequest
 from ..sampling.pipeline import NeoPPPipeline, StepFn, StopFn
+from ..sampling.plan import RequestRules
 from .engine import CancelledFn, EmitFn, submit_in_caller
 
 

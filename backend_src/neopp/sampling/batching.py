@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engines.engine import StepEvent
 from ..errors import InputError, NeoPPError
 from ..image_io import to_pixels
 from ..model.embeddings import patchify, unpatchify
 from ..model.transformer import BatchedBranches, BranchContext
 from ..request import GenerationRequest
 from .pipeline import NeoPPPipeline, Prepared
+from .sampler import StepEvent
 
 # Velocity of (request index in the batch, branch index in its step plan).
 BranchKey = tuple[int, int]

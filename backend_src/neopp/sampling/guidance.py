@@ -19,8 +19,7 @@ import torch
 
 from ..errors import InputError
 from ..modes import SamplingParams
-
-COND, UNCOND, IMAGE = "cond", "uncond", "image"
+from ..request import COND, IMAGE, UNCOND
 
 
 def uses_guidance(sampling: SamplingParams, t: float, image: bool = False) -> bool:

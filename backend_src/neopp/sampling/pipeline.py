@@ -26,8 +26,9 @@ from ..model.quant import fp8_layer_linear, quantize_layer_linears_
 from ..model.speed import SpeedOptions
 from ..model.transformer import BatchedBranches, BranchContext, LinearFactory, NeoPPTransformer
 from ..modes import TASKS, ModeSpec, SamplingParams
-from ..request import GenerationRequest, RequestRules, StepPlan
+from ..request import GenerationRequest
 from .guidance import COND, UNCOND, combine
+from .plan import RequestRules, StepPlan, step_plan
 from .sampler import FlowSampler
 from .schedule import initial_noise_scale
 
@@ -126,7 +127,7 @@ class NeoPPPipeline:
     # ---- preparation ------------------------------------------------------------------
     def guidance_plan(self, req: GenerationRequest) -> list[bool]:
         """Per step: does it run guidance (the request's plan, computed once)."""
-        return list(req.step_plan.guided_steps)
+        return list(step_plan(req).guided_steps)
 
     def grid(self, height: int, width: int) -> Grid:
         c = self.config
@@ -138,7 +139,7 @@ class NeoPPPipeline:
 
     def prepare(self, req: GenerationRequest, names: tuple[str, ...] | None = None) -> Prepared:
         """Lay out the branches ``names`` (default: cond, plus what guided steps read, if any)."""
-        plan, grid = req.step_plan, self.grid(req.height, req.width)
+        plan, grid = step_plan(req), self.grid(req.height, req.width)
         if names is None:
             names = plan.guided_branches if any(plan.guided_steps) else (COND,)
         branches = {name: self.branch(*req.branch_input(name), grid) for name in names}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import InputError, NonFiniteState
@@ -16,6 +17,27 @@ from ..request import GenerationRequest
 
 # The velocity divides by 1 - t; near the clean end that is clamped so the last step stays finite.
 MIN_ONE_MINUS_T = 0.02
+
+
+@dataclass
+class StepEvent:
+    """One report of one request: ``step`` steps of ``total`` are done.
+
+    ``preview`` (uint8 [H, W, 3], full size) is set on the steps the request asked a preview
+    for; ``final`` (uint8 [H, W, 3]) on the last event; ``error`` ends a request that failed or
+    was cancelled (then nothing else follows). ``seconds``: the step's wall time, where known.
+    """
+
+    step: int
+    total: int
+    preview: np.ndarray | None = None
+    final: np.ndarray | None = None
+    error: Exception | None = None
+    seconds: float = 0.0
+
+    @property
+    def last(self) -> bool:
+        return self.final is not None or self.error is not None
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ See :data:`PARAMETER_DEFAULTS`:
   ``gpus``, and models of one layout on the same GPU are refused unless both share;
 * limits: ``max_side``, ``max_pixels``, ``max_prefix_tokens``, ``max_steps``,
   ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``;
-* ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.warmup`),
+* ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.engines.warmup`),
   so the first request is as fast as the next ones; ``false`` skips it.
 * ``token_budget`` (streaming models): image tokens x branches one batched step may hold; a
   request joins a running batch at a step boundary while the sum stays within it.

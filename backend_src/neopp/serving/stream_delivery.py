@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..engines.engine import StepEvent
+from ..sampling.sampler import StepEvent
 
 HandleFn = Callable[[Any, StepEvent], None]
 

@@ -19,13 +19,14 @@ from typing import Any
 
 import numpy as np
 
-from ..engines.engine import Engine, EngineHooks, StepEvent
+from ..engines.engine import Engine, EngineHooks
 from ..engines.factory import build_engine
 from ..errors import GenerationCancelled
 from ..image_io import encode_image
 from ..request import GenerationRequest
-from ..request_log import request_line
+from ..sampling.sampler import StepEvent
 from .metrics import StreamMetrics
+from .request_log import request_line
 from .request_parsing import KV_INPUTS
 from .stream_delivery import Delivery
 from .stream_parsing import (

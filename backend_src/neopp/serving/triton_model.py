@@ -22,20 +22,20 @@ import torch
 
 from ..engines.engine import Engine
 from ..engines.factory import build_engine
+from ..engines.warmup import warm_up
 from ..errors import ConfigError, GenerationCancelled
 from ..image_io import encode_image
 from ..model.checkpoint_config import CheckpointConfig
 from ..parallel.mesh import check_world
 from ..procs import restore_malloc_defaults
 from ..request import GenerationRequest
-from ..request_log import request_line
 from ..sampling.rng import NoiseStream
-from ..warmup import warm_up
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .metrics import GenerationMetrics
 from .model_settings import TritonModelSettings, choose_device, load_model_mode
 from .parameters import narrow_kv_dims
 from .placement import backend_devices, check_layout
+from .request_log import request_line
 from .request_parsing import (
     INPUT_SPECS,
     KV_INPUTS,

@@ -22,9 +22,9 @@ from ..errors import ConfigError, InputError
 from ..model.kv_cache import load_kv_file
 from ..modes import CFG_NORMS, TASKS, ModeSpec, load_mode
 from ..request import GenerationRequest
-from ..request_log import request_line
 from ..runner import InProcessRunner
 from ..sampling.rng import NoiseStream
+from ..serving.request_log import request_line
 
 FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -19,13 +19,14 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..engines.engine import CancelledFn, EmitFn, submit_in_caller
 from ..errors import GenerationCancelled, InputError
 from ..limits import Limits
 from ..model.checkpoint_config import CheckpointConfig
 from ..modes import ModeSpec
-from ..request import GenerationRequest, RequestRules
+from ..request import GenerationRequest
 from ..sampling.pipeline import StepFn, StopFn
+from ..sampling.plan import RequestRules
+from .engine import CancelledFn, EmitFn, submit_in_caller
 
 POLL_S = 0.05
 

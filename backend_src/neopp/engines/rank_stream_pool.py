@@ -13,12 +13,13 @@ import threading
 import time
 from typing import Any
 
-from ..engines import engine as eng
 from ..errors import GenerationCancelled, WorkerFailure
-from ..request import GenerationRequest, RequestRules
+from ..request import GenerationRequest
+from ..sampling.plan import RequestRules
+from . import engine as eng
 from .lifeline import silent_rank
-from .stream_workers import ERRORS, StreamPoolSpec, _stream_rank_main
-from .workers import POLL_S, SILENCE_CHECK_S, WorkerPool
+from .rank_loop import ERRORS, StreamPoolSpec, _stream_rank_main
+from .rank_pool import POLL_S, SILENCE_CHECK_S, WorkerPool
 
 CLOSE_WAIT_S = 10.0
 

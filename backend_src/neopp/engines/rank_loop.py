@@ -22,13 +22,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engines.engine import DEFAULT_TOKEN_BUDGET, StepEvent
 from ..errors import GenerationCancelled, InputError, NeoPPError, NonFiniteState
-from ..model.transformer import BranchContext
+from ..parallel.rank_step import ParallelStepBatcher
 from ..request import GenerationRequest
-from ..sampling.batching import Active, BranchKey, StepBatcher, fits, start, step_cost
-from .parallel_pipeline import UlyssesBranch
-from .workers import PoolSpec, load_rank
+from ..sampling.batching import Active, fits, start, step_cost
+from ..sampling.sampler import StepEvent
+from .engine import DEFAULT_TOKEN_BUDGET
+from .rank_pool import PoolSpec, load_rank
 
 ERRORS = {"cancelled": GenerationCancelled, "nonfinite": NonFiniteState, "input": InputError}
 
@@ -44,43 +44,6 @@ def error_kind(exc: Exception) -> str:
 @dataclass(frozen=True)
 class StreamPoolSpec(PoolSpec):
     token_budget: int = DEFAULT_TOKEN_BUDGET
-
-
-class ParallelStepBatcher(StepBatcher):
-    """The batched step on one rank: its share of the branches, velocities completed by a sum."""
-
-    def owns(self, j: int, branch: BranchContext | None) -> bool:
-        """This CFG rank prepared exactly the branches it runs (`ParallelPipeline.prepare`)."""
-        return branch is not None
-
-    def layer_input(self, hid: torch.Tensor, branch: BranchContext) -> torch.Tensor:
-        if not isinstance(branch, UlyssesBranch):
-            return hid
-        if branch.padded > branch.num_tokens:
-            hid = torch.cat([hid, hid.new_zeros(branch.padded - branch.num_tokens, hid.shape[1])])
-        return hid[branch.start:branch.start + branch.shard]
-
-    def layer_output(self, out: torch.Tensor, branch: BranchContext) -> torch.Tensor:
-        if not isinstance(branch, UlyssesBranch):
-            return out
-        parts = [torch.empty_like(out) for _ in range(self.pipe.mesh.seq_p_size)]
-        with self.pipe.comm():
-            dist.all_gather(parts, out.contiguous(), group=self.pipe.mesh.seq_group)
-        return torch.cat(parts)[:branch.num_tokens]
-
-    def exchange(self, batch: list[Active], plans: list[list[BranchContext | None]],
-                 velocities: dict[BranchKey, torch.Tensor]) -> dict[BranchKey, torch.Tensor]:
-        mesh = self.pipe.mesh
-        if mesh.cfg_p_size == 1:
-            return velocities
-        keys = [(i, j) for i, bs in enumerate(plans) for j in range(len(bs))]
-        shapes = [batch[i].z.shape for i, _ in keys]
-        flat = torch.cat([velocities[key].reshape(-1) if key in velocities
-                          else torch.zeros(s.numel(), device=self.pipe.device) for key, s in zip(keys, shapes)])
-        with self.pipe.comm():
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=mesh.cfg_group)
-        parts = flat.split([s.numel() for s in shapes])
-        return {key: p.view(s) for key, p, s in zip(keys, parts, shapes)}
 
 
 class RankLoop:

@@ -14,11 +14,11 @@ import time
 
 import torch
 
-from .engines.engine import Engine
-from .image_io import encode_image
-from .modes import ModeSpec
-from .request import GenerationRequest
-from .sampling.rng import NoiseStream
+from ..image_io import encode_image
+from ..modes import ModeSpec
+from ..request import GenerationRequest
+from ..sampling.rng import NoiseStream
+from .engine import Engine
 
 PREFIX_TOKENS = 16
 

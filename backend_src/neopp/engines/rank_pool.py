@@ -13,21 +13,22 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
-from ..engines.engine import CancelledFn, EmitFn, submit_in_caller
 from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
 from ..limits import Limits
 from ..model.speed import SpeedOptions
 from ..modes import ModeSpec
-from ..request import GenerationRequest, RequestRules
-from ..sampling.guidance import COND, IMAGE, UNCOND, guided_branches
+from ..parallel.rank_step import rank_request
+from ..request import GenerationRequest
 from ..sampling.pipeline import StepFn, StopFn
+from ..sampling.plan import RequestRules
+from .engine import CancelledFn, EmitFn, submit_in_caller
 from .lifeline import die_with_parent, silent_rank, start_heartbeat, start_processes
 
 POLL_S = 0.02
@@ -64,8 +65,8 @@ def load_rank(rank: int, spec: PoolSpec, port: Any, results: Any, parent: int, b
     Returns the rank's `ParallelPipeline`, or None after reporting a load error."""
     die_with_parent(parent)
     start_heartbeat(beats, rank)
-    from .mesh import init_mesh, rendezvous
-    from .parallel_pipeline import ParallelPipeline
+    from ..parallel.mesh import init_mesh, rendezvous
+    from ..parallel.parallel_pipeline import ParallelPipeline
 
     try:
         if spec.threads:
@@ -314,22 +315,6 @@ class WorkerPool:
                 raise InputError(info)
             elif kind == "error":
                 raise self._fail_and_rebuild(self._death_notice() or f"generation failed in {info}")
-
-
-def rank_request(mode: ModeSpec, req: GenerationRequest, rank: int,
-                 three: tuple[tuple[str, ...], ...] | None = None) -> GenerationRequest:
-    """What rank ``rank`` is sent: only the KV of the branches it runs under the three-branch
-    layout ``three`` (default: the engine's); the offsets all stay, so every rank plans alike."""
-    if mode.cfg_p_size < 2:
-        return req
-    from .parallel_pipeline import THREE_BRANCH_SPLIT, branches_by_rank
-
-    cfg_rank = rank // mode.seq_p_size
-    mine = branches_by_rank(guided_branches(req.sampling, req.image_editing), three or THREE_BRANCH_SPLIT)[cfg_rank]
-    if cfg_rank == 0:
-        mine = (COND, *mine)  # unguided steps run cond on CFG rank 0
-    return replace(req, **{f"{name}_kv": getattr(req, f"{name}_kv") if name in mine else None
-                           for name in (COND, UNCOND, IMAGE)})
 
 
 def instance_devices(world_size: int, instance_index: int = 0, gpus: list[int] | None = None) -> tuple[str, ...]:
