@@ -24,11 +24,13 @@ tiny: setup
 	test -f $(TINY_DIR)/dense/config.json -a -f $(TINY_DIR)/lora/neopp_8steps_lora.safetensors \
 	  || $(PY) -m testing.tiny_checkpoint --out $(TINY_DIR)
 
-# The style check (ruff, settings in pyproject.toml; hadolint for the container recipe) runs first:
+# The style check (ruff, settings in pyproject.toml; hadolint for the container recipe) and the
+# package's storeys (import-linter's contracts in pyproject.toml, docs/architecture.md) run first:
 # a violation fails `make test` and CI.
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/hadolint docker/Dockerfile
+	$(VENV)/bin/lint-imports --no-cache
 
 test: lint
 	$(PY) -m pytest -q
@@ -36,7 +38,7 @@ test: lint
 # The input/output blocks of every config.pbtxt, written from the code's tables (a test fails when
 # a file differs from them).
 contract-configs: setup
-	$(PY) -m testing.contract_configs
+	$(PY) -m neopp.tools.contract_configs
 
 # The cluster router's configuration (deploy/kubernetes/base/router/haproxy.cfg), written from
 # deploy/router.py's rules (a test fails when the file differs).

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from bench.common import section_main, stats
 from bench.geometry import BenchGeometry
 from neopp.engines.factory import build_engine
+from neopp.engines.spec import EngineSpec
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.request import GenerationRequest
 from neopp.sampling.pipeline import NeoPPPipeline
@@ -57,7 +58,7 @@ def per_step(run) -> list[float]:
 def measure(ckpt: Path, req: GenerationRequest, dtype: torch.dtype, repeats: int) -> dict[str, list[float]]:
     times: dict[str, list[float]] = {}
     pipe = NeoPPPipeline.from_pretrained(ckpt, ModeSpec(), "cpu", dtype)
-    pool = build_engine(ckpt, ModeSpec(name="cfg2", cfg_p_size=2), "cpu", dtype, threads=1)
+    pool = build_engine(EngineSpec.local(ckpt, ModeSpec(name="cfg2", cfg_p_size=2), dtype=dtype, threads=1))
     comm: list[float] = []
     try:
         for _ in range(repeats):  # interleaved, so machine load hits every variant alike
@@ -67,9 +68,10 @@ def measure(ckpt: Path, req: GenerationRequest, dtype: torch.dtype, repeats: int
                     pipe.cfg_batching = batching
                     label = f"{'batched' if batching == 'on' else 'sequential'} CFG, 1 process x {threads} thread"
                     times.setdefault(label, []).extend(per_step(lambda cb: pipe.sample(req, on_step=cb)))
+            comm_before = pool.comm_seconds
             steps = per_step(lambda cb: pool.generate(req, on_step=cb))
             times.setdefault("CFG-parallel, 2 ranks x 1 thread", []).extend(steps)
-            comm.append(pool.last_comm_seconds / (len(steps) + 1))
+            comm.append((pool.comm_seconds - comm_before) / (len(steps) + 1))
     finally:
         pool.close()
     times["collectives per step (rank 0)"] = comm

@@ -22,6 +22,7 @@ import torch
 from bench.common import REPO, write_report
 from demo import shapes
 from neopp.engines.factory import build_engine
+from neopp.engines.spec import EngineSpec
 from neopp.modes import ModeSpec, load_mode
 from neopp.request import GenerationRequest
 from neopp.sampling.rng import NoiseStream
@@ -62,7 +63,7 @@ def draw(row: Row, ckpt: Path, lora_dir: Path, scenes: list, size: tuple[int, in
     """Every scene's image (seed = its index) and the seconds per image."""
     tower = LanguageTower.from_pretrained(ckpt)
     mode = mode_of(row, lora_dir)
-    engine = build_engine(ckpt, mode, "cpu", torch.float32)
+    engine = build_engine(EngineSpec.local(ckpt, mode, "cpu", dtype=torch.float32))
     uncond, off_u = tower.encode("")
     images, began = [], time.perf_counter()
     try:

@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from bench.common import REPO
 from neopp.engines.factory import build_engine
+from neopp.engines.spec import EngineSpec
 from neopp.model.layers import Linear, MoE, SwiGLU
 from neopp.model.quant import weight_bytes
 from neopp.modes import load_mode
@@ -96,7 +97,7 @@ def bench_modes(ckpts: dict[str, Path], size: int, steps: int, device: str, thre
         dtype = torch.bfloat16 if "bf16" in label else (torch.float32 if device == "cpu" else None)
         per_rank = max(1, threads // mode.world_size)
         start = time.perf_counter()
-        gen = build_engine(ckpts[ckpt], mode, device, dtype, threads=per_rank)
+        gen = build_engine(EngineSpec.local(ckpts[ckpt], mode, device, dtype=dtype, threads=per_rank))
         load_s = time.perf_counter() - start
         try:
             req = request(mid_config(ckpt == "moe"), size, steps, mode.sampling)

@@ -64,7 +64,7 @@ def build_repository(dest: Path, x2_threads: int, layout: str = "") -> Path:
     shutil.copytree(REPO / "model_repository" / PLAIN, dest / PLAIN_X2)
     config = dest / PLAIN_X2 / (f"configs/{layout}.pbtxt" if layout else "config.pbtxt")
     text, named = re.subn(rf'^name: "{PLAIN}"$', f'name: "{PLAIN_X2}"', config.read_text(), flags=re.MULTILINE)
-    text, counted = re.subn(r"(instance_group \[ \{ kind: KIND_[CG]PU) count: 1", r"\1 count: 2", text)
+    text, counted = re.subn(r"(instance_group \[ \{ kind: KIND_[CG]PU) count: \d+", r"\1 count: 2", text)
     text, threaded = re.subn(r'(key: "num_threads" value: \{ string_value: )"\d+"', rf'\1"{x2_threads}"', text)
     if (named, counted, threaded) != (1, 1, 1):
         raise RuntimeError(f"{PLAIN} {config.name} changed shape: cannot derive {PLAIN_X2} from it")

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from neopp.procs import model_stubs, server_processes, spawned_children
+from neopp.procs import cmdline, model_stubs, server_processes, spawned_children, stub_instance
 from testing.fuzz import Inputs
 from testing.loadgen import image_bytes, infer, with_token
 
@@ -55,7 +55,8 @@ def signal_own(server_pid: int, pid: int, sig: int = signal.SIGKILL) -> None:
 
 
 def stub_pid(server_pid: int, model: str, timeout: float = 60.0) -> int:
-    """The one Python stub of ``model`` under this server (a model with one instance).
+    """The stub of ``model``'s first instance under this server: the one that loads the mode's
+    engine (and its rank processes); the other instances hand their requests to it.
 
     Just after a reload the old stub may still be exiting next to the new one: wait (bounded)
     until one is left, so the stub picked is the one serving.
@@ -64,11 +65,11 @@ def stub_pid(server_pid: int, model: str, timeout: float = 60.0) -> int:
 
     def one() -> bool:
         nonlocal pids
-        pids = model_stubs(server_pid, model)
+        pids = [p for p in model_stubs(server_pid, model) if stub_instance(cmdline(p)) == f"{model}_0_0"]
         return len(pids) == 1
 
     if not wait_for(one, timeout, poll=0.1):
-        raise RuntimeError(f"expected one stub for {model} under server {server_pid}, found {pids}")
+        raise RuntimeError(f"expected one first-instance stub for {model} under server {server_pid}, found {pids}")
     return pids[0]
 
 

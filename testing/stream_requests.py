@@ -7,6 +7,7 @@ requests share the step.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from pathlib import Path
 
@@ -59,13 +60,20 @@ def mixed(kvs) -> list[GenerationRequest]:
 
 
 class Collector:
-    """Events of one request, and a cancel switch the test flips from ``emit``."""
+    """Events of one request, and a cancel switch the test flips from ``emit``. ``first_at``: the
+    order in which the collectors got their first event (a counter shared by every collector)."""
+
+    _order = itertools.count()
 
     def __init__(self, cancel_after: int | None = None) -> None:
-        self.events, self.done = [], threading.Event()
+        self.events, self.done, self.first = [], threading.Event(), threading.Event()
         self.cancel_after, self.cancel = cancel_after, False
+        self.first_at: int | None = None
 
     def emit(self, ev) -> None:
+        if self.first_at is None:
+            self.first_at = next(Collector._order)
+            self.first.set()
         self.events.append(ev)
         if self.cancel_after is not None and ev.step >= self.cancel_after:
             self.cancel = True

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from neopp.model.checkpoint import FM, LM, VISION, layer_prefix
 from neopp.model.kv_cache import ONLINE, REPLAY, save_kv_file
+from testing.tiny_lora import write_tiny_loras  # LoRA files fit the dense/fp8/sharded variants of a seed
 
 VARIANTS = ("dense", "pixel", "moe", "fp8", "sharded")
 TINY_LLM = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -161,6 +162,14 @@ def write_sample_kv(out_dir: str | Path, variant: str = "dense", cond_tokens: in
     return paths
 
 
+def write_mismatched_loras(out_dir: str | Path) -> Path:
+    """The tiny LoRA files made for hidden size 256: they fit no tiny checkpoint (hidden 128)."""
+    config = tiny_config("dense")
+    config["llm_config"].update(hidden_size=256, num_attention_heads=8)
+    write_tiny_loras(out_dir, tiny_tensors(config, 0))
+    return Path(out_dir)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", required=True, help="folder to write (a checkpoint per variant below it)")
@@ -173,8 +182,6 @@ def main(argv: list[str] | None = None) -> None:
         ckpt = write_tiny_checkpoint(Path(args.out) / variant, variant, args.seed)
         write_sample_kv(ckpt / "sample_kv", variant, cond_tokens=args.kv_tokens)
         print(f"wrote {ckpt}")
-    from testing.tiny_lora import write_tiny_loras  # LoRA files fit the dense/fp8/sharded variants of this seed
-
     for path in write_tiny_loras(Path(args.out) / "lora", tiny_tensors(tiny_config("dense"), args.seed)).values():
         print(f"wrote {path}")
 

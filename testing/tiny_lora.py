@@ -53,13 +53,3 @@ def write_tiny_loras(out_dir: str | Path, weights: Mapping[str, torch.Tensor], s
         paths[name] = out / f"{name}.safetensors"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(paths[name]))
     return paths
-
-
-def write_mismatched_loras(out_dir: str | Path) -> Path:
-    """The tiny LoRA files made for hidden size 256: they fit no tiny checkpoint (hidden 128)."""
-    from testing.tiny_checkpoint import tiny_config, tiny_tensors
-
-    config = tiny_config("dense")
-    config["llm_config"].update(hidden_size=256, num_attention_heads=8)
-    write_tiny_loras(out_dir, tiny_tensors(config, 0))
-    return Path(out_dir)

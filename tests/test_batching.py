@@ -15,9 +15,12 @@ import torch
 
 from neopp.engines.batch_engine import BatchingEngine
 from neopp.engines.engine import EngineHooks
-from neopp.errors import GenerationCancelled, InputError, NonFiniteState
+from neopp.errors import GenerationCancelled, InputError, NonFiniteState, QueueFull
+from neopp.modes import ModeSpec
 from neopp.sampling.batching import StepBatcher, start
+from neopp.sampling.pipeline import NeoPPPipeline
 from testing.stream_requests import Collector, assert_pixels_match, assert_pixels_near, make, mixed, tiny_setup
+from testing.tiny_checkpoint import write_tiny_checkpoint
 from tests.reference import neopp_reference as ref
 
 TIMEOUT_S = 60
@@ -169,3 +172,51 @@ def test_a_rows_product_does_not_depend_on_the_rows_beside_it():
     for first, rows in [(0, 1), (5, 40), (130, 128), (250, 50)]:
         assert torch.equal(linear_rows(x[first:first + rows], w, b), full[first:first + rows]), (first, rows)
     torch.testing.assert_close(full, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+def test_a_small_request_passes_a_large_one_that_does_not_fit(setup):
+    """Budget 16: a guided 64x96 request (12) runs; a second one waits for room; an unguided 64x64
+    request (4) arriving behind it joins at once. With no patience (strict arrival order) it waits."""
+    pipe, kvs, ckpt = setup
+    big_a, big_b = make(kvs, 0, 64, 96, 3, 1), make(kvs, 1, 64, 96, 3, 2)
+    small = make(kvs, 2, 64, 64, 2, 3, enable_cfg=False)
+    for patience, small_first in ((16, True), (0, False)):
+        collectors = [Collector(), Collector(), Collector()]
+        run_engine(pipe, [big_a, big_b, small], collectors, token_budget=16, patience=patience)
+        assert all(c.events[-1].final is not None for c in collectors)
+        firsts = [c.first_at for c in collectors]
+        assert (firsts[2] < firsts[1]) is small_first, (patience, firsts)
+        assert_pixels_match(collectors[2].events[-1].final, pipe.generate(small), "small")
+
+
+def test_a_full_queue_refuses_at_once_and_the_others_go_on(setup):
+    pipe, kvs, ckpt = setup
+    running, waiting, refused = Collector(), Collector(), Collector()
+    engine = BatchingEngine(pipe, token_budget=12, max_queued=1)
+    try:
+        engine.submit(make(kvs, 0, 64, 96, 200, 1), running.emit, lambda: running.cancel)
+        assert running.first.wait(TIMEOUT_S)  # it runs: the budget is full
+        engine.submit(make(kvs, 1, 64, 96, 2, 2), waiting.emit, lambda: False)  # waits for room
+        engine.submit(make(kvs, 2, 64, 96, 2, 3), refused.emit, lambda: False)
+        assert refused.done.is_set() and len(refused.events) == 1
+        assert isinstance(refused.events[0].error, QueueFull)
+        assert str(refused.events[0].error).startswith("Exceeds maximum queue size")
+        running.cancel = True
+        assert waiting.done.wait(TIMEOUT_S) and waiting.events[-1].final is not None
+        assert isinstance(running.events[-1].error, GenerationCancelled)
+    finally:
+        engine.close()
+
+
+def test_moe_requests_batched_equal_solo(setup, tmp_path):
+    """The routed experts see every batched request's tokens at once; each request's rows still
+    come out as alone (fixed row tiles per expert product)."""
+    _, kvs, _ = setup
+    moe = NeoPPPipeline.from_pretrained(write_tiny_checkpoint(tmp_path / "moe", "moe", seed=4),
+                                        ModeSpec(name="moe", version="moe"), "cpu", torch.float32)
+    reqs = mixed(kvs)
+    collectors = [Collector() for _ in reqs]
+    _, sizes, _ = run_engine(moe, reqs, collectors)
+    assert max(sizes) >= 2
+    for req, c in zip(reqs, collectors):
+        assert_pixels_match(c.events[-1].final, moe.generate(req), "moe")

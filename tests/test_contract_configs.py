@@ -16,9 +16,9 @@ from tritonclient.grpc import model_config_pb2 as mc
 from neopp.modes import load_mode
 from neopp.serving.contract import ENCODER_OUTPUTS, generation_models
 from neopp.serving.contract import T2I_PASSED_INPUTS as T2I_PASSED
-from neopp.serving.request_parsing import INPUT_SPECS, OUTPUT_SPECS, InputSpec
+from neopp.serving.request_parsing import INPUT_SPECS, OUTPUT_SPECS, TensorSpec
 from neopp.serving.stream_parsing import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
-from testing import contract_configs
+from neopp.tools import contract_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = ROOT / "model_repository"
@@ -31,27 +31,27 @@ GENERATION_MODELS = [m for m in ALL_MODELS if m not in BLS_AND_TEXT_MODELS and m
 # prefix inputs optional (a closing sequence_end carries none), plus MODEL and the owner's SESSION_TOKEN;
 # it also returns TURN and SESSION_TOKEN.
 SESSION_INPUTS = {
-    **{n: InputSpec(s.data_type, s.dims, optional=True) for n, s in INPUT_SPECS.items()
+    **{n: TensorSpec(s.data_type, s.dims, optional=True) for n, s in INPUT_SPECS.items()
        if n not in ("RNG_STATE", "NOISE")},
-    "MODEL": InputSpec("TYPE_STRING", (1,)),
-    "SESSION_TOKEN": InputSpec("TYPE_STRING", (1,)),
+    "MODEL": TensorSpec("TYPE_STRING", (1,)),
+    "SESSION_TOKEN": TensorSpec("TYPE_STRING", (1,)),
 }
-SESSION_OUTPUTS = {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": InputSpec("TYPE_INT64", (1,)),
+SESSION_OUTPUTS = {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": TensorSpec("TYPE_INT64", (1,)),
                    "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"],
-                   "SESSION_TOKEN": InputSpec("TYPE_STRING", (1,))}
+                   "SESSION_TOKEN": TensorSpec("TYPE_STRING", (1,))}
 
 
 def parse(model: str) -> mc.ModelConfig:
     return text_format.Parse((REPO / model / "config.pbtxt").read_text(), mc.ModelConfig())
 
 
-def table(entries) -> dict[str, InputSpec]:
-    return {e.name: InputSpec(mc.DataType.Name(e.data_type), tuple(e.dims), bool(getattr(e, "optional", False)))
+def table(entries) -> dict[str, TensorSpec]:
+    return {e.name: TensorSpec(mc.DataType.Name(e.data_type), tuple(e.dims), bool(getattr(e, "optional", False)))
             for e in entries}
 
 
-def outputs_table(entries) -> dict[str, InputSpec]:
-    return {e.name: InputSpec(mc.DataType.Name(e.data_type), tuple(e.dims)) for e in entries}
+def outputs_table(entries) -> dict[str, TensorSpec]:
+    return {e.name: TensorSpec(mc.DataType.Name(e.data_type), tuple(e.dims)) for e in entries}
 
 
 def params(cfg: mc.ModelConfig) -> dict[str, str]:
@@ -70,7 +70,7 @@ def test_generation_config_matches_contract(model):
     assert cfg.name == model and cfg.backend == "python"
     assert table(cfg.input) == INPUT_SPECS
     assert [e.name for e in cfg.input] == list(INPUT_SPECS), "inputs listed in the table's order"
-    assert outputs_table(cfg.output) == {n: InputSpec(s.data_type, s.dims) for n, s in OUTPUT_SPECS.items()}
+    assert outputs_table(cfg.output) == {n: TensorSpec(s.data_type, s.dims) for n, s in OUTPUT_SPECS.items()}
     assert not cfg.model_transaction_policy.decoupled, "plain models answer once"
 
 
@@ -80,21 +80,23 @@ def test_stream_config_matches_contract_and_its_plain_twin(model):
     assert cfg.name == model and cfg.backend == "python" and cfg.model_transaction_policy.decoupled
     assert table(cfg.input) == STREAM_INPUT_SPECS
     assert [e.name for e in cfg.input] == list(STREAM_INPUT_SPECS), "inputs listed in the table's order"
-    assert outputs_table(cfg.output) == {n: InputSpec(s.data_type, s.dims) for n, s in STREAM_OUTPUT_SPECS.items()}
+    assert outputs_table(cfg.output) == {n: TensorSpec(s.data_type, s.dims) for n, s in STREAM_OUTPUT_SPECS.items()}
     # every input of the twin, the same way, except COND_KV: optional, as COND_KV_B64 may replace it
     mine, plain = table(cfg.input), table(twin.input)
     assert {n: s for n, s in mine.items() if n in plain and n != "COND_KV"} == \
         {n: s for n, s in plain.items() if n != "COND_KV"}
-    assert mine["COND_KV"] == InputSpec("TYPE_BF16", plain["COND_KV"].dims, optional=True)
-    assert params(cfg) == params(twin) and cfg.max_batch_size == twin.max_batch_size == 0
-    assert list(cfg.instance_group) == list(twin.instance_group)
+    assert mine["COND_KV"] == TensorSpec("TYPE_BF16", plain["COND_KV"].dims, optional=True)
+    # a front of its plain twin's engine: the twin's settings (its limits apply), plus which model that is
+    assert params(cfg) == {**params(twin), "engine_model": twin.name}
+    assert cfg.max_batch_size == twin.max_batch_size == 0
+    assert [(g.kind, g.count) for g in cfg.instance_group] == [(mc.ModelInstanceGroup.KIND_CPU, 1)]
 
 
 def test_config_blocks_are_the_tables_written_out(tmp_path):
     """`make contract-configs` leaves nothing to write, and a hand edit is caught."""
-    assert contract_configs.stale() == []
+    assert contract_configs.stale(REPO) == []
     copy = tmp_path / "model_repository"
-    for path, _ in contract_configs.config_files():
+    for path, _ in contract_configs.config_files(REPO):
         target = copy / path.relative_to(REPO)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(path.read_text())
@@ -123,8 +125,8 @@ def test_session_config_matches_contract():
 
 def test_t2i_config_passes_generation_inputs_with_the_contract_s_types():
     cfg = parse("neopp_t2i")
-    own = {"PROMPT": InputSpec("TYPE_STRING", (1,), optional=False), "NEGATIVE_PROMPT": InputSpec("TYPE_STRING", (1,)),
-           "MODEL": InputSpec("TYPE_STRING", (1,))}
+    own = {"PROMPT": TensorSpec("TYPE_STRING", (1,), optional=False),
+           "NEGATIVE_PROMPT": TensorSpec("TYPE_STRING", (1,)), "MODEL": TensorSpec("TYPE_STRING", (1,))}
     passed = {n: INPUT_SPECS[n] for n in T2I_PASSED}
     assert table(cfg.input) == {**own, **passed}
     assert outputs_table(cfg.output) == {"IMAGE": OUTPUT_SPECS["IMAGE"]}
@@ -133,9 +135,9 @@ def test_t2i_config_passes_generation_inputs_with_the_contract_s_types():
 
 def test_prompt_encoder_outputs_are_the_generation_models_prefix_inputs():
     cfg = parse("neopp_prompt_encoder")
-    assert table(cfg.input) == {"PROMPT": InputSpec("TYPE_STRING", (1,), optional=False),
-                                "NEGATIVE_PROMPT": InputSpec("TYPE_STRING", (1,))}
-    assert outputs_table(cfg.output) == {n: InputSpec(INPUT_SPECS[n].data_type, INPUT_SPECS[n].dims)
+    assert table(cfg.input) == {"PROMPT": TensorSpec("TYPE_STRING", (1,), optional=False),
+                                "NEGATIVE_PROMPT": TensorSpec("TYPE_STRING", (1,))}
+    assert outputs_table(cfg.output) == {n: TensorSpec(INPUT_SPECS[n].data_type, INPUT_SPECS[n].dims)
                                          for n in ENCODER_OUTPUTS}
 
 

@@ -16,7 +16,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from neopp.limits import Limits
 from neopp.modes import load_mode
 from neopp.serving.contract import generation_models
-from neopp.serving.request_parsing import INPUT_SPECS, OUTPUT_SPECS, InputSpec
+from neopp.serving.request_parsing import INPUT_SPECS, OUTPUT_SPECS, TensorSpec
 from neopp.serving.stream_parsing import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,9 +36,9 @@ def name(cell: str) -> str:
     return cell.strip("`")
 
 
-def spec_of(row: list[str], optional: bool) -> InputSpec:
+def spec_of(row: list[str], optional: bool) -> TensorSpec:
     dims = tuple(int(d) for d in row[2].strip("`[]").split(","))
-    return InputSpec("TYPE_" + row[1], dims, optional)
+    return TensorSpec("TYPE_" + row[1], dims, optional)
 
 
 def test_the_models_table_is_the_repository():

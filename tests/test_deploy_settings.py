@@ -20,7 +20,7 @@ from neopp.serving.model_settings import PARAMETER_DEFAULTS, TritonModelSettings
 from neopp.serving.parameters import read_parameters
 from testing import REPO
 from testing.tiny_checkpoint import main as tiny_main
-from testing.tiny_lora import write_mismatched_loras
+from testing.tiny_checkpoint import write_mismatched_loras
 
 MODEL = "neopp_dense_8steps"
 LORA = "neopp_8steps_lora.safetensors"
@@ -117,6 +117,7 @@ def test_warm_up_runs_the_default_size_and_leaves_the_engine_exact(tiny: Path) -
     import torch
 
     from neopp.engines.factory import build_engine
+    from neopp.engines.spec import EngineSpec
     from neopp.engines.warmup import warm_up
     from neopp.model.kv_cache import load_kv_file
     from neopp.modes import load_mode
@@ -134,7 +135,8 @@ def test_warm_up_runs_the_default_size_and_leaves_the_engine_exact(tiny: Path) -
         req.noise = NoiseStream(5).draw(64, 64)
         return torch.as_tensor(engine.generate(req))
 
-    cold = seeded(build_engine(tiny / "dense", mode, "cpu", threads=1))
-    engine = build_engine(tiny / "dense", mode, "cpu", threads=1)
+    spec = EngineSpec.local(tiny / "dense", mode, "cpu", threads=1)
+    cold = seeded(build_engine(spec))
+    engine = build_engine(spec)
     assert warm_up(engine, mode) > 0
     assert torch.equal(seeded(engine), cold)

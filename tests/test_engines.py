@@ -14,6 +14,7 @@ import pytest
 from neopp.engines.batch_engine import BatchingEngine
 from neopp.engines.factory import build_engine
 from neopp.engines.in_process import InProcessEngine
+from neopp.engines.spec import EngineSpec
 from neopp.errors import GenerationCancelled
 from neopp.sampling.sampler import StepEvent
 from testing.stream_requests import assert_pixels_match, make, tiny_setup
@@ -22,8 +23,8 @@ from testing.stream_requests import assert_pixels_match, make, tiny_setup
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     ckpt, pipe, kvs = tiny_setup(tmp_path_factory.mktemp("engines"))
-    plain = build_engine(ckpt, pipe.mode, "cpu", threads=1)
-    batching = build_engine(ckpt, pipe.mode, "cpu", threads=1, step_batching=True)
+    plain = InProcessEngine(pipe)
+    batching = build_engine(EngineSpec.local(ckpt, pipe.mode, "cpu", threads=1))
     yield plain, batching, kvs
     plain.close()
     batching.close()

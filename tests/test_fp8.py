@@ -26,13 +26,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from neopp.image_io import to_pixels
 from neopp.model.checkpoint import FP8_DTYPE, load_checkpoint
 from neopp.model.quant import FP8Linear, dequantize_fp8, is_layer_linear, quantize_fp8, weight_bytes
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.request import GenerationRequest
 from neopp.sampling.pipeline import NeoPPPipeline
 from neopp.sampling.rng import NoiseStream
+from neopp.sampling.sampler import to_pixels
 from testing.probes import branch_velocity
 from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoint
 from tests.reference import neopp_reference as ref

@@ -68,20 +68,21 @@ def test_instance_i_takes_the_ith_disjoint_slice():
 
 @pytest.mark.parametrize("gpus,world,instances,why", [
     ((0, 1, 2), 2, 1, "not a multiple"),      # half an instance
-    ((0, 1), 2, 2, "instance group has 2"),   # the second instance would have no GPU
-    ((0, 1, 2, 3), 2, 1, "instance group has 1"),  # two GPUs named but never used
+    ((0, 1), 2, 2, "a model runs 2"),   # the second engine would have no GPU
+    ((0, 1, 2, 3), 2, 1, "a model runs 1"),  # two GPUs named but never used
 ])
 def test_list_must_fill_every_instance_exactly(gpus, world, instances, why):
     with pytest.raises(ConfigError, match=why):
         instance_slices(gpus, world, instances)
 
 
-def test_model_with_gpu_list_and_two_instances_gets_two_rank_sets():
-    placement = model_placement(config("m", count=2, gpus="0,1,2,3"), world_size=2, device_count=8)
-    assert placement.instances == ((0, 1), (2, 3))
-    device, flat = backend_devices(placement, "MODEL", 1)
-    assert device == "cuda:2"
-    assert tuple(flat[1 * 2:2 * 2]) == placement.instances[1]  # the rank pool's slice of the same list
+def test_a_gpu_list_names_the_one_engine_s_ranks_whatever_the_instance_count():
+    """A model's instances hand their requests to one engine: the list holds its ranks, once."""
+    placement = model_placement(config("m", count=8, gpus="2,3"), world_size=2, device_count=8)
+    assert placement.instances == ((2, 3),)
+    assert backend_devices(placement, "MODEL", 0) == ("cuda:2", [2, 3])
+    with pytest.raises(ConfigError, match="a model runs 1"):
+        model_placement(config("m", count=2, gpus="0,1,2,3"), world_size=2, device_count=8)
 
 
 def test_kind_gpu_ids_are_triton_s_and_need_no_backend_devices():
@@ -190,10 +191,18 @@ def pinned_to_cpu(own: dict) -> bool:
     return own["parameters"]["device"]["string_value"] == "cpu"
 
 
+def front(own: dict) -> bool:
+    """A plain model whose mode's engine another model loads: it holds no weights."""
+    return bool(own["parameters"].get("engine_model", {}).get("string_value"))
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.parent.name}/{p.stem}")
 def test_shipped_layout_loads_on_its_node_and_not_on_a_smaller_one(path):
     own = read_placement_fields(path.read_text())
     assert own["parameters"]["layout"]["string_value"] == path.stem
+    if front(own):  # on the CPU, whatever the node: its engine model holds the GPUs
+        assert not check_layout(own, path.parent.parent, world_of(path), device_count=NODE_GPUS[path.stem]).gpus
+        return
     if pinned_to_cpu(own):  # a mode the node cannot hold: it names no GPU and loads anywhere
         assert world_of(path) > NODE_GPUS[path.stem]
         assert not check_layout(own, path.parent.parent, world_of(path), device_count=0).gpus
@@ -213,18 +222,18 @@ def test_h200x8_shares_only_where_declared_and_uses_all_eight():
     by_model = {p.model: p for p in placements}
     assert by_model["neopp_dense_cfg_seq"].instances == ((4, 5, 6, 7),) and not by_model["neopp_dense_cfg_seq"].share
     assert by_model["neopp_dense_cfg"].instances == by_model["neopp_moe_cfg"].instances == ((2, 3),)
+    assert not by_model["neopp_dense_stream"].gpus and not by_model["neopp_dense_cfg_stream"].gpus  # fronts
 
 
 def test_h200x1_puts_every_one_process_mode_on_gpu_0_by_declaration():
     own = {p.parent.parent.name: read_placement_fields(p.read_text()) for p in REPO.glob("*/configs/h200x1.pbtxt")}
-    placements = [model_placement(c, 1, 1) for c in own.values() if not pinned_to_cpu(c)]
-    assert sorted(p.model for p in placements) == ["neopp_dense", "neopp_dense_8steps", "neopp_dense_fp8",
-                                                   "neopp_dense_stream", "neopp_moe"]
-    assert all(p.instances == ((0,),) and p.share for p in placements)
+    placements = [model_placement(c, 1, 1) for c in own.values() if not pinned_to_cpu(c) and not front(c)]
+    assert sorted(p.model for p in placements) == ["neopp_dense", "neopp_dense_8steps", "neopp_dense_fp8", "neopp_moe"]
+    assert all(set(p.instances) == {(0,)} and p.share for p in placements)
     check_overlaps(placements, "h200x1")
-    kinds = {m: c["instance_group"][0]["kind"] for m, c in own.items() if pinned_to_cpu(c)}
+    kinds = {m: c["instance_group"][0]["kind"] for m, c in own.items() if pinned_to_cpu(c) or front(c)}
     assert kinds == dict.fromkeys(["neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_dense_cfg_stream",
-                                   "neopp_moe_cfg"], "KIND_CPU")
+                                   "neopp_dense_stream", "neopp_moe_cfg"], "KIND_CPU")
 
 
 def parse(path: Path) -> mc.ModelConfig:

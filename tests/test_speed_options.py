@@ -103,8 +103,9 @@ def test_the_model_parameters_reach_the_options(tmp_path):
     assert settings.speed == SpeedOptions("off", "flash", 3)
     default = TritonModelSettings.from_config(config_with(), tmp_path / "repo" / "neopp_dense")
     assert default.speed == SpeedOptions()
-    with pytest.raises(ConfigError, match="cuda_graphs"):
-        TritonModelSettings.from_config(config_with(cuda_graphs="sometimes"), tmp_path / "repo" / "neopp_dense")
+    wrong = TritonModelSettings.from_config(config_with(cuda_graphs="sometimes"), tmp_path / "repo" / "neopp_dense")
+    with pytest.raises(ConfigError, match="cuda_graphs"):  # checked where the engine loads: its stub only
+        _ = wrong.speed
 
 
 def test_a_whole_image_with_a_named_kernel(tmp_path):

@@ -17,6 +17,7 @@ import torch
 from neopp.engines.batch_engine import BatchingEngine
 from neopp.engines.engine import EngineHooks
 from neopp.engines.factory import build_engine
+from neopp.engines.spec import EngineSpec
 from neopp.errors import GenerationCancelled, WorkerFailure
 from neopp.modes import load_mode
 from testing.stream_requests import Collector, assert_pixels_match, make, mixed, tiny_setup
@@ -51,8 +52,8 @@ def test_pool_equals_single_process_batching(setup, name):
     single = [Collector() for _ in reqs[:kept]]
     run(BatchingEngine(pipe), reqs[:kept], single, preview_every=2)
     sizes: list[int] = []
-    pool = build_engine(ckpt, load_mode(MODES[name]), dtype=torch.float32, threads=1, step_batching=True,
-                               hooks=EngineHooks(batch_size=sizes.append))
+    pool = build_engine(EngineSpec.local(ckpt, load_mode(MODES[name]), dtype=torch.float32, threads=1),
+                        EngineHooks(batch_size=sizes.append))
     pids = pool.pids()
     assert len(pids) == load_mode(MODES[name]).world_size
     collectors = [Collector() for _ in reqs[:kept]] + [Collector(cancel_after=1)]
@@ -73,7 +74,7 @@ def test_pool_equals_single_process_batching(setup, name):
 
 def test_pool_close_cancels_what_is_queued(setup):
     ckpt, _, kvs = setup
-    pool = build_engine(ckpt, load_mode(MODES["cfg"]), dtype=torch.float32, threads=1, step_batching=True)
+    pool = build_engine(EngineSpec.local(ckpt, load_mode(MODES["cfg"]), dtype=torch.float32, threads=1))
     c = Collector()
     pool.submit(make(kvs, 0, 64, 64, 40, 5), c.emit, lambda: False)
     pool.close()
@@ -94,7 +95,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_dead_rank_fails_the_live_requests_and_the_pool_recovers(setup):
     ckpt, pipe, kvs = setup
-    pool = build_engine(ckpt, load_mode(MODES["cfg"]), dtype=torch.float32, threads=1, step_batching=True)
+    pool = build_engine(EngineSpec.local(ckpt, load_mode(MODES["cfg"]), dtype=torch.float32, threads=1))
     try:
         victim = pool.pids()[1]
         c = Collector()

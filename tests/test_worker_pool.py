@@ -11,6 +11,7 @@ import torch
 
 from neopp.engines.factory import build_engine
 from neopp.engines.rank_pool import WorkerFailure
+from neopp.engines.spec import EngineSpec
 from neopp.errors import ConfigError, GenerationCancelled, InputError
 from neopp.model.kv_cache import load_kv_file
 from neopp.modes import load_mode
@@ -36,7 +37,7 @@ def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("pool")
     ckpt = write_tiny_checkpoint(root / "dense", "dense", seed=5)
     kv = write_sample_kv(root / "kv", "dense", cond_tokens=9, uncond_tokens=4)
-    pool = build_engine(ckpt, load_mode(CFG_MODE), threads=1, collective_timeout_s=5.0)
+    pool = build_engine(EngineSpec.local(ckpt, load_mode(CFG_MODE), threads=1, collective_timeout_s=5.0))
     yield pool, kv
     pool.close()
 
@@ -93,7 +94,7 @@ def test_cancel_stops_between_steps(setup):
 
 def test_close_leaves_no_process(tmp_path):
     ckpt = write_tiny_checkpoint(tmp_path / "d", "dense")
-    pool = build_engine(ckpt, load_mode(CFG_MODE), threads=1)
+    pool = build_engine(EngineSpec.local(ckpt, load_mode(CFG_MODE), threads=1))
     pids = pool.pids()
     assert len(pids) == 2 and all(_alive(p) for p in pids)
     pool.close()

@@ -39,6 +39,10 @@ class WorkerFailure(NeoPPError):
     """A rank died, a collective failed or timed out; the pool is being rebuilt."""
 
 
+class QueueFull(NeoPPError):
+    """The engine already holds as many waiting requests as it may; the client retries later."""
+
+
 class NonFiniteState(InputError):
     """The denoising state stopped being finite (inf or NaN).
 

@@ -1,23 +1,17 @@
-"""From the final estimate to delivered bytes: pixels, optional Lanczos resize, encoding."""
+"""From pixels to delivered bytes: optional Lanczos resize, encoding (no torch: a forwarding stub
+encodes its own images)."""
 
 from __future__ import annotations
 
 import io
 
 import numpy as np
-import torch
 from PIL import Image
 
 from .errors import InputError
 from .modes import OUTPUT_FORMATS, normalise_format
 
 _PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
-
-
-def to_pixels(x: torch.Tensor) -> np.ndarray:
-    """[1, 3, H, W] normalised estimate -> uint8 [H, W, 3]."""
-    img = (x[0].float() * 0.5 + 0.5).clamp(0.0, 1.0) * 255.0
-    return img.round().to(torch.uint8).permute(1, 2, 0).contiguous().cpu().numpy()
 
 
 def encode_image(pixels: np.ndarray, fmt: str = "jpeg", resize: tuple[int, int] | None = None,

@@ -10,10 +10,11 @@ from .errors import InputError, shown
 
 @dataclass(frozen=True)
 class Limits:
-    """Defaults suit a 1-2K image service; every field is a `config.pbtxt` parameter."""
+    """Defaults suit a 1-2K image service (the shipped configs' values); every field is a
+    `config.pbtxt` parameter."""
 
-    max_side: int = 4096
-    max_pixels: int = 4096 * 4096
+    max_side: int = 2048
+    max_pixels: int = 2048 * 2048
     max_prefix_tokens: int = 32768
     max_steps: int = 200
     max_index_offset: int = 1_000_000

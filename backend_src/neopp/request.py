@@ -9,13 +9,16 @@ the serving layer spells it as the client's input name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .errors import InputError, shown
 from .limits import Limits
 from .modes import SamplingParams
+
+if TYPE_CHECKING:  # the request's fields are tensors; checking bounds needs no torch
+    import torch
 
 # The guidance branches a request may carry: its prompt, the empty prompt, and (image editing)
 # the input images without the prompt.

@@ -22,7 +22,7 @@ import tritonclient.grpc as grpcclient
 from neopp.launcher.admin import KEY_HEADER
 from neopp.model.kv_cache import load_kv_file
 from testing.launched import Launched, launch
-from testing.tiny_lora import write_mismatched_loras
+from testing.tiny_checkpoint import write_mismatched_loras
 
 KEY = "isolation-operator-key-0123456789"
 LORA = "neopp_8steps_lora.safetensors"

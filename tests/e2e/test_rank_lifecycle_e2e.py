@@ -24,6 +24,7 @@ from neopp.launcher.tritonserver import TritonServer
 from neopp.model.kv_cache import load_kv_file
 from neopp.procs import cmdline, descendants, process_group_members
 from testing import REPO as REPO_ROOT
+from testing.faults import stub_pid
 
 MULTI_RANK = ("neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_moe_cfg")
 STEPS_METRIC = "neopp_denoising_steps_total"
@@ -73,10 +74,8 @@ def cfg_server(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPa
 
 
 def _stub(server: TritonServer, model: str) -> int:
-    stubs = [p for p in descendants(server.process.pid)
-             if any(part.endswith(f"/{model}/1/model.py") for part in cmdline(p))]
-    assert len(stubs) == 1, f"expected one stub for {model}, found {stubs}"
-    return stubs[0]
+    """The stub of the model's first instance: the one that loads the engine and its ranks."""
+    return stub_pid(server.process.pid, model)
 
 
 def _ranks(server: TritonServer, model: str) -> list[int]:

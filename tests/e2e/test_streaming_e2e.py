@@ -280,21 +280,22 @@ def test_sse_field_naming_no_input_is_refused_not_ignored(triton, front):
     assert status == 400 and len(events) == 1, events
     assert events[0]["error"].startswith("PREVIEW_EVRY: unknown input; expected names from"), events
 
-def test_stream_histograms_on_the_metrics_port(triton):
+def test_engine_histograms_on_the_metrics_port(triton):
+    """The mode's engine (loaded by the plain twin, which the stream's requests run on) reports them."""
     assert final(stream(triton, STREAM, SEED=np.array([41], I64))[-1][0])
     text = urllib.request.urlopen(triton.server.metrics_url, timeout=10).read().decode()
 
     def value(name: str, **labels: str) -> float:
-        want = {"model": STREAM, **labels}
+        want = {"model": "neopp_dense", **labels}
         for m in re.finditer(r"^(\w+)\{(.*)\} (\S+)$", text, re.M):
             if m.group(1) == name and dict(re.findall(r'(\w+)="([^"]*)"', m.group(2))) == want:
                 return float(m.group(3))
         raise AssertionError(f"no series {name}{want}")
 
-    assert "# TYPE neopp_stream_step_seconds histogram" in text
-    requests = value("neopp_stream_queue_wait_seconds_count")
-    steps = value("neopp_stream_step_seconds_count")
-    assert requests >= 1 and steps >= 4 and value("neopp_stream_step_seconds_sum") > 0
-    assert value("neopp_stream_batch_size_count") == steps  # one observation per batched step
-    assert value("neopp_stream_batch_size_sum") >= steps  # each step runs at least one request
-    assert value("neopp_stream_queue_wait_seconds_bucket", le="+Inf") == requests
+    assert "# TYPE neopp_batch_step_seconds histogram" in text
+    requests = value("neopp_queue_wait_seconds_count")
+    steps = value("neopp_batch_step_seconds_count")
+    assert requests >= 1 and steps >= 4 and value("neopp_batch_step_seconds_sum") > 0
+    assert value("neopp_batch_size_count") == steps  # one observation per batched step
+    assert value("neopp_batch_size_sum") >= steps  # each step runs at least one request
+    assert value("neopp_queue_wait_seconds_bucket", le="+Inf") == requests

@@ -21,6 +21,7 @@ import torch
 from ..engines.engine import Engine
 from ..engines.factory import build_engine
 from ..engines.in_process import InProcessEngine
+from ..engines.spec import EngineSpec
 from ..errors import ConfigError, InputError
 from ..model.checkpoint import default_dtype
 from ..modes import TASKS, ModeSpec
@@ -96,7 +97,7 @@ class LightX2VPipeline:
             from ..parallel.torchrun import rank_pipeline
 
             return InProcessEngine(rank_pipeline(self.model_path, mode, dev, run_dtype)), dev
-        return build_engine(self.model_path, mode, str(dev), run_dtype), dev
+        return build_engine(EngineSpec.local(self.model_path, mode, str(dev), dtype=run_dtype)), dev
 
     def modify_config(self, config_modify: dict[str, Any]) -> None:
         """Change the runner's config (it may be locked); LightLLM turns the debug saving off here."""

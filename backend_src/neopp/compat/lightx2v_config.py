@@ -34,9 +34,6 @@ class LockedConfig(dict):
     def lock(self) -> None:
         self._locked = True
 
-    def unlock(self) -> None:
-        self._locked = False
-
     @contextmanager
     def temporarily_unlocked(self) -> Iterator[LockedConfig]:
         """Writable inside the block; locked again after it if it was locked before."""

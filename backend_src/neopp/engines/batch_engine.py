@@ -1,64 +1,84 @@
-"""`BatchingEngine`: an `Engine` that runs many requests at once, batched step by step.
+"""`BatchingEngine`: the step-batching `Engine` of a one-process mode.
 
-A scheduler thread owns the active set. At each step boundary it drops cancelled requests
-(with a `GenerationCancelled` event), admits queued ones in arrival order while the token
-budget allows, runs one batched step and lets finished or failed requests leave. A request
-bigger than the whole budget still runs, alone, so no size starves.
+A loop thread owns the running batch. ``submit`` queues a request and returns; at each step
+boundary the thread polls cancellations, asks the scheduler what joins and what leaves, runs
+one batched step and reports every request's event. Everything of the loop but its thread is
+``StepLoop``'s and ``Scheduler``'s, which a rank pool's rank 0 drives the same way.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import deque
 
-from ..errors import GenerationCancelled
+import torch
+
+from ..model.checkpoint_config import CheckpointConfig
+from ..modes import ModeSpec
 from ..request import GenerationRequest
-from ..sampling.batching import Active, StepBatcher, fits, start, step_cost
+from ..sampling.batching import StepBatcher
 from ..sampling.pipeline import NeoPPPipeline
-from .engine import (
-    DEFAULT_TOKEN_BUDGET,
-    CancelledFn,
-    EmitFn,
-    EngineHooks,
-    QueuedEngine,
-    StepEvent,
-    Ticket,
-    TicketOffice,
-    is_cancelled,
-    send,
-)
-from .in_process import InProcessEngine
+from ..sampling.plan import RequestRules
+from ..sampling.sampler import StepEvent
+from .engine import CancelledFn, EmitFn, EngineHooks, QueuedEngine, Ticket, closed_error, is_cancelled, send
+from .scheduler import Scheduler
+from .spec import DEFAULT_MAX_QUEUED, DEFAULT_TOKEN_BUDGET
+from .step_loop import StepLoop
 
 log = logging.getLogger(__name__)
 
 
-class BatchingEngine(QueuedEngine, InProcessEngine):
-    """Single-process step batcher behind a scheduler thread (the pipeline's face is inherited)."""
+class BatchingEngine(QueuedEngine):
+    """One pipeline, many requests: every running request advances one step per batched pass."""
 
     def __init__(self, pipe: NeoPPPipeline, token_budget: int = DEFAULT_TOKEN_BUDGET,
-                 hooks: EngineHooks | None = None) -> None:
-        if token_budget < 1:
-            raise ValueError(f"token_budget: must be positive, got {token_budget}")
-        super().__init__(pipe)
-        self.token_budget, self.hooks = token_budget, hooks or EngineHooks()
-        self.batcher = StepBatcher(pipe)
+                 hooks: EngineHooks | None = None, max_queued: int = DEFAULT_MAX_QUEUED,
+                 patience: int | None = None) -> None:
+        super().__init__()
+        self.pipe, self.hooks, self.max_queued = pipe, hooks or EngineHooks(), max_queued
+        self.scheduler = Scheduler(token_budget) if patience is None else Scheduler(token_budget, patience)
+        self.loop = StepLoop(pipe, StepBatcher(pipe), self._report)
         self._cv = threading.Condition()
-        self._queue: deque[Ticket] = deque()
+        self._incoming: list[Ticket] = []
+        self._tickets: dict[int, Ticket] = {}  # every request the loop holds, queued or running
         self._closed = False
-        self._tickets = TicketOffice()
-        self._thread = threading.Thread(target=self._loop, name="neopp-batching", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="neopp-batching", daemon=True)
         self._thread.start()
 
+    # ---- the Engine face -------------------------------------------------------------------
+    @property
+    def config(self) -> CheckpointConfig:
+        return self.pipe.config
+
+    @property
+    def mode(self) -> ModeSpec:
+        return self.pipe.mode
+
+    @property
+    def rules(self) -> RequestRules:
+        return self.pipe.rules
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pipe.dtype
+
+    def validate(self, req: GenerationRequest) -> None:
+        self.pipe.validate(req)
+
     def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
+        ticket = self._ticket(req, emit, cancelled, preview_every)
         with self._cv:
-            ticket = self._tickets.issue(req, emit, cancelled, preview_every)
-            if not self._closed:
-                self._queue.append(ticket)
-                self._cv.notify()
+            if self._closed:
+                ticket.end(closed_error())
                 return
-        TicketOffice.closed(ticket)
+            if self._refuse_if_full(ticket, len(self._incoming) + self.scheduler.waiting):
+                return
+            self._incoming.append(ticket)
+            self._cv.notify()
 
     def close(self) -> None:
         with self._cv:
@@ -67,100 +87,53 @@ class BatchingEngine(QueuedEngine, InProcessEngine):
         self._thread.join()
         self.pipe.close()  # what the requests still running held (their graphs)
 
-    # ---- the scheduler -------------------------------------------------------------------
-    def _loop(self) -> None:
-        active: list[tuple[Ticket, Active]] = []
-        waiting: tuple[Ticket, Active] | None = None  # prepared head of the queue that did not fit
-        while True:
-            with self._cv:
-                while not self._closed and not self._queue and not active and waiting is None:
-                    self._cv.wait()
-                if self._closed:
-                    queued, self._queue = list(self._queue), deque()
-                    break
-            active = self._without_cancelled(active)
-            if waiting is not None and self._dropped(waiting[0], 0, waiting[1].total):
-                waiting = None
-            self._drop_queued()
-            waiting = self._admit(active, waiting)
-            if active:
-                active = self._step(active)
-        leaving = [(t, a.k) for t, a in active] + [(t, 0) for t in ([waiting[0]] if waiting else []) + queued]
-        for ticket, done in leaving:
-            send(ticket, StepEvent(done, ticket.req.sampling.infer_steps,
-                                   error=GenerationCancelled("the engine closed before the request finished")))
-
-    def _without_cancelled(self, active: list[tuple[Ticket, Active]]) -> list[tuple[Ticket, Active]]:
-        kept = []
-        for ticket, a in active:
-            if self._dropped(ticket, a.k, a.total):
-                self.pipe.release(a.prep)
-            else:
-                kept.append((ticket, a))
-        return kept
-
-    def _dropped(self, ticket: Ticket, k: int, total: int) -> bool:
-        if not is_cancelled(ticket):
+    # ---- the loop thread -----------------------------------------------------------------
+    def _report(self, job: int, event: StepEvent) -> bool:
+        ticket = self._tickets.get(job)
+        if ticket is None:
             return False
-        send(ticket, StepEvent(k, total, error=GenerationCancelled(f"cancelled before step {k + 1} of {total}")))
+        ok = send(ticket, event)
+        if event.last or not ok:
+            del self._tickets[job]
+        return ok
+
+    def _take_incoming(self) -> bool:
+        """Wait while idle; move new requests to the scheduler. False once the engine closes."""
+        with self._cv:
+            while not self._closed and not self._incoming and not self._tickets:
+                self._cv.wait()
+            if self._closed:
+                return False
+            incoming, self._incoming = self._incoming, []
+        for ticket in incoming:
+            self._tickets[ticket.job] = ticket
+            self.scheduler.enqueue(ticket.job)
         return True
 
-    def _drop_queued(self) -> None:
-        """Queued requests are polled too, so a cancelled one does not wait for its turn to leave."""
+    def _run(self) -> None:
+        while self._take_incoming():
+            for job, ticket in list(self._tickets.items()):
+                if is_cancelled(ticket):
+                    self.scheduler.cancel(job)
+            entries = {job: t.entry for job, t in self._tickets.items()}
+            decision = self.loop.decide(self.scheduler, entries)
+            for wait in self.loop.apply(decision, entries.__getitem__, self._tickets.get):
+                self.hooks.call("queue_wait", wait)
+            if self.loop.active:
+                self._step()
         with self._cv:
-            queued = list(self._queue)
-        gone = {t.job for t in queued if self._dropped(t, 0, t.req.sampling.infer_steps)}
-        if gone:
-            with self._cv:
-                self._queue = deque(t for t in self._queue if t.job not in gone)
+            incoming, self._incoming = self._incoming, []
+        self._tickets.update((t.job, t) for t in incoming)
+        running = set(self.loop.jobs)
+        queued = [(job, t.entry) for job, t in self._tickets.items() if job not in running]
+        self.loop.stop(queued, "the engine closed before the request finished")
 
-    def _admit(self, active: list[tuple[Ticket, Active]],
-               waiting: tuple[Ticket, Active] | None) -> tuple[Ticket, Active] | None:
-        """Admit in arrival order while the budget allows; return the prepared head that waits."""
-        used = sum(step_cost(self.pipe, a) for _, a in active)
-        while True:
-            if waiting is None:
-                waiting = self._next_prepared()
-                if waiting is None:
-                    return None
-            cost = step_cost(self.pipe, waiting[1])
-            if not fits(used, cost, self.token_budget, alone=not active):
-                return waiting
-            self.hooks.call("queue_wait", time.monotonic() - waiting[0].submitted)
-            active.append(waiting)
-            used += cost
-            waiting = None
-
-    def _next_prepared(self) -> tuple[Ticket, Active] | None:
-        while True:
-            with self._cv:
-                if not self._queue:
-                    return None
-                ticket = self._queue.popleft()
-            total = ticket.req.sampling.infer_steps
-            if self._dropped(ticket, 0, total):
-                continue
-            try:
-                return ticket, start(self.pipe, ticket.job, ticket.req, ticket.preview_every, ticket.submitted)
-            except Exception as exc:  # noqa: BLE001 - e.g. out of memory preparing it: this request fails alone
-                send(ticket, StepEvent(0, total, error=exc))
-
-    def _step(self, active: list[tuple[Ticket, Active]]) -> list[tuple[Ticket, Active]]:
-        began = time.perf_counter()
+    def _step(self) -> None:
         try:
-            events = self.batcher.step([a for _, a in active])
+            stats = self.loop.step()
         except Exception as exc:  # noqa: BLE001 - a failure of the shared pass fails its batch only
             log.exception("batched step failed")
-            for ticket, a in active:
-                send(ticket, StepEvent(a.k, a.total, error=exc))
-                self.pipe.release(a.prep)
-            return []
-        self.hooks.call("step_seconds", time.perf_counter() - began)
-        self.hooks.call("batch_size", len(active))
-        staying = []
-        for (ticket, a), ev in zip(active, events):
-            if send(ticket, ev) and not ev.last:
-                staying.append((ticket, a))
-            else:
-                self.pipe.release(a.prep)
-        return staying
+            self.loop.fail_all(exc)
+            return
+        self.hooks.call("step_seconds", stats.seconds)
+        self.hooks.call("batch_size", stats.batch)

@@ -1,18 +1,19 @@
 """The one engine interface: generate an image for a request, step by step, cancellable.
 
-Every serving path calls an :class:`Engine`. There are three kinds, built by
-``neopp.engines.factory.build_engine``: the pipeline in this process, one request at a time
-(``InProcessEngine``); the same on rank processes (``neopp.engines.rank_pool.WorkerPool``); and
-step batching, which runs many requests in one batched step (``BatchingEngine`` in this
-process, ``neopp.engines.rank_stream_pool.StreamPool`` on ranks). Each offers both calls:
-``submit`` reports every step as a :class:`StepEvent` (a batching engine queues the request and
-returns at once; the others run it in the caller's thread), and ``generate`` blocks until the
-pixels. An engine implements one of the two; ``submit_in_caller`` and ``generate_by_waiting``
-give it the other, so the two calls cannot drift apart.
+Every serving path calls an :class:`Engine`, built by ``neopp.engines.factory.build_engine``
+from an :class:`~neopp.engines.spec.EngineSpec`. A mode runs on a step-batching engine:
+``BatchingEngine`` in this process, ``RankPool`` on rank processes; both queue a request and
+run it with whatever else is running, one batched step at a time (the loop and its scheduler
+are written once, ``step_loop`` and ``scheduler``). ``TritonEngine`` runs a request on a Triton
+server instead. Each offers both calls: ``submit`` reports every step as a ``StepEvent`` and
+returns (a queueing engine at once), ``generate`` blocks until the pixels. A queueing engine
+implements ``submit`` and takes ``generate`` from :class:`QueuedEngine`; the remote one the
+reverse (``submit_in_caller``), so the two calls cannot drift apart.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -23,16 +24,16 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..errors import GenerationCancelled, WorkerFailure
+from ..errors import GenerationCancelled, QueueFull, WorkerFailure
 from ..model.checkpoint_config import CheckpointConfig
 from ..modes import ModeSpec
 from ..request import GenerationRequest
 from ..sampling.pipeline import StepFn, StopFn
 from ..sampling.plan import RequestRules
 from ..sampling.sampler import StepEvent
+from .step_loop import Entry
 
 log = logging.getLogger(__name__)
-
 
 EmitFn = Callable[[StepEvent], None]
 CancelledFn = Callable[[], bool]
@@ -85,42 +86,40 @@ def submit_in_caller(generate: Callable[..., np.ndarray], req: GenerationRequest
     emit(StepEvent(total, total, final=pixels, seconds=last[0]))
 
 
-class QueuedEngine:
-    """``generate`` for an engine that queues (a step batcher): ``submit``, then wait for the last
-    event, at most ``wait_s``."""
+@dataclass(eq=False)
+class Ticket:
+    """A submitted request with the callbacks that report it."""
 
-    wait_s = 3600.0
-    submit: Callable[..., None]
+    job: int
+    entry: Entry
+    emit: EmitFn
+    cancelled: CancelledFn
 
-    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
-                 on_step: StepFn | None = None) -> np.ndarray:
-        return generate_by_waiting(self.submit, req, should_stop, on_step, self.wait_s)
+    @property
+    def req(self) -> GenerationRequest:
+        return self.entry.req
+
+    def end(self, error: Exception, done: int = 0) -> None:
+        """The request's last event: ``error`` after ``done`` steps."""
+        send(self, StepEvent(done, self.req.sampling.infer_steps, error=error))
 
 
-def generate_by_waiting(submit: Callable[..., None], req: GenerationRequest, should_stop: StopFn | None,
-                        on_step: StepFn | None, timeout_s: float) -> np.ndarray:
-    """``generate`` of an engine that queues: submit, then wait for the last event. ``on_step``
-    runs on the engine's thread."""
-    done, last = threading.Event(), []
+def send(ticket: Ticket, event: StepEvent) -> bool:
+    """Emit one event; False when the caller's emit failed (the request is then dropped)."""
+    try:
+        ticket.emit(event)
+        return True
+    except Exception:  # noqa: BLE001 - one caller's failure must not stop the others
+        log.exception("emit failed for request %d; dropping it", ticket.job)
+        return False
 
-    def emit(event: StepEvent) -> None:
-        if event.last:
-            last.append(event)
-            done.set()
-        elif on_step is not None:
-            on_step(event.step - 1, event.seconds)
 
-    gave_up = threading.Event()
-    submit(req, emit, lambda: gave_up.is_set() or (should_stop is not None and should_stop()))
-    if not done.wait(timeout_s):
-        gave_up.set()  # the engine drops it at its next step boundary
-        raise WorkerFailure(f"the request got no answer within {timeout_s:.0f} s")
-    if last[0].error is not None:
-        raise last[0].error
-    return last[0].final
-
-# Tokens x branches one step may carry: 8 guided 512x512 requests (1024 tokens each, 2 branches).
-DEFAULT_TOKEN_BUDGET = 16384
+def is_cancelled(ticket: Ticket) -> bool:
+    try:
+        return bool(ticket.cancelled())
+    except Exception:  # noqa: BLE001 - a failing probe counts as a cancellation
+        log.exception("cancelled() failed for request %d", ticket.job)
+        return True
 
 
 @dataclass
@@ -140,46 +139,60 @@ class EngineHooks:
                 log.exception("metrics hook %s failed", name)
 
 
-@dataclass
-class Ticket:
-    """A submitted request with the callbacks that report it."""
+class QueuedEngine:
+    """What the step-batching engines share: numbered tickets, the bound on waiting requests, and
+    ``generate`` as ``submit`` then a wait for the last event (at most ``wait_s``)."""
 
-    job: int
-    req: GenerationRequest
-    emit: EmitFn
-    cancelled: CancelledFn
-    preview_every: int
-    submitted: float
-
-
-class TicketOffice:
-    """Numbers the requests an engine takes, and answers the ones that come after it closed."""
+    wait_s = 3600.0
+    max_queued = 0  # requests waiting to start; 0: no bound
+    submit: Callable[..., None]
 
     def __init__(self) -> None:
-        self.jobs = 0
+        self._numbers = itertools.count(1)
 
-    def issue(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int) -> Ticket:
-        self.jobs += 1
-        return Ticket(self.jobs, req, emit, cancelled, preview_every, time.monotonic())
+    def _ticket(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int) -> Ticket:
+        return Ticket(next(self._numbers), Entry(req, preview_every, time.monotonic()), emit, cancelled)
 
-    @staticmethod
-    def closed(ticket: Ticket) -> None:
-        send(ticket, StepEvent(0, ticket.req.sampling.infer_steps, error=GenerationCancelled("the engine is closed")))
-
-
-def send(ticket: Ticket, event: StepEvent) -> bool:
-    """Emit one event; False when the caller's emit failed (the request is then dropped)."""
-    try:
-        ticket.emit(event)
-        return True
-    except Exception:  # noqa: BLE001 - one caller's failure must not stop the others
-        log.exception("emit failed for streaming request %d; dropping it", ticket.job)
+    def _refuse_if_full(self, ticket: Ticket, waiting: int) -> bool:
+        """End ``ticket`` with ``QueueFull`` when ``waiting`` requests already wait to start."""
+        if self.max_queued and waiting >= self.max_queued:
+            ticket.end(QueueFull(f"Exceeds maximum queue size: {waiting} requests already wait for this engine "
+                                 f"(max_queued {self.max_queued}); retry later"))
+            return True
         return False
 
+    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
+                 on_step: StepFn | None = None) -> np.ndarray:
+        return generate_by_waiting(self.submit, req, should_stop, on_step, self.wait_s)
 
-def is_cancelled(ticket: Ticket) -> bool:
-    try:
-        return bool(ticket.cancelled())
-    except Exception:  # noqa: BLE001 - a failing probe counts as a cancellation
-        log.exception("cancelled() failed for streaming request %d", ticket.job)
-        return True
+
+def generate_by_waiting(submit: Callable[..., None], req: GenerationRequest, should_stop: StopFn | None,
+                        on_step: StepFn | None, timeout_s: float) -> np.ndarray:
+    """``generate`` of an engine that queues: submit, then wait for the last event. ``on_step``
+    runs on the engine's thread; if it raises, the request ends with that error."""
+    done, last = threading.Event(), []
+    gave_up = threading.Event()
+
+    def emit(event: StepEvent) -> None:
+        if event.last:
+            last.append(event)
+            done.set()
+        elif on_step is not None:
+            try:
+                on_step(event.step - 1, event.seconds)
+            except Exception as exc:  # noqa: BLE001 - the caller's hook ends its own request
+                last.append(StepEvent(event.step, event.total, error=exc))
+                gave_up.set()
+                done.set()
+
+    submit(req, emit, lambda: gave_up.is_set() or (should_stop is not None and should_stop()))
+    if not done.wait(timeout_s):
+        gave_up.set()  # the engine drops it at its next step boundary
+        raise WorkerFailure(f"the request got no answer within {timeout_s:.0f} s")
+    if last[0].error is not None:
+        raise last[0].error
+    return last[0].final
+
+
+def closed_error() -> GenerationCancelled:
+    return GenerationCancelled("the engine is closed")

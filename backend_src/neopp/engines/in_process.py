@@ -1,7 +1,9 @@
-"""`InProcessEngine`: the pipeline in this process, one request at a time, in the caller's thread.
+"""`InProcessEngine`: one pipeline in the caller's thread, one request at a time.
 
-What a 1-process mode's plain model runs: a Triton instance serves one request at a time anyway,
-so there is no queue and no thread; ``submit`` reports the steps as they happen.
+What a rank launched by torchrun runs (the LightX2V facade): every rank calls ``generate`` with
+the same request at the same time and the pipeline's collectives keep them in step, so there is
+no queue and no thread; ``submit`` reports the steps as they happen. Serving runs step-batching
+engines instead (``BatchingEngine``, ``RankPool``).
 """
 
 from __future__ import annotations

@@ -1,34 +1,29 @@
-"""Step batching on a pool of CFG-parallel (optionally Ulysses) rank processes.
+"""What every rank process of a multi-rank mode runs: load, then the batched loop until told to stop.
 
-The ranks are `WorkerPool`'s (same start, health checks, rebuild, close); they run the batched
-loop instead of one request at a time. Every request goes to every rank (each gets only the
-KV its branch needs). At each step boundary rank 0 decides which requests join, which leave
-(cancelled) and whether to stop, and broadcasts that decision as an int64 tensor on the world
-group, so every rank steps the same batch. In a step, each CFG rank computes the branches
-``ParallelPipeline.prepare`` gave it (cond on rank 0, the others on rank 1), all in one pass
-of the layers; a sum over the CFG group of zero-filled buffers gives every rank every velocity
-(adding exact zeros changes no bit). Rank 0 sends the events; the parent calls ``emit``.
+Every request goes to every rank (each gets only the KV its branches need). At each step
+boundary rank 0 asks the one scheduler which requests join, which leave (cancelled) and whether
+to stop, and broadcasts that decision as int64 tensors on the world group, so every rank steps
+the same batch (``StepLoop``, as the in-process engine's thread does). How a step is split
+across the ranks is ``neopp.parallel.rank_step``'s. Rank 0 sends the events; the parent calls
+``emit``.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import time
-from collections import deque
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..errors import GenerationCancelled, InputError, NeoPPError, NonFiniteState
+from ..errors import GenerationCancelled, InputError, NonFiniteState
 from ..parallel.rank_step import ParallelStepBatcher
-from ..request import GenerationRequest
-from ..sampling.batching import Active, fits, start, step_cost
 from ..sampling.sampler import StepEvent
-from .engine import DEFAULT_TOKEN_BUDGET
-from .rank_pool import PoolSpec, load_rank
+from .lifeline import die_with_parent, start_heartbeat
+from .scheduler import Decision, Scheduler
+from .spec import EngineSpec
+from .step_loop import Entry, StepLoop
 
 ERRORS = {"cancelled": GenerationCancelled, "nonfinite": NonFiniteState, "input": InputError}
 
@@ -41,26 +36,44 @@ def error_kind(exc: Exception) -> str:
     return "input" if isinstance(exc, InputError) else "failure"
 
 
-@dataclass(frozen=True)
-class StreamPoolSpec(PoolSpec):
-    token_budget: int = DEFAULT_TOKEN_BUDGET
+def load_rank(rank: int, spec: EngineSpec, port: Any, results: Any, parent: int, beats: Any) -> Any:
+    """A rank's start: tie it to the instance, join the mesh, load the weights, say ready.
+
+    Returns the rank's `ParallelPipeline`, or None after reporting a load error."""
+    die_with_parent(parent)
+    start_heartbeat(beats, rank)
+    from ..parallel.mesh import init_mesh, rendezvous
+    from ..parallel.parallel_pipeline import ParallelPipeline
+
+    try:
+        if spec.threads:
+            torch.set_num_threads(spec.threads)
+        device = torch.device(spec.devices[rank])
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        store = rendezvous(rank, spec.mode.world_size, port, spec.collective_timeout_s)
+        mesh = init_mesh(spec.mode, rank, spec.mode.world_size, None, device, spec.collective_timeout_s,
+                         store=store)
+        pipe = ParallelPipeline.from_pretrained(spec.checkpoint, spec.mode, mesh, str(device), spec.dtype,
+                                                spec.limits, speed=spec.speed)
+    except Exception as exc:  # noqa: BLE001 - reported to the instance, which refuses to load
+        results.put(("load_error", rank, f"{type(exc).__name__}: {exc}"))
+        return None
+    results.put(("ready", rank, None))
+    return pipe
 
 
 class RankLoop:
-    """The batched loop every rank runs; rank 0 decides, the others follow its broadcasts."""
+    """The batched loop of one rank; rank 0 decides, the others follow its broadcasts."""
 
-    def __init__(self, pipe: Any, tasks: Any, results: Any, parent: int, budget: int) -> None:
-        self.pipe, self.tasks, self.results, self.parent, self.budget = pipe, tasks, results, parent, budget
-        self.batcher = ParallelStepBatcher(pipe)
+    def __init__(self, pipe: Any, tasks: Any, results: Any, parent: int, spec: EngineSpec) -> None:
+        self.pipe, self.tasks, self.results, self.parent = pipe, tasks, results, parent
         self.lead = pipe.mesh.rank == 0
-        self.received: dict[int, tuple[GenerationRequest, int, float]] = {}
-        self.undecided: deque[int] = deque()
-        self.dropped_early: set[int] = set()
-        self.cancels: set[int] = set()
-        self.active: list[Active] = []
-        self.prepared: dict[int, Active] = {}  # rank 0: requests sized for admission, not yet admitted
+        self.scheduler = Scheduler(spec.token_budget, spec.patience)
+        self.loop = StepLoop(pipe, ParallelStepBatcher(pipe), self._report)
+        self.received: dict[int, Entry] = {}  # requests this rank holds that have not started
+        self.dropped_early: set[int] = set()  # dropped by rank 0 before their message reached this rank
         self.closing = False
-        self.waits: list[float] = []
 
     # ---- messages from the parent --------------------------------------------------------
     def _read(self, block: bool) -> bool:
@@ -73,144 +86,86 @@ class RankLoop:
             return False
         if msg is None:
             self.closing = True
+            self.scheduler.close()
         elif msg[0] == "cancel":
-            self.cancels.add(msg[1])
+            self.scheduler.cancel(msg[1])
         elif msg[1] in self.dropped_early:
             self.dropped_early.discard(msg[1])
         else:
-            self.received[msg[1]] = msg[2:]
-            self.undecided.append(msg[1])
+            job, req, every, submitted = msg[1:]
+            self.received[job] = Entry(req, every, submitted)
+            self.scheduler.enqueue(job)
         return True
 
-    def _idle(self) -> bool:
-        return not self.active and not self.undecided
-
-    def _gather_messages(self) -> bool:
+    def _gather(self) -> bool:
         """Read what is there (wait while idle); False once this rank may leave without peers."""
         while self._read(block=False):
             pass
-        while self._idle():
+        while not self.loop.active and not self.received:
             if self.closing:
                 return False
             self._read(block=True)
         return True
 
-    def _fetch(self, job: int) -> tuple[GenerationRequest, int, float]:
+    def _fetch(self, job: int) -> Entry:
         while job not in self.received:
             self._read(block=True)
-        self.undecided.remove(job)
         return self.received.pop(job)
 
-    # ---- the decision ---------------------------------------------------------------------
-    def _decide(self) -> tuple[bool, list[int], list[int]]:
-        live = [a.job for a in self.active] + list(self.undecided)
-        drop = [job for job in live if job in self.cancels]
-        for job in drop:
-            self.prepared.pop(job, None)
-        used = sum(step_cost(self.pipe, a) for a in self.active if a.job not in drop)
-        alone = all(a.job in drop for a in self.active)
-        admit: list[int] = []
-        for job in [j for j in self.undecided if j not in drop]:
-            if job not in self.prepared:
-                req, every, submitted = self.received[job]
-                try:
-                    self.prepared[job] = start(self.pipe, job, req, every, submitted)
-                except NeoPPError:  # every rank meets the same error at admission and reports it
-                    admit.append(job)
-                    continue
-            cost = step_cost(self.pipe, self.prepared[job])
-            if not fits(used, cost, self.budget, alone and not admit):
-                break
-            admit.append(job)
-            used += cost
-        return self.closing, admit, drop
+    def _forget(self, job: int) -> Entry | None:
+        if job in self.received:
+            return self.received.pop(job)
+        self.dropped_early.add(job)
+        return None
 
-    def _broadcast(self, stop: bool, admit: list[int], drop: list[int]) -> tuple[bool, list[int], list[int]]:
+    # ---- the decision, agreed by every rank -----------------------------------------------
+    def _agree(self, decision: Decision | None) -> Decision:
         dev, world = self.pipe.device, self.pipe.mesh.world_group
-        head = torch.tensor([int(stop), len(admit), len(drop)], dtype=torch.int64, device=dev)
+        mine = decision or Decision()
+        head = torch.tensor([int(mine.stop), len(mine.admit), len(mine.drop)], dtype=torch.int64, device=dev)
         with self.pipe.comm():
             dist.broadcast(head, src=0, group=world)
         n_admit, n_drop = int(head[1]), int(head[2])
-        body = torch.tensor(admit + drop, dtype=torch.int64, device=dev) if self.lead else \
+        body = torch.tensor([*mine.admit, *mine.drop], dtype=torch.int64, device=dev) if self.lead else \
             torch.empty(n_admit + n_drop, dtype=torch.int64, device=dev)
         if n_admit + n_drop:
             with self.pipe.comm():
                 dist.broadcast(body, src=0, group=world)
-        ids = [int(v) for v in body.tolist()]
-        return bool(head[0]), ids[:n_admit], ids[n_admit:]
+        ids = tuple(int(v) for v in body.tolist())
+        return Decision(bool(head[0]), ids[:n_admit], ids[n_admit:])
 
-    # ---- applying it ------------------------------------------------------------------------
-    def _event(self, job: int, ev: StepEvent) -> None:
-        if not self.lead:
-            return
-        kind = None if ev.error is None else error_kind(ev.error)
-        self.results.put(("event", job, (ev.step, ev.total, ev.preview, ev.final, kind,
-                                         None if ev.error is None else str(ev.error))))
-
-    def _apply(self, admit: list[int], drop: list[int]) -> None:
-        for job in drop:
-            a = next((a for a in self.active if a.job == job), None)
-            if a is not None:
-                self.active.remove(a)
-                self._event(job, StepEvent(a.k, a.total, error=GenerationCancelled(
-                    f"cancelled before step {a.k + 1} of {a.total}")))
-            elif job in self.received:
-                req = self.received.pop(job)[0]
-                self.undecided.remove(job)
-                self._event(job, StepEvent(0, req.sampling.infer_steps, error=GenerationCancelled(
-                    "cancelled before it started")))
-            else:
-                self.dropped_early.add(job)
-        waits = []
-        for job in admit:
-            req, every, submitted = self._fetch(job)
-            try:
-                a = self.prepared.pop(job, None) or start(self.pipe, job, req, every, submitted)
-            except NeoPPError as exc:
-                self._event(job, StepEvent(0, req.sampling.infer_steps, error=exc))
-                continue
-            self.active.append(a)
-            waits.append(time.monotonic() - submitted)
-        self.waits = waits
-
-    def _stop(self) -> None:
-        for a in self.active:
-            self._event(a.job, StepEvent(a.k, a.total, error=GenerationCancelled("the engine closed")))
-        for job in list(self.undecided):
-            req = self.received[job][0]
-            self._event(job, StepEvent(0, req.sampling.infer_steps, error=GenerationCancelled("the engine closed")))
+    def _report(self, job: int, event: StepEvent) -> bool:
+        if self.lead:
+            kind = None if event.error is None else error_kind(event.error)
+            self.results.put(("event", job, (event.step, event.total, event.preview, event.final, kind,
+                                             None if event.error is None else str(event.error), event.seconds)))
+        return True
 
     def run(self) -> None:
-        self._loop()
+        while self._gather():
+            decision = self._agree(self.loop.decide(self.scheduler, self.received) if self.lead else None)
+            if decision.stop:
+                self.loop.stop(list(self.received.items()), "the engine closed")
+                break
+            waits = self.loop.apply(decision, self._fetch, self._forget)
+            if not self.loop.active:
+                continue
+            comm_before = self.pipe.comm.seconds
+            stats = self.loop.step()
+            if self.lead:
+                comm = self.pipe.comm.seconds - comm_before
+                self.results.put(("metrics", 0, (waits, stats.batch, stats.seconds, comm)))
         if self.lead:
             self.results.put(("closed", 0, None))
 
-    def _loop(self) -> None:
-        while self._gather_messages():
-            decision = self._decide() if self.lead else (False, [], [])
-            stop, admit, drop = self._broadcast(*decision)
-            if stop:
-                self._stop()
-                return
-            self._apply(admit, drop)
-            if not self.active:
-                continue
-            began = time.perf_counter()
-            events = self.batcher.step(self.active)
-            for a, ev in zip(self.active, events):
-                self._event(a.job, ev)
-            if self.lead:
-                self.results.put(("metrics", 0, (self.waits, len(self.active), time.perf_counter() - began)))
-            self.active = [a for a, ev in zip(self.active, events) if not ev.last]
 
-
-def _stream_rank_main(rank: int, spec: StreamPoolSpec, port: Any, tasks: Any, results: Any, cancel: Any,
-                      parent: int, beats: Any) -> None:
+def rank_main(rank: int, spec: EngineSpec, port: Any, tasks: Any, results: Any, parent: int, beats: Any) -> None:
+    """A rank process: load, run the loop, leave the group together with its peers."""
     pipe = load_rank(rank, spec, port, results, parent, beats)
     if pipe is None:
         return
     try:
-        RankLoop(pipe, tasks, results, parent, spec.token_budget).run()
+        RankLoop(pipe, tasks, results, parent, spec).run()
         pipe.close()  # the stop was broadcast: every rank leaves the group before exiting
     except Exception as exc:  # noqa: BLE001 - the group may be broken: report and leave
         results.put(("error", 0, f"rank {rank}: {type(exc).__name__}: {exc}"))

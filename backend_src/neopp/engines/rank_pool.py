@@ -1,9 +1,11 @@
-"""Rank processes inside one model instance: start, hand out requests, survive faults.
+"""`RankPool`: the step-batching `Engine` of a multi-rank mode (CFG-parallel, Ulysses).
 
-The instance (a Triton model or any caller) keeps one `WorkerPool`. Each rank is a spawned
-process holding the weights and a torch.distributed group. A request goes to every rank,
-with only the KV its branch needs; rank 0 answers. A dead rank or a failed collective fails
-the request in flight with a clear error, and the pool is rebuilt for the next one.
+The instance (a Triton model or any caller) keeps one pool. Each rank is a spawned process
+holding the weights and a torch.distributed group, running ``rank_loop.rank_main``. ``submit``
+hands a request to every rank (only the KV its branches need) and returns; a pump thread
+forwards cancellations to rank 0 (which decides at the next step boundary) and turns rank 0's
+reports into events and metrics. A dead, silent or failing rank fails every live request with
+`WorkerFailure`; the ranks are then restarted for the next request.
 """
 
 from __future__ import annotations
@@ -13,26 +15,26 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 import torch.multiprocessing as tmp
 
-from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
-from ..limits import Limits
-from ..model.speed import SpeedOptions
-from ..modes import ModeSpec
+from ..errors import ConfigError, GenerationCancelled, WorkerFailure
+from ..model.checkpoint import default_dtype
+from ..model.checkpoint_config import CheckpointConfig
 from ..parallel.rank_step import rank_request
 from ..request import GenerationRequest
-from ..sampling.pipeline import StepFn, StopFn
 from ..sampling.plan import RequestRules
-from .engine import CancelledFn, EmitFn, submit_in_caller
-from .lifeline import die_with_parent, silent_rank, start_heartbeat, start_processes
+from ..sampling.sampler import StepEvent
+from .engine import CancelledFn, EmitFn, EngineHooks, QueuedEngine, Ticket, closed_error, is_cancelled, send
+from .lifeline import silent_rank, start_processes
+from .rank_loop import ERRORS, rank_main
+from .spec import EngineSpec
 
 POLL_S = 0.02
 SILENCE_CHECK_S = 0.2
+CLOSE_WAIT_S = 10.0
 
 
 def _close_and_flush(q: Any) -> None:
@@ -40,125 +42,60 @@ def _close_and_flush(q: Any) -> None:
     q.join_thread()
 
 
-@dataclass(frozen=True)
-class PoolSpec:
-    ckpt_dir: str
-    mode: ModeSpec
-    devices: tuple[str, ...]          # one device per rank, e.g. ("cpu", "cpu") or ("cuda:0", "cuda:1")
-    dtype: torch.dtype | None = None
-    limits: Limits = Limits()
-    threads: int | None = None
-    collective_timeout_s: float = 120.0
-    load_timeout_s: float = 600.0
-    speed: SpeedOptions = SpeedOptions()
+class RankPool(QueuedEngine):
+    """Rank processes running the batched loop; rank 0's events reach ``emit`` here."""
 
-    @property
-    def silence_s(self) -> float:
-        """No heartbeat for this long fails the request: well under the collective timeout,
-        yet long enough that a busy machine does not starve a healthy rank's heartbeat."""
-        return min(30.0, max(2.0, self.collective_timeout_s / 4))
-
-
-def load_rank(rank: int, spec: PoolSpec, port: Any, results: Any, parent: int, beats: Any) -> Any:
-    """A rank's start: tie it to the instance, join the mesh, load the weights, say ready.
-
-    Returns the rank's `ParallelPipeline`, or None after reporting a load error."""
-    die_with_parent(parent)
-    start_heartbeat(beats, rank)
-    from ..parallel.mesh import init_mesh, rendezvous
-    from ..parallel.parallel_pipeline import ParallelPipeline
-
-    try:
-        if spec.threads:
-            torch.set_num_threads(spec.threads)
-        device = torch.device(spec.devices[rank])
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        store = rendezvous(rank, spec.mode.world_size, port, spec.collective_timeout_s)
-        mesh = init_mesh(spec.mode, rank, spec.mode.world_size, None, device, spec.collective_timeout_s,
-                         store=store)
-        pipe = ParallelPipeline.from_pretrained(spec.ckpt_dir, spec.mode, mesh, str(device), spec.dtype, spec.limits,
-                                                speed=spec.speed)
-    except Exception as exc:  # noqa: BLE001 - reported to the instance, which refuses to load
-        results.put(("load_error", rank, f"{type(exc).__name__}: {exc}"))
-        return None
-    results.put(("ready", rank, None))
-    return pipe
-
-
-def _worker_main(rank: int, spec: PoolSpec, port: Any, tasks: Any, results: Any, cancel: Any, parent: int,
-                 beats: Any) -> None:
-    pipe = load_rank(rank, spec, port, results, parent, beats)
-    if pipe is None:
-        return
-    while True:
-        try:
-            task = tasks.get(timeout=1.0)
-        except queue.Empty:
-            # Besides the parent-death signal (not on every platform): an orphan leaves.
-            if os.getppid() != parent:
-                return
-            continue
-        if task is None:
-            pipe.close()  # every rank gets the stop sentinel: leave the group before exiting
-            return
-        job, req = task
-        on_step = (lambda k, s, job=job: results.put(("step", job, (k, s)))) if rank == 0 else None
-        try:
-            comm_before = pipe.comm.seconds
-            pixels = pipe.generate(req, should_stop=lambda job=job: cancel.value == job, on_step=on_step)
-            if rank == 0:
-                results.put(("done", job, (pixels, pipe.comm.seconds - comm_before)))
-        except GenerationCancelled as exc:
-            if rank == 0:
-                results.put(("cancelled", job, str(exc)))
-        except InputError as exc:  # e.g. a state gone non-finite: every rank holds the same state and
-            if rank == 0:          # stops at the same step, so the group stays usable
-                results.put(("refused", job, str(exc)))
-        except Exception as exc:  # noqa: BLE001 - the group may be broken: report and leave
-            results.put(("error", job, f"rank {rank}: {type(exc).__name__}: {exc}"))
-            return
-
-
-class WorkerPool:
-    """An `Engine` whose steps run in rank processes (one per GPU on a GPU host), one request at a time."""
-
-    # What each rank process runs; the streaming pool runs its batched loop on the same ranks.
-    worker_main = staticmethod(_worker_main)
-
-    def __init__(self, spec: PoolSpec, rules: RequestRules) -> None:
-        self.spec = spec
-        self.mode = spec.mode
-        self.rules = rules  # the instance checks requests itself: its process holds no tower
-        self.config = rules.config
-        self.limits = spec.limits
+    def __init__(self, spec: EngineSpec, rules: RequestRules, hooks: EngineHooks | None = None) -> None:
+        super().__init__()
+        self.spec, self.mode, self.rules = spec, spec.mode, rules  # the instance checks requests itself
+        self.config: CheckpointConfig = rules.config
         self.device = ",".join(spec.devices)
-        self.dtype = spec.dtype
-        self.last_comm_seconds = 0.0
+        self.dtype = spec.dtype or default_dtype(torch.device(spec.devices[0]))
+        self.max_queued, self.hooks = spec.max_queued, hooks or EngineHooks()
+        self.wait_s = 10 * spec.collective_timeout_s  # how long `generate` waits for its request
         self._ctx = tmp.get_context("spawn")
         self._lock = threading.Lock()
-        self._job = 0
         self._procs: list[Any] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
         self._rebuild: threading.Thread | None = None
+        self._starting = threading.Event()
+        self._tickets: dict[int, Ticket] = {}
+        self._started: set[int] = set()  # jobs rank 0 has reported a step of
+        self._replay: list[Ticket] = []  # not started when the ranks failed: sent again to the new ranks
+        self._told: set[int] = set()     # cancellations already sent to rank 0
+        self._closing = False
+        self.comm_seconds = 0.0  # rank 0's time inside collectives, all steps so far
+        self._rank0_closed = threading.Event()
         self._start()
+        self._pump_thread = threading.Thread(target=self._pump, name="neopp-rank-pump", daemon=True)
+        self._pump_thread.start()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def _start(self) -> None:
+        """Start the ranks and wait until each has loaded (the pump stays off their queue meanwhile)."""
+        self._starting.set()
+        try:
+            self._start_ranks()
+        finally:
+            self._starting.clear()
+
+    def _start_ranks(self) -> None:
         world = self.spec.mode.world_size
         # Rank 0 binds the rendezvous store on a port the kernel picks and publishes it here: a
         # port chosen now and bound seconds later could be taken meanwhile by another pool.
         port = self._ctx.Value("i", 0, lock=False)
         self._beats = self._ctx.Array("d", world, lock=False)
         self._results = self._ctx.Queue()
-        # No lock: a rank stopped while holding one would block its peers outside any collective,
-        # beyond the reach of the collective timeout. One writer, aligned 64-bit reads.
-        self._cancel = self._ctx.Value("q", 0, lock=False)
         self._tasks = [self._ctx.Queue() for _ in range(world)]
-        self._procs = [self._ctx.Process(target=self.worker_main, daemon=True, name=f"neopp-rank{r}",
-                                         args=(r, self.spec, port, self._tasks[r], self._results, self._cancel,
-                                               os.getpid(), self._beats))
+        self._procs = [self._ctx.Process(target=rank_main, daemon=True, name=f"neopp-rank{r}",
+                                         args=(r, self.spec, port, self._tasks[r], self._results, os.getpid(),
+                                               self._beats))
                        for r in range(world)]
         start_processes(self._procs)
+        self._await_ready(world)
+
+    def _await_ready(self, world: int) -> None:
         ready, deadline = set(), time.monotonic() + self.spec.load_timeout_s
         while len(ready) < world:
             try:
@@ -208,24 +145,29 @@ class WorkerPool:
             self._kill()
             self._start()
 
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
     def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            for q in self._tasks:
+                q.put(None)
+        self._rank0_closed.wait(CLOSE_WAIT_S)
+        self._pump_thread.join(CLOSE_WAIT_S)
         if self._rebuild is not None:
             self._rebuild.join()
-        for q in getattr(self, "_tasks", []):
-            try:
-                q.put(None)
-            except (OSError, ValueError):
-                pass
         deadline = time.monotonic() + 5
         for p in self._procs:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
         self._kill()
         self._release_queues()
+        self._fail_all(GenerationCancelled("the engine closed before the request finished"))
 
     def _release_queues(self) -> None:
         """Let the queues' named semaphores be unlinked now: a stub leaves without running the
         finalizers that would, and the resource tracker then reports them as leaked."""
-        queues = [*getattr(self, "_tasks", []), *([self._results] if getattr(self, "_results", None) else [])]
+        queues = [*self._tasks, *([self._results] if self._results is not None else [])]
         # A queue's feeder thread holds its semaphore until it has flushed (the last item is the
         # small stop sentinel); wait for it, bounded, in case no rank reads any more.
         flushers = [threading.Thread(target=_close_and_flush, args=(q,), daemon=True) for q in queues]
@@ -238,92 +180,127 @@ class WorkerPool:
         del queues, flushers
         gc.collect()  # each semaphore's finalizer runs when its last reference goes
 
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
-
     # ---- requests -----------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
         self.rules.validate(req)
 
-    def _rank_request(self, req: GenerationRequest, rank: int) -> GenerationRequest:
-        return rank_request(self.mode, req, rank)
-
     def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
-        """Runs in the caller's thread, reporting each step (no previews on this engine)."""
-        submit_in_caller(self.generate, req, emit, cancelled)
-
-    def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
-                 on_step: StepFn | None = None, timeout_s: float | None = None) -> np.ndarray:
+        ticket = self._ticket(req, emit, cancelled, preview_every)
         with self._lock:
-            steps: list[int] = []
-
-            def counted(k: int, seconds: float) -> None:
-                steps.append(k)
-                if on_step is not None:
-                    on_step(k, seconds)
-
+            if self._closing:
+                ticket.end(closed_error())
+                return
+            if self._refuse_if_full(ticket, len(self._tickets) - len(self._started)):
+                return
             try:
-                return self._dispatch(req, should_stop, counted, timeout_s)
-            except WorkerFailure:
-                # A rank that died just before the request (not yet reaped) fails it at its
-                # first collective; nothing was computed, so it is safe to run it once more.
-                if steps:
-                    raise
-            return self._dispatch(req, should_stop, counted, timeout_s)
+                self._ensure_healthy()
+            except Exception as exc:  # noqa: BLE001 - ranks that cannot start fail this request, not the caller
+                ticket.end(WorkerFailure(f"the rank workers could not be started: {exc}"))
+                return
+            self._tickets[ticket.job] = ticket
+            self._dispatch(ticket)
 
-    def _dispatch(self, req: GenerationRequest, should_stop: StopFn | None, on_step: StepFn,
-                  timeout_s: float | None) -> np.ndarray:
-        """Hand the request to every rank (on a healthy pool) and wait for rank 0's answer."""
-        self._ensure_healthy()
-        self._job += 1
-        self._cancel.value = 0
+    def _dispatch(self, ticket: Ticket) -> None:
+        """Hand the request to every rank (under the lock), each with the KV of its branches."""
+        entry = ticket.entry
         for rank, q in enumerate(self._tasks):
-            q.put((self._job, self._rank_request(req, rank)))
-        return self._await(self._job, should_stop, on_step, timeout_s)
+            q.put(("req", ticket.job, rank_request(self.mode, entry.req, rank), entry.preview_every, entry.submitted))
 
-    def _await(self, job: int, should_stop: StopFn | None, on_step: StepFn | None,
-               timeout_s: float | None) -> np.ndarray:
-        deadline = time.monotonic() + (timeout_s or 10 * self.spec.collective_timeout_s)
+    # ---- the pump ----------------------------------------------------------------------------
+    def _fail_all(self, exc: Exception, replay: bool = False) -> None:
+        """End every live request with ``exc``. With ``replay`` (the ranks failed and are being
+        restarted) a request no step of which has run yet is kept, once, and sent again to the new
+        ranks: a rank that died just before it arrived fails it at its first collective."""
+        with self._lock:
+            tickets, self._tickets = list(self._tickets.values()), {}
+            started, self._started = self._started, set()
+            again = [t for t in tickets if replay and t.job not in started and not t.entry.replayed]
+            for ticket in again:
+                ticket.entry.replayed = True
+                self._tickets[ticket.job] = ticket
+            self._replay.extend(again)
+        for ticket in tickets:
+            if ticket not in again:
+                ticket.end(exc)
+
+    def _send_replays(self) -> None:
+        with self._lock:
+            replay, self._replay = self._replay, []
+            healthy = bool(self._procs) and all(p.is_alive() for p in self._procs)
+            for ticket in replay if healthy else []:
+                self._dispatch(ticket)
+        if not healthy:
+            self._fail_all(WorkerFailure("the rank workers could not be restarted"))
+
+    def _poll_cancels(self) -> None:
+        with self._lock:
+            tickets = [t for t in self._tickets.values() if t.job not in self._told]
+        for ticket in tickets:
+            if is_cancelled(ticket):
+                self._tell_cancel(ticket.job)
+
+    def _tell_cancel(self, job: int, remember: bool = True) -> None:
+        with self._lock:
+            if remember:
+                self._told.add(job)
+            if self._tasks:
+                self._tasks[0].put(("cancel", job))
+
+    def _pump(self) -> None:
         next_check = time.monotonic() + SILENCE_CHECK_S
-        while True:
-            if should_stop is not None and self._cancel.value != job and should_stop():
-                self._cancel.value = job
-            try:
-                kind, got_job, info = self._results.get(timeout=POLL_S)
-            except queue.Empty:
-                notice = self._death_notice(wait_s=0)
-                if notice:
-                    raise self._fail_and_rebuild(notice) from None
-                if time.monotonic() > next_check:
-                    next_check = time.monotonic() + SILENCE_CHECK_S
-                    notice = silent_rank(self.pids(), self._beats, self.spec.silence_s)
-                    if notice:
-                        raise self._fail_and_rebuild(f"{notice} during the request") from None
-                if time.monotonic() > deadline:
-                    raise self._fail_and_rebuild("the request exceeded its time limit") from None
+        while not self._rank0_closed.is_set():
+            self._poll_cancels()
+            if self._starting.is_set() or (self._rebuild is not None and self._rebuild.is_alive()):
+                time.sleep(POLL_S)  # the new ranks' start reads their queue; the old one is gone
                 continue
-            if got_job != job:
-                continue  # a late message of an earlier, failed request
-            if kind == "step" and on_step is not None:
-                on_step(*info)
-            elif kind == "done":
-                pixels, self.last_comm_seconds = info
-                return pixels
-            elif kind == "cancelled":
-                raise GenerationCancelled(info)
-            elif kind == "refused":
-                raise InputError(info)
-            elif kind == "error":
-                raise self._fail_and_rebuild(self._death_notice() or f"generation failed in {info}")
+            if self._replay:
+                self._send_replays()
+            results = self._results
+            try:
+                kind, job, info = results.get(timeout=POLL_S) if results is not None else (None, 0, None)
+            except (queue.Empty, OSError, ValueError):
+                kind = None
+            if kind is None:
+                if self._closing or self._rebuild is not None:
+                    continue
+                notice = self._death_notice(wait_s=0)
+                if notice is None and time.monotonic() > next_check:
+                    next_check = time.monotonic() + SILENCE_CHECK_S
+                    notice = silent_rank(self.pids(), self._beats, self.spec.silence_s) if self._tickets else None
+                if notice:
+                    self._fail_all(self._fail_and_rebuild(notice), replay=True)
+                continue
+            self._handle(kind, job, info)
 
+    def _handle(self, kind: str, job: int, info: Any) -> None:
+        if kind == "event":
+            self._event(job, info)
+        elif kind == "metrics":
+            waits, size, seconds, comm = info
+            self.comm_seconds += comm
+            for wait in waits:
+                self.hooks.call("queue_wait", wait)
+            self.hooks.call("batch_size", size)
+            self.hooks.call("step_seconds", seconds)
+        elif kind == "closed":
+            self._rank0_closed.set()
+        elif kind == "error" and not self._closing:
+            self._fail_all(self._fail_and_rebuild(self._death_notice() or f"generation failed in {info}"),
+                           replay=True)
 
-def instance_devices(world_size: int, instance_index: int = 0, gpus: list[int] | None = None) -> tuple[str, ...]:
-    """Devices of one instance's ranks: disjoint GPU sets per instance, else the CPU."""
-    if not torch.cuda.is_available():
-        return ("cpu",) * world_size
-    gpus = gpus if gpus is not None else list(range(torch.cuda.device_count()))
-    first = instance_index * world_size
-    if first + world_size > len(gpus):
-        raise ConfigError(f"instance {instance_index} needs GPUs {first}..{first + world_size - 1} "
-                          f"but only {len(gpus)} are available ({gpus}); lower the instance count")
-    return tuple(f"cuda:{g}" for g in gpus[first:first + world_size])
+    def _event(self, job: int, info: Any) -> None:
+        step, total, preview, final, err_kind, message, seconds = info
+        error = None if err_kind is None else ERRORS.get(err_kind, WorkerFailure)(message)
+        ticket = self._tickets.get(job)
+        if ticket is None:
+            return
+        self._started.add(job)
+        event = StepEvent(step, total, preview=preview, final=final, error=error, seconds=seconds)
+        ok = send(ticket, event)
+        if not ok or event.last:
+            with self._lock:
+                self._tickets.pop(job, None)
+                self._started.discard(job)
+                self._told.discard(job)
+            if not ok:  # the caller is gone: stop computing for it
+                self._tell_cancel(job, remember=False)

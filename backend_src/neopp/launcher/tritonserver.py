@@ -27,6 +27,7 @@ from ..ports import LOOPBACK, free_ports
 from ..procs import process_group_members
 from .admin import FRONT_HEADER, KEY_HEADER, restriction_args
 from .load_rescue import StuckLoadWatch
+from .model_deps import with_engine_models
 from .server_log import LogRelay, cpu_only_args, nvidia_driver_present
 from .shm_regions import backend_args, new_prefix, remove_regions
 from .triton_install import TritonLaunchError, find_install, prepare_backend_dir, server_env
@@ -131,7 +132,7 @@ class TritonServer:
                 *(restriction_args(self.admin_key, self.front_key) if self.admin_key else []),
                 *([] if any(a.startswith(GRPC_POOL_ARG) for a in self.extra_args) else [f"{GRPC_POOL_ARG}=0"]),
                 *([] if self.gpu_host else cpu_only_args(self.extra_args)),
-                *self.extra_args]
+                *with_engine_models(self.extra_args, self.model_repository)]
 
     def start(self) -> TritonServer:
         """Launch in its own process group so its stubs can be found and stopped with it.

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InputError, NeoPPError
-from ..image_io import to_pixels
 from ..model.embeddings import patchify, unpatchify
 from ..model.transformer import BatchedBranches, BranchContext
 from ..request import GenerationRequest
 from .pipeline import NeoPPPipeline, Prepared
-from .sampler import StepEvent
+from .sampler import StepEvent, to_pixels
 
 # Velocity of (request index in the batch, branch index in its step plan).
 BranchKey = tuple[int, int]
@@ -62,11 +61,6 @@ def start(pipe: NeoPPPipeline, job: int, req: GenerationRequest, preview_every: 
 def step_cost(pipe: NeoPPPipeline, a: Active) -> int:
     """Tokens the layers carry for this request at its next step: tokens x branches."""
     return a.prep.grid.num_tokens * len(pipe.step_branches(a.prep, a.k))
-
-
-def fits(used: int, cost: int, budget: int, alone: bool) -> bool:
-    """A request joins if the budget allows; one bigger than the budget runs, but alone."""
-    return alone or used + cost <= budget
 
 
 class StepBatcher:

@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, GenerationCancelled
-from ..image_io import to_pixels
 from ..limits import Limits
 from ..model.checkpoint import default_dtype, load_checkpoint
 from ..model.checkpoint_config import CheckpointConfig
@@ -29,7 +28,7 @@ from ..modes import TASKS, ModeSpec, SamplingParams
 from ..request import GenerationRequest
 from .guidance import COND, UNCOND, combine
 from .plan import RequestRules, StepPlan, step_plan
-from .sampler import FlowSampler
+from .sampler import FlowSampler, to_pixels
 from .schedule import initial_noise_scale
 
 StopFn = Callable[[], bool]

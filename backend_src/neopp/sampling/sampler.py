@@ -19,6 +19,12 @@ from ..request import GenerationRequest
 MIN_ONE_MINUS_T = 0.02
 
 
+def to_pixels(x: torch.Tensor) -> np.ndarray:
+    """[1, 3, H, W] normalised estimate -> uint8 [H, W, 3]."""
+    img = (x[0].float() * 0.5 + 0.5).clamp(0.0, 1.0) * 255.0
+    return img.round().to(torch.uint8).permute(1, 2, 0).contiguous().cpu().numpy()
+
+
 @dataclass
 class StepEvent:
     """One report of one request: ``step`` steps of ``total`` are done.

@@ -14,33 +14,33 @@ import re
 from pathlib import Path
 
 from .prompt_parsing import PROMPT_INPUTS
-from .request_parsing import INPUT_SPECS, OUTPUT_SPECS, InputSpec
+from .request_parsing import INPUT_SPECS, OUTPUT_SPECS, TensorSpec
 from .sessions import TOKEN_INPUT
 from .stream_parsing import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
 
-IO = tuple[dict[str, InputSpec], dict[str, InputSpec]]
+IO = tuple[dict[str, TensorSpec], dict[str, TensorSpec]]
 
 # What the prompt-to-image model passes on to the generation model it calls, and what the encoder answers.
 T2I_PASSED_INPUTS = ("SIZE", "SEED", "STEPS", "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT",
                      "OUTPUT_FORMAT")
 ENCODER_OUTPUTS = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")
 
-_PROMPT = {name: InputSpec("TYPE_STRING", (1,), optional=name == "NEGATIVE_PROMPT") for name in PROMPT_INPUTS}
-_MODEL = {"MODEL": InputSpec("TYPE_STRING", (1,))}
+_PROMPT = {name: TensorSpec("TYPE_STRING", (1,), optional=name == "NEGATIVE_PROMPT") for name in PROMPT_INPUTS}
+_MODEL = {"MODEL": TensorSpec("TYPE_STRING", (1,))}
 
 
-def _required(name: str) -> InputSpec:
+def _required(name: str) -> TensorSpec:
     """An output row: the input's type and dims (outputs are never optional)."""
-    return InputSpec(INPUT_SPECS[name].data_type, INPUT_SPECS[name].dims, optional=False)
+    return TensorSpec(INPUT_SPECS[name].data_type, INPUT_SPECS[name].dims, optional=False)
 
 
 # A session turn takes the generation inputs but the noise ones (the session owns its stream), every
 # prefix optional (a closing sequence_end carries none), plus MODEL and the owner's SESSION_TOKEN.
 SESSION_IO: IO = (
-    {**{n: InputSpec(s.data_type, s.dims) for n, s in INPUT_SPECS.items() if n not in ("RNG_STATE", "NOISE")},
-     **_MODEL, TOKEN_INPUT: InputSpec("TYPE_STRING", (1,))},
-    {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": InputSpec("TYPE_INT64", (1,), optional=False),
-     "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"], TOKEN_INPUT: InputSpec("TYPE_STRING", (1,), optional=False)},
+    {**{n: TensorSpec(s.data_type, s.dims) for n, s in INPUT_SPECS.items() if n not in ("RNG_STATE", "NOISE")},
+     **_MODEL, TOKEN_INPUT: TensorSpec("TYPE_STRING", (1,))},
+    {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": TensorSpec("TYPE_INT64", (1,), optional=False),
+     "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"], TOKEN_INPUT: TensorSpec("TYPE_STRING", (1,), optional=False)},
 )
 T2I_IO: IO = ({**_PROMPT, **_MODEL, **{n: INPUT_SPECS[n] for n in T2I_PASSED_INPUTS}},
               {"IMAGE": OUTPUT_SPECS["IMAGE"]})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ..errors import ConfigError, GenerationCancelled, InputError, WorkerFailure
+from ..errors import ConfigError, GenerationCancelled, InputError, QueueFull, WorkerFailure
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class ErrorClass:
 INVALID_INPUT = ErrorClass("invalid_input", "INVALID_ARG", "")
 CANCELLED = ErrorClass("cancelled", "CANCELLED", "request cancelled")
 WORKERS_DOWN = ErrorClass("worker_failure", "UNAVAILABLE", "rank workers unavailable")
+# Worded as Triton's own full queue, so every client (and the HTTP door: 429) reads it the same way.
+QUEUE_FULL = ErrorClass("queue_full", "UNAVAILABLE", "")
 MISCONFIGURED = ErrorClass("config", "INTERNAL", "model configuration error")
 INTERNAL = ErrorClass("internal", "INTERNAL", "internal error")
 NOT_FOUND = ErrorClass("not_found", "NOT_FOUND", "")
@@ -42,6 +44,8 @@ def error_class(exc: BaseException) -> ErrorClass:
         return CANCELLED
     if isinstance(exc, WorkerFailure):
         return WORKERS_DOWN
+    if isinstance(exc, QueueFull):
+        return QUEUE_FULL
     if isinstance(exc, ConfigError):
         return MISCONFIGURED
     return INTERNAL
@@ -55,7 +59,7 @@ def status_of_message(message: str) -> str:
             return cls.status
     if "unknown model" in text or " is not found" in text:
         return NOT_FOUND.status
-    if "is not ready" in text:
+    if "is not ready" in text or text.startswith("Exceeds maximum queue size"):
         return WORKERS_DOWN.status
     if _INPUT_NAMED.match(text) or any(part in text for part in _CORE_INPUT_ERRORS):
         return INVALID_INPUT.status

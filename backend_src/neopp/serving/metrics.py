@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-FAILURE_REASONS = ("invalid_input", "cancelled", "config", "internal")
+FAILURE_REASONS = ("invalid_input", "cancelled", "worker_failure", "queue_full", "config", "internal")
 
 _COUNTERS = {
     "generations": ("neopp_generations_total", "Images generated successfully"),
@@ -40,7 +40,7 @@ class GenerationMetrics:
         }
 
     def step(self, seconds: float) -> None:
-        """Called after every denoising step (NeoPPPipeline.generate's on_step)."""
+        """Called after every denoising step of a request; ``seconds``: the (batched) step's time."""
         self._metrics["steps"].increment(1)
         self._metrics["step_seconds"].increment(float(seconds))
 
@@ -52,19 +52,19 @@ class GenerationMetrics:
         self._failures.get(reason, self._failures["internal"]).increment(1)
 
 
-# Histograms of the streaming models (Triton 2.51's Python backend has HISTOGRAM families:
-# ``family.Metric(labels, buckets=[...])`` then ``observe``), fed by the stream engine's callbacks.
+# Histograms of the step-batching engine (Triton 2.51's Python backend has HISTOGRAM families:
+# ``family.Metric(labels, buckets=[...])`` then ``observe``), fed by the engine's callbacks and
+# labelled by the model that loads the engine.
 SECONDS_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0]
 BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
 _HISTOGRAMS = {
-    "queue_wait": ("neopp_stream_queue_wait_seconds", "Seconds a streaming request waited before its first step",
-                   SECONDS_BUCKETS),
-    "batch": ("neopp_stream_batch_size", "Requests run together per engine step", BATCH_BUCKETS),
-    "step_time": ("neopp_stream_step_seconds", "Seconds per denoising step of a streaming request", SECONDS_BUCKETS),
+    "queue_wait": ("neopp_queue_wait_seconds", "Seconds a request waited before its first step", SECONDS_BUCKETS),
+    "batch": ("neopp_batch_size", "Requests run together per engine step", BATCH_BUCKETS),
+    "step_time": ("neopp_batch_step_seconds", "Seconds per batched denoising step", SECONDS_BUCKETS),
 }
 
 
-class StreamMetrics:
+class EngineMetrics:
     """Queue wait, batch size and step time as histograms labelled by model."""
 
     def __init__(self, pb_utils: Any, model_name: str) -> None:

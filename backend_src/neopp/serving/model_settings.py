@@ -23,8 +23,13 @@ See :data:`PARAMETER_DEFAULTS`:
   ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``;
 * ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.engines.warmup`),
   so the first request is as fast as the next ones; ``false`` skips it.
-* ``token_budget`` (streaming models): image tokens x branches one batched step may hold; a
-  request joins a running batch at a step boundary while the sum stays within it.
+* step batching (docs/performance.md): ``token_budget``, the image tokens x branches one
+  batched step may hold (a request joins the running batch at a step boundary while the sum
+  stays within it); ``max_queued``, the requests that may wait to start (past it a request is
+  refused at once, UNAVAILABLE "Exceeds maximum queue size", 429 through the HTTP door);
+  ``patience``, the steps the oldest request that does not fit may wait while smaller ones pass
+  it; ``engine_model`` (plain models): the streamed twin that loads this mode's engine, so the
+  plain model holds no weights and hands its requests to it (empty: the model loads its own).
 * speed on CUDA (:mod:`neopp.model.speed`): ``cuda_graphs`` ``auto`` (default: on for a
   one-process model on CUDA) | ``on`` | ``off``; ``max_graphs`` (8) graphs kept at once;
   ``attention_kernel`` ``auto`` (default: the fastest SDPA kernel per shape, measured on CUDA) |
@@ -44,19 +49,20 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ..engines.engine import DEFAULT_TOKEN_BUDGET
+from ..engines.scheduler import DEFAULT_MAX_QUEUED, DEFAULT_PATIENCE, DEFAULT_TOKEN_BUDGET
 from ..errors import ConfigError
 from ..limits import Limits
-from ..model.checkpoint import generation_shapes
 from ..model.checkpoint_config import CheckpointConfig
-from ..model.lora import check_loras
-from ..model.speed import SpeedOptions
 from ..modes import TASKS, ModeSpec, load_mode
 from .parameters import read_parameters
+
+if TYPE_CHECKING:  # the stubs that only forward requests read their settings without torch
+    import torch
+
+    from ..engines.spec import EngineSpec
+    from ..model.speed import SpeedOptions
 
 PARAMETER_DEFAULTS: dict[str, str] = {
     "checkpoint": "checkpoints/neopp",
@@ -70,15 +76,18 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "default_task": "t2i",
     "warmup": "true",
     "token_budget": str(DEFAULT_TOKEN_BUDGET),
+    "max_queued": str(DEFAULT_MAX_QUEUED),
+    "patience": str(DEFAULT_PATIENCE),
+    "engine_model": "",
     # The server's environment may set these for every model whose config does not.
     "cuda_graphs": os.environ.get("NEOPP_CUDA_GRAPHS", "auto"),
     "attention_kernel": os.environ.get("NEOPP_ATTENTION_KERNEL", "auto"),
-    "max_graphs": str(SpeedOptions().max_graphs),
+    "max_graphs": "8",
     "compile_layers": os.environ.get("NEOPP_COMPILE_LAYERS", "off"),
     **{k: str(v) for k, v in Limits().__dict__.items()},
 }
-_DTYPES = {"auto": None, "": None, "float32": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+_DTYPES = {"auto": None, "": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+           "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}  # -> the torch dtype's name
 
 
 def project_root(model_dir: Path | str | None, env: Mapping[str, str] | None = None) -> Path:
@@ -129,6 +138,8 @@ def choose_device(param: str, instance_kind: str, device_id: int, instance_index
         return param
     if param not in ("auto", "cuda"):
         raise ConfigError(f"parameter device: {param!r} is not auto, cpu, cuda or cuda:N")
+    import torch
+
     if not torch.cuda.is_available():
         if param == "cuda":
             raise ConfigError("parameter device: 'cuda' requested but CUDA is not available")
@@ -154,7 +165,7 @@ class TritonModelSettings:
     mode_file: Path
     lora_dir: Path
     device_param: str
-    dtype: torch.dtype | None
+    dtype_name: str | None  # a torch dtype's name; None: the engine's choice
     num_threads: int
     worker_processes: int
     collective_timeout_s: float
@@ -162,7 +173,10 @@ class TritonModelSettings:
     limits: Limits
     warmup: bool = True
     token_budget: int = DEFAULT_TOKEN_BUDGET
-    speed: SpeedOptions = SpeedOptions()
+    max_queued: int = DEFAULT_MAX_QUEUED
+    patience: int = DEFAULT_PATIENCE
+    engine_model: str = ""
+    speed_params: tuple[str, str, int, str] = ("auto", "auto", 8, "off")  # SpeedOptions' fields
 
     @staticmethod
     def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
@@ -184,15 +198,50 @@ class TritonModelSettings:
             checkpoint=resolve_checkpoint(params, name, root),
             mode_file=mode_file if mode_file.is_absolute() else root / mode_file,
             lora_dir=resolve_lora_dir(params, name, root),
-            device_param=params["device"], dtype=_DTYPES[dtype_key],
+            device_param=params["device"], dtype_name=_DTYPES[dtype_key],
             num_threads=int_param(params, "num_threads"), default_task=task, limits=limits,
             worker_processes=int_param(params, "worker_processes"),
             collective_timeout_s=float(int_param(params, "collective_timeout_s")),
             warmup=_bool_param(params, "warmup"),
             token_budget=int_param(params, "token_budget"),
-            speed=SpeedOptions(params["cuda_graphs"].strip().lower(), params["attention_kernel"].strip().lower(),
-                               int_param(params, "max_graphs"), params["compile_layers"].strip().lower()),
+            max_queued=int_param(params, "max_queued"),
+            patience=int_param(params, "patience"),
+            engine_model=_engine_model(params["engine_model"], name),
+            speed_params=(params["cuda_graphs"].strip().lower(), params["attention_kernel"].strip().lower(),
+                          int_param(params, "max_graphs"), params["compile_layers"].strip().lower()),
         )
+
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        import torch
+
+        return None if self.dtype_name is None else getattr(torch, self.dtype_name)
+
+    @property
+    def speed(self) -> SpeedOptions:
+        """The speed options (checked here: only the stub that loads the engine asks)."""
+        from ..model.speed import SpeedOptions
+
+        return SpeedOptions(*self.speed_params)
+
+    def engine_spec(self) -> EngineSpec:
+        """The engine's settings from this config; the mode, devices and threads are filled in at load."""
+        from ..engines.spec import EngineSpec
+
+        if self.token_budget < 1 or self.max_queued < 1 or self.patience < 0:
+            raise ConfigError(f"model {self.model_name}: token_budget and max_queued must be positive and patience "
+                              f"not negative, got {self.token_budget}, {self.max_queued}, {self.patience}")
+        return EngineSpec(str(self.checkpoint), dtype=self.dtype, limits=self.limits,
+                          collective_timeout_s=self.collective_timeout_s, speed=self.speed,
+                          token_budget=self.token_budget, max_queued=self.max_queued, patience=self.patience)
+
+
+def _engine_model(value: str, own_name: str) -> str:
+    name = value.strip()
+    if name and (not re.fullmatch(r"[a-z][a-z0-9_]{0,63}", name) or name == own_name):
+        raise ConfigError(f"parameter engine_model: {value!r} is not another model's name")
+    return name
 
 
 def _bool_param(params: Mapping[str, str], key: str) -> bool:
@@ -205,6 +254,9 @@ def _bool_param(params: Mapping[str, str], key: str) -> bool:
 def load_model_mode(settings: TritonModelSettings) -> ModeSpec:
     """The model's mode with its LoRAs found in ``lora_dir`` and checked against the checkpoint's
     shapes, before any weight is read; a misfit names the model, the LoRA file and the key."""
+    from ..model.checkpoint import generation_shapes
+    from ..model.lora import check_loras
+
     try:
         mode = load_mode(settings.mode_file, lora_dir=settings.lora_dir)
         if mode.lora_configs:

@@ -5,8 +5,8 @@ A layout is a set of Triton custom model configurations of one name
 without that file falls back to its ``config.pbtxt``. GPUs are named in a config in two ways:
 
 * a 1-process mode: ``instance_group [{ kind: KIND_GPU count: 1 gpus: [N] }]`` (Triton places it);
-* a mode with several ranks: a ``KIND_MODEL`` group and the parameter ``gpus: "0,1,..."``;
-  instance ``i`` takes the ``i``-th slice of ``world size`` GPUs of that list.
+* a mode with several ranks: a ``KIND_MODEL`` group and the parameter ``gpus: "0,1,..."``, one
+  GPU per rank of the model's one engine (its other instances only hand requests to it).
 
 Each model only sees its own config at load, so it reads its siblings' configs of the same layout
 (parameter ``layout``, the config's name) from the repository and refuses to load when their GPUs
@@ -63,8 +63,8 @@ def instance_slices(gpus: tuple[int, ...], world_size: int, instances: int) -> t
         raise ConfigError(f"parameter gpus: {len(gpus)} GPUs {list(gpus)} are not a multiple of the "
                           f"{world_size} ranks of one instance")
     if len(gpus) != world_size * instances:
-        raise ConfigError(f"parameter gpus: {len(gpus)} GPUs {list(gpus)} give {len(gpus) // world_size} instance(s) "
-                          f"of {world_size} ranks, but the instance group has {instances}")
+        raise ConfigError(f"parameter gpus: {len(gpus)} GPUs {list(gpus)} give {len(gpus) // world_size} engine(s) "
+                          f"of {world_size} ranks, but a model runs {instances}")
     return tuple(gpus[i * world_size:(i + 1) * world_size] for i in range(instances))
 
 
@@ -111,7 +111,7 @@ def model_placement(config: Mapping[str, Any], world_size: int, device_count: in
     if listed:
         if len(groups) != 1:
             raise ConfigError(f"{model}: the parameter gpus needs exactly one instance group, got {len(groups)}")
-        instances = instance_slices(parse_gpu_list(listed), world_size, groups[0][1])
+        instances = instance_slices(parse_gpu_list(listed), world_size, 1)  # the one engine's ranks
     elif any(kind == "KIND_GPU" or (kind == "KIND_AUTO" and device_count) for kind, _, _ in groups):
         instances = _gpu_groups(model, groups, world_size, device_count)
     else:
@@ -226,7 +226,8 @@ def check_layout(own: Mapping[str, Any], model_dir: Path, world_size: int, devic
     """This model's placement, refused when a sibling model of the same layout shares its GPUs.
 
     Siblings naming no GPU in the layout are a risk only where they would take GPUs automatically:
-    a generation model (it has a ``mode_file``) not pinned to ``device: cpu`` is refused too."""
+    a generation model (it has a ``mode_file``) not pinned to ``device: cpu`` is refused too; a
+    front (it names an ``engine_model``) loads nothing and is left out."""
     placement = model_placement(own, world_size, device_count)
     if not placement.gpus:
         return placement
@@ -237,6 +238,8 @@ def check_layout(own: Mapping[str, Any], model_dir: Path, world_size: int, devic
     for folder, config in sibling_configs(model_dir.parent, layout).items():
         if folder == model_dir.name:
             continue
+        if _param(config, "engine_model").strip():
+            continue  # a front: it loads no weights, its engine model holds its GPUs
         sibling = _sibling_placement(config, device_count)
         if not sibling.gpus and _param(config, "mode_file") and _param(config, "device").strip().lower() != "cpu":
             raise ConfigError(f"{placement.model}: {folder} names no GPUs in layout {layout or 'default'} and would "

@@ -23,8 +23,8 @@ if TYPE_CHECKING:  # torch is imported where a tensor is handled: the session mo
 
 
 @dataclass(frozen=True)
-class InputSpec:
-    """One row of the contract's input table."""
+class TensorSpec:
+    """One row of the contract's input or output table."""
 
     data_type: str  # Triton config spelling, e.g. "TYPE_INT64"
     dims: tuple[int, ...]
@@ -32,30 +32,30 @@ class InputSpec:
 
 
 # The contract (docs/contract.md, "Inputs of every generation model"); auto-complete adds any missing row.
-INPUT_SPECS: dict[str, InputSpec] = {
-    "COND_KV": InputSpec("TYPE_BF16", (-1, 2, -1, -1, -1), optional=False),
-    "UNCOND_KV": InputSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
-    "INDEX_OFFSET_COND": InputSpec("TYPE_INT64", (1,), optional=False),
-    "INDEX_OFFSET_UNCOND": InputSpec("TYPE_INT64", (1,)),
-    "SIZE": InputSpec("TYPE_INT64", (2,)),
-    "SEED": InputSpec("TYPE_INT64", (1,)),
-    "RNG_STATE": InputSpec("TYPE_UINT8", (-1,)),
-    "NOISE": InputSpec("TYPE_FP32", (1, 3, -1, -1)),
-    "TASK": InputSpec("TYPE_STRING", (1,)),
-    "CFG_SCALE": InputSpec("TYPE_FP32", (1,)),
-    "CFG_INTERVAL": InputSpec("TYPE_FP32", (2,)),
-    "CFG_NORM": InputSpec("TYPE_STRING", (1,)),
-    "TIMESTEP_SHIFT": InputSpec("TYPE_FP32", (1,)),
-    "STEPS": InputSpec("TYPE_INT64", (1,)),
-    "OUTPUT_FORMAT": InputSpec("TYPE_STRING", (1,)),
-    "RESIZE": InputSpec("TYPE_INT64", (2,)),
-    "IMAGE_GUIDANCE_SCALE": InputSpec("TYPE_FP32", (1,)),
-    "IMAGE_KV": InputSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
-    "INDEX_OFFSET_IMAGE": InputSpec("TYPE_INT64", (1,)),
+INPUT_SPECS: dict[str, TensorSpec] = {
+    "COND_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1), optional=False),
+    "UNCOND_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
+    "INDEX_OFFSET_COND": TensorSpec("TYPE_INT64", (1,), optional=False),
+    "INDEX_OFFSET_UNCOND": TensorSpec("TYPE_INT64", (1,)),
+    "SIZE": TensorSpec("TYPE_INT64", (2,)),
+    "SEED": TensorSpec("TYPE_INT64", (1,)),
+    "RNG_STATE": TensorSpec("TYPE_UINT8", (-1,)),
+    "NOISE": TensorSpec("TYPE_FP32", (1, 3, -1, -1)),
+    "TASK": TensorSpec("TYPE_STRING", (1,)),
+    "CFG_SCALE": TensorSpec("TYPE_FP32", (1,)),
+    "CFG_INTERVAL": TensorSpec("TYPE_FP32", (2,)),
+    "CFG_NORM": TensorSpec("TYPE_STRING", (1,)),
+    "TIMESTEP_SHIFT": TensorSpec("TYPE_FP32", (1,)),
+    "STEPS": TensorSpec("TYPE_INT64", (1,)),
+    "OUTPUT_FORMAT": TensorSpec("TYPE_STRING", (1,)),
+    "RESIZE": TensorSpec("TYPE_INT64", (2,)),
+    "IMAGE_GUIDANCE_SCALE": TensorSpec("TYPE_FP32", (1,)),
+    "IMAGE_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
+    "INDEX_OFFSET_IMAGE": TensorSpec("TYPE_INT64", (1,)),
 }
-OUTPUT_SPECS: dict[str, InputSpec] = {
-    "IMAGE": InputSpec("TYPE_STRING", (1,)),
-    "NEXT_RNG_STATE": InputSpec("TYPE_UINT8", (-1,)),
+OUTPUT_SPECS: dict[str, TensorSpec] = {
+    "IMAGE": TensorSpec("TYPE_STRING", (1,)),
+    "NEXT_RNG_STATE": TensorSpec("TYPE_UINT8", (-1,)),
 }
 KV_INPUTS = ("COND_KV", "UNCOND_KV", "IMAGE_KV")
 TOKEN_PIXELS = 32  # an image token's side in every NeoPP checkpoint; RequestRules checks the real one
@@ -95,13 +95,13 @@ class ParsedRequest:
         return int(self.cond_kv.shape[2])
 
 
-def _check_shape(name: str, value: Any, spec: InputSpec) -> None:
+def _check_shape(name: str, value: Any, spec: TensorSpec) -> None:
     shape = tuple(value.shape)
     if len(shape) != len(spec.dims) or any(d not in (-1, s) for d, s in zip(spec.dims, shape)):
         raise InputError(f"{name}: shape must be {list(spec.dims)} (-1 = any), got {list(shape)}")
 
 
-def _numeric(name: str, value: Any, spec: InputSpec) -> np.ndarray:
+def _numeric(name: str, value: Any, spec: TensorSpec) -> np.ndarray:
     import torch
 
     arr = value.detach().cpu().numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
@@ -112,7 +112,7 @@ def _numeric(name: str, value: Any, spec: InputSpec) -> np.ndarray:
     return arr
 
 
-def _string(name: str, value: Any, spec: InputSpec) -> str:
+def _string(name: str, value: Any, spec: TensorSpec) -> str:
     arr = np.asarray(value)
     _check_shape(name, arr, spec)
     return text_value(name, arr.reshape(-1)[0])

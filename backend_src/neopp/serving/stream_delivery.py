@@ -1,8 +1,9 @@
-"""One thread per streaming model that turns engine events into responses.
+"""One thread per streaming model that turns the engine's messages into responses.
 
 Sending a response from the Python backend waits for the server process, and a preview is a
-JPEG encode; done on the engine's thread, both would hold up the next denoising step. The
-engine only queues its events here; one thread keeps them in order and delivers them.
+JPEG encode; done on the thread that reads the engine's messages, both would hold up every
+other request's. That thread only queues its messages here; one thread keeps them in order and
+delivers them.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..sampling.sampler import StepEvent
-
-HandleFn = Callable[[Any, StepEvent], None]
+HandleFn = Callable[[Any, Any], None]
 
 
 class Delivery:
@@ -22,11 +21,11 @@ class Delivery:
 
     def __init__(self, handle: HandleFn) -> None:
         self._handle = handle
-        self._items: queue.Queue[tuple[Any, StepEvent] | None] = queue.Queue()
+        self._items: queue.Queue[tuple[Any, Any] | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="neopp-stream-delivery", daemon=True)
         self._thread.start()
 
-    def put(self, call: Any, event: StepEvent) -> None:
+    def put(self, call: Any, event: Any) -> None:
         self._items.put((call, event))
 
     def close(self, timeout_s: float = 60.0) -> None:

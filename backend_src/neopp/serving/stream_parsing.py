@@ -21,29 +21,32 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from ..errors import InputError
 from ..limits import Limits
 from ..modes import SamplingParams
-from .request_parsing import INPUT_SPECS, OUTPUT_SPECS, InputSpec, ParsedRequest, _check_request_bytes, parse_request
 
-STREAM_INPUT_SPECS: dict[str, InputSpec] = {
-    **{name: InputSpec(spec.data_type, spec.dims, optional=True) if name == "COND_KV" else spec
+if TYPE_CHECKING:  # only the engine's stub decodes a prefix
+    import torch
+
+from .request_parsing import INPUT_SPECS, OUTPUT_SPECS, ParsedRequest, TensorSpec, _check_request_bytes, parse_request
+
+STREAM_INPUT_SPECS: dict[str, TensorSpec] = {
+    **{name: TensorSpec(spec.data_type, spec.dims, optional=True) if name == "COND_KV" else spec
        for name, spec in INPUT_SPECS.items()},
-    "PREVIEW_EVERY": InputSpec("TYPE_INT64", (1,)),
-    "PREVIEW_SIZE": InputSpec("TYPE_INT64", (2,)),
-    **{name: InputSpec("TYPE_STRING", (1,)) for name in ("COND_KV_B64", "UNCOND_KV_B64", "IMAGE_KV_B64")},
-    "BASE64_OUTPUT": InputSpec("TYPE_INT64", (1,)),
+    "PREVIEW_EVERY": TensorSpec("TYPE_INT64", (1,)),
+    "PREVIEW_SIZE": TensorSpec("TYPE_INT64", (2,)),
+    **{name: TensorSpec("TYPE_STRING", (1,)) for name in ("COND_KV_B64", "UNCOND_KV_B64", "IMAGE_KV_B64")},
+    "BASE64_OUTPUT": TensorSpec("TYPE_INT64", (1,)),
 }
-STREAM_OUTPUT_SPECS: dict[str, InputSpec] = {
+STREAM_OUTPUT_SPECS: dict[str, TensorSpec] = {
     **OUTPUT_SPECS,
-    "STEP": InputSpec("TYPE_INT64", (1,)),
-    "TOTAL_STEPS": InputSpec("TYPE_INT64", (1,)),
-    "PREVIEW": InputSpec("TYPE_STRING", (1,)),
+    "STEP": TensorSpec("TYPE_INT64", (1,)),
+    "TOTAL_STEPS": TensorSpec("TYPE_INT64", (1,)),
+    "PREVIEW": TensorSpec("TYPE_STRING", (1,)),
 }
 B64_INPUTS = {"COND_KV_B64": "COND_KV", "UNCOND_KV_B64": "UNCOND_KV", "IMAGE_KV_B64": "IMAGE_KV"}
 STREAM_ONLY = ("PREVIEW_EVERY", "PREVIEW_SIZE", "BASE64_OUTPUT", *B64_INPUTS)
@@ -121,6 +124,8 @@ def decode_kv_b64(name: str, value: Any, kv_dims: tuple[int, int, int],
         raise InputError(f"{name}: {len(raw)} decoded bytes are not a positive whole number of tokens of "
                          f"{row} bytes (bf16 [{layers}, 2, seq, {kv_heads}, {head_dim}])")
     seq = len(raw) // row
+    import torch
+
     flat = torch.frombuffer(bytearray(raw), dtype=torch.bfloat16)
     return flat.view(layers, 2, seq, kv_heads, head_dim)
 

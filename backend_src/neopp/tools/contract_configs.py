@@ -1,7 +1,9 @@
 """Write the ``input``/``output`` blocks of every ``config.pbtxt`` from the contract's tables in code.
 
-    python -m testing.contract_configs          # rewrite the blocks (make contract-configs)
-    python -m testing.contract_configs --check  # list the files that differ, exit 1 if any
+    python -m neopp.tools.contract_configs          # rewrite the blocks (make contract-configs)
+    python -m neopp.tools.contract_configs --check  # list the files that differ, exit 1 if any
+
+(``--repository`` names another model repository; default: ``model_repository`` here.)
 
 Each model folder's kind comes from the class its ``model.py`` serves; its tables from
 ``neopp.serving.contract``. Only the text between the two marker lines is written, so the rest
@@ -14,15 +16,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from neopp.serving.contract import IO, tables_of
-from neopp.serving.request_parsing import InputSpec
+from ..serving.contract import IO, tables_of
+from ..serving.request_parsing import TensorSpec
 
-REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
+REPOSITORY = Path("model_repository")
 BEGIN = "# ---- inputs and outputs: written from the code's tables by `make contract-configs`; do not edit ----"
 END = "# ---- end of the written inputs and outputs ----"
 
 
-def entry(name: str, spec: InputSpec, output: bool) -> str:
+def entry(name: str, spec: TensorSpec, output: bool) -> str:
     dims = ", ".join(str(d) for d in spec.dims)
     optional = " optional: true" if spec.optional and not output else ""
     return f'  {{ name: "{name}" data_type: {spec.data_type} dims: [ {dims} ]{optional} }}'
@@ -65,13 +67,14 @@ def stale(repository: Path = REPOSITORY) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="only list the files that differ")
+    parser.add_argument("--repository", type=Path, default=REPOSITORY, help="the model repository to write")
     args = parser.parse_args(argv)
     if args.check:
-        differing = stale()
+        differing = stale(args.repository)
         for path in differing:
             print(f"{path}: differs from the contract's tables; run make contract-configs")
         return 1 if differing else 0
-    for path, tables in config_files():
+    for path, tables in config_files(args.repository):
         text = path.read_text()
         new = rewrite(text, tables, path)
         if new != text:

@@ -1,0 +1,136 @@
+"""The batched denoising loop, written once: the in-process engine's thread and every rank run it.
+
+Around each step the :class:`~neopp.engines.scheduler.Scheduler`'s decision is applied (a
+cancelled request leaves with its cancellation, an admitted one is prepared and joins), the
+batch advances one step (``StepBatcher.step``: every request on its own grid, time and
+guidance, the layers run once for all) and finished or failed requests leave. What differs
+between a thread and a rank group is passed in: where a request's data comes from (``fetch``),
+how a dropped request that never started is forgotten (``forget``) and where events go
+(``report``; a rank other than 0 reports nothing).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import GenerationCancelled, NeoPPError
+from ..request import GenerationRequest
+from ..sampling.batching import Active, StepBatcher, start, step_cost
+from ..sampling.pipeline import NeoPPPipeline
+from ..sampling.plan import step_plan
+from ..sampling.sampler import StepEvent
+from .scheduler import Decision, Scheduler
+
+
+@dataclass
+class Entry:
+    """A request the loop was handed: what it is, its previews, when it arrived."""
+
+    req: GenerationRequest
+    preview_every: int = 0
+    submitted: float = 0.0
+    replayed: bool = False  # sent again once already, after its ranks failed before its first step
+
+
+ReportFn = Callable[[int, StepEvent], bool]  # False: the caller is gone, stop computing for it
+
+
+def queued_cost(pipe: NeoPPPipeline, req: GenerationRequest) -> int:
+    """Tokens x branches of a request's first step, known before it is prepared."""
+    t = pipe.config.token_size
+    return (req.height // t) * (req.width // t) * len(step_plan(req).branch_names(0))
+
+
+@dataclass
+class StepStats:
+    """What one pass of the loop did, for the metrics hooks."""
+
+    waits: list[float]      # seconds each admitted request waited
+    batch: int = 0          # requests in the step
+    seconds: float = 0.0    # wall time of the step
+
+
+class StepLoop:
+    """The active requests of one process and how they move: admit, drop, step, leave."""
+
+    def __init__(self, pipe: NeoPPPipeline, batcher: StepBatcher, report: ReportFn) -> None:
+        self.pipe, self.batcher, self.report = pipe, batcher, report
+        self.active: list[Active] = []
+
+    @property
+    def jobs(self) -> list[int]:
+        return [a.job for a in self.active]
+
+    def cost(self, job: int, entries: dict[int, Entry]) -> int:
+        """What ``job``'s next step carries, running or queued (the scheduler's cost)."""
+        for a in self.active:
+            if a.job == job:
+                return step_cost(self.pipe, a)
+        return queued_cost(self.pipe, entries[job].req)
+
+    def decide(self, scheduler: Scheduler, entries: dict[int, Entry]) -> Decision:
+        return scheduler.decide(self.jobs, lambda job: self.cost(job, entries))
+
+    def apply(self, decision: Decision, fetch: Callable[[int], Entry],
+              forget: Callable[[int], Entry | None]) -> list[float]:
+        """Drop, then admit; the seconds each admitted request waited."""
+        for job in decision.drop:
+            self._drop(job, forget)
+        waits = []
+        for job in decision.admit:
+            entry = fetch(job)
+            try:
+                a = start(self.pipe, job, entry.req, entry.preview_every, entry.submitted)
+            except NeoPPError as exc:  # every rank meets the same error here; the request fails alone
+                self.report(job, StepEvent(0, entry.req.sampling.infer_steps, error=exc))
+                continue
+            self.active.append(a)
+            waits.append(time.monotonic() - entry.submitted)
+        return waits
+
+    def _drop(self, job: int, forget: Callable[[int], Entry | None]) -> None:
+        a = next((a for a in self.active if a.job == job), None)
+        if a is not None:
+            self.active.remove(a)
+            self.pipe.release(a.prep)
+            self.report(job, StepEvent(a.k, a.total, error=GenerationCancelled(
+                f"cancelled before step {a.k + 1} of {a.total}")))
+            return
+        entry = forget(job)
+        if entry is not None:
+            self.report(job, StepEvent(0, entry.req.sampling.infer_steps,
+                                       error=GenerationCancelled("cancelled before it started")))
+
+    def step(self) -> StepStats:
+        """One batched step; finished, failed and abandoned requests leave."""
+        began = time.perf_counter()
+        batch = len(self.active)
+        events = self.batcher.step(self.active)
+        seconds = time.perf_counter() - began
+        staying = []
+        for a, ev in zip(self.active, events):
+            ev.seconds = seconds
+            if self.report(a.job, ev) and not ev.last:
+                staying.append(a)
+            else:
+                self.pipe.release(a.prep)
+        self.active = staying
+        return StepStats([], batch, seconds)
+
+    def fail_all(self, exc: Exception) -> None:
+        """A failure of the shared pass fails its whole batch (the loop goes on)."""
+        for a in self.active:
+            self.report(a.job, StepEvent(a.k, a.total, error=exc))
+            self.pipe.release(a.prep)
+        self.active = []
+
+    def stop(self, queued: list[tuple[int, Entry]], reason: str) -> None:
+        """Close: every running and queued request ends with a cancellation."""
+        for a in self.active:
+            self.report(a.job, StepEvent(a.k, a.total, error=GenerationCancelled(reason)))
+            self.pipe.release(a.prep)
+        self.active = []
+        for job, entry in queued:
+            self.report(job, StepEvent(0, entry.req.sampling.infer_steps, error=GenerationCancelled(reason)))
