@@ -46,6 +46,8 @@ class _Job:
     deliver: DeliverFn
     cancelled: Callable[[], bool]
     told: bool = False
+    done: bool = False  # its last message came: its request is no longer ours to ask about
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -145,8 +147,11 @@ class EngineLink:
             entry = self._jobs.get(job) if type(job) is int else None
             if entry is not None and header.get("type") in ("final", "error"):
                 del self._jobs[job]
-        if entry is not None:
-            entry.deliver(header, blobs)
+        if entry is None:
+            return
+        if header.get("type") in ("final", "error"):
+            _finish(entry)
+        entry.deliver(header, blobs)
 
     def _lost(self, sock: socket.socket, message: str) -> None:
         """The connection broke: every request on it ends now; the next one connects again."""
@@ -156,6 +161,7 @@ class EngineLink:
             jobs, self._jobs = self._jobs, {}
         sock.close()
         for entry in jobs.values():
+            _finish(entry)
             entry.deliver({"type": "error", "status": "UNAVAILABLE", "reason": "worker_failure",
                            "message": message}, [])
 
@@ -164,10 +170,23 @@ class EngineLink:
             with self._lock:
                 waiting = [(job, e) for job, e in self._jobs.items() if not e.told]
             for job, entry in waiting:
-                try:
-                    gone = bool(entry.cancelled())
-                except Exception:  # noqa: BLE001 - a probe that cannot answer has no client left
-                    gone = True
-                if gone:
+                if _asked_gone(entry):
                     entry.told = True
                     self.cancel(job)
+
+
+def _finish(entry: _Job) -> None:
+    """No more probes of this request: once it is answered, Triton frees it (asking then crashes
+    the server), so the last message marks it, under the lock the watcher probes under."""
+    with entry.lock:
+        entry.done = True
+
+
+def _asked_gone(entry: _Job) -> bool:
+    with entry.lock:
+        if entry.done:
+            return False
+        try:
+            return bool(entry.cancelled())
+        except Exception:  # noqa: BLE001 - a probe that cannot answer has no client left
+            return True

@@ -155,8 +155,10 @@ class NeoPPTritonModel:
 
     def _submit(self, request: Any, call: Call, deliver: Any, final_only: bool) -> None:
         """Hand ``request`` to the engine; every message about it goes to ``deliver((header, blobs, call))``."""
+        probe = call.sender if call.sender is not None else request  # a decoupled request asks its sender
+
         def cancelled() -> bool:
-            return request.is_cancelled() or self._stopping.is_set()
+            return probe.is_cancelled() or self._stopping.is_set()
 
         try:
             self.link.submit(request.inputs(), request.parameters(), lambda h, b: deliver((h, b, call)), cancelled,
