@@ -71,6 +71,7 @@ class EngineHost:
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(str(self.path))
         os.chmod(self.path, 0o600)
+        self._inode = self.path.stat().st_ino  # a reload's new owner binds the same path before this one closes
         self._listener.listen(64)
         threading.Thread(target=self._accept_loop, name="neopp-engine-accept", daemon=True).start()
 
@@ -82,7 +83,8 @@ class EngineHost:
             pass
         self._listener.close()
         try:
-            self.path.unlink()
+            if self.path.stat().st_ino == self._inode:  # still ours, not the socket of a reload's new owner
+                self.path.unlink()
         except OSError:
             pass
 
