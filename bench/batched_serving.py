@@ -3,18 +3,18 @@
     python -m bench.batched_serving [--out bench] [--quick] [--baseline-ref REF] [--skip-8b]
 
 Two tritonservers run side by side on free loopback ports: one serves this checkout (every plain
-model batches; ``neopp_dense`` and ``neopp_dense_cfg`` are fronts of their streamed twins, which
-load the engine), the other an earlier checkout (``--baseline-ref``, checked out into a
-temporary git worktree) whose plain models run one request at a time. The earlier server also
-serves ``neopp_dense_x2``: its ``neopp_dense`` with two instances, each on half the cores (two
-copies of the weights). This checkout's server also serves ``neopp_dense_host``: ``neopp_dense``
-loading its own engine, no front, so the front's hop can be told apart.
+model batches: its instances hand their requests to the mode's one engine), the other an earlier
+checkout (``--baseline-ref``, checked out into a temporary git worktree) whose plain models run
+one request at a time. The earlier server also serves ``neopp_dense_x2``: its ``neopp_dense`` with
+two instances, each on half the cores (two copies of the weights).
 
 For every model and concurrency, perf_analyzer sends the same requests (its ``--input-data``) to
 each configuration, the order rotating from point to point so the shared machine's load hits
 them alike; throughput is concurrency / mean latency. Then a mixed run (this checkout only):
 256x256 and 512x512 requests alternating, 1:1, at concurrency 4, from a client of ours that
-times every request, against the same 256x256 requests alone.
+times every request, against the same 256x256 requests alone. Last, what the hop from an
+instance to the engine costs a request: the same requests through the link (a socket and a memory
+file, in one process) and straight into the engine, alternating.
 """
 
 from __future__ import annotations
@@ -81,8 +81,6 @@ def repositories(work: Path, baseline: Path) -> tuple[Path, Path]:
     """(this checkout's repository, the earlier one's), copies with the extra models added."""
     now = work / "now"
     shutil.copytree(REPO / "model_repository", now)
-    own_engine = {r'(key: "engine_model" value: \{ string_value: )"\w+"': r'\1""'}
-    copy_model(now, "neopp_dense", "neopp_dense_host", own_engine)
     before = work / "before"
     shutil.copytree(baseline / "model_repository", before)
     half = str(max(1, (os.cpu_count() or 2) // 2))
@@ -211,20 +209,18 @@ def run_all(args: argparse.Namespace, matrix: dict, work: Path, baseline: Path) 
     now_repo, before_repo = repositories(work, baseline)
     env = checkpoint_env(DEMO / "dense", DEMO / "moe")
     before_env = {**env, "PYTHONPATH": str(baseline / "backend_src")}
-    now_models = ("neopp_dense", "neopp_dense_host", "neopp_moe", "neopp_dense_cfg")
+    now_models = ("neopp_dense", "neopp_moe", "neopp_dense_cfg")
     before_models = ("neopp_dense", "neopp_dense_x2", "neopp_moe", "neopp_dense_cfg")
     sections = []
     with server(now_repo, now_models, env, work / "now.log") as now, \
             server(before_repo, before_models, before_env, work / "before.log") as before:
-        ensure_loaded(now.grpc_url, models=[*now_models, "neopp_dense_stream", "neopp_dense_cfg_stream"])
+        ensure_loaded(now.grpc_url, models=list(now_models))
         ensure_loaded(before.grpc_url, models=before_models)
         c, per = matrix["concurrency"], matrix["per_slot"]
         dense = measure([("one at a time", before.grpc_url, "neopp_dense"),
                          ("two instances", before.grpc_url, "neopp_dense_x2"),
-                         ("batched", now.grpc_url, "neopp_dense"),
-                         ("batched, no front", now.grpc_url, "neopp_dense_host")], work, 256, args.steps, c, per,
-                        "dense")
-        sections.append(dense_section(dense, memory(now, ["neopp_dense", "neopp_dense_stream"]),
+                         ("batched", now.grpc_url, "neopp_dense")], work, 256, args.steps, c, per, "dense")
+        sections.append(dense_section(dense, memory(now, ["neopp_dense"]),
                                       memory(before, ["neopp_dense", "neopp_dense_x2"])))
         for model in ("neopp_moe", "neopp_dense_cfg"):
             rows = measure([("one at a time", before.grpc_url, model), ("batched", now.grpc_url, model)], work, 256,
@@ -232,28 +228,26 @@ def run_all(args: argparse.Namespace, matrix: dict, work: Path, baseline: Path) 
             sections.append(f"### `{model}`, demo checkpoint, 256x256\n\n" +
                             "\n".join(throughput_table(rows, ["one at a time", "batched"], "one at a time")))
         sections.append(mixed_section(now.grpc_url, args.steps, 4, 8 if args.quick else 24))
+    sections.append(link_section(args.steps, 3 if args.quick else 8))
     if not args.skip_8b:
         sections.append(eight_b_section(args, matrix, work, now_repo, before_repo, baseline))
     return sections
 
 
 def dense_section(rows: dict, now_mem: dict[str, int], before_mem: dict[str, int]) -> str:
-    labels = ["one at a time", "two instances", "batched", "batched, no front"]
+    labels = ["one at a time", "two instances", "batched"]
     lines = ["### `neopp_dense`, demo checkpoint, 256x256", "", *throughput_table(rows, labels, "one at a time"), ""]
     cs = sorted({c for _, c in rows})
     top = max(c for c in cs if c <= 4)
     one = rows[("batched", 1)]
-    hop = one.mean_ms / rows[("batched, no front", 1)].mean_ms - 1
     lines += [
         f"* Concurrency {top} against 1, batched: {rows[('batched', top)].infer_s / one.infer_s:.2f}x (goal >= 1.5x).",
         f"* Concurrency 1, batched against one at a time: "
         f"{one.infer_s / rows[('one at a time', 1)].infer_s:.2f}x (goal >= 1.0x, within this machine's noise).",
         f"* Concurrency {top}, batched against two instances: "
         f"{rows[('batched', top)].infer_s / rows[('two instances', top)].infer_s:.2f}x (goal >= 1.0x).",
-        f"* The front's hop (a BLS call to the streamed twin) at concurrency 1: {hop * 100:+.1f}% of a request's "
-        f"mean latency ({one.mean_ms:.0f} ms against {rows[('batched, no front', 1)].mean_ms:.0f} ms; goal <= 2%).",
-        f"* Stub memory (RSS): batched `neopp_dense` front {now_mem['neopp_dense'] / 2**20:.0f} MiB + its host "
-        f"{now_mem['neopp_dense_stream'] / 2**20:.0f} MiB; earlier one instance "
+        f"* Stub memory (RSS, every instance): batched `neopp_dense` {now_mem['neopp_dense'] / 2**20:.0f} MiB; "
+        f"earlier one instance "
         f"{before_mem['neopp_dense'] / 2**20:.0f} MiB, two instances {before_mem['neopp_dense_x2'] / 2**20:.0f} MiB.",
     ]
     return "\n".join(lines)
@@ -292,3 +286,59 @@ def eight_b_section(args: argparse.Namespace, matrix: dict, work: Path, now_repo
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def link_section(steps: int, rounds: int) -> str:
+    """The hop from an instance to the engine: one request through the link (socket, memory file,
+    parsing in the engine's stub, pixels back) against the same request straight into the engine."""
+    import torch
+
+    from neopp.engines.batch_engine import BatchingEngine
+    from neopp.modes import load_mode
+    from neopp.request import GenerationRequest
+    from neopp.sampling.pipeline import NeoPPPipeline
+    from neopp.sampling.rng import NoiseStream
+    from neopp.serving.engine_host import EngineHost
+    from neopp.serving.engine_link import EngineLink
+    from neopp.serving.model_settings import TritonModelSettings
+    from testing.local_tensors import request_tensors
+
+    mode = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json")
+    pipe = NeoPPPipeline.from_pretrained(DEMO / "dense", mode, "cpu", torch.float32)
+    layers, kv_heads, head_dim = pipe.config.kv_dims
+    cfg = {"llm_config": {"num_hidden_layers": layers, "num_key_value_heads": kv_heads, "head_dim": head_dim}}
+    req = GenerationRequest(cond_kv=random_kv(cfg, PREFIX[0], 1), uncond_kv=random_kv(cfg, PREFIX[1], 2),
+                            index_offset_cond=PREFIX[0], index_offset_uncond=PREFIX[1], height=256, width=256,
+                            sampling=mode.sampling.replace(infer_steps=steps, output_format="png"))
+    settings = TritonModelSettings(model_name="bench", checkpoint=DEMO / "dense", mode_file=Path("-"),
+                                   lora_dir=Path("-"), device_param="cpu", dtype_name="float32", num_threads=0,
+                                   worker_processes=0, collective_timeout_s=60.0, default_task="t2i",
+                                   limits=pipe.rules.limits)
+    engine = BatchingEngine(pipe)
+    host = EngineHost(f"bench_link_{os.getpid()}", engine, settings, mode, threading.Event(), print)
+    link = EngineLink(host.owner, "bench", "plain")
+    direct, linked = [], []
+    try:
+        for i in range(rounds + 1):  # the first of each is a warm-up
+            req.noise = NoiseStream(i).draw(256, 256)
+            start = time.perf_counter()
+            engine.generate(req)
+            direct.append(time.perf_counter() - start)
+            done = threading.Event()
+            start = time.perf_counter()
+            link.submit(request_tensors(req, i), None,
+                        lambda h, b, done=done: h["type"] in ("final", "error") and done.set(), lambda: False, True)
+            done.wait(600)
+            linked.append(time.perf_counter() - start)
+    finally:
+        link.close()
+        host.close()
+        engine.close()
+    d, k = statistics.median(direct[1:]), statistics.median(linked[1:])
+    return "\n".join([
+        "### The hop from an instance to the engine, demo 256x256",
+        "",
+        f"Median of {rounds} requests each, alternating, in one process: straight into the engine {d * 1e3:.0f} ms, "
+        f"through the link (socket, memory file, parsing in the engine's stub, pixels back) {k * 1e3:.0f} ms: "
+        f"the hop costs {(k / d - 1) * 100:+.1f}% of a request (goal <= 2%).",
+    ])

@@ -37,36 +37,10 @@ from neopp.serving.wire import (
     send_message,
     unpack_tensors,
 )
+from testing.local_tensors import LocalTensor, request_tensors
 from testing.stream_requests import make, tiny_setup
 
 TIMEOUT_S = 120
-
-
-class FakeTensor:
-    """The three calls of a Python-backend tensor the link makes (name, numpy, DLPack)."""
-
-    def __init__(self, name: str, value: np.ndarray | torch.Tensor) -> None:
-        self._name, self.value = name, value
-
-    def name(self) -> str:
-        return self._name
-
-    def as_numpy(self) -> np.ndarray:
-        if isinstance(self.value, torch.Tensor):
-            raise TypeError("Tensor dtype is BF16 and cannot be converted to NumPy")
-        return self.value
-
-    def to_dlpack(self):
-        return to_dlpack(self.value)
-
-
-def tensors_of(req, seed: int, steps: int) -> list[FakeTensor]:
-    offsets = {"INDEX_OFFSET_COND": np.array([req.index_offset_cond]),
-               "INDEX_OFFSET_UNCOND": np.array([req.index_offset_uncond])}
-    values = {"COND_KV": req.cond_kv.contiguous(), "UNCOND_KV": req.uncond_kv.contiguous(), **offsets,
-              "SIZE": np.array([req.height, req.width]), "STEPS": np.array([steps]), "SEED": np.array([seed]),
-              "OUTPUT_FORMAT": np.array([b"png"], dtype=np.object_)}
-    return [FakeTensor(n, v) for n, v in values.items()]
 
 
 # ---------------------------------------------------------------- the wire
@@ -171,7 +145,7 @@ def test_requests_from_two_links_equal_solo(host):
     reqs = [make(kvs, i, 64, 64, 6, seed=10 + i) for i in range(2)]
     results: dict[int, list] = {}
     def one(i: int) -> None:
-        results[i] = run(links[i], tensors_of(reqs[i], 10 + i, 6))
+        results[i] = run(links[i], request_tensors(reqs[i], 10 + i))
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
     for t in threads:
@@ -192,8 +166,8 @@ def test_requests_from_two_links_equal_solo(host):
 def test_a_refusal_names_the_input(host):
     served, _, kvs = host
     link = EngineLink(served.owner, "link_test", "plain")
-    tensors = [t for t in tensors_of(make(kvs, 0, 64, 64, 2, 1), 1, 2) if t.name() != "SIZE"]
-    tensors.append(FakeTensor("SIZE", np.array([33, 64])))
+    tensors = [t for t in request_tensors(make(kvs, 0, 64, 64, 2, 1), 1) if t.name() != "SIZE"]
+    tensors.append(LocalTensor("SIZE", np.array([33, 64])))
     (header, _), = run(link, tensors)
     assert header["status"] == "INVALID_ARG" and header["message"].startswith("SIZE: ")
     link.close()
@@ -205,13 +179,13 @@ def test_cancellation_and_a_lost_engine_end_the_requests_they_touch(host):
     got: queue.Queue = queue.Queue()
     stepped = threading.Event()
     deliver = lambda h, b: (h["type"] == "step" and stepped.set(), got.put(h))  # noqa: E731
-    link.submit(tensors_of(make(kvs, 0, 64, 64, 200, 1), 1, 200), None, deliver, stepped.is_set, True)
+    link.submit(request_tensors(make(kvs, 0, 64, 64, 200, 1), 1), None, deliver, stepped.is_set, True)
     last = got.get(timeout=TIMEOUT_S)
     while last["type"] not in ("final", "error"):
         last = got.get(timeout=TIMEOUT_S)
     assert last["status"] == "CANCELLED" and "cancelled before step" in last["message"]
 
-    link.submit(tensors_of(make(kvs, 0, 64, 64, 200, 2), 2, 200), None, lambda h, b: got.put(h), lambda: False, True)
+    link.submit(request_tensors(make(kvs, 0, 64, 64, 200, 2), 2), None, lambda h, b: got.put(h), lambda: False, True)
     while got.get(timeout=TIMEOUT_S)["type"] != "step":
         pass
     served.close()  # the engine's stub goes away: it stops listening and its connections close
@@ -228,7 +202,7 @@ def test_a_link_that_closes_cancels_its_requests(host):
     served, _, kvs = host
     link = EngineLink(served.owner, "link_test", "plain")
     got: queue.Queue = queue.Queue()
-    link.submit(tensors_of(make(kvs, 0, 64, 64, 200, 3), 3, 200), None, lambda h, b: got.put(h), lambda: False, True)
+    link.submit(request_tensors(make(kvs, 0, 64, 64, 200, 3), 3), None, lambda h, b: got.put(h), lambda: False, True)
     while got.get(timeout=TIMEOUT_S)["type"] != "step":
         pass
     link.close()
