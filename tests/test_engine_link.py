@@ -16,6 +16,7 @@ import queue
 import socket
 import struct
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +42,7 @@ from testing.local_tensors import LocalTensor, request_tensors
 from testing.stream_requests import make, tiny_setup
 
 TIMEOUT_S = 120
+HELD: list[int] = []  # what the host reports as the requests it holds
 
 
 # ---------------------------------------------------------------- the wire
@@ -122,7 +124,7 @@ def host(tmp_path_factory):
     engine = BatchingEngine(pipe)
     owner = f"link_test_{os.getpid()}"
     errors: list[str] = []
-    served = EngineHost(owner, engine, settings, pipe.mode, stopping, errors.append)
+    served = EngineHost(owner, engine, settings, pipe.mode, stopping, errors.append, HELD.append)
     yield served, pipe, kvs
     served.close()
     engine.close()
@@ -171,6 +173,27 @@ def test_a_refusal_names_the_input(host):
     (header, _), = run(link, tensors)
     assert header["status"] == "INVALID_ARG" and header["message"].startswith("SIZE: ")
     link.close()
+
+
+def test_a_request_over_its_byte_limit_is_refused_naming_input_and_limit(host):
+    served, _, kvs = host
+    req = make(kvs, 0, 64, 64, 2, 1)
+    tensors, cond_bytes = request_tensors(req, 1), req.cond_kv.numel() * 2  # sent as BF16
+    served.settings = replace(served.settings, limits=Limits(max_request_bytes=cond_bytes))
+    link = EngineLink(served.owner, "link_test", "plain")
+    (header, _), = run(link, tensors)
+    assert header["status"] == "INVALID_ARG", header
+    assert header["message"].startswith("COND_KV: ") and "max_request_bytes" in header["message"], header
+    link.close()
+
+
+def test_the_requests_held_are_counted_until_their_last_message(host):
+    served, _, kvs = host
+    HELD.clear()
+    link = EngineLink(served.owner, "link_test", "plain")
+    run(link, request_tensors(make(kvs, 0, 64, 64, 3, seed=5), 5))
+    link.close()
+    assert HELD == [1, 0]
 
 
 def test_cancellation_and_a_lost_engine_end_the_requests_they_touch(host):

@@ -18,6 +18,7 @@ import queue
 import socket
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,9 +36,9 @@ from .engine_link import socket_path
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .model_settings import TritonModelSettings
 from .request_log import request_summary
-from .request_parsing import REQUEST_INPUT_NAMES, ParsedRequest, check_noise, parse_request
+from .request_parsing import REQUEST_INPUT_NAMES, ParsedRequest, check_noise, check_request_bytes, parse_request
 from .stream_parsing import StreamOptions, default_preview_size, parse_stream_request, refuse_input_like_parameters
-from .wire import WireError, recv_message, send_message, unpack_tensors
+from .wire import WireError, declared_sizes, recv_message, send_message, unpack_tensors
 
 log = logging.getLogger(__name__)
 FRONT_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_")
@@ -55,9 +56,10 @@ class EngineHost:
     """The owner's engine behind its socket; ``close`` stops listening, then the engine."""
 
     def __init__(self, owner: str, engine: Engine, settings: TritonModelSettings, mode: ModeSpec,
-                 stopping: threading.Event, error_log: Any) -> None:
+                 stopping: threading.Event, error_log: Any, on_held: Callable[[int], None] | None = None) -> None:
         self.owner, self.engine, self.settings, self.mode = owner, engine, settings, mode
         self.stopping, self.error_log = stopping, error_log
+        self._on_held, self._held, self._held_lock = on_held, 0, threading.Lock()
         self.kv_dims = engine.config.kv_dims
         self.noise_stream = NoiseStream()  # the mode's own stream, for requests with neither SEED nor RNG_STATE
         self._stream_lock = threading.Lock()
@@ -111,7 +113,9 @@ class EngineHost:
         try:
             if self.stopping.is_set():
                 raise GenerationCancelled("request cancelled before generation started")
-            inputs = unpack_tensors(header.get("tensors"), blobs, fds, self.settings.limits.max_request_bytes)
+            limits = self.settings.limits
+            check_request_bytes(declared_sizes(header.get("tensors"), blobs), limits)  # named, as a refusal
+            inputs = unpack_tensors(header.get("tensors"), blobs, fds, limits.max_request_bytes)
             parsed, options = self._parse(conn.kind, inputs, header.get("parameters"))
             gen_req, stream = self._ready_request(parsed)
         except WireError as exc:
@@ -128,8 +132,22 @@ class EngineHost:
                    "resize": list(parsed.resize) if parsed.resize else None, "preview_size": list(preview),
                    "base64_output": options.base64_output})
         accepted = Accepted(gen_req, stream.state())
-        self.engine.submit(gen_req, lambda event: conn.event(job, event, accepted), lambda: conn.cancelled(job),
+
+        def deliver(event: StepEvent) -> None:
+            if event.final is not None or event.error is not None:  # every request's one last event
+                self._count_held(-1)
+            conn.event(job, event, accepted)
+
+        self._count_held(1)
+        self.engine.submit(gen_req, deliver, lambda: conn.cancelled(job),
                            preview_every=0 if final_only else options.preview_every)
+
+    def _count_held(self, change: int) -> None:
+        """Requests the engine holds (running or waiting for their first step), for the metrics."""
+        with self._held_lock:
+            self._held += change
+            if self._on_held is not None:
+                self._on_held(self._held)
 
     def _parse(self, kind: str, inputs: dict[str, Any], parameters: Any) -> tuple[ParsedRequest, StreamOptions]:
         limits, defaults = self.settings.limits, self.mode.sampling
@@ -329,7 +347,7 @@ def start_host(pb: Any, model_name: str, settings: TritonModelSettings, model_co
                        f"dtype={engine.dtype} kv_dims={engine.config.kv_dims} threads={torch.get_num_threads()} "
                        f"token_budget={spec.token_budget} max_queued={spec.max_queued}"
                        f"{'' if warmed is None else f' warm-up {warmed:.2f}s'}")
-    return EngineHost(model_name, engine, settings, mode, stopping, pb.Logger.log_error)
+    return EngineHost(model_name, engine, settings, mode, stopping, pb.Logger.log_error, metrics.held)
 
 
 def engine_devices(settings: TritonModelSettings, mode: ModeSpec, model_config: dict[str, Any],

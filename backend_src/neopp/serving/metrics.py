@@ -65,7 +65,7 @@ _HISTOGRAMS = {
 
 
 class EngineMetrics:
-    """Queue wait, batch size and step time as histograms labelled by model."""
+    """Queue wait, batch size and step time as histograms labelled by model; the requests held as a gauge."""
 
     def __init__(self, pb_utils: Any, model_name: str) -> None:
         kind = pb_utils.MetricFamily.HISTOGRAM
@@ -73,6 +73,13 @@ class EngineMetrics:
                           for key, (name, desc, _) in _HISTOGRAMS.items()}
         self._metrics = {key: self._families[key].Metric(labels={"model": model_name}, buckets=list(buckets))
                          for key, (_, _, buckets) in _HISTOGRAMS.items()}
+        self._held_family = pb_utils.MetricFamily(
+            name="neopp_engine_requests", kind=pb_utils.MetricFamily.GAUGE,
+            description="Requests the engine holds: running, or waiting for their first step")
+        self._held = self._held_family.Metric(labels={"model": model_name})
+
+    def held(self, requests: int) -> None:
+        self._held.set(float(requests))
 
     def queue_wait(self, seconds: float) -> None:
         self._metrics["queue_wait"].observe(float(seconds))

@@ -186,7 +186,11 @@ def _check_request_bytes(inputs: Mapping[str, Any], limits: Limits) -> None:
     Triton has already received the tensors by then: over the wire its own transport bound
     applies first (gRPC: 2 GiB per message); through shared memory this is the bound.
     """
-    sizes = {name: _nbytes(value) for name, value in inputs.items() if value is not None}
+    check_request_bytes({name: _nbytes(value) for name, value in inputs.items() if value is not None}, limits)
+
+
+def check_request_bytes(sizes: Mapping[str, int], limits: Limits) -> None:
+    """``max_request_bytes`` over the inputs' sizes, the biggest input named in the refusal."""
     total = sum(sizes.values())
     if total > limits.max_request_bytes:
         biggest = max(sizes, key=sizes.__getitem__)

@@ -219,23 +219,38 @@ def _pack_one(t: Any, out: Packed) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- tensors, engine side
 
+def declared_sizes(specs: Any, blobs: Sequence[bytes]) -> dict[str, int]:
+    """name -> bytes each tensor's description declares (a BYTES tensor: its blob's length), read
+    before anything is mapped, so a request over its limit is refused for what it is."""
+    if not isinstance(specs, list) or len(specs) > 64:
+        raise WireError("the tensors must be a list of at most 64 descriptions")
+    sizes: dict[str, int] = {}
+    for spec in specs:
+        name, datatype, shape = _description(spec)
+        if name in sizes:
+            raise WireError(f"{name}: given twice")
+        if datatype == "BYTES":
+            index = spec.get("blob")
+            sizes[name] = len(blobs[index]) if type(index) is int and 0 <= index < len(blobs) else 0
+        else:
+            sizes[name] = _size(datatype, shape)
+    return sizes
+
+
 def unpack_tensors(specs: Any, blobs: Sequence[bytes], fds: Sequence[int], max_bytes: int) -> dict[str, Any]:
     """name -> numpy array (a torch bfloat16 tensor for BF16), each checked against its description
     and all of them together against ``max_bytes``; the fds are the caller's to close."""
-    if not isinstance(specs, list) or len(specs) > 64:
-        raise WireError("the tensors must be a list of at most 64 descriptions")
+    if sum(declared_sizes(specs, blobs).values()) > max_bytes:
+        raise WireError(f"the request's tensors are over {max_bytes} bytes")
     out: dict[str, Any] = {}
-    total = 0
     for spec in specs:
         name, datatype, shape = _description(spec)
-        if name in out:
-            raise WireError(f"{name}: given twice")
-        size = math.prod(shape) * (2 if datatype == "BF16" else np.dtype(NUMPY_OF.get(datatype, np.uint8)).itemsize)
-        total += size if datatype != "BYTES" else 0
-        if total > max_bytes:
-            raise WireError(f"the request's tensors are over {max_bytes} bytes")
-        out[name] = _unpack_one(spec, name, datatype, shape, size, blobs, fds)
+        out[name] = _unpack_one(spec, name, datatype, shape, _size(datatype, shape), blobs, fds)
     return out
+
+
+def _size(datatype: str, shape: tuple[int, ...]) -> int:
+    return math.prod(shape) * (2 if datatype == "BF16" else np.dtype(NUMPY_OF.get(datatype, np.uint8)).itemsize)
 
 
 def _description(spec: Any) -> tuple[str, str, tuple[int, ...]]:
