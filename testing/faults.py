@@ -197,19 +197,21 @@ class Shutdown:
     exit_code: int | None
     left_behind: list[int]
     unanswered: int
-    queued: int = 0  # requests waiting in Triton's queue when the signal went out (one more ran)
+    held: int = 0  # requests queued or running when the signal went out
     step_s: float = 0.0  # mean seconds per denoising step before the signal: this machine's pace
 
 
 PENDING = "nv_inference_pending_request_count"
+HELD = "neopp_engine_requests"  # requests the model's engine holds (its owner's label)
 DONE = ("nv_inference_request_success", "nv_inference_request_failure")
 
 
 def _queue_state(metrics_url: str, model: str) -> tuple[float, float, float, float]:
-    """(pending, answered, steps, step seconds) of ``model`` from one scrape of the metrics."""
+    """(held, answered, steps, step seconds) of ``model`` from one scrape of the metrics; held:
+    waiting in Triton's queue for an instance, or in the engine (running or waiting for a step)."""
     series = [(n, v) for n, labels, v in _series(metrics_url) if labels.get("model") == model]
     total = lambda *names: sum(v for n, v in series if n in names)  # noqa: E731
-    return total(PENDING), total(*DONE), total(STEPS_METRIC), total("neopp_step_seconds_total")
+    return total(PENDING, HELD), total(*DONE), total(STEPS_METRIC), total("neopp_step_seconds_total")
 
 
 def _work(inputs: Inputs) -> float:
@@ -258,12 +260,12 @@ class _Senders:
 
 
 def _hold_all(server: Any, senders: _Senders, requests: list[Inputs], timeout: float) -> tuple[int, float]:
-    """Send the heaviest request, wait until it runs, send the rest, wait until Triton queues them.
+    """Send the heaviest request, wait until it runs, send the rest, wait until the server holds them.
 
-    The model has one instance, so while the first request runs, every other one it received is
-    counted as pending; with none answered yet, pending == len - 1 means all were received (an
-    HTTP request still being read at the signal would hold the shutdown until its client gives
-    up). Returns (pending, seconds per step so far).
+    A request is held once Triton queued it for an instance or the model's engine took it; with
+    none answered yet, held == len means all were received (an HTTP request still being read at
+    the signal would hold the shutdown until its client gives up). Returns (held, seconds per step
+    so far).
     """
     url, model, n = server.metrics_url, senders.model, len(requests)
     order = sorted(range(n), key=lambda i: -_work(requests[i]))
@@ -272,7 +274,7 @@ def _hold_all(server: Any, senders: _Senders, requests: list[Inputs], timeout: f
     _require(f"{model}: the first request runs a step", lambda: _queue_state(url, model)[2] > steps0, timeout)
     for i in order[1:]:
         senders.send(i, requests[i])
-    _require(f"{model}: {n - 1} requests queued", lambda: _queue_state(url, model)[0] >= n - 1, timeout)
+    _require(f"{model}: {n} requests held", lambda: _queue_state(url, model)[0] >= n, timeout)
     pending, done, steps, secs = _queue_state(url, model)
     if done != done0:
         raise RuntimeError(f"{model}: a request finished before all {n} were held; make the first longer")

@@ -74,11 +74,12 @@ class Launched:
 
 def launch(log: Path, env: dict[str, str], models: Sequence[str], max_restarts: int = 0,
            launcher_args: Sequence[str] = ()) -> Launched:
-    """The real launcher, explicit model control, a short exit timeout; ``env`` adds to ours."""
+    """The real launcher, explicit model control, an exit timeout a model of several instances
+    unloads within (Triton stops its stubs one by one); ``env`` adds to ours."""
     http_port, grpc_port, metrics_port = free_ports(3)
     cmd = [sys.executable, "-m", "neopp.launcher", "serve", "--http-port", str(http_port),
            "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port), "--max-restarts", str(max_restarts),
-           *launcher_args, "--", "--model-control-mode=explicit", "--exit-timeout-secs=5",
+           *launcher_args, "--", "--model-control-mode=explicit", "--exit-timeout-secs=15",
            *(f"--load-model={m}" for m in models)]
     return run_launcher(cmd, log, env, http_port, grpc_port, metrics_port)
 

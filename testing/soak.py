@@ -84,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         env.update(NEOPP_CHECKPOINT=str(dense), NEOPP_CHECKPOINT_NEOPP_MOE=str(moe),
                    NEOPP_LORA_DIR=str(REPO_ROOT / "build" / "tiny" / "lora"))
         server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=Path(tmp) / "server.log",
-                              extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=5",
+                              extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
                                           *(f"--load-model={m}" for m in MODELS)])
         started = time.monotonic()
         server.start()
