@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from neopp.ports import LOOPBACK, free_ports
+from neopp.procs import process_group_members
 
 from .router import Replica, render_local
 
@@ -131,11 +132,18 @@ class ReplicaSet:
                 time.sleep(0.2)
 
     def crash(self, index: int) -> None:
-        """Kill replica ``index``'s tritonserver and its stubs at once (the launcher does not restart it)."""
+        """Kill replica ``index``'s tritonserver and its stubs at once (the launcher does not restart it).
+
+        Returns once none of them is alive: a process dies some time after SIGKILL, and until then
+        its sockets still take requests, so "after the crash" starts here.
+        """
         pid = self.running[index].server_pid()
         if pid is None:
             raise RuntimeError(f"replica {index} has no server to kill")
         os.killpg(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while process_group_members(pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def stop(self) -> None:
         if self.router is not None and self.router.poll() is None:
