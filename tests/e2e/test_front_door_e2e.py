@@ -265,19 +265,22 @@ def test_a_full_queue_answers_429_over_http_and_unavailable_over_grpc(door, kv):
 def test_a_stopped_stub_is_killed_and_its_model_reloaded(door, kv):
     pid = door.server_pid
     expected = _grpc_image(door, kv, seed=11)
-    stub = model_stub_pids(pid, MODEL)[0]
-    os.kill(stub, signal.SIGSTOP)
+    stubs = model_stub_pids(pid, MODEL)  # every instance: whichever one Triton picks is stopped
+    for stub in stubs:
+        os.kill(stub, signal.SIGSTOP)
     try:
         client = httpclient.InferenceServerClient(f"{LOOPBACK}:{door.http_port}", network_timeout=120.0)
         with pytest.raises(InferenceServerException):  # Triton answers "not healthy" after 1 s
             client.infer(MODEL, _tensors(httpclient, kv, seed=11))
         client.close()
-        door.wait_for(rf"neopp watchdog: {MODEL}_0_0: .*killing its stub {stub} \(SIGKILL\)", timeout=60)
+        for stub in stubs:
+            door.wait_for(rf"neopp watchdog: {MODEL}_\d+_\d+: .*killing its stub {stub} \(SIGKILL\)", timeout=60)
     finally:
-        try:
-            os.kill(stub, signal.SIGCONT)  # what aborted tritonserver when the stub was resumed
-        except ProcessLookupError:
-            pass
+        for stub in stubs:
+            try:
+                os.kill(stub, signal.SIGCONT)  # what aborted tritonserver when the stub was resumed
+            except ProcessLookupError:
+                pass
     door.wait_for(rf"neopp watchdog: {MODEL}: reload done", timeout=120)
     deadline, got = time.monotonic() + 120, None
     while got != expected and time.monotonic() < deadline:
