@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from . import strict_json
 from .errors import DoorError
 from .upstream import ControlResponse, Upstream
 
@@ -34,7 +35,7 @@ class HealthCache:
                 try:
                     answer = await asyncio.wait_for(self.upstream.control("GET", path, None, None), self.fresh_s)
                 except DoorError as exc:
-                    answer = ControlResponse(exc.status, f'{{"error":"{exc.reason}"}}'.encode(), "application/json")
+                    answer = ControlResponse(exc.status, strict_json.dumps({"error": exc.message}), "application/json")
                 except asyncio.TimeoutError:
                     continue  # no answer in time: the cached one ages out, checks go to Triton
                 self.answers[path] = (answer, time.monotonic())
