@@ -32,7 +32,7 @@ class SmallDoor:
     key: str = "door-operator-key-0123456789abcdef"
     budget_mib: int = 64
     client_mib: int = 48
-    read_timeout_s: float = 3.0
+    read_timeout_s: float = 6.0
     min_rate_kib: int = 4096
     idle_s: float = 2.0
     per_client: int = 32

@@ -26,7 +26,7 @@ from .auth import ClientRegions
 from .body import BodyReader, ByteBudget, drainer
 from .door_metrics import DoorMetrics
 from .errors import DoorError, invalid
-from .health import HealthCache
+from .health_poll import HealthCache
 from .limits import DoorLimits
 from .parse_jobs import Parser
 from .responses import error_answer, json_response
@@ -75,7 +75,7 @@ class Door:
         self.api_key, self.admin_key = api_key, admin_key
         self.client_regions = ClientRegions()
         self.inference_in_flight = 0
-        self.health = HealthCache(upstream)
+        self.health_cache = HealthCache(upstream)
 
     def reader(self, request: Request, route: str = "inference") -> BodyReader:
         request.scope[READER] = True
@@ -264,7 +264,7 @@ class Door:
         if isinstance(key, str) and key.lstrip("/").startswith(SERVER_REGIONS):
             raise DoorError(403, f"the key '{key[:64]}' names the server's own shared memory; register a region "
                             "of your own", reason="shm_region")
-        answer = (self.health.get(path) if body is None else None) or \
+        answer = (self.health_cache.get(path) if body is None else None) or \
             await self.upstream.control(request.method, path, body, auth.admin_key(request.headers))
         return Response(answer.body, answer.status, media_type=answer.content_type)
 

@@ -83,7 +83,7 @@ class DoorServer:
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
-        health = asyncio.ensure_future(self.door.health.run())
+        health = asyncio.ensure_future(self.door.health_cache.run())
         try:
             await self._server.serve(sockets=[self.sock])
         finally:
