@@ -5,7 +5,7 @@ line on stderr (status and message) and exit code 1."""
 from __future__ import annotations
 
 import tritonclient.http as httpclient
-from t2i_common import HTTP_URL, build_parser, requested_outputs, run_client, save_result, triton_inputs
+from t2i_common import HTTP_URL, api_headers, build_parser, requested_outputs, run_client, save_result, triton_inputs
 
 
 def main() -> None:
@@ -13,7 +13,8 @@ def main() -> None:
     client = httpclient.InferenceServerClient(args.url, network_timeout=args.timeout,
                                               connection_timeout=args.timeout)
     inputs = triton_inputs(httpclient, args, binary_data=True)
-    result = client.infer(args.model, inputs, outputs=requested_outputs(httpclient, binary_data=True))
+    result = client.infer(args.model, inputs, outputs=requested_outputs(httpclient, binary_data=True),
+                          headers=api_headers(grpc=False))
     save_result(args, result)
 
 

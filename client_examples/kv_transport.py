@@ -40,16 +40,23 @@ def as_bf16(kv: Any) -> torch.Tensor:
 
 
 class KVSharedMemory:
-    """One POSIX shared-memory segment holding the request's prefixes, registered with the server."""
+    """One POSIX shared-memory segment holding the request's prefixes, registered with the server.
+
+    The segment is 0600, and the server knows it by a name of its own: 128 random bits that appear
+    neither in /dev/shm nor anywhere else another client could read, so no other request can name
+    the region and read or overwrite these prefixes through the server.
+    """
 
     def __init__(self, client: grpcclient.InferenceServerClient, tensors: list[torch.Tensor],
                  admin_key: str | None = None) -> None:
         """Create, register (with the operator key: the server restricts registration) and fill."""
         self.client, self.headers = client, key_headers(admin_key)
-        self.name = f"neopp_kv_{uuid.uuid4().hex[:16]}"
+        self.name = f"neopp_kv_{uuid.uuid4().hex[:16]}"  # the file in /dev/shm, which anyone may list
+        self.region = uuid.uuid4().hex  # what requests name: never shown
         self.segment = shared_memory.SharedMemory(name=self.name, create=True, size=max(self._layout(tensors), 64))
         try:
-            client.register_system_shared_memory(self.name, "/" + self.name, self.segment.size, headers=self.headers)
+            client.register_system_shared_memory(self.region, "/" + self.name, self.segment.size,
+                                                 headers=self.headers)
         except BaseException:
             self.segment.close()
             self.segment.unlink()
@@ -82,7 +89,7 @@ class KVSharedMemory:
 
     def attach(self, infer_input: grpcclient.InferInput, index: int) -> None:
         start, size = self.spans[index]
-        infer_input.set_shared_memory(self.name, size, offset=start)
+        infer_input.set_shared_memory(self.region, size, offset=start)
 
     def close(self, wait_s: float = 10.0) -> None:
         """Unregister (the server may still hold the region for a moment after a response), then unlink."""
@@ -92,7 +99,7 @@ class KVSharedMemory:
         try:
             while True:
                 try:
-                    self.client.unregister_system_shared_memory(self.name, headers=self.headers)
+                    self.client.unregister_system_shared_memory(self.region, headers=self.headers)
                     break
                 except InferenceServerException as exc:
                     if "in use" not in str(exc) or time.monotonic() > deadline:

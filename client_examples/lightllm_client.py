@@ -71,6 +71,8 @@ SAMPLING_INPUTS = {"cfg_scale": ("CFG_SCALE", np.float32), "timestep_shift": ("T
                    "resize": ("RESIZE", np.int64), "image_guidance_scale": ("IMAGE_GUIDANCE_SCALE", np.float32)}
 STRING_INPUTS = {"cfg_norm": "CFG_NORM", "output_format": "OUTPUT_FORMAT", "task": "TASK"}
 KEY_ENV = "NEOPP_ADMIN_KEY"
+API_KEY_ENV = "NEOPP_API_KEY"
+GRPC_API_HEADER = "triton-grpc-protocol-authorization"  # Authorization, as Triton's gRPC reads a restricted header
 
 
 class NeoPPTritonClient:
@@ -79,10 +81,14 @@ class NeoPPTritonClient:
     def __init__(self, url: str = "localhost:8001", model: str | None = None, stateless: bool = False,
                  sequence_id: int | None = None, shared_memory: bool | None = None, default_seed: int = 0,
                  generation_model: str | None = None, timeout_s: float = 600.0, raw_bf16: bool = True,
-                 splice_kv: bool = True, admin_key: str | None = None) -> None:
-        """``admin_key`` (default ``$NEOPP_ADMIN_KEY``) is needed only to register shared memory."""
+                 splice_kv: bool = True, admin_key: str | None = None, api_key: str | None = None) -> None:
+        """``admin_key`` (default ``$NEOPP_ADMIN_KEY``) is needed only to register shared memory;
+        ``api_key`` (default ``$NEOPP_API_KEY``) by a server that wants it for inference (one
+        beyond loopback)."""
         self.url, self.stateless = url, stateless
         self.admin_key = admin_key or os.environ.get(KEY_ENV, "").strip() or None
+        api_key = api_key or os.environ.get(API_KEY_ENV, "").strip() or None
+        self.api_headers = {GRPC_API_HEADER: f"Bearer {api_key}"} if api_key else {}
         self.model = model or ("neopp_dense" if stateless else "neopp_session")
         self._session_mode, self._session_model = not stateless, self.model
         self.generation_model = generation_model  # session mode: MODEL input (None: the server's default)
@@ -183,7 +189,8 @@ class NeoPPTritonClient:
         if self.stateless or not self.started:
             return
         self.client.infer(self.model, self._token(), sequence_id=self.sequence_id, sequence_end=True,
-                          client_timeout=self.timeout_s, headers={ROUTE_HEADER: str(self.sequence_id)})
+                          client_timeout=self.timeout_s, headers={ROUTE_HEADER: str(self.sequence_id),
+                                                                  **self.api_headers})
         self.started, self.session_token = False, None
 
     def new_session(self, sequence_id: int | None = None) -> None:
@@ -285,7 +292,7 @@ class NeoPPTritonClient:
 
     def _infer(self, inputs: list[grpcclient.InferInput], sequence_id: int = 0,
                sequence_start: bool = False) -> grpcclient.InferResult:
-        headers = {ROUTE_HEADER: str(sequence_id)} if sequence_id else None
+        headers = {**({ROUTE_HEADER: str(sequence_id)} if sequence_id else {}), **self.api_headers} or None
         if not self._spliced():
             return self.client.infer(self.model, inputs, sequence_id=sequence_id, sequence_start=sequence_start,
                                      client_timeout=self.timeout_s, headers=headers)

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 from stream_grpc import stream_to_image
-from t2i_common import GRPC_URL, infer_inputs, run_client
+from t2i_common import GRPC_URL, api_headers, infer_inputs, run_client
 
 EXAMPLE = ("example (after `make serve`, from the repository root):\n"
            "  python client_examples/prompt_t2i.py --url localhost:8001 \\\n"
@@ -68,7 +68,7 @@ def streamed(client: grpcclient.InferenceServerClient, args: argparse.Namespace)
     """The prompt encoder, then the generation model's streamed twin with a progress bar: the same
     inputs neopp_t2i forwards, so the same image."""
     prompts = [t for t in request_tensors(args) if t.name() in ("PROMPT", "NEGATIVE_PROMPT")]
-    encoded = client.infer(ENCODER, prompts, client_timeout=args.timeout)
+    encoded = client.infer(ENCODER, prompts, client_timeout=args.timeout, headers=api_headers())
     prefix = [(name, encoded.as_numpy(name), "BF16" if name.endswith("_KV") else "INT64") for name in ENCODED]
     passed = [t for t in request_tensors(args) if t.name() not in ("PROMPT", "NEGATIVE_PROMPT", "MODEL")]
     twin = (args.model or DEFAULT_MODEL) + "_stream"
@@ -84,7 +84,8 @@ def main() -> None:
         if not args.no_progress and client.is_model_ready(twin):
             image = streamed(client, args)
         else:
-            image = client.infer("neopp_t2i", request_tensors(args), client_timeout=args.timeout).as_numpy("IMAGE")[0]
+            image = client.infer("neopp_t2i", request_tensors(args), client_timeout=args.timeout,
+                                 headers=api_headers()).as_numpy("IMAGE")[0]
     finally:
         client.close()
     args.out.parent.mkdir(parents=True, exist_ok=True)

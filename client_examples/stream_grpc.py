@@ -11,7 +11,7 @@ from collections.abc import Callable
 import numpy as np
 import tritonclient.grpc as grpcclient
 from stream_common import save_preview, show_progress, stream_parser
-from t2i_common import GRPC_URL, request_inputs, run_client, save_result
+from t2i_common import GRPC_URL, api_headers, request_inputs, run_client, save_result
 from tritonclient.utils import InferenceServerException
 
 
@@ -32,7 +32,7 @@ def stream_to_image(client: grpcclient.InferenceServerClient, model: str, inputs
     """Stream one request with a progress bar; the last response (it carries IMAGE). Ctrl-C
     cancels the request on the server."""
     answers: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    client.start_stream(callback=lambda result, error: answers.put((result, error)), headers=api_headers())
     try:
         client.async_stream_infer(model, inputs)
         deadline = time.monotonic() + timeout_s

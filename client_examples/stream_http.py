@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 from stream_common import save_preview, show_progress, stream_parser
-from t2i_common import HTTP_URL, request_inputs, run_client, save_result
+from t2i_common import HTTP_URL, api_headers, request_inputs, run_client, save_result
 from tritonclient.utils import InferenceServerException
 
 
@@ -53,7 +53,7 @@ def events(args, body: dict[str, Any]):
     conn = http.client.HTTPConnection(host or "localhost", int(port), timeout=args.timeout)
     try:
         conn.request("POST", f"/v2/models/{args.model}/generate_stream", body=json.dumps(body),
-                     headers={"Content-Type": "application/json"})
+                     headers={"Content-Type": "application/json", **(api_headers(grpc=False) or {})})
         resp = conn.getresponse()
         if not (resp.getheader("Content-Type") or "").startswith("text/event-stream"):
             raise InferenceServerException(_error_text(resp.read()), status=str(resp.status))

@@ -22,6 +22,16 @@ from neopp.model.kv_cache import load_kv_file
 # The server the examples call when --url is not given (make serve's ports, or the environment's).
 GRPC_URL = os.environ.get("NEOPP_GRPC_URL", "localhost:8001")
 HTTP_URL = os.environ.get("NEOPP_HTTP_URL", "localhost:8000")
+API_KEY_ENV = "NEOPP_API_KEY"  # what a server beyond loopback wants for inference
+
+
+def api_headers(grpc: bool = True) -> dict[str, str] | None:
+    """The API key ($NEOPP_API_KEY) as the transport sends it: ``Authorization: Bearer`` over
+    HTTP, the same value under Triton's restricted-protocol prefix over gRPC; None without one."""
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    if not key:
+        return None
+    return {"triton-grpc-protocol-authorization" if grpc else "authorization": f"Bearer {key}"}
 
 
 def example(script: str, url: str, extra: str = "") -> str:

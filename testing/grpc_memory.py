@@ -67,12 +67,15 @@ def small_inputs(size: int = 32, steps: int = 2) -> list[grpcclient.InferInput]:
     return out
 
 
-def refused_burst(client: grpcclient.InferenceServerClient, kind: str, count: int, nbytes: int) -> list[str]:
-    """Send ``count`` oversized requests one after the other; returns each refusal's status."""
+def refused_burst(client: grpcclient.InferenceServerClient, kind: str, count: int, nbytes: int,
+                  headers: dict[str, str] | None = None) -> list[str]:
+    """Send ``count`` oversized requests one after the other (with ``headers``: an API key);
+    returns each refusal's status."""
     geometry, answers = kv_geometry(client), []
     for _ in range(count):
         try:
-            client.infer(MODEL, [oversized_kv(geometry, nbytes, kind), *small_inputs()], client_timeout=300)
+            client.infer(MODEL, [oversized_kv(geometry, nbytes, kind), *small_inputs()], client_timeout=300,
+                         headers=headers)
             answers.append("accepted")
         except InferenceServerException as exc:
             answers.append(f"{exc.status()}: {(exc.message() or '')[:90]}")

@@ -20,10 +20,12 @@ from tritonclient.grpc import service_pb2 as pb
 
 from neopp.launcher.door import generate, kserve_infer, strict_json, tensors
 from neopp.launcher.door import openai_images as oa
-from neopp.launcher.door.body import BodyReader, ByteBudget, DoorLimits
+from neopp.launcher.door.body import BodyReader, ByteBudget
 from neopp.launcher.door.errors import DoorError
+from neopp.launcher.door.limits import DoorLimits
 from neopp.launcher.door.shm_arena import ShmArena, TensorRegion
 from neopp.launcher.door.upstream import grpc_error
+from neopp.launcher.shm_regions import owner_tag
 
 MAX_JSON = 1 << 20
 
@@ -174,7 +176,7 @@ def test_bodies_inflate_under_the_limit_and_stalls_are_dropped() -> None:
     bomb = gzip.compress(b" " * (8 << 20))
     with _refused("inflates to more than", 413):
         _read([bomb], {"content-length": str(len(bomb)), "content-encoding": "gzip"}, limits)
-    with _refused("no body bytes for", 408):
+    with _refused("fell 0.2s behind the minimum rate", 408):
         _read([b"{"], {"content-length": "10"}, limits, stall=True)
     with _refused("chunked", 411):
         _read([b""], {"transfer-encoding": "chunked"}, limits)
@@ -230,14 +232,16 @@ def test_the_tensor_region_lends_disjoint_slices_and_takes_them_back(tmp_path) -
 
 def test_regions_of_doors_that_died_are_removed_and_no_other(tmp_path) -> None:
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    orphan = tmp_path / f"neopp_door_{int(dead.stdout)}_00112233aabbccdd"
-    alive = tmp_path / f"neopp_door_{os.getppid()}_00112233aabbccdd"  # a live process: another server's
-    foreign = tmp_path / "neopp_kv_0011"
-    for path in (orphan, alive, foreign):
+    orphan = tmp_path / f"neopp_door_{int(dead.stdout)}-1_00112233aabbccdd"
+    alive = tmp_path / f"neopp_door_{owner_tag(os.getppid())}_00112233aabbccdd"  # a live process: another server's
+    reused = tmp_path / f"neopp_door_{os.getppid()}-1_00112233aabbccdd"  # its pid, another start time: dead
+    old_form, foreign = tmp_path / f"neopp_door_{int(dead.stdout)}_0011", tmp_path / "neopp_kv_0011"
+    for path in (orphan, alive, reused, old_form, foreign):
         path.write_bytes(b"x")
     arena = ShmArena(1024, directory=tmp_path)
     arena.close()
-    assert not orphan.exists() and alive.exists() and foreign.exists()
+    assert not orphan.exists() and not reused.exists()
+    assert alive.exists() and old_form.exists() and foreign.exists()
 
 
 def test_binary_inputs_of_a_plain_body_are_written_into_the_region(tmp_path) -> None:
@@ -260,12 +264,14 @@ def test_binary_inputs_of_a_plain_body_are_written_into_the_region(tmp_path) -> 
         async def run() -> pb.ModelInferRequest:
             async with BodyReader(ByteBudget(1 << 20), DoorLimits()) as reader, region.slot(headers) as slot:
                 head = await reader.read(_receive([doc[:10], doc[10:] + kv[:7], kv[7:]]), headers, tail=slot.view)
-                wire, _ = kserve_infer.parse_infer_parts(bytes(head), slot.view, "m", "", (region.name, slot.offset))
+                header = kserve_infer.parse_header(bytes(head), "m", "", 1000)
+                wire = kserve_infer.with_binary(header, slot.view, (region.name, slot.offset))
                 assert bytes(slot.view) == kv
                 return pb.ModelInferRequest.FromString(wire.serialize())
 
         request = asyncio.run(run())
-        assert registered == [(region.name, "/" + region.name, 1 << 16)]
+        assert registered == [(region.name, "/" + region.arena.name, 1 << 16)]
+        assert region.arena.name not in region.name  # Triton's name for it is not the file's
         params = {k: kserve_infer.parameter_value(v) for k, v in request.inputs[0].parameters.items()}
         assert params == {"shared_memory_region": region.name, "shared_memory_offset": 0,
                           "shared_memory_byte_size": len(kv)}

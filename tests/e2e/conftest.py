@@ -24,7 +24,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from PIL import Image
 
-from neopp.launcher.door.body import DoorLimits
+from neopp.launcher.door.limits import DoorLimits
 from neopp.launcher.door.server import DoorServer
 from neopp.launcher.model_states import KEEP_GOING_ARGS
 from neopp.launcher.tritonserver import TritonServer
@@ -32,7 +32,9 @@ from neopp.model.kv_cache import load_kv_file
 from neopp.ports import LOOPBACK
 from neopp.procs import process_group_members
 from testing import REPO as REPO_ROOT
+from testing.door_attacks import SMALL_DOOR
 from testing.faults import wait_for
+from testing.launched import launch
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 from testing.tiny_lora import write_tiny_loras
 
@@ -205,3 +207,29 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
         server.stop(timeout=30)
         left = process_group_members(pgid)
         assert not left, f"tritonserver left processes behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def door(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
+    """``python -m neopp.launcher serve`` with ``neopp_dense`` and the door's bounds made small
+    (testing.door_attacks.SMALL_DOOR), shared by the door's e2e modules; no request may print a
+    traceback, and the stop leaves no process."""
+    log = tmp_path_factory.mktemp("door") / "serve.log"
+    handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": SMALL_DOOR.key}, (MODEL,),
+                    max_restarts=2, launcher_args=SMALL_DOOR.args())
+    try:
+        handle.wait_for("NeoPP Triton server ready")
+        yield handle
+        assert "Traceback" not in handle.text(), "a request printed a traceback:\n" + handle.text()[-4000:]
+    finally:
+        servers = handle.servers()
+        assert handle.stop() == 0, handle.text()[-4000:]
+        for pid, _, _ in servers:
+            assert process_group_members(pid) == [], f"server {pid} left processes"
+
+
+@pytest.fixture(scope="session")
+def kv(tiny_dense: Path) -> tuple[np.ndarray, np.ndarray]:
+    """The tiny checkpoint's sample prefixes (cond, uncond) as float32 arrays."""
+    sample = tiny_dense / "sample_kv"
+    return tuple(load_kv_file(sample / f"{which}_kv.pt").float().numpy() for which in ("cond", "uncond"))

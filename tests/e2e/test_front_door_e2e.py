@@ -17,7 +17,6 @@ import socket
 import struct
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,41 +26,16 @@ from tritonclient.utils import InferenceServerException
 
 from neopp.launcher.admin import grpc_headers, http_headers
 from neopp.launcher.watchdog import model_stub_pids
-from neopp.model.kv_cache import load_kv_file
 from neopp.ports import LOOPBACK
 from neopp.procs import process_group_members, rss_bytes
+from testing.door_attacks import SMALL_DOOR, connect, post, read_answer, request
 from testing.faults import wait_for
-from testing.launched import launch
 
 MODEL = "neopp_dense"
-KEY = "door-operator-key-0123456789abcdef"
-BUDGET_MIB, READ_TIMEOUT_S = 64, 3
+KEY, CLIENT_MIB, READ_TIMEOUT_S = SMALL_DOOR.key, SMALL_DOOR.client_mib, SMALL_DOOR.read_timeout_s
 SHAPE_BOMB = (b'{"inputs":[{"name":"INDEX_OFFSET_COND","datatype":"INT64","shape":[1000000000000],'
               b'"shape":[1],"data":[1]}]}')
 PLAIN_BOMB = b'{"inputs":[{"name":"INDEX_OFFSET_COND","datatype":"INT64","shape":[1000000000000],"data":[1]}]}'
-
-
-@pytest.fixture(scope="module")
-def door(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
-    log = tmp_path_factory.mktemp("door") / "serve.log"
-    handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY}, (MODEL,), max_restarts=2,
-                    launcher_args=["--bodies-in-flight-mib", str(BUDGET_MIB), "--read-timeout-s", str(READ_TIMEOUT_S),
-                                   "--tensor-region-min-kib", "1"])  # the tiny KV goes through the region too
-    try:
-        handle.wait_for("NeoPP Triton server ready")
-        yield handle
-        assert "Traceback" not in handle.text(), "a request printed a traceback:\n" + handle.text()[-4000:]
-    finally:
-        servers = handle.servers()
-        assert handle.stop() == 0, handle.text()[-4000:]
-        for pid, _, _ in servers:
-            assert process_group_members(pid) == [], f"server {pid} left processes"
-
-
-@pytest.fixture(scope="module")
-def kv(door, tiny_dense: Path) -> tuple[np.ndarray, np.ndarray]:
-    sample = tiny_dense / "sample_kv"
-    return tuple(load_kv_file(sample / f"{which}_kv.pt").float().numpy() for which in ("cond", "uncond"))
 
 
 def _arrays(kv, size=(32, 32), steps=2, seed=5) -> dict[str, tuple[np.ndarray, str]]:
@@ -89,27 +63,13 @@ def _grpc_image(door, kv, **kwargs) -> bytes:
         client.close()
 
 
-def _raw(port: int, request: bytes, timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
+def _raw(port: int, raw: bytes, timeout: float = 60.0) -> tuple[int, dict[str, str], bytes]:
     """One request as bytes on a fresh connection: (status, headers, body)."""
-    with socket.create_connection((LOOPBACK, port), timeout=timeout) as sock:
-        sock.sendall(request)
-        data = b""
-        while chunk := sock.recv(1 << 16):
-            data += chunk
-            head, blank, body = data.partition(b"\r\n\r\n")
-            length = re.search(rb"(?i)content-length: (\d+)", head)
-            if blank and length and len(body) >= int(length.group(1)):
-                break
-    head, _, body = data.partition(b"\r\n\r\n")
-    lines = head.decode().split("\r\n")
-    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
-    return int(lines[0].split()[1]), {k.lower(): v for k, v in headers.items()}, body
+    return request(port, raw, timeout=timeout)
 
 
 def _post(port: int, target: str, body: bytes, extra: str = "") -> tuple[int, dict[str, str], bytes]:
-    head = (f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n")
-    return _raw(port, head.encode() + body)
+    return post(port, target, body, extra)
 
 
 def _alive(door, pid: int) -> None:
@@ -170,8 +130,11 @@ def test_large_json_tensors_are_sent_to_the_binary_extension(door):
     assert status == 413 and "binary tensor extension" in json.loads(answer)["error"]
 
 
-def _stalled_upload(port: int, declared: int, sent: int) -> socket.socket:
-    sock = socket.create_connection((LOOPBACK, port), timeout=60)
+BINARY = "Inference-Header-Content-Length: 2\r\n"  # a body of "{}" and a binary part
+
+
+def _stalled_upload(port: int, declared: int, sent: int, source: str | None = None) -> socket.socket:
+    sock = connect(port, source, timeout=60)
     sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n"
                  f"Inference-Header-Content-Length: 2\r\n\r\n".encode() + b"{}" + bytes(sent - 2))
     return sock
@@ -188,22 +151,67 @@ def _door_metric(door, name: str) -> float:
 
 
 def test_stalled_uploads_are_dropped_and_bodies_in_flight_are_bounded(door, kv):
-    first = _stalled_upload(door.http_port, 40 << 20, 1 << 20)  # holds 40 of the 64 MiB budget
+    """A body holds what has arrived of it; one that does not fit in what is left is refused at
+    once, and one that stalls is answered 408 once it falls behind the minimum rate."""
+    first = _stalled_upload(door.http_port, 40 << 20, 24 << 20)  # holds the 24 MiB it sent
     try:
-        wait_for(lambda: _door_metric(door, "neopp_http_body_bytes_held") >= 40 << 20, 30, poll=0.1)
-        # answered before a byte of the body is sent: at once, not queued
-        status, headers, body = _raw(door.http_port, f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n"
-                                     f"Content-Length: {30 << 20}\r\n\r\n".encode())
+        assert wait_for(lambda: _door_metric(door, "neopp_http_body_bytes_held") >= 24 << 20, 30, poll=0.1)
+        # answered before a byte of the body is sent: at once, not queued (24 + 45 > 64 MiB)
+        status, headers, body = request(door.http_port, f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n"
+                                        f"Content-Length: {45 << 20}\r\n{BINARY}\r\n".encode(), source="127.0.0.3")
         assert status == 503 and headers.get("retry-after") == "1", body[:200]
-        status, _, body = _post(door.http_port, f"/v2/models/{MODEL}/infer", b"x" * (30 << 20))
+        status, _, body = post(door.http_port, f"/v2/models/{MODEL}/infer", b"{}" + bytes((45 << 20) - 2), BINARY,
+                               source="127.0.0.3")
         assert status == 503, body[:200]  # a client that sends it all reads the answer, not a reset
         first.settimeout(READ_TIMEOUT_S + 60)
-        answer = first.recv(4096)  # the door answers the stalled sender and closes
-        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        status, _, body = read_answer(first)  # the door answers the stalled sender and closes
+        assert status == 408 and b"behind the minimum rate" in body, body[:200]
     finally:
         first.close()
     assert wait_for(lambda: _door_metric(door, "neopp_http_body_bytes_held") == 0, 30, poll=0.1)
     assert _grpc_image(door, kv)
+
+
+def test_trickled_uploads_lock_no_one_out_and_no_client_holds_more_than_its_share(door, kv):
+    """Three uploads declaring 40 MiB each and sending a byte every half second (a trickle) hold
+    a few bytes and are answered 408 when they fall behind the rate; meanwhile another client's
+    requests are served, and a client that holds its share of the budget gets 503 for more."""
+    trickles = [_stalled_upload(door.http_port, 40 << 20, 2, source="127.0.0.2") for _ in range(3)]
+    began, stop = time.monotonic(), threading.Event()
+
+    def drip() -> None:
+        while not stop.wait(0.5):
+            for sock in trickles:
+                try:
+                    sock.send(b" ")
+                except OSError:
+                    pass
+    dripper = threading.Thread(target=drip, daemon=True)
+    dripper.start()
+    holder = _stalled_upload(door.http_port, CLIENT_MIB - 4 << 20, CLIENT_MIB - 8 << 20, source="127.0.0.4")
+    try:
+        assert wait_for(lambda: _door_metric(door, "neopp_http_body_bytes_held") >= CLIENT_MIB - 8 << 20, 30,
+                        poll=0.1)
+        status, _, body = request(door.http_port, f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n"
+                                  f"Content-Length: {10 << 20}\r\n{BINARY}\r\n".encode(), source="127.0.0.4")
+        assert status == 503 and b"its share" in body, body[:300]
+        assert _http_image(door, kv) == _grpc_image(door, kv)  # another client, served meanwhile
+        answers = [read_answer(sock)[0] for sock in trickles]
+        assert answers == [408, 408, 408], answers
+        print(f"trickles answered 408 after {time.monotonic() - began:.1f}s (grace {READ_TIMEOUT_S}s)")
+    finally:
+        stop.set()
+        for sock in (*trickles, holder):
+            sock.close()
+    assert wait_for(lambda: _door_metric(door, "neopp_http_body_bytes_held") == 0, 30, poll=0.1)
+
+
+def _http_image(door, kv, **kwargs) -> bytes:
+    client = httpclient.InferenceServerClient(f"{LOOPBACK}:{door.http_port}", network_timeout=120.0)
+    try:
+        return bytes(client.infer(MODEL, _tensors(httpclient, kv, **kwargs)).as_numpy("IMAGE")[0])
+    finally:
+        client.close()
 
 
 def test_connections_reset_mid_request_print_nothing(door):

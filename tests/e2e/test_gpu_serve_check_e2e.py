@@ -23,7 +23,8 @@ def test_the_serving_check_reports_every_figure(tiny_dense: Path, tmp_path: Path
     assert "same PNG bytes on every path: yes" in report
     for path in ("in-process", "Triton gRPC", "Triton shared memory"):
         assert re.search(rf"^  {path} +[\d.]+ ms  x[\d.]+", report, re.MULTILINE), path
-    assert re.search(r"^  \| Triton shared memory \| [\d.]+ \| [\d.]+ \|", report, re.MULTILINE)
+    # the second figure is the total less what the server timed: noise can make it a little negative
+    assert re.search(r"^  \| Triton shared memory \| [\d.]+ \| -?[\d.]+ \|", report, re.MULTILINE)
     assert re.search(r"streamed 64x64 with a preview every step: first preview \d+ ms, image \d+ ms", report)
     for c in (1, 2):
         line = next(x for x in report.splitlines() if x.startswith(f"  64x64 concurrency {c}:"))

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +228,38 @@ def openai_door(served: Served):
     door = DoorServer(LOOPBACK, 0, served.server.grpc_url, (LOOPBACK, served.server.http_port), "e2e").start()
     yield f"http://{LOOPBACK}:{door.server_address[1]}/v1"
     door.stop()
+
+
+def _cancelled(door_url: str) -> float:
+    host, port = door_url.split("//")[1].split("/")[0].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("neopp_http_cancelled_total")))
+
+
+@pytest.mark.parametrize("body", [{"partial_images": 2, "num_inference_steps": 40}, {"n": 3}])
+def test_a_v1_stream_whose_client_leaves_is_counted_as_cancelled(served: Served, openai_door: str, body):
+    """A client that leaves a stream after its first event: what it no longer waits for is
+    cancelled, and counted on the door's metrics."""
+    before = _cancelled(openai_door)
+    host, port = openai_door.split("//")[1].split("/")[0].split(":")
+    doc = {"prompt": PROMPT, "size": "64x64", "stream": True, "seed": 3, **body}
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    try:
+        conn.request("POST", "/v1/images/generations", body=json.dumps(doc),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200 and response.readline().startswith(b"event: ")
+    finally:
+        conn.close()  # gone after the first event
+    deadline = time.monotonic() + 60
+    while _cancelled(openai_door) < before + 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _cancelled(openai_door) == before + 1
 
 
 def test_the_openai_client_draws_through_v1(served: Served, openai_door: str):

@@ -1,8 +1,10 @@
 """The launcher's defaults against a real server it started (``python -m neopp.launcher
-serve``): administrative APIs need the operator key over HTTP and gRPC while inference stays open,
-a JSON shape that used to abort Triton is refused by the HTTP front, refused oversized bodies
-leave no memory behind, a dead stub is reloaded through the key, a dead server is restarted, and
-no server leaves its shared-memory regions in /dev/shm.
+serve``, with an API key): administrative APIs need the operator key over HTTP and gRPC, every
+inference route needs the API key (the door's and gRPC's) while health stays open, a JSON shape
+that used to abort Triton is refused by the HTTP front, refused oversized bodies leave no memory
+behind, a dead stub is reloaded through the key, a dead server is restarted, no server leaves its
+shared-memory regions in /dev/shm, and the regions a killed owner left are removed at the next
+start.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import http.client
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,17 +27,21 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.launcher.admin import grpc_headers, http_headers
-from neopp.launcher.shm_regions import regions
+from neopp.launcher.admin import GRPC_API_KEY_HEADER, grpc_headers, http_headers
+from neopp.launcher.shm_regions import PREFIX_HEAD, SHM_DIR, owner_tag, regions
 from neopp.launcher.tritonserver import TritonServer
 from neopp.launcher.watchdog import force_reload, model_stub_pids
 from neopp.procs import descendants, ppid, process_group_members, rss_bytes, rss_parts
 from testing import REPO as REPO_ROOT
+from testing.faults import wait_for
 from testing.grpc_memory import refused_burst
 from testing.launched import launch
 
 MODEL = "neopp_dense"
 KEY = "test-operator-key-0123456789abcdef"
+API = "test-api-key-0123456789abcdef"
+HTTP_API = {"Authorization": f"Bearer {API}"}
+GRPC_API = {GRPC_API_KEY_HEADER: f"Bearer {API}"}
 SHAPE_BOMB = {"inputs": [{"name": "INDEX_OFFSET_COND", "datatype": "INT64", "shape": [1000000000000],
                           "data": [1]}]}
 
@@ -41,7 +49,8 @@ SHAPE_BOMB = {"inputs": [{"name": "INDEX_OFFSET_COND", "datatype": "INT64", "sha
 @pytest.fixture(scope="module")
 def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("launcher") / "serve.log"
-    handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY}, (MODEL,), max_restarts=2)
+    handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY, "NEOPP_API_KEY": API}, (MODEL,),
+                    max_restarts=2)
     try:
         handle.wait_for("NeoPP Triton server ready")
         yield handle
@@ -53,17 +62,10 @@ def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
             assert regions(prefix) == [], f"server {pid} left shm regions {regions(prefix)}"
 
 
-@pytest.fixture(scope="module")
-def kv(launched, tiny_dense: Path):
-    from neopp.model.kv_cache import load_kv_file
-
-    sample = tiny_dense / "sample_kv"
-    return tuple(load_kv_file(sample / f"{which}_kv.pt").float().numpy() for which in ("cond", "uncond"))
-
-
-def _generate(client, kv: tuple[np.ndarray, np.ndarray], seed: int = 5) -> bytes:
-    """One small guided request over ``client``'s protocol; returns the PNG bytes."""
+def _generate(client, kv: tuple[np.ndarray, np.ndarray], seed: int = 5, with_key: bool = True) -> bytes:
+    """One small guided request over ``client``'s protocol (with the API key); returns the PNG bytes."""
     mod = grpcclient if isinstance(client, grpcclient.InferenceServerClient) else httpclient
+    headers = (GRPC_API if mod is grpcclient else HTTP_API) if with_key else None
     arrays = {"COND_KV": (kv[0], "BF16"), "UNCOND_KV": (kv[1], "BF16"),
               "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
               "INDEX_OFFSET_UNCOND": (np.array([7], np.int64), "INT64"),
@@ -75,7 +77,7 @@ def _generate(client, kv: tuple[np.ndarray, np.ndarray], seed: int = 5) -> bytes
         tensor = mod.InferInput(name, list(array.shape), dtype)
         tensor.set_data_from_numpy(array)
         tensors.append(tensor)
-    return bytes(client.infer(MODEL, tensors).as_numpy("IMAGE")[0])
+    return bytes(client.infer(MODEL, tensors, headers=headers).as_numpy("IMAGE")[0])
 
 
 def _http(port: int, path: str, body: dict | None = None, headers: dict | None = None) -> int:
@@ -145,7 +147,7 @@ def test_admin_apis_need_the_key_over_grpc(launched, kv, tmp_path):
 
 def test_json_shape_bomb_is_refused_and_the_server_lives(launched):
     pid, own_port, _ = launched.servers()[-1]
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", **HTTP_API}
     assert _http(launched.http_port, f"/v2/models/{MODEL}/infer", SHAPE_BOMB, headers) == 400
     # Triton's own HTTP port answers only the front
     assert _http(own_port, f"/v2/models/{MODEL}/infer", SHAPE_BOMB, headers) == 403
@@ -166,7 +168,7 @@ def _post_oversized(port: int, size: int) -> int | str:
     try:
         conn.request("POST", f"/v2/models/{MODEL}/infer", body=header + bytes(size),
                      headers={"Inference-Header-Content-Length": str(len(header)),
-                              "Content-Type": "application/octet-stream"})
+                              "Content-Type": "application/octet-stream", **HTTP_API})
         return conn.getresponse().status
     except (ConnectionError, http.client.HTTPException) as exc:
         return type(exc).__name__
@@ -199,7 +201,7 @@ def test_refused_oversized_grpc_requests_keep_no_memory(launched, kv):
         assert _generate(client, kv)  # one normal request, then "before"
         pid = launched.server_pid
         before = rss_parts(process_group_members(pid))
-        answers = refused_burst(client, "geometry", 5, 200 * 2**20)
+        answers = refused_burst(client, "geometry", 5, 200 * 2**20, GRPC_API)
         after = rss_parts(process_group_members(pid))
         print(f"gRPC, 5 refused 200 MiB requests: RSS of tritonserver and its stubs "
               f"{before['total'] / 2**20:.1f} -> {after['total'] / 2**20:.1f} MiB")
@@ -230,8 +232,8 @@ def test_oversized_prefixes_the_model_refuses_grow_the_region_once(launched, kv)
         stubs = model_stub_pids(pid, MODEL)
         before = rss_parts(process_group_members(pid))
         stub_before = {s: rss_parts([s])["shmem"] for s in stubs}
-        answers = refused_burst(client, "tokens", len(stubs) + 2, size)
-        answers += refused_burst(client, "tokens", len(stubs) + 2, size)
+        answers = refused_burst(client, "tokens", len(stubs) + 2, size, GRPC_API)
+        answers += refused_burst(client, "tokens", len(stubs) + 2, size, GRPC_API)
         # gRPC frees the last request's buffers after answering; on a loaded machine that can
         # lag the answer, so wait (bounded) for the sizes the asserts below expect
         after = _rss_settled(pid, lambda m: m["anon"] < before["anon"] * 1.10)
@@ -298,23 +300,106 @@ def _ready(client: grpcclient.InferenceServerClient) -> bool:
         return False
 
 
-def test_stop_removes_regions_of_killed_stubs_and_server(tiny_dense, tmp_path):
-    """A graceful stop lets Triton remove its regions itself; a stub killed, its model reloaded and
-    then the server killed hard leave them all behind, and ``stop`` removes exactly those."""
+OWNER = """
+import sys
+from neopp.launcher.tritonserver import TritonServer
+server = TritonServer(sys.argv[1], log_path=sys.argv[2], extra_args=["--model-control-mode=explicit",
+                      "--load-model=neopp_dense"]).start()
+server.wait_ready(timeout=300)
+print(server.process.pid, server.shm_prefix, flush=True)
+sys.stdin.read()
+"""
+
+
+def _killed_owner(env: dict[str, str], log: Path) -> tuple[str, list[str]]:
+    """A process that starts a server and is then killed with it (a launcher killed hard): the
+    regions it leaves (its prefix and their names)."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(REPO_ROOT / "model_repository"), str(log)],
+                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        server_pid, prefix = owner.stdout.readline().split()
+        os.killpg(int(server_pid), signal.SIGKILL)  # first: nothing of it may clean up
+        assert wait_for(lambda: not process_group_members(int(server_pid)), 30)
+    finally:
+        owner.kill()
+        owner.wait(timeout=30)
+    return prefix, [p.name for p in regions(prefix)]
+
+
+def test_regions_are_private_and_go_with_their_owner(tiny_dense, tmp_path):
+    """A killed owner's regions are removed at the next start (and a live owner's are not); a
+    graceful stop lets Triton remove its regions itself; a stub killed, its model reloaded and then
+    the server killed hard leave them all behind, and ``stop`` removes exactly those. Every region
+    is 0600."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT")}
     env["NEOPP_CHECKPOINT"] = str(tiny_dense)
+    prefix, orphans = _killed_owner(env, tmp_path / "owner.log")
+    assert orphans and all((SHM_DIR / n).stat().st_mode & 0o777 == 0o600 for n in orphans), orphans
+    live = SHM_DIR / f"{PREFIX_HEAD}{owner_tag()}_00000000_live"  # a live owner's (this process)
+    live.write_bytes(b"x")
     server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=tmp_path / "server.log",
                           extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}"])
-    with server:
-        pid = server.process.pid
-        os.kill(model_stub_pids(pid, MODEL)[0], signal.SIGKILL)
-        client = grpcclient.InferenceServerClient(server.grpc_url)
-        force_reload(client, MODEL)  # a fresh stub and region next to the dead one's
-        client.close()
-        left = [p.name for p in regions(server.shm_prefix)]
-        assert len(left) >= 2, left
-        os.kill(pid, signal.SIGKILL)
-        server.process.wait(timeout=30)
+    try:
+        with server:
+            assert regions(prefix) == [] and live.exists()
+            pid = server.process.pid
+            os.kill(model_stub_pids(pid, MODEL)[0], signal.SIGKILL)
+            client = grpcclient.InferenceServerClient(server.grpc_url)
+            force_reload(client, MODEL)  # a fresh stub and region next to the dead one's
+            client.close()
+            left = [p.name for p in regions(server.shm_prefix)]
+            assert len(left) >= 2, left
+            assert all((SHM_DIR / n).stat().st_mode & 0o777 == 0o600 for n in left), left
+            os.kill(pid, signal.SIGKILL)
+            server.process.wait(timeout=30)
+    finally:
+        live.unlink(missing_ok=True)
     assert regions(server.shm_prefix) == []
     assert set(left) <= set(server.removed_regions)
     assert all(name.startswith(server.shm_prefix) for name in server.removed_regions)
+
+
+def _status(port: int, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    try:
+        conn.request("POST", path, body=body, headers={"Content-Type": "application/json", **headers})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_every_inference_route_needs_the_api_key_and_health_does_not(launched, kv):
+    """The door's infer, generate, generate_stream and /v1 answer 401 without the key; Triton's
+    gRPC inference (unary and streamed) is refused without it; health and metadata stay open."""
+    port = launched.http_port
+    for route in ("infer", "generate", "generate_stream"):
+        for headers, status in (({}, 401), ({"Authorization": "Bearer wrong-key-0123456789"}, 401)):
+            got, body = _status(port, f"/v2/models/{MODEL}/{route}", b'{"SEED": 1}', headers)
+            assert got == status and b"API key" in body, (route, got, body[:200])
+        got, body = _status(port, f"/v2/models/{MODEL}/{route}", b'{"SEED": 1}', HTTP_API)
+        assert got not in (401, 403), (route, got, body[:200])  # past the key: the request's own fault
+    got, body = _status(port, "/v1/images/generations", b'{"prompt": "a red circle"}', {})
+    assert got == 401 and json.loads(body)["error"]["message"].startswith("Incorrect or missing API key")
+    grpc_client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    http_client = httpclient.InferenceServerClient(f"127.0.0.1:{port}", network_timeout=120.0)
+    try:
+        for client in (grpc_client, http_client):
+            with pytest.raises(InferenceServerException) as info:
+                _generate(client, kv, with_key=False)
+            assert "restricted" in info.value.message() or "API key" in info.value.message(), info.value.message()
+            assert _generate(client, kv) and client.is_server_live() and client.is_model_ready(MODEL)
+            assert client.get_model_metadata(MODEL)
+        answers: list = []
+        grpc_client.start_stream(callback=lambda result, error: answers.append(error or result))
+        try:
+            grpc_client.async_stream_infer(MODEL, [])
+        except InferenceServerException:
+            pass  # refused at the stream's opening already: the callback holds why
+        assert wait_for(lambda: answers, 60)
+        grpc_client.stop_stream()
+        assert isinstance(answers[0], InferenceServerException) and "restricted" in answers[0].message()
+    finally:
+        grpc_client.close()
+        http_client.close()
+

@@ -273,6 +273,7 @@ def test_lightllm_client_reproduces_the_three_turns(sessions, three_turns, state
 
 
 def client_regions(t) -> list[str]:
-    """The client's registered regions (the HTTP door in front of this server has one of its own)."""
+    """The client's registered regions, by their segment (the HTTP door in front of this server has
+    one of its own; each is registered under a name that is not its segment's)."""
     regions = t.grpc.get_system_shared_memory_status(as_json=True).get("regions", {})
-    return [name for name in regions if name.startswith("neopp_kv_")]
+    return [name for name, region in regions.items() if region.get("key", "").lstrip("/").startswith("neopp_kv_")]

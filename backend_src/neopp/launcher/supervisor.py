@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..ports import LOOPBACK, free_ports
-from .admin import FRONT_HEADER, KEY_HEADER, load_or_create_key, new_front_key
-from .door.body import DoorLimits, MiB
+from .admin import FRONT_HEADER, GRPC_API_KEY_HEADER, KEY_HEADER, check_key, load_or_create_key, new_front_key
+from .door.limits import DoorLimits, KiB, MiB
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table
 from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
 from .tritonserver import TritonServer
@@ -79,14 +79,13 @@ class Supervisor:
         self.restarts = RestartRate(ns.max_restarts, ns.restart_window_s)
         self.server: TritonServer | None = None
         self.watchdog = None
-        limits = DoorLimits(max_body=int(ns.max_body_mib * MiB), bodies_in_flight=int(ns.bodies_in_flight_mib * MiB),
-                            read_timeout_s=ns.read_timeout_s, region_min_bytes=int(ns.tensor_region_min_kib * 1024))
         grpc_host = LOOPBACK if ns.host in ("0.0.0.0", "", "::") else ns.host
         from .door.server import DoorServer  # needs the serve extra (uvicorn, starlette, grpc)
 
+        self.api_key = api_key_for(ns)
         self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", (LOOPBACK, self.upstream_port),
-                                self.front_key, limits, on_unhealthy=self._stub_unhealthy, admin_key=key,
-                                api_key=api_key_for(ns))
+                                self.front_key, door_limits(ns), on_unhealthy=self._stub_unhealthy, admin_key=key,
+                                api_key=self.api_key)
 
     def _stub_unhealthy(self, instance: str) -> None:
         """Triton answered that an instance's stub is not healthy: the watchdog replaces it."""
@@ -98,7 +97,8 @@ class Supervisor:
         return TritonServer(ns.model_repository, http_port=self.upstream_port, grpc_port=ns.grpc_port,
                             metrics_port=ns.metrics_port, host=ns.host, http_address=LOOPBACK,
                             backend_dir=ns.backend_dir, extra_args=[*KEEP_GOING_ARGS, *self.extra], admin_key=self.key,
-                            front_key=self.front_key, shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES))
+                            front_key=self.front_key, shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES),
+                            api_key=self.api_key)
 
     def _start_server(self) -> None:
         self.server = self._new_server().start()
@@ -211,17 +211,29 @@ class Supervisor:
 
 
 def api_key_for(ns: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:
-    """The key ``/v1`` requires: $NEOPP_API_KEY, else, when the server listens beyond loopback,
-    the key file (created 0600 at first start); on loopback alone none."""
+    """The key every inference route requires (the door's and gRPC): $NEOPP_API_KEY, else, when
+    the server listens beyond loopback, the key file (created 0600 at first start); on loopback
+    alone none."""
     env = os.environ if env is None else env
     if env.get(API_KEY_ENV):
-        log(f"/v1 API key from ${API_KEY_ENV}")
-        return env[API_KEY_ENV].strip()
+        log(f"inference API key from ${API_KEY_ENV}")
+        return check_key(env[API_KEY_ENV].strip(), API_KEY_ENV)
     if ns.host in LOCAL_HOSTS:
         return None
     key, where = load_or_create_key(Path(ns.api_key_file), env={})
-    log(f"/v1 API key (Authorization: Bearer) from {where}: the server listens beyond loopback")
+    log(f"inference API key (Authorization: Bearer; over gRPC the header {GRPC_API_KEY_HEADER}) from {where}: "
+        "the server listens beyond loopback")
     return key
+
+
+def door_limits(ns: argparse.Namespace) -> DoorLimits:
+    """The door's bounds from the command line."""
+    return DoorLimits(max_body=int(ns.max_body_mib * MiB), bodies_in_flight=int(ns.bodies_in_flight_mib * MiB),
+                      client_bodies=int(min(ns.client_bodies_mib, ns.bodies_in_flight_mib) * MiB),
+                      read_timeout_s=ns.read_timeout_s, min_upload_rate=ns.min_upload_kib_s * KiB,
+                      idle_timeout_s=ns.idle_timeout_s, max_connections=ns.max_connections,
+                      max_client_connections=ns.max_client_connections, max_inference=ns.max_inference,
+                      region_min_bytes=int(ns.tensor_region_min_kib * KiB))
 
 
 def _start_watchdog(server: TritonServer, extra: Sequence[str], disabled: bool, key: str):
@@ -269,10 +281,22 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--max-body-mib", type=float, default=128.0, help="largest HTTP body accepted (after gzip)")
     s.add_argument("--bodies-in-flight-mib", type=float, default=384.0,
                    help="HTTP request bodies held at once, all requests together (beyond: 503, Retry-After)")
-    s.add_argument("--read-timeout-s", type=float, default=30.0,
-                   help="longest pause in an HTTP upload before the door drops it (408)")
+    s.add_argument("--client-bodies-mib", type=float, default=128.0,
+                   help="of those, what one client address may hold (beyond: 503, Retry-After)")
+    s.add_argument("--min-upload-kib-s", type=float, default=1024.0,
+                   help="the average rate an HTTP upload must keep up")
+    s.add_argument("--read-timeout-s", type=float, default=10.0,
+                   help="how far an HTTP upload may fall behind --min-upload-kib-s before the door drops it (408)")
+    s.add_argument("--idle-timeout-s", type=float, default=15.0,
+                   help="an HTTP connection's wait for a complete request head, after opening or its last answer")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="open HTTP connections; at the cap a new one replaces an idle one (none idle: 503)")
+    s.add_argument("--max-client-connections", type=int, default=512,
+                   help="open HTTP connections of one client address; at the cap as --max-connections")
+    s.add_argument("--max-inference", type=int, default=768,
+                   help="HTTP inference requests in flight (beyond: 503, Retry-After); health and metrics not counted")
     s.add_argument("--api-key-file", default=str(Path("build") / "api.key"),
-                   help=f"the /v1 API key, created 0600 if missing, used when --host is beyond loopback "
+                   help=f"the inference API key, created 0600 if missing, used when --host is beyond loopback "
                         f"(${API_KEY_ENV} wins, and applies on loopback too)")
     s.add_argument("--tensor-region-min-kib", type=float, default=1024.0,
                    help="binary HTTP inputs this large reach Triton through the door's shared-memory region "

@@ -29,7 +29,7 @@ from .admin import FRONT_HEADER, KEY_HEADER, restriction_args
 from .load_rescue import StuckLoadWatch
 from .model_deps import with_engine_models
 from .server_log import LogRelay, cpu_only_args, nvidia_driver_present
-from .shm_regions import backend_args, new_prefix, remove_regions
+from .shm_regions import PREFIX_HEAD, backend_args, new_prefix, private_regions, remove_orphans, remove_regions
 from .triton_install import TritonLaunchError, find_install, prepare_backend_dir, server_env
 
 # What a large gRPC request leaves behind, even one Triton refuses (docs/security.md has the
@@ -73,14 +73,15 @@ class TritonServer:
                  env: dict[str, str] | None = None, log_path: Path | str | None = None,
                  admin_key: str | None = None, front_key: str | None = None,
                  http_address: str | None = None, shm_sizes: tuple[int, int] | None = None,
-                 malloc_env: dict[str, str] | None = None) -> None:
+                 malloc_env: dict[str, str] | None = None, api_key: str | None = None) -> None:
         """Ports left as None are picked free; ``env`` is the base environment (default: ours).
 
         ``admin_key`` restricts the administrative APIs (neopp.launcher.admin); ``front_key`` makes
         Triton's own HTTP port answer only requests relayed by the HTTP front, which binds the
         public address while Triton's HTTP listens on ``http_address``. ``shm_sizes`` (first size,
         growth step) sizes the Python backend's regions; each server gets its own region prefix.
-        ``malloc_env`` replaces MALLOC_ENV (``{}``: glibc's defaults, to compare).
+        ``malloc_env`` replaces MALLOC_ENV (``{}``: glibc's defaults, to compare). ``api_key`` (with
+        ``admin_key``): gRPC inference needs it (neopp.launcher.admin).
         """
         self.model_repository = Path(model_repository).resolve()
         free = iter(free_ports(3))
@@ -93,9 +94,10 @@ class TritonServer:
         self.extra_args = list(extra_args)
         self.env = server_env(self.install, env, malloc_env)
         self.log_path = Path(log_path) if log_path else None
-        self.admin_key, self.front_key = admin_key, front_key
+        self.admin_key, self.front_key, self.api_key = admin_key, front_key, api_key
         self.http_address = http_address or host
         self.shm_prefix = new_prefix()
+        self._private_regions = private_regions()  # built here: the child only installs it
         self.shm_sizes = shm_sizes
         self.removed_regions: list[str] = []
         self.gpu_host = nvidia_driver_present()  # else: CPU-only options, and the log relabels one line
@@ -129,7 +131,7 @@ class TritonServer:
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                 *backend_args(self.shm_prefix, *(self.shm_sizes or ())),
-                *(restriction_args(self.admin_key, self.front_key) if self.admin_key else []),
+                *(restriction_args(self.admin_key, self.front_key, self.api_key) if self.admin_key else []),
                 *([] if any(a.startswith(GRPC_POOL_ARG) for a in self.extra_args) else [f"{GRPC_POOL_ARG}=0"]),
                 *([] if self.gpu_host else cpu_only_args(self.extra_args)),
                 *with_engine_models(self.extra_args, self.model_repository)]
@@ -143,6 +145,7 @@ class TritonServer:
         """
         if self.process is not None:
             raise TritonLaunchError("server already started")
+        remove_orphans((PREFIX_HEAD,))  # regions of servers whose owner was killed, and only those
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")
@@ -150,12 +153,17 @@ class TritonServer:
             self._log_file = _console()
         self.process = subprocess.Popen(self.command(), env=self.env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True, preexec_fn=_terminate_with_parent)
+                                        start_new_session=True, preexec_fn=self._child_setup)
         self.load_watch = StuckLoadWatch(self.process.pid, log=lambda text: self._relay.note(text))
         self._relay = LogRelay(self.process.stdout, self._log_file, relabel_cpu_only=not self.gpu_host,
                                on_line=self.load_watch.feed)
         self.load_watch.start()
         return self
+
+    def _child_setup(self) -> None:
+        """In the child before exec: SIGTERM with the launching thread, regions that stay 0600."""
+        _terminate_with_parent()
+        self._private_regions()
 
     def is_ready(self) -> bool:
         """True when GET /v2/health/ready answers 200."""

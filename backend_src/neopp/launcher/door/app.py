@@ -1,9 +1,10 @@
-"""The door's routes: the KServe v2 HTTP protocol our clients call, answered from checked requests.
+"""The door's inference routes: the KServe v2 HTTP protocol our clients call, answered from
+checked requests.
 
-Inference (``infer``, ``generate``, ``generate_stream``) is parsed here and sent to Triton over
-gRPC; a client that disconnects cancels its call. The control routes go to Triton's own HTTP port
-with bodies the door re-serialised. Every refusal is a JSON ``{"error": ...}`` with a 4xx status;
-nothing a client sends leads to a traceback.
+Inference (``infer``, ``generate``, ``generate_stream``) is parsed away from the event loop
+(``parse_jobs``) and sent to Triton over gRPC; a client that disconnects cancels its call. The
+control routes go to Triton's own HTTP port with bodies the door re-serialised. Every refusal is
+a JSON ``{"error": ...}`` with a 4xx status; nothing a client sends leads to a traceback.
 """
 
 from __future__ import annotations
@@ -13,64 +14,44 @@ import gzip
 import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
-from importlib import resources
 from typing import Any
-from urllib.parse import quote
 
 import grpc
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
 
-from ..admin import KEY_HEADER
-from . import generate, kserve_infer, strict_json
-from .body import BodyReader, ByteBudget, DoorLimits
+from ..shm_regions import PREFIX_HEAD
+from . import auth, generate, kserve_infer, parse_jobs, strict_json
+from .auth import ClientRegions
+from .body import BodyReader, ByteBudget, drainer
 from .door_metrics import DoorMetrics
 from .errors import DoorError, invalid
-from .openai_routes import ImagesRoutes
+from .health_poll import HealthCache
+from .limits import DoorLimits
+from .parse_jobs import Parser
+from .responses import error_answer, json_response
+from .shm_arena import PREFIX as DOOR_REGION_PREFIX
 from .shm_arena import TensorRegion
 from .upstream import Upstream, grpc_error
 from .wire import WireRequest
 
 log = logging.getLogger("neopp.launcher.door")
-PLAYGROUND = (resources.files(__package__) / "playground.html").read_bytes()  # the page at /, no build step
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 VERSION = re.compile(r"^[0-9]{0,18}$")
-KEY_FORMAT = re.compile(r"^[A-Za-z0-9_-]{16,256}$")
-MODEL = "/v2/models/{model}"
-VERSIONED = "/v2/models/{model}/versions/{version}"
+SLOT = "neopp.inference_slot"  # in a request's scope: it holds an inference slot
+READER = "neopp.body_reader"  # in a request's scope: a reader took its body (and drains it if refused)
+SERVER_REGIONS = (PREFIX_HEAD, DOOR_REGION_PREFIX)  # shared memory of the server's own: never a client's key
 
 
-def json_response(status: int, doc: Any, headers: dict[str, str] | None = None) -> Response:
-    return Response(strict_json.dumps(doc), status, headers, media_type="application/json")
-
-
-class AnswerFirst(Response):
-    """A whole answer sent before ``after`` runs, the exchange closed only then: a refused body is
-    drained while its client already holds the answer."""
-
-    def __init__(self, answer: Response, after: Callable[[], Awaitable[None]]) -> None:
-        super().__init__(answer.body, answer.status_code, media_type=answer.media_type)
-        self.raw_headers, self.after = answer.raw_headers, after
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        await send({"type": "http.response.body", "body": self.body, "more_body": True})
-        await self.after()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-
-def _checked(request: Request, key: str, pattern: re.Pattern[str] = NAME) -> str:
+def checked(request: Request, key: str, pattern: re.Pattern[str] = NAME) -> str:
     value = request.path_params.get(key, "")
     if not pattern.match(value):
         raise invalid(f"'{value[:64]}' is not a valid {key} name")
     return value
 
 
-def _admin_key(request: Request) -> str | None:
-    key = request.headers.get(KEY_HEADER)
-    return key if key is not None and KEY_FORMAT.match(key) else None
+def client_of(request: Request) -> str:
+    return request.client.host if request.client else ""
 
 
 def _compress(request: Request, body: bytes, headers: dict[str, str]) -> bytes:
@@ -82,40 +63,72 @@ def _compress(request: Request, body: bytes, headers: dict[str, str]) -> bytes:
 
 
 class Door:
-    """State shared by the routes: limits, the body budget, Triton, metrics."""
+    """State shared by the routes: limits, the body budget, the parser, Triton, metrics, keys."""
 
     def __init__(self, upstream: Upstream, limits: DoorLimits, metrics: DoorMetrics, region: TensorRegion,
-                 on_unhealthy: Callable[[str], None] | None = None) -> None:
+                 on_unhealthy: Callable[[str], None] | None = None, parser: Parser | None = None,
+                 api_key: str | None = None, admin_key: str | None = None) -> None:
         self.upstream, self.limits, self.metrics, self.region = upstream, limits, metrics, region
-        self.budget = ByteBudget(limits.bodies_in_flight)
+        self.budget = ByteBudget(limits.bodies_in_flight, limits.client_bodies)
         self.on_unhealthy = on_unhealthy
+        self.parser = parser or Parser(workers=0)
+        self.api_key, self.admin_key = api_key, admin_key
+        self.client_regions = ClientRegions()
+        self.inference_in_flight = 0
+        self.health_cache = HealthCache(upstream)
 
-    async def body(self, request: Request, reader: BodyReader) -> bytes:
-        data = await reader.read(request.receive, request.headers)
-        if request.headers.get("inference-header-content-length") is None \
-                and data.count(b",") + data.count(b":") > self.limits.max_json_values:  # a JSON body only
-            raise DoorError(413, f"the JSON body holds over {self.limits.max_json_values} values; "
-                            f"{kserve_infer.JSON_HINT}", reason="json_too_large")
-        return data
+    def reader(self, request: Request, route: str = "inference") -> BodyReader:
+        request.scope[READER] = True
+        return BodyReader(self.budget, self.limits, client_of(request), self.limits.cap(route))
+
+    def drain_after(self, request: Request, status: int) -> Callable[[], Awaitable[None]] | None:
+        """For a refusal before any reader took the body: read it once the answer is out, so that
+        a client still sending reads the answer, not a reset."""
+        if request.scope.get(READER) or status in (408, 499):
+            return None
+        return drainer(request.receive, request.headers, self.limits)
 
     # ---------------------------------------------------------------- inference
 
+    async def inference(self, request: Request, endpoint: Callable[[Request], Awaitable[Response]]) -> Response:
+        """An inference request takes a slot among ``max_inference`` first (health and metrics take
+        none, so they answer while these are all taken); ``routes.Slotted`` gives it back once the
+        whole answer, a stream included, is sent."""
+        if self.inference_in_flight >= self.limits.max_inference:
+            raise DoorError(503, f"{self.inference_in_flight} inference requests are in flight, the most this server "
+                            "takes at once; retry shortly", reason="inference_slots", headers={"Retry-After": "1"})
+        self.inference_in_flight += 1
+        request.scope[SLOT] = True
+        return await endpoint(request)
+
     async def infer(self, request: Request) -> Response:
-        model, version = _checked(request, "model"), _checked(request, "version", VERSION)
+        model, version = checked(request, "model"), checked(request, "version", VERSION)
         header_length = request.headers.get("inference-header-content-length")
-        async with BodyReader(self.budget, self.limits) as reader, self.region.slot(request.headers) as slot:
+        values = self.json_values(request, "inference request header", kserve_infer.JSON_HINT,
+                                  kserve_infer.json_part(request.headers, self.limits.max_json_bytes))
+        async with self.reader(request) as reader, self.region.slot(request.headers) as slot:
             if slot is None:
-                body = await self.body(request, reader)
-                wire, plan = await asyncio.to_thread(
-                    kserve_infer.parse_infer, body, header_length, model, version, self.limits.max_json_bytes)
-                del body
+                body = await reader.read(request.receive, request.headers, values=values)
+                split = kserve_infer.split_header(header_length, len(body), self.limits.max_json_bytes)
+                head, rest, region = bytes(body[:split]), memoryview(body)[split:], None
             else:  # the binary part goes straight into the region Triton reads
-                head = await reader.read(request.receive, request.headers, tail=slot.view)
-                wire, plan = kserve_infer.parse_infer_parts(bytes(head), slot.view, model, version,
-                                                            (self.region.name, slot.offset))
+                head = bytes(await reader.read(request.receive, request.headers, tail=slot.view, values=values))
+                rest, region = slot.view, (self.region.name, slot.offset)
+            header = await self.parser.run(len(head), parse_jobs.infer_header, head, model, version, values.limit)
+            self._check_regions(request, header.regions)
+            wire = await self.parser.thread(kserve_infer.with_binary, header, rest, region)
             response = await self._infer(request, wire)
-        data, headers = kserve_infer.infer_response(response, plan)
+        data, headers = kserve_infer.infer_response(response, header.plan)
         return Response(_compress(request, data, headers), 200, headers)
+
+    def json_values(self, request: Request, what: str, hint: str = "", prefix: int | None = None,
+                    route: str = "inference") -> strict_json.ValueCounter:
+        """What counts the JSON values of a body as it arrives (its first ``prefix`` bytes)."""
+        return strict_json.ValueCounter(self.limits.cap(route).values, what, hint, prefix)
+
+    def _check_regions(self, request: Request, names: set[str]) -> None:
+        if names:
+            self.client_regions.check(names, client_of(request), auth.has_admin_key(request.headers, self.admin_key))
 
     async def _infer(self, request: Request, wire: WireRequest) -> Any:
         """The call; once more when Triton has restarted since the region was registered."""
@@ -123,18 +136,23 @@ class Door:
             return await self.until_disconnect(request, self.upstream.infer(wire))
         except DoorError as exc:
             if not self.region.lost(exc.message) or not await self.region.ensure():
-                raise
-        return await self.until_disconnect(request, self.upstream.infer(wire))
+                raise self.region.scrubbed(exc) from None
+        try:
+            return await self.until_disconnect(request, self.upstream.infer(wire))
+        except DoorError as exc:
+            raise self.region.scrubbed(exc) from None
 
     async def _generate_request(self, request: Request, reader: BodyReader, stream: bool) -> WireRequest:
         """A generate body read under the bounds and mapped onto the model's declared inputs."""
-        model, version = _checked(request, "model"), _checked(request, "version", VERSION)
-        body = await self.body(request, reader)
+        model, version = checked(request, "model"), checked(request, "version", VERSION)
+        body = await reader.read(request.receive, request.headers,
+                                 values=self.json_values(request, "generate request body"))
         metadata = await self.upstream.metadata(model, version)
-        return generate.parse_generate(body, model, version, metadata, stream=stream)
+        return await self.parser.run(len(body), parse_jobs.generate_request, body, model, version,
+                                     metadata.SerializeToString(), stream, reader.cap.values)
 
     async def generate(self, request: Request) -> Response:
-        async with BodyReader(self.budget, self.limits) as reader:
+        async with self.reader(request) as reader:
             wire = await self._generate_request(request, reader, stream=False)
             response = await self.until_disconnect(request, self.upstream.infer(wire))
         headers = {"Content-Type": "application/json"}
@@ -142,7 +160,7 @@ class Door:
                         200, headers)
 
     async def generate_stream(self, request: Request) -> Response:
-        async with BodyReader(self.budget, self.limits) as reader:
+        async with self.reader(request) as reader:
             wire = await self._generate_request(request, reader, stream=True)
         call = self.upstream.stream(wire)
         try:
@@ -185,9 +203,13 @@ class Door:
                 yield _sse({"error": event.message})
             finished = True
         finally:
-            if not finished:  # the client left mid-stream: the generation stops with it
-                self.metrics.cancelled += 1
-            call.cancel()
+            self.stream_closed(call, finished)
+
+    def stream_closed(self, call: Any, finished: bool) -> None:
+        """A streamed answer is over: counted as cancelled when its client left before the end."""
+        if not finished:  # the client left mid-stream: the generation stops with it
+            self.metrics.cancel()
+        call.cancel()
 
     async def until_disconnect(self, request: Request, call: Any) -> Any:
         """The call's response, or a cancelled call when the client leaves first."""
@@ -197,7 +219,7 @@ class Door:
             await asyncio.wait({watch, result}, return_when=asyncio.FIRST_COMPLETED)
             if not result.done():
                 call.cancel()
-                self.metrics.cancelled += 1
+                self.metrics.cancel()
                 raise DoorError(499, "the client closed the connection", reason="client_gone")
             try:
                 return result.result()
@@ -220,9 +242,8 @@ class Door:
             response = await endpoint(request)
         except DoorError as exc:
             self.metrics.refusal(exc.reason)
-            response = json_response(exc.status, {"error": exc.message}, exc.headers)
-            if exc.after is not None:
-                response = AnswerFirst(response, exc.after)
+            after = exc.after or self.drain_after(request, exc.status)
+            response = error_answer(exc.status, {"error": exc.message}, exc.headers, after)
         except Exception as exc:  # noqa: BLE001 - one line in the log, a 500 to the client
             log.error("neopp front: %s %s failed: %s: %s", request.method, request.url.path[:200],
                       type(exc).__name__, str(exc)[:300])
@@ -234,13 +255,27 @@ class Door:
     # ---------------------------------------------------------------- control routes
 
     async def forward(self, request: Request, path: str, with_body: bool = False) -> Response:
-        body = None
+        body, key = None, None
         if with_body:
-            async with BodyReader(self.budget, self.limits) as reader:
-                raw = await self.body(request, reader)
-            body = strict_json.dumps(strict_json.loads(raw, "request body")) if raw.strip() else b""
-        answer = await self.upstream.control(request.method, path, body, _admin_key(request))
+            async with self.reader(request, "control") as reader:
+                raw = await reader.read(request.receive, request.headers,
+                                        values=self.json_values(request, "request body", route="control"))
+            body, key = await self.parser.run(len(raw), parse_jobs.control_body, bytes(raw), reader.cap.values)
+        if isinstance(key, str) and key.lstrip("/").startswith(SERVER_REGIONS):
+            raise DoorError(403, f"the key '{key[:64]}' names the server's own shared memory; register a region "
+                            "of your own", reason="shm_region")
+        answer = (self.health_cache.get(path) if body is None else None) or \
+            await self.upstream.control(request.method, path, body, auth.admin_key(request.headers))
         return Response(answer.body, answer.status, media_type=answer.content_type)
+
+    async def region_call(self, request: Request, path: str, kind: str, action: str, name: str | None) -> Response:
+        """A shared-memory registration or unregistration, remembered for the client on success."""
+        response = await self.forward(request, path, with_body=action == "register")
+        if response.status_code == 200 and action == "register" and name is not None:
+            self.client_regions.registered(kind, name, client_of(request))
+        elif response.status_code == 200 and action == "unregister":
+            self.client_regions.unregistered(kind, name)
+        return response
 
 
 async def _disconnected(receive: Callable[[], Awaitable[dict]]) -> None:
@@ -256,95 +291,3 @@ def _route_label(request: Request) -> str:
 def _sse(doc: dict[str, Any]) -> bytes:
     return b"data: " + strict_json.dumps(doc) + b"\n\n"
 
-
-def _model_path(request: Request, suffix: str = "") -> str:
-    path = f"/v2/models/{quote(_checked(request, 'model'))}"
-    if "version" in request.path_params:
-        path += f"/versions/{quote(_checked(request, 'version', VERSION))}"
-    return path + suffix
-
-
-def build_app(door: Door, api_key: str | None = None, admin_key: str | None = None) -> Starlette:
-    """The routes; any other path is a 404 with a JSON error. ``api_key``: what ``/v1`` requires as
-    ``Authorization: Bearer``; ``admin_key``: lets ``/v1/models`` read the repository index."""
-    images = ImagesRoutes(door, api_key, admin_key)
-
-    def control(path_of: Callable[[Request], str], with_body: bool = False):
-        async def endpoint(request: Request) -> Response:
-            return await door.forward(request, path_of(request), with_body)
-        return guarded(endpoint)
-
-    def guarded(endpoint):
-        async def run(request: Request) -> Response:
-            return await door.answer(request, endpoint)
-        return run
-
-    def model_route(suffix: str, methods: list[str], with_body: bool = False) -> list[Route]:
-        endpoint = control(lambda r: _model_path(r, suffix), with_body)
-        return [Route(MODEL + suffix, endpoint, methods=methods), Route(VERSIONED + suffix, endpoint, methods=methods)]
-
-    def inference(name: str, handler) -> list[Route]:
-        return [Route(f"{MODEL}/{name}", guarded(handler), methods=["POST"]),
-                Route(f"{VERSIONED}/{name}", guarded(handler), methods=["POST"])]
-
-    def region(kind: str, action: str, with_body: bool = False) -> list[Route]:
-        base = f"/v2/{kind}"
-        methods = ["POST"] if with_body or action == "unregister" else ["GET"]
-        endpoint_all = control(lambda r: f"{base}/{action}", with_body)
-        endpoint_one = control(lambda r: f"{base}/region/{quote(_checked(r, 'region'))}/{action}", with_body)
-        routes = [Route(f"{base}/region/{{region}}/{action}", endpoint_one, methods=methods)]
-        if action != "register":
-            routes.append(Route(f"{base}/{action}", endpoint_all, methods=methods))
-        return routes
-
-    async def playground(request: Request) -> Response:
-        return Response(PLAYGROUND, media_type="text/html; charset=utf-8")
-
-    async def metrics(request: Request) -> Response:
-        return Response(door.metrics.render(door.budget.used), media_type="text/plain; version=0.0.4")
-
-    routes = [
-        Route("/v2/health/live", control(lambda r: "/v2/health/live"), methods=["GET"]),
-        Route("/v2/health/ready", control(lambda r: "/v2/health/ready"), methods=["GET"]),
-        Route("/v2", control(lambda r: "/v2"), methods=["GET"]),
-        Route("/v2/models/stats", control(lambda r: "/v2/models/stats"), methods=["GET"]),
-        Route("/v2/repository/index", control(lambda r: "/v2/repository/index", True), methods=["POST"]),
-        Route("/v2/repository/models/{model}/load",
-              control(lambda r: f"/v2/repository/models/{quote(_checked(r, 'model'))}/load", True), methods=["POST"]),
-        Route("/v2/repository/models/{model}/unload",
-              control(lambda r: f"/v2/repository/models/{quote(_checked(r, 'model'))}/unload", True),
-              methods=["POST"]),
-        Route("/v2/trace/setting", control(lambda r: "/v2/trace/setting", True), methods=["POST"]),
-        Route("/v2/trace/setting", control(lambda r: "/v2/trace/setting"), methods=["GET"]),
-        Route("/v2/logging", control(lambda r: "/v2/logging", True), methods=["POST"]),
-        Route("/v2/logging", control(lambda r: "/v2/logging"), methods=["GET"]),
-        Route("/", playground, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
-        Route("/v1/images/generations", guarded(lambda r: images.answer(r, images.generations)), methods=["POST"]),
-        Route("/v1/models", guarded(lambda r: images.answer(r, images.models)), methods=["GET"]),
-        *inference("infer", door.infer), *inference("generate", door.generate),
-        *inference("generate_stream", door.generate_stream),
-        *model_route("", ["GET"]), *model_route("/ready", ["GET"]), *model_route("/config", ["GET"]),
-        *model_route("/stats", ["GET"]), *model_route("/trace/setting", ["GET"]),
-        *model_route("/trace/setting", ["POST"], True),
-    ]
-    for kind in ("systemsharedmemory", "cudasharedmemory"):
-        routes += [*region(kind, "status"), *region(kind, "register", True), *region(kind, "unregister")]
-    app = Starlette(routes=routes)
-    app.add_exception_handler(404, _not_found(door))
-    app.add_exception_handler(405, _not_allowed(door))
-    return app
-
-
-def _not_found(door: Door):
-    async def handler(request: Request, exc: Exception) -> Response:
-        door.metrics.refusal("no_route")
-        return json_response(404, {"error": f"no route {request.method} {request.url.path[:200]}"})
-    return handler
-
-
-def _not_allowed(door: Door):
-    async def handler(request: Request, exc: Exception) -> Response:
-        door.metrics.refusal("method")
-        return json_response(405, {"error": f"{request.method} is not allowed on {request.url.path[:200]}"})
-    return handler

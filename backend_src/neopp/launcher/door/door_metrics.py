@@ -23,6 +23,7 @@ class DoorMetrics:
         self.refused: Counter[tuple[tuple[str, str], ...]] = Counter()
         self.restarts: Counter[tuple[tuple[str, str], ...]] = Counter()
         self.cancelled = 0
+        self.connections = 0  # open now (set by the door's connection table)
 
     def request(self, route: str, status: int) -> None:
         with self._lock:
@@ -31,6 +32,10 @@ class DoorMetrics:
     def refusal(self, reason: str) -> None:
         with self._lock:
             self.refused[(("reason", reason),)] += 1
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled += 1
 
     def restart(self, reason: str) -> None:
         with self._lock:
@@ -51,5 +56,7 @@ class DoorMetrics:
             lines += ["# HELP neopp_http_body_bytes_held bytes of request bodies the door holds now",
                       "# TYPE neopp_http_body_bytes_held gauge", f"neopp_http_body_bytes_held {body_bytes_held}",
                       "# HELP neopp_http_cancelled_total requests cancelled because the HTTP client left",
-                      "# TYPE neopp_http_cancelled_total counter", f"neopp_http_cancelled_total {self.cancelled}"]
+                      "# TYPE neopp_http_cancelled_total counter", f"neopp_http_cancelled_total {self.cancelled}",
+                      "# HELP neopp_http_connections HTTP connections open now",
+                      "# TYPE neopp_http_connections gauge", f"neopp_http_connections {self.connections}"]
             return "\n".join(lines) + "\n"

@@ -15,6 +15,10 @@ class DoorError(Exception):
         self.headers = headers or {}
         self.after: Callable[[], Awaitable[None]] | None = None  # run once the answer is sent
 
+    def __reduce__(self):
+        """Raised in a parse worker, rebuilt in the door (``after`` never crosses)."""
+        return type(self), (self.status, self.message, self.reason, self.headers)
+
 
 def invalid(message: str) -> DoorError:
     return DoorError(400, message)

@@ -39,8 +39,10 @@ def _shape_of(value: Any, rank: int, name: str) -> list[int]:
 
 
 def parse_generate(body: bytes, model: str, version: str, metadata: pb.ModelMetadataResponse,
-                   stream: bool) -> WireRequest:
-    """The gRPC request a generate body means, against the model's declared inputs."""
+                   stream: bool, max_values: int = 65_536) -> WireRequest:
+    """The gRPC request a generate body means, against the model's declared inputs (run away
+    from the door's event loop)."""
+    strict_json.count_values(body, max_values, "generate request body")
     doc = strict_json.loads(body, "generate request body")
     if not isinstance(doc, dict):
         raise invalid("the generate request body must be a JSON object")

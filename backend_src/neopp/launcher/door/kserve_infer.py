@@ -16,6 +16,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from . import strict_json, tensors
 from .errors import DoorError, invalid
+from .limits import BYTE_COUNT
 from .wire import WireRequest
 
 REQUEST_KEYS = {"id", "parameters", "inputs", "outputs"}
@@ -31,13 +32,38 @@ JSON_HINT = ("send tensors with the binary tensor extension (parameters.binary_d
 
 @dataclass
 class OutputPlan:
-    """Which outputs go back as binary: named ones as asked, the rest by ``binary_data_output``."""
+    """Which outputs go back as binary: named ones as asked, the rest by ``binary_data_output``;
+    those written into a shared-memory region go back as name, datatype and shape only."""
 
     binary: dict[str, bool] = field(default_factory=dict)
     default_binary: bool = False
+    in_region: set[str] = field(default_factory=set)
 
     def wants_binary(self, name: str) -> bool:
         return self.binary.get(name, self.default_binary)
+
+
+@dataclass
+class InferHeader:
+    """A checked JSON header: the request without its binary parts, and where they go.
+
+    ``slots`` holds, in input order, each input that travels inside the request: its JSON data as
+    raw bytes, or the size of its part after the header. ``regions``: the shared-memory regions
+    the client named (the door allows only its own registrations).
+    """
+
+    message: pb.ModelInferRequest
+    slots: list[tuple[int, bytes | int]]
+    plan: OutputPlan
+    regions: set[str]
+
+    def __reduce__(self):
+        """Across processes with the message as bytes (the generated classes do not pickle)."""
+        return _header_from, (self.message.SerializeToString(), self.slots, self.plan, self.regions)
+
+
+def _header_from(message: bytes, slots: list, plan: OutputPlan, regions: set[str]) -> InferHeader:
+    return InferHeader(pb.ModelInferRequest.FromString(message), slots, plan, regions)
 
 
 def _name(value: Any, what: str) -> str:
@@ -97,37 +123,22 @@ def _request_parameters(request: pb.ModelInferRequest, params: Any, plan: Output
         set_parameter(request.parameters[key], value, f"parameters.{key[:64]}")
 
 
-def _shm_parameters(target: Any, params: dict[str, Any], what: str) -> bool:
-    """Copies shared-memory parameters; True when the tensor lives in a registered region."""
+def _shm_parameters(target: Any, params: dict[str, Any], what: str, regions: set[str]) -> bool:
+    """Copies shared-memory parameters (the region's name into ``regions``); True when the
+    tensor lives in a registered region."""
     for key, kind in SHM_PARAMETERS.items():
         if key in params:
             if type(params[key]) is not kind or (kind is int and params[key] < 0):
                 rule = "a string" if kind is str else "a non-negative integer"
                 raise invalid(f"{what}: parameters.{key} must be {rule}")
             set_parameter(target.parameters[key], params[key], what)
-    return "shared_memory_region" in params
+    if "shared_memory_region" in params:
+        regions.add(params["shared_memory_region"])
+        return True
+    return False
 
 
-class _Binary:
-    """The bytes after the JSON header, handed out in input order; ``region`` (name, offset):
-    where they lie in a shared-memory region Triton has registered, if they do."""
-
-    def __init__(self, data: memoryview, region: tuple[str, int] | None = None) -> None:
-        self.data, self.pos, self.region = data, 0, region
-
-    def take(self, size: int, name: str) -> memoryview:
-        if self.pos + size > len(self.data):
-            raise invalid(f"input '{name}': binary_data_size {size} runs past the end of the body")
-        chunk = self.data[self.pos:self.pos + size]  # a view: the bytes are copied once, onto the wire
-        self.pos += size
-        return chunk
-
-    def check_used(self) -> None:
-        if self.pos != len(self.data):
-            raise invalid(f"the body has {len(self.data) - self.pos} bytes after the last binary input")
-
-
-def _input(wire: WireRequest, item: Any, binary: _Binary, names: set[str]) -> None:
+def _input(header: InferHeader, item: Any, names: set[str]) -> None:
     item = _keys(item, INPUT_KEYS, "each input")
     name = _name(item.get("name"), "input")
     if name in names:
@@ -137,32 +148,26 @@ def _input(wire: WireRequest, item: Any, binary: _Binary, names: set[str]) -> No
     datatype = tensors.check_datatype(item.get("datatype"), name)
     params = item.get("parameters") or {}
     params = _keys(params, {"binary_data_size", *SHM_PARAMETERS}, f"input '{name}' parameters")
-    tensor = wire.message.inputs.add(name=name, datatype=datatype, shape=shape)
+    tensor = header.message.inputs.add(name=name, datatype=datatype, shape=shape)
+    index = len(header.message.inputs) - 1
     sources = [key for key in ("data", "binary_data_size", "shared_memory_region") if key in item or key in params]
     if len(sources) != 1:
         raise invalid(f"input '{name}': give exactly one of 'data', parameters.binary_data_size or "
                       f"parameters.shared_memory_region")
-    if _shm_parameters(tensor, params, f"input '{name}'"):
+    if _shm_parameters(tensor, params, f"input '{name}'", header.regions):
         return
     if "data" in item:
-        raw = tensors.raw_from_json(item["data"], datatype, shape, name)
-    else:
-        size = params["binary_data_size"]
-        if type(size) is not int or size < 0:
-            raise invalid(f"input '{name}': parameters.binary_data_size must be a non-negative integer")
-        start = binary.pos
-        raw = binary.take(size, name)
-        tensors.check_raw_size(raw, datatype, shape, name)
-        if binary.region is not None and size:  # Triton reads it where it lies (an empty one: inline)
-            region, base = binary.region
-            for key, value in (("shared_memory_region", region), ("shared_memory_offset", base + start),
-                               ("shared_memory_byte_size", size)):
-                set_parameter(tensor.parameters[key], value, name)
-            return
-    wire.raws.append(raw)
+        header.slots.append((index, tensors.raw_from_json(item["data"], datatype, shape, name)))
+        return
+    size = params["binary_data_size"]
+    if type(size) is not int or size < 0:
+        raise invalid(f"input '{name}': parameters.binary_data_size must be a non-negative integer")
+    tensors.check_size(size, datatype, shape, name)
+    header.slots.append((index, size))
 
 
-def _outputs(request: pb.ModelInferRequest, outputs: Any, plan: OutputPlan) -> None:
+def _outputs(header: InferHeader, outputs: Any) -> None:
+    request, plan = header.message, header.plan
     if outputs is None:
         return
     if not isinstance(outputs, list) or len(outputs) > MAX_TENSORS:
@@ -181,52 +186,91 @@ def _outputs(request: pb.ModelInferRequest, outputs: Any, plan: OutputPlan) -> N
             if type(params["classification"]) is not int or params["classification"] < 0:
                 raise invalid(f"output '{name}': parameters.classification must be a non-negative integer")
             set_parameter(out.parameters["classification"], params["classification"], name)
-        _shm_parameters(out, params, f"output '{name}'")
+        if _shm_parameters(out, params, f"output '{name}'", header.regions):
+            plan.in_region.add(name)
 
 
-def split_header(body: bytes, header_length: str | None, max_json: int) -> tuple[bytes, memoryview]:
-    """The JSON header and the binary part that follows it."""
-    if header_length is None:
-        header, rest = body, memoryview(b"")
-    else:
-        if not header_length.isdigit() or not 0 < int(header_length) <= len(body):
-            raise invalid(f"Inference-Header-Content-Length must be a byte count within the body's {len(body)}")
-        split = int(header_length)
-        header, rest = body[:split], memoryview(body)[split:]
-    if len(header) > max_json:
-        raise DoorError(413, f"the JSON part of the request is {len(header)} bytes, over the {max_json} byte "
+def json_part(headers: Any, max_json: int) -> int | None:
+    """The JSON part's size as the headers declare it (None: the whole body, however large it
+    inflates); a 413 before a byte is read when it is over ``max_json``."""
+    declared = headers.get("inference-header-content-length") or (
+        None if "content-encoding" in headers else headers.get("content-length"))
+    if declared is not None and BYTE_COUNT.match(declared) and int(declared) > max_json:
+        raise DoorError(413, f"the JSON part of the request is {declared} bytes, over the {max_json} byte "
                         f"limit for JSON; {JSON_HINT}", reason="json_too_large")
-    return header, rest
+    header = headers.get("inference-header-content-length")
+    return int(header) if header is not None and BYTE_COUNT.match(header) else None
+
+
+def split_header(header_length: str | None, length: int, max_json: int) -> int:
+    """Where the JSON header ends (the whole body when there is no binary part)."""
+    if header_length is None:
+        split = length
+    elif not BYTE_COUNT.match(header_length) or not 0 < int(header_length) <= length:
+        raise invalid(f"Inference-Header-Content-Length must be a byte count within the body's {length}")
+    else:
+        split = int(header_length)
+    if split > max_json:
+        raise DoorError(413, f"the JSON part of the request is {split} bytes, over the {max_json} byte "
+                        f"limit for JSON; {JSON_HINT}", reason="json_too_large")
+    return split
+
+
+def parse_header(header_bytes: bytes, model: str, version: str, max_values: int) -> InferHeader:
+    """The checked JSON header of an infer request (run away from the door's event loop)."""
+    strict_json.count_values(header_bytes, max_values, "inference request header", JSON_HINT)
+    doc = _keys(strict_json.loads(header_bytes, "inference request header"), REQUEST_KEYS,
+                "the inference request header")
+    header = InferHeader(pb.ModelInferRequest(model_name=model, model_version=version), [], OutputPlan(), set())
+    request = header.message
+    if "id" in doc:
+        if not isinstance(doc["id"], str) or len(doc["id"]) > MAX_TEXT_PARAMETER:
+            raise invalid(f"'id' must be a string of at most {MAX_TEXT_PARAMETER} characters")
+        request.id = doc["id"]
+    inputs = doc.get("inputs")
+    if not isinstance(inputs, list) or not 0 < len(inputs) <= MAX_TENSORS:
+        raise invalid(f"'inputs' must be a list of 1-{MAX_TENSORS} objects")
+    names: set[str] = set()
+    for item in inputs:
+        _input(header, item, names)
+    _request_parameters(request, doc.get("parameters"), header.plan)
+    _outputs(header, doc.get("outputs"))
+    return header
+
+
+def with_binary(header: InferHeader, rest: memoryview, region: tuple[str, int] | None = None) -> WireRequest:
+    """The gRPC request: the header's inputs with their binary parts from ``rest`` (views, copied
+    once onto the wire), or, with ``region`` (name, offset), where ``rest`` lies in a registered
+    shared-memory region, so that Triton reads them in place (an empty one: inline)."""
+    wire, pos = WireRequest(header.message), 0
+    for index, source in header.slots:
+        if isinstance(source, bytes):
+            wire.raws.append(source)
+            continue
+        tensor = header.message.inputs[index]
+        if pos + source > len(rest):
+            raise invalid(f"input '{tensor.name}': binary_data_size {source} runs past the end of the body")
+        if tensor.datatype == "BYTES":
+            tensors.check_bytes(rest[pos:pos + source], list(tensor.shape), tensor.name)
+        if region is not None and source:
+            for key, value in (("shared_memory_region", region[0]), ("shared_memory_offset", region[1] + pos),
+                               ("shared_memory_byte_size", source)):
+                set_parameter(tensor.parameters[key], value, tensor.name)
+        else:
+            wire.raws.append(rest[pos:pos + source])
+        pos += source
+    if pos != len(rest):
+        raise invalid(f"the body has {len(rest) - pos} bytes after the last binary input")
+    return wire
 
 
 def parse_infer(body: bytes, header_length: str | None, model: str, version: str,
-                max_json: int) -> tuple[WireRequest, OutputPlan]:
-    """The gRPC request this HTTP infer request means, and how to send its outputs back."""
-    header_bytes, rest = split_header(body, header_length, max_json)
-    return parse_infer_parts(header_bytes, rest, model, version)
-
-
-def parse_infer_parts(header_bytes: bytes, rest: memoryview, model: str, version: str,
-                      region: tuple[str, int] | None = None) -> tuple[WireRequest, OutputPlan]:
-    """``parse_infer`` with the header and the binary part apart (the latter maybe in a region)."""
-    header = _keys(strict_json.loads(header_bytes, "inference request header"), REQUEST_KEYS,
-                   "the inference request header")
-    wire, plan = WireRequest(pb.ModelInferRequest(model_name=model, model_version=version)), OutputPlan()
-    request = wire.message
-    if "id" in header:
-        if not isinstance(header["id"], str) or len(header["id"]) > MAX_TEXT_PARAMETER:
-            raise invalid(f"'id' must be a string of at most {MAX_TEXT_PARAMETER} characters")
-        request.id = header["id"]
-    inputs = header.get("inputs")
-    if not isinstance(inputs, list) or not 0 < len(inputs) <= MAX_TENSORS:
-        raise invalid(f"'inputs' must be a list of 1-{MAX_TENSORS} objects")
-    binary, names = _Binary(rest, region), set()
-    for item in inputs:
-        _input(wire, item, binary, names)
-    binary.check_used()
-    _request_parameters(request, header.get("parameters"), plan)
-    _outputs(request, header.get("outputs"), plan)
-    return wire, plan
+                max_json: int, max_values: int = 65_536) -> tuple[WireRequest, OutputPlan]:
+    """The gRPC request this HTTP infer request means, and how to send its outputs back (in one
+    step: the door itself parses the header away from its loop and joins the parts there)."""
+    split = split_header(header_length, len(body), max_json)
+    header = parse_header(body[:split], model, version, max_values)
+    return with_binary(header, memoryview(body)[split:]), header.plan
 
 
 def _parameters_json(params: Any) -> dict[str, Any]:
@@ -234,14 +278,15 @@ def _parameters_json(params: Any) -> dict[str, Any]:
 
 
 def infer_response(response: pb.ModelInferResponse, plan: OutputPlan) -> tuple[bytes, dict[str, str]]:
-    """The HTTP body and headers of a gRPC response, binary parts after the JSON header."""
-    outputs, blobs, raw_index = [], [], 0
-    for out in response.outputs:
+    """The HTTP body and headers of a gRPC response, binary parts after the JSON header. An output
+    written into a region has an empty raw entry (they stay aligned with the outputs) and goes
+    back as name, datatype and shape, as Triton's own HTTP answers it."""
+    outputs, blobs, raws = [], [], response.raw_output_contents
+    for index, out in enumerate(response.outputs):
         entry: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.shape)}
         params = _parameters_json(out.parameters)
-        if "shared_memory_region" not in params:
-            raw = response.raw_output_contents[raw_index]
-            raw_index += 1
+        if out.name not in plan.in_region and "shared_memory_region" not in params:
+            raw = raws[index]
             values = None if plan.wants_binary(out.name) else tensors.json_from_raw(
                 raw, out.datatype, tensors.element_count(list(out.shape)))
             if values is None:

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
+from . import strict_json
 from .tensors import deserialize_bytes, serialize_bytes
 from .wire import WireRequest
 
@@ -26,9 +27,14 @@ STREAM_SUFFIX = "_stream"  # the streamed twin of a generation model
 DEFAULT_MODEL = "neopp_dense"
 FORMATS = ("png", "jpeg", "webp")
 MAX_IMAGES, MAX_PROMPT = 4, 4000
-ACCEPTED_AND_IGNORED = ("user", "quality", "background", "moderation", "style", "output_compression")
+# OpenAI's parameters that change nothing here: accepted when they hold what OpenAI allows, no more
+ACCEPTED_AND_IGNORED = {"quality": ("auto", "high", "medium", "low", "hd", "standard"),
+                        "background": ("auto", "transparent", "opaque"), "moderation": ("auto", "low"),
+                        "style": ("vivid", "natural")}
+MAX_USER = 256
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
-              "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", *ACCEPTED_AND_IGNORED)
+              "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
+              "output_compression", *ACCEPTED_AND_IGNORED)
 SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 
 
@@ -43,6 +49,10 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+
+    def __reduce__(self):
+        """Raised in a parse worker, rebuilt in the door."""
+        return type(self), (self.status, self.message, self.param, self.kind, self.headers)
 
 
 @dataclass(frozen=True)
@@ -122,6 +132,7 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
     if guidance is not None and (type(guidance) not in (int, float) or not 0 <= guidance <= 100):
         raise OpenAIError(400, "'guidance_scale' must be a number from 0 to 100", "guidance_scale")
     seed = _int(doc, "seed", 0, 2**63 - MAX_IMAGES - 1, None)
+    _ignored(doc)
     request = ImagesRequest(
         prompt=prompt, model=_text(doc, "model", DEFAULT_MODEL, 128) or DEFAULT_MODEL,
         n=_int(doc, "n", 1, MAX_IMAGES, 1), size=_size(doc.get("size")), output_format=output_format,
@@ -129,6 +140,21 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
         negative_prompt=_text(doc, "negative_prompt", None), steps=_int(doc, "num_inference_steps", 1, 1000, None),
         guidance_scale=None if guidance is None else float(guidance), partial_images=partial, progress=progress)
     return request, stream
+
+
+def _ignored(doc: dict[str, Any]) -> None:
+    """The parameters OpenAI has and this server ignores, held to what OpenAI allows."""
+    for key, allowed in ACCEPTED_AND_IGNORED.items():
+        if key in doc and doc[key] not in allowed:
+            raise OpenAIError(400, f"'{key}' must be one of {', '.join(allowed)}", key)
+    _text(doc, "user", None, MAX_USER)
+    _int(doc, "output_compression", 0, 100, None)
+
+
+def parse_images_body(body: bytes, max_values: int) -> tuple[ImagesRequest, bool]:
+    """``parse_images_request`` of a body, parsed strictly (run away from the door's event loop)."""
+    strict_json.count_values(body, max_values, "request body")
+    return parse_images_request(strict_json.loads(body, "request body"))
 
 
 def prompt_model_request(req: ImagesRequest, index: int) -> WireRequest:
@@ -209,7 +235,7 @@ def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:
     if status == 429:
         return OpenAIError(429, message, None, "rate_limit_error", headers)
     if 400 <= status < 500:
-        return OpenAIError(400 if status != 404 else 404, message, param)
+        return OpenAIError(status, message, param, headers=headers)
     return OpenAIError(status if status >= 500 else 500, message, None, "server_error", headers)
 
 

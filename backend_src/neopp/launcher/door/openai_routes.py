@@ -11,66 +11,73 @@ before the same final bytes.
 from __future__ import annotations
 
 import base64
-import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from . import auth, parse_jobs, strict_json
 from . import openai_images as oa
-from . import strict_json
-from .body import BodyReader, ByteBudget, DoorLimits
+from .body import BodyReader
 from .door_metrics import DoorMetrics
 from .errors import DoorError
+from .parse_jobs import Parser
+from .responses import error_answer
 from .upstream import Upstream
 
 
 class Door(Protocol):
     """What these routes use of the door that holds them (the door imports them, not the reverse)."""
 
-    budget: ByteBudget
-    limits: DoorLimits
     metrics: DoorMetrics
     upstream: Upstream
+    parser: Parser
+    api_key: str | None
+    admin_key: str | None
 
-    async def body(self, request: Request, reader: BodyReader) -> bytes: ...
+    def reader(self, request: Request, route: str = "inference") -> BodyReader: ...
+
+    def drain_after(self, request: Request, status: int) -> Callable[[], Awaitable[None]] | None: ...
+
+    def json_values(self, request: Request, what: str, hint: str = "", prefix: int | None = None,
+                    route: str = "inference") -> strict_json.ValueCounter: ...
 
     async def next_event(self, call: Any) -> dict[str, Any] | DoorError | None: ...
 
     async def until_disconnect(self, request: Request, call: Any) -> Any: ...
 
+    def stream_closed(self, call: Any, finished: bool) -> None: ...
+
 
 class ImagesRoutes:
     """``POST /v1/images/generations`` and ``GET /v1/models`` for one door."""
 
-    def __init__(self, door: Door, api_key: str | None, admin_key: str | None) -> None:
-        self.door, self.api_key, self.admin_key = door, api_key, admin_key
+    def __init__(self, door: Door) -> None:
+        self.door = door
 
     async def answer(self, request: Request, handler) -> Response:
+        after = None
         try:
-            self._authorize(request)
+            if not auth.has_api_key(request.headers, self.door.api_key):
+                raise oa.OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                                     headers={"WWW-Authenticate": "Bearer"})
             try:
                 return await handler(request)
             except DoorError as exc:
+                after = exc.after  # a refused body is drained once the answer is out
                 raise oa.refusal(exc.status, exc.message, exc.headers) from None
         except oa.OpenAIError as exc:
             self.door.metrics.refusal("openai_" + exc.kind)
-            return Response(strict_json.dumps(exc.body()), exc.status, exc.headers, media_type="application/json")
-
-    def _authorize(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
-        if not secrets.compare_digest(token.encode(), self.api_key.encode()):
-            raise oa.OpenAIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'")
+            after = after or self.door.drain_after(request, exc.status)
+            return error_answer(exc.status, exc.body(), exc.headers, after)
 
     async def generations(self, request: Request) -> Response:
-        async with BodyReader(self.door.budget, self.door.limits) as reader:
-            body = await self.door.body(request, reader)
-        req, stream = oa.parse_images_request(strict_json.loads(body, "request body"))
+        async with self.door.reader(request, "openai") as reader:
+            body = await reader.read(request.receive, request.headers,
+                                     values=self.door.json_values(request, "request body", route="openai"))
+        req, stream = await self.door.parser.run(len(body), parse_jobs.images_request, bytes(body), reader.cap.values)
         if req.partial_images:
             return await self._streamed(request, req)
         if stream:
@@ -86,19 +93,28 @@ class ImagesRoutes:
         return oa.image_bytes(await self.door.until_disconnect(request, call))
 
     async def _events(self, request: Request, req: oa.ImagesRequest, first: bytes) -> AsyncIterator[bytes]:
-        for index in range(req.n):
-            image = first if index == 0 else await self._image(request, req, index)
-            event = {"b64_json": _b64(image), "created_at": int(time.time()),
-                     "size": req.size_text, "output_format": req.output_format, "quality": "auto",
-                     "background": "auto", "seed": req.seed + index}
-            yield _sse("image_generation.completed", event)
+        finished = False
+        try:
+            for index in range(req.n):
+                image = first if index == 0 else await self._image(request, req, index)
+                event = {"b64_json": _b64(image), "created_at": int(time.time()),
+                         "size": req.size_text, "output_format": req.output_format, "quality": "auto",
+                         "background": "auto", "seed": req.seed + index}
+                yield _sse("image_generation.completed", event)
+            finished = True
+        except DoorError as exc:
+            finished = exc.reason == "client_gone"  # counted where it was seen
+            raise
+        finally:
+            if not finished:  # the client left: the images still to come are not drawn
+                self.door.metrics.cancel()
 
     async def _streamed(self, request: Request, req: oa.ImagesRequest) -> Response:
         """Partial images: the prompt encoder, then the model's streamed twin with previews."""
         if req.n > 1:
             raise oa.OpenAIError(400, "'n' must be 1 with 'partial_images'", "n")
         twin = req.model + oa.STREAM_SUFFIX
-        if twin not in await self.door.upstream.ready_models(self.admin_key):
+        if twin not in await self.door.upstream.ready_models(self.door.admin_key):
             raise oa.OpenAIError(400, f"'partial_images' needs {twin}, the streamed twin of {req.model}, which this "
                                  "server does not serve", "partial_images")
         size = req.size or await self._default_size()
@@ -113,7 +129,7 @@ class ImagesRoutes:
         return StreamingResponse(self._preview_events(call, req, size_text, first), media_type="text/event-stream")
 
     async def _preview_events(self, call, req: oa.ImagesRequest, size: str, first: dict) -> AsyncIterator[bytes]:
-        event, sent = first, 0
+        event, sent, finished = first, 0, False
         common = {"size": size, "output_format": req.output_format, "quality": "auto", "background": "auto"}
         try:
             while isinstance(event, dict):
@@ -132,13 +148,15 @@ class ImagesRoutes:
             if isinstance(event, DoorError):
                 yield _sse("error", {"error": {"message": event.message, "type": "server_error", "param": None,
                                                "code": None}})
+            finished = True
         finally:
-            call.cancel()
+            self.door.stream_closed(call, finished)
 
     async def _default_size(self) -> tuple[int, int] | None:
         """``neopp_t2i``'s own default size, so that "auto" draws what the non-streamed call draws
         (None: it sets none, and the model draws its checkpoint's default either way)."""
-        answer = await self.door.upstream.control("GET", f"/v2/models/{oa.PROMPT_MODEL}/config", None, self.admin_key)
+        answer = await self.door.upstream.control("GET", f"/v2/models/{oa.PROMPT_MODEL}/config", None,
+                                                  self.door.admin_key)
         try:
             text = strict_json.loads(answer.body)["parameters"].get("default_size", {}).get("string_value", "")
             return oa.size_of(text) if text.strip() else None
@@ -147,7 +165,7 @@ class ImagesRoutes:
                                  kind="server_error") from None
 
     async def models(self, request: Request) -> Response:
-        names = await self.door.upstream.ready_models(self.admin_key)
+        names = await self.door.upstream.ready_models(self.door.admin_key)
         offered = []
         for name in names:
             if oa.is_generation_model(name, await self.door.upstream.metadata(name, "")):

@@ -1,14 +1,16 @@
 """The door on its own thread: uvicorn (h11) serving the ASGI application on the public port.
 
 uvicorn because it is the common ASGI server, small, with a pure-Python HTTP/1.1 parser (h11)
-whose bounds are explicit (header size, connection count, keep-alive); Starlette because the
-door needs routing and streaming responses and nothing more (FastAPI would add validation
-models we do not use: the door validates with its own strict rules).
+whose bounds are explicit; its connections are the door's own (``connections.DoorProtocol``:
+timeouts, caps per client, the head limit). Starlette because the door needs routing and
+streaming responses and nothing more (FastAPI would add validation models we do not use: the
+door validates with its own strict rules).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import socket
 import threading
@@ -17,13 +19,15 @@ from collections.abc import Callable
 
 import uvicorn
 
-from .app import Door, build_app
-from .body import DoorLimits
+from .app import Door
+from .connections import ConnectionTable, DoorProtocol, HeadLimit
 from .door_metrics import DoorMetrics
+from .limits import HEADER_LIMIT, DoorLimits
+from .parse_jobs import Parser
+from .routes import build_app
 from .shm_arena import ShmArena, TensorRegion
 from .upstream import Upstream
 
-HEADER_LIMIT = 64 * 1024  # bytes of request line and headers
 LOG = logging.getLogger("neopp.launcher.door")
 
 
@@ -33,12 +37,14 @@ class DoorServer:
     def __init__(self, host: str, port: int, grpc_target: str, http_address: tuple[str, int], front_key: str,
                  limits: DoorLimits | None = None, metrics: DoorMetrics | None = None,
                  on_unhealthy: Callable[[str], None] | None = None, admin_key: str | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, parse_workers: int = 2) -> None:
         """``admin_key``: to register the tensor region and read the model list where Triton
-        restricts them; ``api_key``: what the ``/v1`` routes require (None: nothing)."""
+        restricts them, and what the door asks of administrative routes; ``api_key``: what every
+        inference route requires (None: nothing), and what the door sends Triton's gRPC inference."""
         self.limits = limits or DoorLimits()
         self.metrics = metrics or DoorMetrics()
-        self.upstream = Upstream(grpc_target, http_address, front_key)
+        self.upstream = Upstream(grpc_target, http_address, front_key, api_key)
+        self.parser = Parser(parse_workers)
         arena = ShmArena(self.limits.bodies_in_flight) if self.limits.region_min_bytes else None
 
         async def register(name: str, key: str, size: int) -> None:
@@ -46,14 +52,16 @@ class DoorServer:
 
         self.region = TensorRegion(arena, register, self.limits.region_min_bytes, self.limits.max_json_bytes,
                                    LOG.warning)
-        self.door = Door(self.upstream, self.limits, self.metrics, self.region, on_unhealthy)
+        self.door = Door(self.upstream, self.limits, self.metrics, self.region, on_unhealthy, self.parser,
+                         api_key, admin_key)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.server_address = self.sock.getsockname()[:2]
-        config = uvicorn.Config(build_app(self.door, api_key, admin_key), loop="asyncio", http="h11", lifespan="off",
-                                access_log=False, log_level="warning", log_config=None, server_header=False,
-                                limit_concurrency=self.limits.max_connections, timeout_keep_alive=30,
+        protocol = functools.partial(DoorProtocol, table=ConnectionTable(self.limits, self.metrics))
+        config = uvicorn.Config(HeadLimit(build_app(self.door), self.metrics), loop="asyncio", http=protocol,
+                                lifespan="off", access_log=False, log_level="warning", log_config=None,
+                                server_header=False, timeout_keep_alive=self.limits.idle_timeout_s,
                                 h11_max_incomplete_event_size=HEADER_LIMIT, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
@@ -61,6 +69,7 @@ class DoorServer:
             LOG.addHandler(logging.StreamHandler())
 
     def start(self) -> DoorServer:
+        self.parser.start()
         self._thread = threading.Thread(target=self._run, name="neopp-http-door", daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 30
@@ -74,9 +83,11 @@ class DoorServer:
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
+        health = asyncio.ensure_future(self.door.health_cache.run())
         try:
             await self._server.serve(sockets=[self.sock])
         finally:
+            health.cancel()
             await self.upstream.close()
 
     def stop(self) -> None:
@@ -85,3 +96,4 @@ class DoorServer:
             self._thread.join(timeout=15)
         self.sock.close()
         self.region.close()
+        self.parser.close()

@@ -2,8 +2,11 @@
 
 Over gRPC a 44 MB KV is copied into the message, sent, and parsed again by Triton; through a
 region registered with Triton it is written once, as it arrives from the client, and Triton
-reads it in place. The region is the door's own (0600, a name with 64 random bits, removed at
-stop); slices are lent to one request each and given back when Triton has answered.
+reads it in place. The region is the door's own: 0600, its file named after its owner (so that
+the next door removes it if the owner was killed), removed at stop. Triton knows it by another
+name, 128 random bits that appear nowhere a client can read (not in /dev/shm, not in an error
+the door passes on), so no request can name it, over gRPC either. Slices are lent to one request
+each and given back when Triton has answered.
 """
 
 from __future__ import annotations
@@ -18,21 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SHM_DIR = Path("/dev/shm")
-PREFIX = "neopp_door_"  # then the owner's pid and 64 random bits
+from ..shm_regions import SHM_DIR, owner_tag, remove_orphans
+from .errors import DoorError
+from .limits import BYTE_COUNT
+
+PREFIX = "neopp_door_"  # then the owner and 64 random bits
 ALIGN = 64
-
-
-def remove_orphans(directory: Path = SHM_DIR) -> list[str]:
-    """Remove the regions of doors whose process is gone (killed before it could): the name holds
-    the owner's pid, so a live door's region, this host's other servers' included, is never touched."""
-    removed = []
-    for path in directory.glob(PREFIX + "*"):
-        pid = path.name[len(PREFIX):].split("_", 1)[0]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            path.unlink(missing_ok=True)
-            removed.append(path.name)
-    return removed
 
 
 @dataclass(frozen=True)
@@ -48,8 +42,8 @@ class ShmArena:
     """A region of ``size`` bytes with a first-fit allocator; ``None`` when a slice does not fit."""
 
     def __init__(self, size: int, directory: Path = SHM_DIR) -> None:
-        remove_orphans(directory)
-        self.name = f"{PREFIX}{os.getpid()}_{secrets.token_hex(8)}"
+        remove_orphans((PREFIX,), directory)
+        self.name = f"{PREFIX}{owner_tag()}_{secrets.token_hex(8)}"
         self.path = directory / self.name
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -125,17 +119,20 @@ class TensorRegion:
         self.arena, self.register, self.log = arena, register, log
         self.min_bytes, self.max_header = min_bytes, max_header
         self.registered = False
+        self.name = f"door-{secrets.token_hex(16)}" if arena else ""  # what Triton knows it by: secret
 
-    @property
-    def name(self) -> str:
-        return self.arena.name if self.arena else ""
+    def scrubbed(self, error: DoorError) -> DoorError:
+        """``error`` without the region's name, before a client reads it."""
+        if self.name and self.name in error.message:
+            error.message = error.message.replace(self.name, "<the door's tensor region>")
+        return error
 
     def wants(self, headers: Any) -> int:
         """Bytes a plain binary request would put in the region (0: it goes in the message)."""
         if self.arena is None or "content-encoding" in headers or "transfer-encoding" in headers:
             return 0
         length, header = headers.get("content-length", ""), headers.get("inference-header-content-length", "")
-        if not (length.isdigit() and header.isdigit() and len(length) < 16
+        if not (BYTE_COUNT.match(length) and BYTE_COUNT.match(header)
                 and 0 < int(header) <= min(int(length), self.max_header)):
             return 0
         tail = int(length) - int(header)
@@ -144,21 +141,21 @@ class TensorRegion:
     async def ensure(self) -> bool:
         if self.arena is not None and not self.registered:
             try:
-                await self.register(self.arena.name, self.arena.key, self.arena.size)
+                await self.register(self.name, self.arena.key, self.arena.size)
                 self.registered = True
             except Exception as exc:  # noqa: BLE001 - the region is an optimisation; say why it is off
                 if "already in manager" in str(exc):  # another request registered it first
                     self.registered = True
                     return True
-                self.log(f"neopp front: shared-memory region for tensors not registered ({exc}); "
-                         "tensors travel inside gRPC requests")
+                self.log(f"neopp front: shared-memory region for tensors not registered "
+                         f"({str(exc).replace(self.name, '<region>')}); tensors travel inside gRPC requests")
                 self.arena.close()
                 self.arena = None
         return self.arena is not None
 
     def lost(self, message: str) -> bool:
         """True when Triton no longer knows the region (it restarted): register it again."""
-        if self.arena is not None and "Unable to find" in message and f"'{self.arena.name}'" in message:
+        if self.arena is not None and "Unable to find" in message and f"'{self.name}'" in message:
             self.registered = False
             return True
         return False

@@ -22,6 +22,7 @@ NUMPY_TYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32
 ELEMENT_BYTES = {**{name: np.dtype(t).itemsize for name, t in NUMPY_TYPES.items()}, "BF16": 2}
 DATATYPES = (*ELEMENT_BYTES, "BYTES")
 MAX_RANK = 8
+MAX_BYTES_ELEMENTS = 65_536  # elements of one BYTES input: each costs a step to check
 
 
 def check_shape(shape: Any, name: str) -> list[int]:
@@ -115,14 +116,22 @@ def raw_from_json(data: Any, datatype: str, shape: list[int], name: str) -> byte
     return array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
 
 
-def check_raw_size(raw: bytes | memoryview, datatype: str, shape: list[int], name: str) -> None:
-    """Binary data must be exactly what the shape needs (BYTES: a well-formed framing)."""
+def check_size(size: int, datatype: str, shape: list[int], name: str) -> None:
+    """A binary part's declared size must be what the shape needs (BYTES: at most
+    MAX_BYTES_ELEMENTS elements, their framing checked with the bytes)."""
     count = element_count(shape)
     if datatype == "BYTES":
-        deserialize_bytes(raw, count, name)
-    elif len(raw) != count * ELEMENT_BYTES[datatype]:
-        raise invalid(f"input '{name}': binary_data_size is {len(raw)} bytes, the shape {shape} of "
+        if count > MAX_BYTES_ELEMENTS:
+            raise invalid(f"input '{name}': a BYTES input holds at most {MAX_BYTES_ELEMENTS} elements, "
+                          f"the shape {shape} has {count}")
+    elif size != count * ELEMENT_BYTES[datatype]:
+        raise invalid(f"input '{name}': binary_data_size is {size} bytes, the shape {shape} of "
                       f"{datatype} needs {count * ELEMENT_BYTES[datatype]}")
+
+
+def check_bytes(raw: bytes | memoryview, shape: list[int], name: str) -> None:
+    """Binary BYTES data must frame exactly the shape's elements."""
+    deserialize_bytes(raw, element_count(shape), name)
 
 
 def bf16_to_float(raw: bytes) -> np.ndarray:

@@ -1,28 +1,31 @@
 """The door's two ways into Triton, both on loopback.
 
 * gRPC (``grpc.aio``) for inference and model metadata: a cancelled call cancels the request in
-  Triton, which is how a client that hangs up over HTTP stops its generation.
+  Triton, which is how a client that hangs up over HTTP stops its generation. With an API key,
+  inference calls carry it as Triton's restricted-protocol header wants it.
 * Triton's own HTTP port for the control routes (health, metadata, config, statistics, the
   administrative APIs): it answers only requests carrying this run's front key, and the door
-  sends it only bodies it serialised itself.
+  sends it only bodies it serialised itself. Each exchange runs on the event loop (h11 over an
+  asyncio connection), so no pool of threads can be used up and make a health check wait.
 """
 
 from __future__ import annotations
 
 import asyncio
-import http.client
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+import h11
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from ..admin import FRONT_HEADER, GRPC_HEADER, KEY_HEADER
+from ..admin import FRONT_HEADER, GRPC_HEADER, KEY_HEADER, inference_metadata
 from .errors import DoorError
 from .wire import WireRequest
 
 MAX_MESSAGE = 1 << 30
+CONTROL_TIMEOUT_S = 600.0  # a model load answers when it is done
 # gRPC status -> HTTP status, as Triton's HTTP endpoint answers for the same error.
 HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
                grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.UNAVAILABLE: 503,
@@ -51,11 +54,14 @@ class ControlResponse:
 class Upstream:
     """One gRPC channel (made on the door's event loop) and the loopback HTTP address."""
 
-    def __init__(self, grpc_target: str, http_address: tuple[str, int], front_key: str) -> None:
+    def __init__(self, grpc_target: str, http_address: tuple[str, int], front_key: str,
+                 api_key: str | None = None) -> None:
         self.grpc_target, self.http_address, self.front_key = grpc_target, http_address, front_key
+        self.inference_metadata = inference_metadata(api_key)
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.GRPCInferenceServiceStub | None = None
         self._infer_wire: grpc.aio.UnaryUnaryMultiCallable | None = None
+        self._stream_wire: grpc.aio.StreamStreamMultiCallable | None = None
 
     def _connect(self) -> None:
         if self._channel is not None:
@@ -66,6 +72,9 @@ class Upstream:
         self._infer_wire = self._channel.unary_unary(  # takes the bytes the door serialised itself
             "/inference.GRPCInferenceService/ModelInfer", request_serializer=None,
             response_deserializer=pb.ModelInferResponse.FromString)
+        self._stream_wire = self._channel.stream_stream(
+            "/inference.GRPCInferenceService/ModelStreamInfer", request_serializer=None,
+            response_deserializer=pb.ModelStreamInferResponse.FromString)
 
     @property
     def stub(self) -> pb_grpc.GRPCInferenceServiceStub:
@@ -75,7 +84,7 @@ class Upstream:
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
-            self._channel, self._stub, self._infer_wire = None, None, None
+            self._channel, self._stub, self._infer_wire, self._stream_wire = None, None, None, None
 
     async def metadata(self, model: str, version: str) -> pb.ModelMetadataResponse:
         try:
@@ -102,34 +111,50 @@ class Upstream:
     def infer(self, request: WireRequest) -> grpc.aio.UnaryUnaryCall:
         """The call itself, so that the caller can cancel it."""
         self._connect()
-        return self._infer_wire(request.serialize())
+        return self._infer_wire(request.serialize(), metadata=self.inference_metadata)
 
     def stream(self, wire: WireRequest) -> grpc.aio.StreamStreamCall:
         """A stream carrying this one request; its responses end with the final flag."""
-        request = wire.to_message()
+        request = wire.serialize()
 
-        async def one() -> AsyncIterator[pb.ModelInferRequest]:
+        async def one() -> AsyncIterator[bytes]:
             yield request
             await asyncio.Event().wait()  # keep the stream open until the caller cancels or finishes
 
-        return self.stub.ModelStreamInfer(one())
+        self._connect()
+        return self._stream_wire(one(), metadata=self.inference_metadata)
 
     async def control(self, method: str, path: str, body: bytes | None, admin_key: str | None) -> ControlResponse:
         """One request to Triton's own HTTP port, with the front key (and the caller's admin key)."""
-        return await asyncio.to_thread(self._control, method, path, body, admin_key)
-
-    def _control(self, method: str, path: str, body: bytes | None, admin_key: str | None) -> ControlResponse:
-        headers = {FRONT_HEADER: self.front_key}
+        headers = [("Host", f"{self.http_address[0]}:{self.http_address[1]}"), (FRONT_HEADER, self.front_key),
+                   ("Content-Length", str(len(body or b""))), ("Connection", "close")]
         if admin_key is not None:
-            headers[KEY_HEADER] = admin_key
+            headers.append((KEY_HEADER, admin_key))
         if body is not None:
-            headers["Content-Type"] = "application/json"
-        conn = http.client.HTTPConnection(*self.http_address, timeout=600)
+            headers.append(("Content-Type", "application/json"))
         try:
-            conn.request(method, path, body=body, headers=headers)
-            resp = conn.getresponse()
-            return ControlResponse(resp.status, resp.read(), resp.getheader("Content-Type") or "application/json")
-        except (OSError, http.client.HTTPException) as exc:
-            raise DoorError(503, f"the server is not reachable: {exc}", reason="upstream_down") from None
+            return await asyncio.wait_for(self._exchange(h11.Request(method=method, target=path, headers=headers),
+                                                         body or b""), CONTROL_TIMEOUT_S)
+        except (OSError, h11.ProtocolError, asyncio.TimeoutError) as exc:
+            raise DoorError(503, f"the server is not reachable: {exc or type(exc).__name__}",
+                            reason="upstream_down") from None
+
+    async def _exchange(self, request: h11.Request, body: bytes) -> ControlResponse:
+        reader, writer = await asyncio.open_connection(*self.http_address)
+        conn, status, content_type, parts = h11.Connection(h11.CLIENT), 0, "application/json", []
+        try:
+            writer.write(conn.send(request) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))
+            await writer.drain()
+            while True:
+                event = conn.next_event()
+                if event is h11.NEED_DATA:
+                    conn.receive_data(await reader.read(1 << 16))
+                elif isinstance(event, h11.Response):
+                    status = event.status_code
+                    content_type = dict(event.headers).get(b"content-type", b"application/json").decode("latin-1")
+                elif isinstance(event, h11.Data):
+                    parts.append(event.data)
+                elif isinstance(event, h11.EndOfMessage | h11.ConnectionClosed):
+                    return ControlResponse(status, b"".join(parts), content_type)
         finally:
-            conn.close()
+            writer.close()

@@ -34,9 +34,17 @@ class WireRequest:
             parts += [RAW_INPUT_TAG, _varint(len(raw)), raw]
         return b"".join(parts)
 
+    def __reduce__(self):
+        """Across processes as bytes (the generated message classes do not pickle)."""
+        return _rebuild, (self.message.SerializeToString(), [bytes(raw) for raw in self.raws])
+
     def to_message(self) -> pb.ModelInferRequest:
         """The same request as one protobuf message (small requests, streams)."""
         message = pb.ModelInferRequest()
         message.CopyFrom(self.message)
         message.raw_input_contents.extend(bytes(raw) for raw in self.raws)
         return message
+
+
+def _rebuild(message: bytes, raws: list[bytes]) -> WireRequest:
+    return WireRequest(pb.ModelInferRequest.FromString(message), raws)
