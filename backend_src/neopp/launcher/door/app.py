@@ -4,6 +4,10 @@ Inference (``infer``, ``generate``, ``generate_stream``) is parsed here and sent
 gRPC; a client that disconnects cancels its call. The control routes go to Triton's own HTTP port
 with bodies the door re-serialised. Every refusal is a JSON ``{"error": ...}`` with a 4xx status;
 nothing a client sends leads to a traceback.
+
+Whether the server can serve now is the launcher's to say (``Health``, from what it owns), never
+read from the text of Triton's errors, which a client can shape: readiness, and a 503 with
+Retry-After for a request the server cannot serve while it recovers, instead of a 500.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import quote
 
 import grpc
@@ -40,6 +44,20 @@ VERSION = re.compile(r"^[0-9]{0,18}$")
 KEY_FORMAT = re.compile(r"^[A-Za-z0-9_-]{16,256}$")
 MODEL = "/v2/models/{model}"
 VERSIONED = "/v2/models/{model}/versions/{version}"
+RETRY_AFTER_S = 2  # a stub is reloaded in seconds, a server restarted in tens of them
+
+
+class Health(Protocol):
+    """What the launcher knows: why the server, or one model, cannot serve now (None: it can)."""
+
+    def not_ready(self) -> str | None: ...
+
+    def model_unavailable(self, model: str) -> str | None: ...
+
+
+def unavailable(why: str) -> DoorError:
+    return DoorError(503, f"not serving now, try again shortly: {why}", reason="recovering",
+                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def json_response(status: int, doc: Any, headers: dict[str, str] | None = None) -> Response:
@@ -85,10 +103,25 @@ class Door:
     """State shared by the routes: limits, the body budget, Triton, metrics."""
 
     def __init__(self, upstream: Upstream, limits: DoorLimits, metrics: DoorMetrics, region: TensorRegion,
-                 on_unhealthy: Callable[[str], None] | None = None) -> None:
+                 health: Health | None = None) -> None:
         self.upstream, self.limits, self.metrics, self.region = upstream, limits, metrics, region
         self.budget = ByteBudget(limits.bodies_in_flight)
-        self.on_unhealthy = on_unhealthy
+        self.health = health
+
+    def serving(self, model: str | None = None) -> None:
+        """Refuse (503) what the launcher knows cannot be served now: the server, or ``model``."""
+        if self.health is not None:
+            why = self.health.not_ready() if model is None else self.health.model_unavailable(model)
+            if why is not None:
+                raise unavailable(why)
+
+    def upstream_error(self, exc: grpc.aio.AioRpcError) -> DoorError:
+        """Triton's error as the answer; a server-side failure while the launcher knows the server
+        is recovering is a 503 with Retry-After (the client may try again), not a 500."""
+        error = grpc_error(exc)
+        if error.status == 500:
+            self.serving()
+        return error
 
     async def body(self, request: Request, reader: BodyReader) -> bytes:
         data = await reader.read(request.receive, request.headers)
@@ -102,6 +135,7 @@ class Door:
 
     async def infer(self, request: Request) -> Response:
         model, version = _checked(request, "model"), _checked(request, "version", VERSION)
+        self.serving(model)
         header_length = request.headers.get("inference-header-content-length")
         async with BodyReader(self.budget, self.limits) as reader, self.region.slot(request.headers) as slot:
             if slot is None:
@@ -129,6 +163,7 @@ class Door:
     async def _generate_request(self, request: Request, reader: BodyReader, stream: bool) -> WireRequest:
         """A generate body read under the bounds and mapped onto the model's declared inputs."""
         model, version = _checked(request, "model"), _checked(request, "version", VERSION)
+        self.serving(model)
         body = await self.body(request, reader)
         metadata = await self.upstream.metadata(model, version)
         return generate.parse_generate(body, model, version, metadata, stream=stream)
@@ -152,7 +187,8 @@ class Door:
             raise
         if isinstance(first, DoorError):  # refused before any step: the status says so
             call.cancel()
-            return Response(_sse({"error": first.message}), first.status, media_type="text/event-stream")
+            return Response(_sse({"error": first.message}), first.status, first.headers,
+                            media_type="text/event-stream")
         return StreamingResponse(self._events(call, first), media_type="text/event-stream")
 
     async def next_event(self, call: Any) -> dict[str, Any] | DoorError | None:
@@ -161,11 +197,13 @@ class Door:
             try:
                 message = await call.read()
             except grpc.aio.AioRpcError as exc:
-                return grpc_error(exc)
+                try:
+                    return self.upstream_error(exc)
+                except DoorError as refusal:
+                    return refusal
             if message is grpc.aio.EOF:
                 return None
             if message.error_message:
-                self._note_unhealthy(message.error_message)
                 return DoorError(400, message.error_message, reason="upstream")
             response = message.infer_response
             if response.outputs:
@@ -202,17 +240,11 @@ class Door:
             try:
                 return result.result()
             except grpc.aio.AioRpcError as exc:
-                self._note_unhealthy(exc.details() or "")
-                raise grpc_error(exc) from None
+                raise self.upstream_error(exc) from None
         finally:
             watch.cancel()
             if not result.done():
                 result.cancel()
-
-    def _note_unhealthy(self, message: str) -> None:
-        match = re.search(r"Stub process '([^']+)' is not healthy", message)
-        if match and self.on_unhealthy is not None:
-            self.on_unhealthy(match.group(1))
 
     async def answer(self, request: Request, endpoint: Callable[[Request], Awaitable[Response]]) -> Response:
         """The endpoint's response; a refusal or an unexpected fault as a JSON error, never a traceback."""
@@ -232,6 +264,15 @@ class Door:
         return response
 
     # ---------------------------------------------------------------- control routes
+
+    async def ready(self, request: Request) -> Response:
+        """Ready when the launcher knows of nothing broken and Triton says so too."""
+        self.serving()
+        return await self.forward(request, "/v2/health/ready")
+
+    async def model_ready(self, request: Request) -> Response:
+        self.serving(_checked(request, "model"))
+        return await self.forward(request, _model_path(request, "/ready"))
 
     async def forward(self, request: Request, path: str, with_body: bool = False) -> Response:
         body = None
@@ -305,7 +346,7 @@ def build_app(door: Door, api_key: str | None = None, admin_key: str | None = No
 
     routes = [
         Route("/v2/health/live", control(lambda r: "/v2/health/live"), methods=["GET"]),
-        Route("/v2/health/ready", control(lambda r: "/v2/health/ready"), methods=["GET"]),
+        Route("/v2/health/ready", guarded(door.ready), methods=["GET"]),
         Route("/v2", control(lambda r: "/v2"), methods=["GET"]),
         Route("/v2/models/stats", control(lambda r: "/v2/models/stats"), methods=["GET"]),
         Route("/v2/repository/index", control(lambda r: "/v2/repository/index", True), methods=["POST"]),
@@ -324,7 +365,8 @@ def build_app(door: Door, api_key: str | None = None, admin_key: str | None = No
         Route("/v1/models", guarded(lambda r: images.answer(r, images.models)), methods=["GET"]),
         *inference("infer", door.infer), *inference("generate", door.generate),
         *inference("generate_stream", door.generate_stream),
-        *model_route("", ["GET"]), *model_route("/ready", ["GET"]), *model_route("/config", ["GET"]),
+        *model_route("", ["GET"]), Route(MODEL + "/ready", guarded(door.model_ready), methods=["GET"]),
+        Route(VERSIONED + "/ready", guarded(door.model_ready), methods=["GET"]), *model_route("/config", ["GET"]),
         *model_route("/stats", ["GET"]), *model_route("/trace/setting", ["GET"]),
         *model_route("/trace/setting", ["POST"], True),
     ]

@@ -9,15 +9,15 @@ models we do not use: the door validates with its own strict rules).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 import uvicorn
 
-from .app import Door, build_app
+from .app import Door, Health, build_app
 from .body import DoorLimits
 from .door_metrics import DoorMetrics
 from .shm_arena import ShmArena, TensorRegion
@@ -32,10 +32,11 @@ class DoorServer:
 
     def __init__(self, host: str, port: int, grpc_target: str, http_address: tuple[str, int], front_key: str,
                  limits: DoorLimits | None = None, metrics: DoorMetrics | None = None,
-                 on_unhealthy: Callable[[str], None] | None = None, admin_key: str | None = None,
+                 health: Health | None = None, admin_key: str | None = None,
                  api_key: str | None = None) -> None:
         """``admin_key``: to register the tensor region and read the model list where Triton
-        restricts them; ``api_key``: what the ``/v1`` routes require (None: nothing)."""
+        restricts them; ``api_key``: what the ``/v1`` routes require (None: nothing); ``health``:
+        what the launcher knows of the server (readiness, requests it cannot serve now)."""
         self.limits = limits or DoorLimits()
         self.metrics = metrics or DoorMetrics()
         self.upstream = Upstream(grpc_target, http_address, front_key)
@@ -46,7 +47,7 @@ class DoorServer:
 
         self.region = TensorRegion(arena, register, self.limits.region_min_bytes, self.limits.max_json_bytes,
                                    LOG.warning)
-        self.door = Door(self.upstream, self.limits, self.metrics, self.region, on_unhealthy)
+        self.door = Door(self.upstream, self.limits, self.metrics, self.region, health)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
@@ -57,6 +58,7 @@ class DoorServer:
                                 h11_max_incomplete_event_size=HEADER_LIMIT, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         if not LOG.handlers:
             LOG.addHandler(logging.StreamHandler())
 
@@ -74,10 +76,22 @@ class DoorServer:
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
         try:
             await self._server.serve(sockets=[self.sock])
         finally:
             await self.upstream.close()
+
+    def answers(self, timeout_s: float) -> bool:
+        """True when the door's event loop runs a no-op within ``timeout_s`` (it is not stuck)."""
+        loop = self._loop
+        if loop is None or self._thread is None or not self._thread.is_alive():
+            return False
+        try:
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout_s)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            return False
+        return True
 
     def stop(self) -> None:
         self._server.should_exit = True
