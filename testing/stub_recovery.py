@@ -18,6 +18,7 @@ import argparse
 import base64
 import http.client
 import json
+import re
 import sys
 import tempfile
 import threading
@@ -49,7 +50,10 @@ class DeathUnderTraffic:
 
     def summary(self, model: str) -> str:
         statuses = Counter(status for _, status, _, _ in self.answers)
-        return (f"serving again after {self.recovery_s:.1f}s; answers meanwhile {dict(sorted(statuses.items()))}; "
+        took = re.findall(rf"neopp watchdog: {model}: reload done in ([\d.]+)s", self.log)
+        warm = re.findall(rf'"{model}: loaded .* warm-up ([\d.]+)s"', self.log)
+        return (f"serving again after {self.recovery_s:.1f}s (the reload {', '.join(took) or '?'}s, of which "
+                f"warm-up {', '.join(warm) or '?'}s); answers meanwhile {dict(sorted(statuses.items()))}; "
                 f"reloads {self.reloads(model)}, stub kills by the launcher {self.log.count('killing its stub')}, "
                 f"tritonserver restarts {self.log.count('restarting tritonserver')}")
 
@@ -119,6 +123,8 @@ def _images_client(port: int, seed: int) -> Callable[[], tuple[int, dict[str, st
         status, headers, answer = http_status(port, "POST", "/v1/images/generations", body,
                                               {"Content-Type": "application/json"})
         image = base64.b64decode(json.loads(answer)["data"][0]["b64_json"]) if status == 200 else None
+        if status not in (200, 503):
+            print(f"    answer {status}: {answer[:300]!r}", flush=True)
         if image is not None and not expected:
             expected.append(image)
         return status, headers, image is not None and image == expected[0]
@@ -134,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     ns = parser.parse_args(argv)
     model, ok = "neopp_dense", True
     with tempfile.TemporaryDirectory() as tmp:
-        launched = launch(Path(tmp) / "serve.log", {"NEOPP_CHECKPOINT": ns.checkpoint},
+        checkpoint = str(Path(ns.checkpoint).resolve())
+        env = {"NEOPP_CHECKPOINT": checkpoint, "NEOPP_CHECKPOINT_NEOPP_PROMPT_ENCODER": checkpoint}
+        launched = launch(Path(tmp) / "serve.log", env,
                           ("neopp_prompt_encoder", "neopp_t2i", model), max_restarts=2)
         try:
             launched.wait_for("NeoPP Triton server ready", timeout=900)

@@ -179,3 +179,18 @@ def test_failed_reloads_back_off_then_the_server_is_restarted():
     assert Server.loads == [1.5, 3.6, 8.1], notes
     assert dog.health.model_unavailable("m") is not None
     assert dog.health.take_restart() == "3 reloads of m failed in a row"
+
+
+def test_a_request_that_ran_while_the_server_recovered_is_told_so():
+    from neopp.launcher.health import ServerHealth
+
+    now = [10.0]
+    health = ServerHealth(clock=lambda: now[0])
+    health.server_up()
+    sent = 11.0
+    now[0] = 12.0
+    health.model_broken("m", "reloading")
+    now[0] = 13.0
+    health.model_serving("m")  # ready again at 13 s
+    assert health.not_ready() is None and health.not_ready(since=14.0) is None
+    assert health.not_ready(since=sent) == "it was recovering while this request ran"

@@ -16,6 +16,7 @@ import asyncio
 import gzip
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from importlib import resources
 from typing import Any, Protocol
@@ -48,9 +49,10 @@ RETRY_AFTER_S = 2  # a stub is reloaded in seconds, a server restarted in tens o
 
 
 class Health(Protocol):
-    """What the launcher knows: why the server, or one model, cannot serve now (None: it can)."""
+    """What the launcher knows: why the server (now, or at some moment after ``since``) or one model
+    cannot serve (None: it can)."""
 
-    def not_ready(self) -> str | None: ...
+    def not_ready(self, since: float | None = None) -> str | None: ...
 
     def model_unavailable(self, model: str) -> str | None: ...
 
@@ -108,19 +110,20 @@ class Door:
         self.budget = ByteBudget(limits.bodies_in_flight)
         self.health = health
 
-    def serving(self, model: str | None = None) -> None:
-        """Refuse (503) what the launcher knows cannot be served now: the server, or ``model``."""
+    def serving(self, model: str | None = None, since: float | None = None) -> None:
+        """Refuse (503) what the launcher knows cannot be served now: ``model``, or the server (now
+        or at some moment after ``since``)."""
         if self.health is not None:
-            why = self.health.not_ready() if model is None else self.health.model_unavailable(model)
+            why = self.health.not_ready(since) if model is None else self.health.model_unavailable(model)
             if why is not None:
                 raise unavailable(why)
 
-    def upstream_error(self, exc: grpc.aio.AioRpcError) -> DoorError:
-        """Triton's error as the answer; a server-side failure while the launcher knows the server
-        is recovering is a 503 with Retry-After (the client may try again), not a 500."""
+    def upstream_error(self, exc: grpc.aio.AioRpcError, since: float | None = None) -> DoorError:
+        """Triton's error as the answer; a server-side failure of a request that ran while the
+        launcher knew the server was recovering is a 503 with Retry-After, not a 500."""
         error = grpc_error(exc)
-        if error.status == 500:
-            self.serving()
+        if error.status >= 500:
+            self.serving(since=since)
         return error
 
     async def body(self, request: Request, reader: BodyReader) -> bytes:
@@ -229,6 +232,7 @@ class Door:
 
     async def until_disconnect(self, request: Request, call: Any) -> Any:
         """The call's response, or a cancelled call when the client leaves first."""
+        began = time.monotonic()
         watch = asyncio.ensure_future(_disconnected(request.receive))
         result = asyncio.ensure_future(call)
         try:
@@ -240,7 +244,7 @@ class Door:
             try:
                 return result.result()
             except grpc.aio.AioRpcError as exc:
-                raise self.upstream_error(exc) from None
+                raise self.upstream_error(exc, began) from None
         finally:
             watch.cancel()
             if not result.done():
