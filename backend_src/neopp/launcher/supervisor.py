@@ -287,8 +287,8 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--reload-timeout-s", type=float, default=300.0,
                    help="a model reload by the watchdog that takes longer restarts tritonserver")
     s.add_argument("--hung-s", type=float, default=60.0,
-                   help="requests waiting this long with none answered while the server's stubs use no CPU: "
-                        "the stubs of that model are hung and replaced")
+                   help="requests for a model waiting this long while the server makes no progress and that "
+                        "model's stubs use no CPU: they are hung and replaced")
     s.add_argument("--alive-file", default=None,
                    help="touched every 5 s while the launcher's HTTP door answers: what a liveness probe reads")
     s.add_argument("--admin-key-file", default=default_key,
