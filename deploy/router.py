@@ -11,8 +11,9 @@ this rendering. The rules:
   request) with a consistent hash: every turn of a chat reaches the replica that holds its session,
   and a replica that goes away moves only its own chats. Requests without the header (stateless
   turns, plain generations) go round-robin.
-* A replica is in the pool while its door answers ``GET /v2/health/ready`` (Triton's strict
-  readiness: every model it loaded is ready), checked every 500 ms; two misses take it out, so new
+* A replica is in the pool while its door answers ``GET /v2/health/ready`` (the launcher's
+  readiness: the server is up and no model has a dead, stopped, hung or reloading stub),
+  checked every 500 ms; two misses take it out, so new
   requests reach the others within about a second of a crash. A request whose connection to a
   replica fails before it was sent is sent to another one (``retry-on conn-failure``); one that
   was already running there fails (gRPC UNAVAILABLE / HTTP 502): it is never sent twice.

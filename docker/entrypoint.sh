@@ -20,5 +20,5 @@ mkdir -p "$state"
 cd "$home"
 exec "${NEOPP_PYTHON:-python3}" -m neopp.launcher serve --model-repository "$home/model_repository" \
   --host "${NEOPP_HOST:-0.0.0.0}" --http-port "${NEOPP_HTTP_PORT:-8000}" --grpc-port "${NEOPP_GRPC_PORT:-8001}" \
-  --metrics-port "${NEOPP_METRICS_PORT:-8002}" --admin-key-file "$state/admin.key" \
+  --metrics-port "${NEOPP_METRICS_PORT:-8002}" --admin-key-file "$state/admin.key" --alive-file "$state/alive" \
   ${NEOPP_STOP_TIMEOUT_S:+--stop-timeout-s "$NEOPP_STOP_TIMEOUT_S"} -- "$@"

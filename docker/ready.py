@@ -1,7 +1,8 @@
 """Readiness of a NeoPP replica: every model it must serve ($NEOPP_MODELS) answers ready.
 
 Triton's own readiness says the server is up; a replica is ready for its clients only when each
-model it was started with is (a stub reloading after a crash makes it unready until it is back).
+model it was started with can serve now. The door answers from what the launcher knows: a model
+whose stub is dead, stopped, hung or being reloaded, or a server restarting, is not ready.
 Exit 0 when ready, else 1 with one line naming the first model that is not.
     python3 docker/ready.py        (the container's health check and Kubernetes readiness probe)
 """

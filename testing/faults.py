@@ -20,7 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from neopp.procs import cmdline, model_stubs, server_processes, spawned_children, stub_instance
+from neopp.launcher.stub_kill import kill_stub as kill_safely
+from neopp.procs import cmdline, model_stubs, server_processes, spawned_children, start_ticks, stub_instance
 from testing.fuzz import Inputs
 from testing.loadgen import image_bytes, infer, with_token
 
@@ -52,6 +53,16 @@ def signal_own(server_pid: int, pid: int, sig: int = signal.SIGKILL) -> None:
     if pid not in server_processes(server_pid):
         raise RuntimeError(f"pid {pid} is not a process of tritonserver {server_pid}; not signalled")
     os.kill(pid, sig)
+
+
+def kill_own_stub(server_pid: int, pid: int) -> None:
+    """SIGKILL a Python stub of this server as the launcher does: never while it holds a lock it
+    shares with tritonserver (that aborts the server, neopp.launcher.stub_kill)."""
+    started = start_ticks(pid)
+    if pid not in server_processes(server_pid) or started is None:
+        raise RuntimeError(f"pid {pid} is not a process of tritonserver {server_pid}; not killed")
+    if not kill_safely(pid, started, print, bound_s=60.0):
+        raise RuntimeError(f"stub {pid} held a lock it shares with tritonserver for 60 s; not killed")
 
 
 def stub_pid(server_pid: int, model: str, timeout: float = 60.0) -> int:
@@ -101,10 +112,8 @@ class StubKill:
 
 
 def _mid_step(metrics_url: str, model: str, before: float, timeout: float) -> None:
-    """Return in the middle of a step's compute. Between steps the stub talks to the server (step
-    metrics, the cancellation check) under an interprocess lock; a stub killed holding it makes the
-    Python backend abort the whole server. So: time one step (between two step ends), then wait half
-    a step after the second."""
+    """Return in the middle of a step's compute (time one step between two step ends, then wait
+    half a step after the second): the request is surely running when its stub is killed."""
     def at_least(n: float) -> float:
         got = wait_for(lambda: metric(metrics_url, STEPS_METRIC, model=model) >= n, timeout, poll=0.005)
         if not got:
@@ -139,7 +148,7 @@ def kill_stub(client: Any, server_pid: int, model: str, inputs: Inputs, expected
         if metrics_url:  # the generation is really running: a step is done
             _mid_step(metrics_url, model, before, timeout)
     killed_at = time.monotonic()
-    signal_own(server_pid, outcome.killed_pid)
+    kill_own_stub(server_pid, outcome.killed_pid)
     if worker is not None:
         worker.join(timeout)
     deadline = killed_at + timeout

@@ -69,7 +69,9 @@ def test_a_replica_drains_before_it_stops_and_is_ready_only_with_its_models(over
     assert pod["terminationGracePeriodSeconds"] > pre_stop + drain + 20, "the kubelet must not kill a draining replica"
     assert spec["serviceName"] == "neopp-replicas" and spec["updateStrategy"]["type"] == "RollingUpdate"
     assert c["readinessProbe"]["exec"]["command"][-1] == "/opt/neopp/docker/ready.py"
-    assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"  # answered by a busy replica too
+    # liveness reads the launcher's alive file: a door full of idle connections is not a dead replica
+    assert c["livenessProbe"]["exec"]["command"][-1] == c["startupProbe"]["exec"]["command"][-1] \
+        == "/opt/neopp/docker/live.py"
     assert c["startupProbe"]["periodSeconds"] * c["startupProbe"]["failureThreshold"] >= 600
     assert env_of(c)["NEOPP_ADMIN_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "neopp-admin-key"
     volumes = {v["name"]: v for v in pod["volumes"]}

@@ -118,3 +118,79 @@ def test_the_lightllm_client_goes_stateless_only_when_the_server_lost_the_sessio
     client.new_session(6)
     assert (client.stateless, client.model, client.sequence_id) == (False, "neopp_session", 6)
     client.client.close()
+
+
+def test_a_model_is_hung_only_while_requests_wait_and_nothing_moves():
+    from neopp.launcher.watchdog import HangWatch
+
+    watch = HangWatch(hung_s=10.0)
+    busy = [watch.update(t, {"m": (3.0, 5.0)}, {"m": t * 0.5}) for t in range(0, 40, 2)]
+    assert not any(busy), "a stub computing (its CPU advancing) is never hung, however long it takes"
+    waiting = [watch.update(t, {"bls": (2.0, 0.0), "m": (0.0, float(t))}, {"bls": 0.0}) for t in range(40, 80, 2)]
+    assert not any(waiting), "a session stub waiting on a model that steps is not hung"
+    idle = [watch.update(t, {"m": (0.0, 80.0)}, {"m": 0.0}) for t in range(80, 120, 2)]
+    assert not any(idle), "nothing waiting: nothing to judge"
+    stuck = [watch.update(t, {"m": (1.0, 80.0), "other": (0.0, 9.0)}, {"m": 0.02 * t}) for t in range(120, 134, 2)]
+    assert stuck[:5] == [[]] * 5 and stuck[5] == ["m"], stuck  # 10 s waiting, no progress, no CPU of its own
+
+
+def test_health_says_why_the_server_or_a_model_cannot_serve_now():
+    from neopp.launcher.health import ServerHealth
+
+    health = ServerHealth()
+    assert health.not_ready() == "tritonserver is starting" == health.model_unavailable("m")
+    health.server_up()
+    assert health.not_ready() is None and health.model_unavailable("m") is None
+    health.model_broken("m", "no live stub for ['m_0_0']")
+    assert health.model_unavailable("other") is None
+    assert health.not_ready() == health.model_unavailable("m") == "m: no live stub for ['m_0_0']"
+    health.model_serving("m")
+    assert health.not_ready() is None
+    health.request_restart("first")
+    health.request_restart("second")
+    assert health.take_restart() == "first" and health.take_restart() is None
+
+
+def test_failed_reloads_back_off_then_the_server_is_restarted():
+    """A model with no live stub is reloaded; reloads that fail are retried after 2, 4 s, and the
+    third failure in a row hands over to the supervisor (a restart of tritonserver)."""
+    import os
+
+    from neopp.launcher.watchdog import StubWatchdog
+
+    class Server:  # the model-repository API of a server whose loads fail
+        loads: list[float] = []
+
+        def get_model_repository_index(self, **_):
+            return {"models": [{"name": "m", "state": "READY"}]}
+
+        def get_model_config(self, model, **_):
+            return {"config": {"name": model, "backend": "python"}}
+
+        def load_model(self, model, **_):
+            Server.loads.append(now[0])
+            raise RuntimeError("load failed")
+
+    now, notes = [0.0], []
+    dog = StubWatchdog(Server(), os.getpid(), log=notes.append, clock=lambda: now[0])  # no stub below us
+    for t in (0.0, 1.5, 2.0, 3.6, 7.0, 8.1, 20.0):  # each death waits out the 1 s grace, then the backoff
+        now[0] = t
+        dog.check_once()
+    assert Server.loads == [1.5, 3.6, 8.1], notes
+    assert dog.health.model_unavailable("m") is not None
+    assert dog.health.take_restart() == "3 reloads of m failed in a row"
+
+
+def test_a_request_that_ran_while_the_server_recovered_is_told_so():
+    from neopp.launcher.health import ServerHealth
+
+    now = [10.0]
+    health = ServerHealth(clock=lambda: now[0])
+    health.server_up()
+    sent = 11.0
+    now[0] = 12.0
+    health.model_broken("m", "reloading")
+    now[0] = 13.0
+    health.model_serving("m")  # ready again at 13 s
+    assert health.not_ready() is None and health.not_ready(since=14.0) is None
+    assert health.not_ready(since=sent) == "it was recovering while this request ran"

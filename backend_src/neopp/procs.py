@@ -47,6 +47,18 @@ def pgid(pid: int) -> int | None:
     return int(fields[2]) if fields else None
 
 
+def start_ticks(pid: int) -> int | None:
+    """When the process started (clock ticks after boot): with the pid, who it is (pids are reused)."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
+
+
+def cpu_ticks(pid: int) -> int:
+    """CPU time the process has used, user and system (clock ticks; 0 when gone)."""
+    fields = _stat(pid)
+    return int(fields[11]) + int(fields[12]) if fields else 0
+
+
 def all_pids() -> list[int]:
     return [int(e.name) for e in Path("/proc").iterdir() if e.name.isdigit()]
 

@@ -1,8 +1,10 @@
 """One real tritonserver for the whole e2e session, serving the tiny checkpoint.
 
 The server runs from the nvidia-pytriton wheel (neopp.launcher.tritonserver) on free
-loopback ports, loads only the models this suite needs (explicit model control), and
-is stopped at the end with a check that neither it nor a Python stub is left behind.
+loopback ports, loads only the models this suite needs (explicit model control), is started
+again on the same ports if it dies (testing.kept_server: the test running then fails, the
+ones after it do not), and is stopped at the end with a check that neither it nor a Python
+stub is left behind.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from neopp.procs import process_group_members
 from testing import REPO as REPO_ROOT
 from testing.door_attacks import SMALL_DOOR
 from testing.faults import wait_for
+from testing.kept_server import KeptServer
 from testing.launched import launch
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 from testing.tiny_lora import write_tiny_loras
@@ -191,7 +194,7 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
                                       *KEEP_GOING_ARGS,  # a rescued load is retried, not fatal
                                       *(f"--load-model={m}" for m in E2E_MODELS)])
     server.start()
-    pgid = server.process.pid
+    servers = [server]
     try:
         server.wait_ready(timeout=600)  # ten models, rank workers included, on a busy host
         check = grpcclient.InferenceServerClient(server.grpc_url)
@@ -201,12 +204,21 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
         kv = tiny_dense / "sample_kv"
         handle = TritonHandle(server, tiny_dense, load_kv_file(kv / "cond_kv.pt"),
                               load_kv_file(kv / "uncond_kv.pt"), log_path)
+        kept = KeptServer(handle, note=lambda text: print(f"e2e server: {text}", flush=True)).start()
+        servers = kept.servers
         yield handle
+        kept.close()
         handle.close()
+        if kept.restarts:
+            print(f"e2e server: restarted after exits {kept.restarts}")
     finally:
-        server.stop(timeout=30)
-        left = process_group_members(pgid)
+        for each in servers:
+            each.stop(timeout=30)
+        left = [pid for each in servers for pid in process_group_members(each.process.pid)]
         assert not left, f"tritonserver left processes behind: {left}"
+
+
+HUNG_S = 3  # the launcher's hung rule, short: a long request outlasts it many times
 
 
 @pytest.fixture(scope="session")
@@ -216,7 +228,8 @@ def door(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     traceback, and the stop leaves no process."""
     log = tmp_path_factory.mktemp("door") / "serve.log"
     handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": SMALL_DOOR.key}, (MODEL,),
-                    max_restarts=2, launcher_args=SMALL_DOOR.args())
+                    max_restarts=4, launcher_args=[*SMALL_DOOR.args(), "--hung-s", str(HUNG_S),
+                                                   "--alive-file", str(log.parent / "alive")])
     try:
         handle.wait_for("NeoPP Triton server ready")
         yield handle

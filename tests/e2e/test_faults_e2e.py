@@ -12,6 +12,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +25,8 @@ from neopp.launcher.tritonserver import TritonServer
 from neopp.launcher.watchdog import StubWatchdog, force_reload
 from neopp.procs import model_stubs
 from testing import REPO as REPO_ROOT
-from testing.faults import kill_stub, restart_session_model, signal_own, sigterm_in_flight, stub_pid
+from testing.faults import kill_own_stub, kill_stub, restart_session_model, sigterm_in_flight, stub_pid, wait_for
+from testing.kept_server import KeptServer
 from testing.loadgen import image_bytes, infer, valid_inputs
 
 MODEL = "neopp_dense"
@@ -78,7 +81,7 @@ def test_session_model_restart_refuses_held_sessions(triton):
     server_pid = triton.server.process.pid
 
     def kill_and_reload() -> None:
-        signal_own(server_pid, stub_pid(server_pid, "neopp_session"))
+        kill_own_stub(server_pid, stub_pid(server_pid, "neopp_session"))
         force_reload(triton.grpc, "neopp_session")
 
     for how, restart in (("reload", lambda: force_reload(triton.grpc, "neopp_session")),
@@ -198,3 +201,25 @@ def test_sigterm_with_requests_in_flight(triton, own_server, target):
     # a step or two (at the pace measured before the signal), the exit timeout, 30 s to unload
     assert outcome.exit_code is not None, outcome
     assert outcome.stop_s < EXIT_TIMEOUT_S + 2 * outcome.step_s + 30, outcome
+
+
+def test_a_shared_server_that_dies_comes_back_on_its_ports(triton, own_server):
+    """What keeps the suite's shared server up (testing.kept_server), on a server of its own: killed
+    hard (as an abort leaves it), it is started again on the same ports and the same client is
+    answered the same bytes."""
+    holder = SimpleNamespace(server=own_server)
+    kept = KeptServer(holder, ready_timeout_s=300).start()
+    client = grpcclient.InferenceServerClient(own_server.grpc_url)
+    try:
+        valid = _valid(triton)
+        expected = image_bytes(infer(client, MODEL, valid))
+        pid = own_server.process.pid
+        os.kill(pid, signal.SIGKILL)
+        assert wait_for(lambda: holder.server.process.pid != pid and holder.server.is_ready(), 300, poll=0.5)
+        assert image_bytes(infer(client, MODEL, valid)) == expected
+        assert kept.restarts == [-signal.SIGKILL]
+    finally:
+        client.close()
+        kept.close()
+        for server in kept.servers[1:]:
+            server.stop(timeout=30)

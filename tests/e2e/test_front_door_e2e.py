@@ -3,6 +3,12 @@ requests that used to end the service are answered with a 4xx and the server liv
 bodies are bounded in size, in time and all together; a full model queue answers 429 at once;
 a stub stopped by a signal is replaced, not resumed; no client's doing prints a traceback.
 
+Health comes from what the launcher owns, never from error text: a planted "not healthy" kills
+nothing, a busy stub is never killed, one stub death under traffic is one reload (503 with
+Retry-After meanwhile, never 500, and the replica unready), a stub killed holding a lock it shares
+with tritonserver aborts the server and the launcher brings it back, and liveness holds while
+idle connections fill the door.
+
 Each crash repro runs against the server this module starts, so a crash fails a test, not the suite.
 """
 
@@ -15,8 +21,12 @@ import re
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,11 +35,14 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from neopp.launcher.admin import grpc_headers, http_headers
+from neopp.launcher.door.limits import DoorLimits
+from neopp.launcher.stub_kill import holds_robust_lock
 from neopp.launcher.watchdog import model_stub_pids
 from neopp.ports import LOOPBACK
-from neopp.procs import process_group_members, rss_bytes
+from neopp.procs import model_stubs, process_group_members, rss_bytes
 from testing.door_attacks import SMALL_DOOR, connect, post, read_answer, request
 from testing.faults import wait_for
+from testing.stub_recovery import stub_death_under_traffic
 
 MODEL = "neopp_dense"
 KEY, CLIENT_MIB, READ_TIMEOUT_S = SMALL_DOOR.key, SMALL_DOOR.client_mib, SMALL_DOOR.read_timeout_s
@@ -325,3 +338,165 @@ def _ready(door) -> bool:
         return status == 200
     except OSError:
         return False
+
+
+def _http_infer(door, kv, seed: int) -> tuple[int, dict[str, str], bytes | None]:
+    """One binary HTTP infer through the door on a fresh connection: (status, headers, image or None)."""
+    body, json_size = httpclient.InferenceServerClient.generate_request_body(_tensors(httpclient, kv, seed=seed))
+    head = (f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+            + (f"Inference-Header-Content-Length: {json_size}\r\n" if json_size else "") + "Connection: close\r\n\r\n")
+    status, headers, answer = _raw(door.http_port, head.encode() + body)
+    if status != 200:
+        return status, headers, None
+    length = headers.get("inference-header-content-length")
+    result = httpclient.InferenceServerClient.parse_response_body(answer, header_length=length and int(length))
+    return status, headers, bytes(result.as_numpy("IMAGE")[0])
+
+
+def test_a_planted_not_healthy_text_kills_no_stub(door, kv):
+    """Triton echoes a client's input names in its errors: the text decides nothing."""
+    pid = door.server_pid
+    stub = model_stubs(pid, MODEL)[0]
+    planted = f"Stub process '{MODEL}_0_0' is not healthy"
+    body = json.dumps({"inputs": [{"name": planted, "shape": [1], "datatype": "INT64", "data": [1]}]}).encode()
+    for route in ("infer", "generate"):
+        status, _, answer = _post(door.http_port, f"/v2/models/{MODEL}/{route}", body)
+        assert status == 400, (route, answer[:300])
+    client = grpcclient.InferenceServerClient(f"{LOOPBACK}:{door.grpc_port}")
+    planted_input = grpcclient.InferInput(planted, [1], "INT64")
+    planted_input.set_data_from_numpy(np.array([1], np.int64))
+    with pytest.raises(InferenceServerException, match="not healthy"):
+        client.infer(MODEL, [planted_input])
+    client.close()
+    assert _grpc_image(door, kv)  # answered by the same stub: nothing was killed or reloaded
+    assert model_stubs(pid, MODEL) == [stub]
+    assert f"killing its stub {stub}" not in door.text()
+
+
+def test_a_busy_stub_is_never_killed(door, kv):
+    """A long legitimate request (512x512, 150 steps) outlasts the hung rule many times, with
+    requests queued behind it: its stub computes (CPU advances), so it keeps its stub."""
+    pid = door.server_pid
+    stub, killed = model_stubs(pid, MODEL)[0], len(re.findall("killing its stub", door.text()))
+    answers: list[str] = []
+
+    def send(size: int, steps: int, seed: int) -> None:
+        c = httpclient.InferenceServerClient(f"{LOOPBACK}:{door.http_port}", network_timeout=900.0)
+        try:
+            c.infer(MODEL, _tensors(httpclient, kv, size=(size, size), steps=steps, seed=seed))
+            answers.append("ok")
+        except InferenceServerException as exc:
+            answers.append(f"{exc.status()} {exc.message()}")
+        finally:
+            c.close()
+
+    started, steps = time.monotonic(), _steps(door)
+    threads = [threading.Thread(target=send, args=(512, 150, 1))]
+    threads[0].start()
+    wait_for(lambda: _steps(door) > steps or not threads[0].is_alive(), 120, poll=0.05)  # it runs: queue more
+    threads += [threading.Thread(target=send, args=(32, 2, seed)) for seed in (2, 3)]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(timeout=900)
+    print(f"a 512x512, 150-step request and two behind it: {time.monotonic() - started:.1f}s, {answers}")
+    assert answers == ["ok"] * 3
+    assert model_stubs(pid, MODEL) == [stub] and len(re.findall("killing its stub", door.text())) == killed
+
+
+def _steps(door) -> float:
+    """Denoising steps the model has run (its own metric on Triton's metrics port)."""
+    text = urllib.request.urlopen(f"http://{LOOPBACK}:{door.metrics_port}/metrics", timeout=10).read().decode()
+    match = re.search(rf'^neopp_denoising_steps_total\{{model="{MODEL}"\}} (\S+)$', text, re.M)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_one_stub_death_under_traffic_is_one_recovery(door, kv):
+    """A stub SIGKILLed while a client keeps calling: one reload, no loop, serving again as soon as
+    the reload is done; meanwhile every answer is the image or 503 with Retry-After (never a 500)
+    and the replica says it is not ready."""
+    pid = door.server_pid
+    expected = _grpc_image(door, kv, seed=31)
+
+    def send() -> tuple[int, dict[str, str], bool]:
+        status, headers, image = _http_infer(door, kv, seed=31)
+        return status, headers, image == expected
+
+    death = stub_death_under_traffic(door, MODEL, send)
+    print(f"stub SIGKILL under traffic: {death.summary(MODEL)}\n"
+          + "\n".join(line for line in death.log.splitlines() if "watchdog" in line or "warm-up" in line))
+    assert all(right or (status == 503 and retry) for _, status, retry, right in death.answers), death.answers
+    assert death.reloads(MODEL) == 1 and death.log.count(f"neopp watchdog: {MODEL}: reload done") == 1, death.log
+    assert "reload failed" not in death.log and "killing its stub" not in death.log and door.server_pid == pid
+    reload_s = float(re.search(rf"neopp watchdog: {MODEL}: reload done in ([\d.]+)s", death.log).group(1))
+    assert death.recovery_s < reload_s + 5, "the launcher's own part: noticing the death and saying it is back"
+    assert any(code != 200 for _, *codes in death.readiness for code in codes), "never unready while broken"
+    assert death.readiness[-1][1:] == (200, 200)
+
+
+def test_a_stub_killed_holding_a_shared_lock_aborts_tritonserver_and_the_launcher_brings_it_back(door, kv):
+    """What aborted tritonserver under load, done on purpose: SIGKILL the stub at a moment the kernel
+    lists a robust mutex it shares with the server as held (what neopp.launcher.stub_kill never
+    does). Triton 2.51 aborts (lock_exception, signal 6); the launcher restarts it; the door answers
+    503 with Retry-After until it serves again."""
+    pid = door.server_pid
+    expected = _grpc_image(door, kv, seed=41)
+    stub = model_stubs(pid, MODEL)[0]
+    stop, errors = threading.Event(), []
+
+    def traffic() -> None:  # many short steps: the stub talks to the server all the time
+        client = grpcclient.InferenceServerClient(f"{LOOPBACK}:{door.grpc_port}")
+        while not stop.is_set():
+            try:
+                client.infer(MODEL, _tensors(grpcclient, kv, size=(32, 32), steps=40), client_timeout=60)
+            except InferenceServerException as exc:
+                errors.append(exc.message())
+                break
+        client.close()
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    looks, deadline = 0, time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            looks += 1
+            os.kill(stub, signal.SIGSTOP)
+            if holds_robust_lock(stub):
+                os.kill(stub, signal.SIGKILL)
+                break
+            os.kill(stub, signal.SIGCONT)
+            time.sleep(0.005)
+        else:
+            os.kill(stub, signal.SIGCONT)
+            pytest.fail(f"the stub never held a shared lock in {looks} looks")
+    finally:
+        stop.set()
+        worker.join(timeout=120)
+    door.wait_for(r"tritonserver exited with code -6", timeout=60)
+    assert "boost::interprocess::lock_exception" in door.text()
+    status, headers, _ = _http_infer(door, kv, seed=41)
+    assert status == 200 or (status == 503 and headers.get("retry-after")), (status, headers)
+    assert wait_for(lambda: door.server_pid != pid and _ready(door), 300, poll=0.5)
+    assert _grpc_image(door, kv, seed=41) == expected
+    print(f"SIGKILL while holding a shared lock (after {looks} looks): tritonserver aborted and was restarted")
+
+
+def test_liveness_holds_while_idle_connections_fill_the_door(door):
+    """The liveness probe reads the launcher's alive file: it never connects to the door."""
+    alive = door.log.parent / "alive"
+    env = {**os.environ, "NEOPP_ALIVE_FILE": str(alive), "NEOPP_ALIVE_MAX_AGE_S": "30"}
+    probe = [sys.executable, str(Path(__file__).parents[2] / "docker" / "live.py")]
+    assert subprocess.run(probe, env=env, timeout=60).returncode == 0
+    idle = []
+    try:
+        for _ in range(DoorLimits().max_connections + 8):
+            idle.append(socket.create_connection((LOOPBACK, door.http_port), timeout=10))
+        touched = alive.stat().st_mtime
+        assert wait_for(lambda: alive.stat().st_mtime > touched, 30, poll=0.2), "the launcher stopped marking itself"
+        result = subprocess.run(probe, env=env, timeout=60, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout
+    finally:
+        for sock in idle:
+            sock.close()
+    stale = {**env, "NEOPP_ALIVE_MAX_AGE_S": "0"}
+    assert subprocess.run(probe, env=stale, timeout=60, capture_output=True).returncode == 1

@@ -24,7 +24,7 @@ from neopp.launcher.tritonserver import TritonServer
 from neopp.model.kv_cache import load_kv_file
 from neopp.procs import cmdline, descendants, process_group_members
 from testing import REPO as REPO_ROOT
-from testing.faults import stub_pid
+from testing.faults import kill_own_stub, stub_pid
 
 MULTI_RANK = ("neopp_dense_cfg", "neopp_dense_cfg_seq", "neopp_moe_cfg")
 STEPS_METRIC = "neopp_denoising_steps_total"
@@ -127,7 +127,7 @@ def test_killed_stub_leaves_no_rank_behind(cfg_server: TritonHandle):
     stub = _stub(cfg_server.server, "neopp_dense_cfg")
     children = descendants(stub)  # the ranks and the multiprocessing resource tracker
     assert len([p for p in children if any("spawn_main" in c for c in cmdline(p))]) == 2, children
-    os.kill(stub, signal.SIGKILL)
+    kill_own_stub(cfg_server.server.process.pid, stub)
     deadline = time.monotonic() + 30
     while any(not _gone(p) for p in children) and time.monotonic() < deadline:
         time.sleep(0.2)

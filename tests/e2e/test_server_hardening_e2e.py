@@ -30,10 +30,10 @@ from tritonclient.utils import InferenceServerException
 from neopp.launcher.admin import GRPC_API_KEY_HEADER, grpc_headers, http_headers
 from neopp.launcher.shm_regions import PREFIX_HEAD, SHM_DIR, owner_tag, regions
 from neopp.launcher.tritonserver import TritonServer
-from neopp.launcher.watchdog import force_reload, model_stub_pids
-from neopp.procs import descendants, ppid, process_group_members, rss_bytes, rss_parts
+from neopp.launcher.watchdog import force_reload
+from neopp.procs import descendants, model_stubs, ppid, process_group_members, rss_bytes, rss_parts
 from testing import REPO as REPO_ROOT
-from testing.faults import wait_for
+from testing.faults import kill_own_stub, wait_for
 from testing.grpc_memory import refused_burst
 from testing.launched import launch
 
@@ -256,8 +256,7 @@ def test_dead_stub_is_reloaded_with_the_key(launched, kv):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
     try:
         expected = _generate(client, kv, 9)
-        stub = model_stub_pids(launched.server_pid, MODEL)[0]
-        os.kill(stub, signal.SIGKILL)
+        kill_own_stub(launched.server_pid, model_stubs(launched.server_pid, MODEL)[0])
         launched.wait_for(rf"neopp watchdog: {MODEL}: reload done", timeout=180)
         deadline, got = time.monotonic() + 120, None
         while got != expected and time.monotonic() < deadline:
@@ -343,7 +342,7 @@ def test_regions_are_private_and_go_with_their_owner(tiny_dense, tmp_path):
         with server:
             assert regions(prefix) == [] and live.exists()
             pid = server.process.pid
-            os.kill(model_stub_pids(pid, MODEL)[0], signal.SIGKILL)
+            kill_own_stub(pid, model_stub_pids(pid, MODEL)[0])
             client = grpcclient.InferenceServerClient(server.grpc_url)
             force_reload(client, MODEL)  # a fresh stub and region next to the dead one's
             client.close()

@@ -2,8 +2,9 @@
 
 The launcher (``python -m neopp.launcher serve``, what ``make serve`` and the container run)
 starts tritonserver with safe defaults and keeps it up (``supervisor``, ``tritonserver``,
-``triton_install``, ``shm_regions``, ``server_log``, ``load_rescue``, ``model_states``), reloads
-models whose stub died or stopped answering (``watchdog``), guards the administrative APIs with
+``triton_install``, ``shm_regions``, ``server_log``, ``load_rescue``, ``model_states``), replaces
+a model's dead, stopped or hung stub (``watchdog``, from ``stub_facts``, through ``stub_kill``),
+knows whether the server can serve now (``health``), guards the administrative APIs with
 the operator key (``admin``), and serves the public HTTP port (``door``).
 
 It may import ``neopp.procs`` and ``neopp.ports`` (process and port helpers both sides use) and

@@ -10,22 +10,22 @@ while the stub idles after our "loaded" line).
 
 ``StuckLoadWatch`` reads the server's log as it is relayed. Once every stub of a model has
 logged the end of its ``initialize`` and Triton has neither loaded nor failed that model
-``stuck_s`` later (normally it does within a second), the stubs are stopped. The backend's
+``stuck_s`` later (normally it does within a second), the stubs are killed (``stub_kill``: never
+while one holds a lock it shares with the server). The backend's
 wait then ends, the load fails with Triton's own "not healthy" message, and the server goes
 on; the launcher loads the model again once the server is up.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import threading
 import time
 from collections.abc import Callable
 
-from ..procs import model_stubs
+from ..procs import model_stubs, start_ticks
 from .poller import Poller
+from .stub_kill import kill_stub
 
 # Triton's first line of a load, and our own last line of initialize (the generation models' and the
 # prompt encoder's "loaded", the session model's settings, neopp_t2i's "encoder"); Triton's last line of a
@@ -87,10 +87,9 @@ class StuckLoadWatch:
                       "instance(s) but Triton never took it (its Python backend judged a stub unhealthy under "
                       "load and waits for it to exit); stopping its stubs so that the load fails and is retried")
             for pid in stubs:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                started = start_ticks(pid)
+                if started is not None:
+                    kill_stub(pid, started, self._log)
             with self._lock:
                 self._done.pop(model, None)
                 self._loading.discard(model)

@@ -8,8 +8,12 @@
   requests carrying the door's per-run key.
 * A server that dies is restarted with backoff, at most ``--max-restarts`` times within
   ``--restart-window-s`` (a rate, not a lifetime budget); each restart is logged and counted on
-  the door's ``/metrics``. Every stop and restart removes the Python backend regions that server
-  owned in ``/dev/shm``.
+  the door's ``/metrics``. So is one the stub watchdog asks for (a reload that did not finish
+  within ``--reload-timeout-s``, a stub that could not be killed safely). Every stop and restart
+  removes the Python backend regions that server owned in ``/dev/shm``.
+* Health comes from what the launcher knows (``health``): the door's readiness says whether the
+  server can serve now, and ``--alive-file`` is touched while the door's event loop answers, for
+  a liveness probe that never connects to the public port.
 * A model that fails to load does not stop the others: once the server is up, a table says
   which models are READY and why each other one is not; the launcher gives up (exit code 1)
   only when no model loaded.
@@ -28,7 +32,9 @@ from pathlib import Path
 from ..ports import LOOPBACK, free_ports
 from .admin import FRONT_HEADER, GRPC_API_KEY_HEADER, KEY_HEADER, check_key, load_or_create_key, new_front_key
 from .door.limits import DoorLimits, KiB, MiB
+from .health import ServerHealth, touch
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table
+from .poller import Poller
 from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
 from .tritonserver import TritonServer
 
@@ -79,18 +85,16 @@ class Supervisor:
         self.restarts = RestartRate(ns.max_restarts, ns.restart_window_s)
         self.server: TritonServer | None = None
         self.watchdog = None
+        self.health = ServerHealth()
         grpc_host = LOOPBACK if ns.host in ("0.0.0.0", "", "::") else ns.host
         from .door.server import DoorServer  # needs the serve extra (uvicorn, starlette, grpc)
 
         self.api_key = api_key_for(ns)
         self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", (LOOPBACK, self.upstream_port),
-                                self.front_key, door_limits(ns), on_unhealthy=self._stub_unhealthy, admin_key=key,
+                                self.front_key, door_limits(ns), health=self.health, admin_key=key,
                                 api_key=self.api_key)
-
-    def _stub_unhealthy(self, instance: str) -> None:
-        """Triton answered that an instance's stub is not healthy: the watchdog replaces it."""
-        if self.watchdog is not None:
-            self.watchdog.replace_unhealthy(instance)
+        self.alive = None if ns.alive_file is None else Poller(
+            "neopp-alive", 5.0, lambda: self.front.answers(2.0) and touch(Path(ns.alive_file)), lambda exc: None)
 
     def _new_server(self) -> TritonServer:
         ns = self.ns
@@ -101,15 +105,18 @@ class Supervisor:
                             api_key=self.api_key)
 
     def _start_server(self) -> None:
+        self.health.server_down("tritonserver is starting")
         self.server = self._new_server().start()
         log(f"tritonserver {self.server.install.server_bin}")
         log(f"tritonserver pid {self.server.process.pid}, own HTTP on {LOOPBACK}:{self.upstream_port} "
             f"(behind the front), shm region prefix {self.server.shm_prefix}")
 
     def _stop_server(self) -> None:
+        """The watchdog acts no more, the server stops (a reload in progress ends with it), then the
+        watchdog's thread ends."""
+        self.health.server_down("tritonserver is stopping")
         if self.watchdog is not None:
-            self.watchdog.stop()
-            self.watchdog = None
+            self.watchdog.halt()
         if self.server is not None:
             drain = self.ns.stop_timeout_s
             if drain is None:
@@ -119,6 +126,9 @@ class Supervisor:
             if self.server.removed_regions:
                 log(f"removed {len(self.server.removed_regions)} shm region(s) left by the server")
             self.server = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
+            self.watchdog = None
 
     def _wait_ready(self) -> bool:
         deadline = time.monotonic() + self.ns.ready_timeout
@@ -126,7 +136,8 @@ class Supervisor:
             if self.server.process.poll() is not None:
                 return False
             if self.server.is_ready():
-                self.watchdog = _start_watchdog(self.server, self.extra, self.ns.no_watchdog, self.key)
+                self.health.server_up()
+                self.watchdog = _start_watchdog(self.server, self.extra, self.ns, self.key, self.health)
                 return True
             time.sleep(0.5)
         return False
@@ -149,20 +160,27 @@ class Supervisor:
             f"  gRPC     {grpc}  (client_examples/grpc_t2i.py --url {grpc})\n"
             f"  metrics  {self.server.metrics_url}\nCtrl-C stops it.")
 
-    def _wait_exit(self) -> int | None:
-        """Block until a stop request (None) or the server's exit (its code)."""
+    def _wait_exit(self) -> tuple[int | None, str] | None:
+        """Block until a stop request (None), the server's exit (its code and why) or a restart the
+        watchdog asked for (no code, its reason)."""
         while not self.stop_requested:
             code = self.server.process.poll()
             if code is not None:
-                return code
+                return code, f"signal {-code}" if code < 0 else f"exit code {code}"
+            if (asked := self.health.take_restart()) is not None:
+                return None, asked
             time.sleep(0.5)
         return None
 
     def run(self) -> int:
         self.front.start()
+        if self.alive is not None:
+            self.alive.start()
         try:
             return self._loop()
         finally:
+            if self.alive is not None:
+                self.alive.stop(timeout_s=5)
             self._stop_server()
             self.front.stop()
 
@@ -182,18 +200,23 @@ class Supervisor:
             if first:
                 self._announce()
                 first = False
-            code = self._wait_exit()
-            if code is None:
+            ended = self._wait_exit()
+            if ended is None:
                 log("stopping tritonserver ...")
                 return 0
-            if not self._restart_after(code):
-                return code or 1
+            if not self._restart_after(*ended):
+                return ended[0] or 1
 
-    def _restart_after(self, code: int) -> bool:
-        """Log the death, clean up, and wait the backoff; False when the restart rate is exceeded."""
-        reason = f"signal {-code}" if code < 0 else f"exit code {code}"
-        log(f"tritonserver exited with code {code} ({reason})")
+    def _restart_after(self, code: int | None, reason: str) -> bool:
+        """Log the death (or why the server is restarted), clean up, and wait the backoff; False
+        when the restart rate is exceeded."""
+        if code is None:
+            log(f"restarting tritonserver: {reason}")
+            reason = "watchdog"
+        else:
+            log(f"tritonserver exited with code {code} ({reason})")
         self._stop_server()
+        self.health.server_down(f"tritonserver is restarting ({reason})")
         window = self.ns.restart_window_s
         if not self.restarts.allow():
             log(f"not restarting: {len(self.restarts.times)} restarts within the last {window:.0f}s "
@@ -236,13 +259,16 @@ def door_limits(ns: argparse.Namespace) -> DoorLimits:
                       region_min_bytes=int(ns.tensor_region_min_kib * KiB))
 
 
-def _start_watchdog(server: TritonServer, extra: Sequence[str], disabled: bool, key: str):
-    """Reload a model whose Python stub died (Triton 2.51 does not); needs explicit model control."""
-    if disabled or "--model-control-mode=explicit" not in extra or server.process is None:
+def _start_watchdog(server: TritonServer, extra: Sequence[str], ns: argparse.Namespace, key: str,
+                    health: ServerHealth):
+    """Replace a model's dead, stopped or hung stub (Triton 2.51 does not); needs explicit model control."""
+    if ns.no_watchdog or "--model-control-mode=explicit" not in extra or server.process is None:
         return None
     from .watchdog import start_watchdog
 
-    return start_watchdog(server.grpc_url, server.process.pid, log=log, admin_key=key)
+    metrics = None if any(a in ("--allow-metrics=false", "--allow-metrics=0") for a in extra) else server.metrics_url
+    return start_watchdog(server.grpc_url, server.process.pid, log=log, admin_key=key, health=health,
+                          metrics_url=metrics, reload_timeout_s=ns.reload_timeout_s, hung_s=ns.hung_s)
 
 
 def serve(ns: argparse.Namespace) -> int:
@@ -269,7 +295,14 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--backend-dir", default=None, help=backend_help)
     s.add_argument("--ready-timeout", type=float, default=600.0)
     s.add_argument("--no-watchdog", action="store_true",
-                   help="do not reload a model whose Python stub died (see neopp.launcher.watchdog)")
+                   help="do not replace a model's dead, stopped or hung Python stub (see neopp.launcher.watchdog)")
+    s.add_argument("--reload-timeout-s", type=float, default=300.0,
+                   help="a model reload by the watchdog that takes longer restarts tritonserver")
+    s.add_argument("--hung-s", type=float, default=60.0,
+                   help="requests for a model waiting this long while the server makes no progress and that "
+                        "model's stubs use no CPU: they are hung and replaced")
+    s.add_argument("--alive-file", default=None,
+                   help="touched every 5 s while the launcher's HTTP door answers: what a liveness probe reads")
     s.add_argument("--admin-key-file", default=default_key,
                    help="operator key file, created 0600 if missing ($NEOPP_ADMIN_KEY wins)")
     s.add_argument("--max-restarts", type=int, default=5,

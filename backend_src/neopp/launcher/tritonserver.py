@@ -84,6 +84,7 @@ class TritonServer:
         ``admin_key``): gRPC inference needs it (neopp.launcher.admin).
         """
         self.model_repository = Path(model_repository).resolve()
+        self._given = (env, malloc_env)
         free = iter(free_ports(3))
         self.http_port = http_port or next(free)
         self.grpc_port = grpc_port or next(free)
@@ -105,6 +106,13 @@ class TritonServer:
         self._log_file: IO[bytes] | None = None
         self._relay: LogRelay | None = None
         self.load_watch: StuckLoadWatch | None = None
+
+    def successor(self) -> TritonServer:
+        """A server with the same settings on the same ports: this one started again, once stopped."""
+        env, malloc_env = self._given
+        return TritonServer(self.model_repository, self.http_port, self.grpc_port, self.metrics_port, self.host,
+                            self.backend_dir, self.extra_args, env, self.log_path, self.admin_key, self.front_key,
+                            self.http_address, self.shm_sizes, malloc_env)
 
     @property
     def client_host(self) -> str:

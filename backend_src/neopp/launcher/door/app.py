@@ -5,6 +5,10 @@ Inference (``infer``, ``generate``, ``generate_stream``) is parsed away from the
 (``parse_jobs``) and sent to Triton over gRPC; a client that disconnects cancels its call. The
 control routes go to Triton's own HTTP port with bodies the door re-serialised. Every refusal is
 a JSON ``{"error": ...}`` with a 4xx status; nothing a client sends leads to a traceback.
+
+Whether the server can serve now is the launcher's to say (``Health``, from what it owns), never
+read from the text of Triton's errors, which a client can shape: readiness, and a 503 with
+Retry-After for a request the server cannot serve while it recovers, instead of a 500.
 """
 
 from __future__ import annotations
@@ -13,8 +17,9 @@ import asyncio
 import gzip
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 from starlette.requests import Request
@@ -41,6 +46,21 @@ VERSION = re.compile(r"^[0-9]{0,18}$")
 SLOT = "neopp.inference_slot"  # in a request's scope: it holds an inference slot
 READER = "neopp.body_reader"  # in a request's scope: a reader took its body (and drains it if refused)
 SERVER_REGIONS = (PREFIX_HEAD, DOOR_REGION_PREFIX)  # shared memory of the server's own: never a client's key
+RETRY_AFTER_S = 2  # a stub is reloaded in seconds, a server restarted in tens of them
+
+
+class Health(Protocol):
+    """What the launcher knows: why the server (now, or at some moment after ``since``) or one model
+    cannot serve (None: it can)."""
+
+    def not_ready(self, since: float | None = None) -> str | None: ...
+
+    def model_unavailable(self, model: str) -> str | None: ...
+
+
+def unavailable(why: str) -> DoorError:
+    return DoorError(503, f"not serving now, try again shortly: {why}", reason="recovering",
+                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def checked(request: Request, key: str, pattern: re.Pattern[str] = NAME) -> str:
@@ -66,16 +86,32 @@ class Door:
     """State shared by the routes: limits, the body budget, the parser, Triton, metrics, keys."""
 
     def __init__(self, upstream: Upstream, limits: DoorLimits, metrics: DoorMetrics, region: TensorRegion,
-                 on_unhealthy: Callable[[str], None] | None = None, parser: Parser | None = None,
+                 health: Health | None = None, parser: Parser | None = None,
                  api_key: str | None = None, admin_key: str | None = None) -> None:
         self.upstream, self.limits, self.metrics, self.region = upstream, limits, metrics, region
         self.budget = ByteBudget(limits.bodies_in_flight, limits.client_bodies)
-        self.on_unhealthy = on_unhealthy
+        self.health = health
         self.parser = parser or Parser(workers=0)
         self.api_key, self.admin_key = api_key, admin_key
         self.client_regions = ClientRegions()
         self.inference_in_flight = 0
         self.health_cache = HealthCache(upstream)
+
+    def serving(self, model: str | None = None, since: float | None = None) -> None:
+        """Refuse (503) what the launcher knows cannot be served now: ``model``, or the server (now
+        or at some moment after ``since``)."""
+        if self.health is not None:
+            why = self.health.not_ready(since) if model is None else self.health.model_unavailable(model)
+            if why is not None:
+                raise unavailable(why)
+
+    def upstream_error(self, exc: grpc.aio.AioRpcError, since: float | None = None) -> DoorError:
+        """Triton's error as the answer; a server-side failure of a request that ran while the
+        launcher knew the server was recovering is a 503 with Retry-After, not a 500."""
+        error = grpc_error(exc)
+        if error.status >= 500:
+            self.serving(since=since)
+        return error
 
     def reader(self, request: Request, route: str = "inference") -> BodyReader:
         request.scope[READER] = True
@@ -103,6 +139,7 @@ class Door:
 
     async def infer(self, request: Request) -> Response:
         model, version = checked(request, "model"), checked(request, "version", VERSION)
+        self.serving(model)
         header_length = request.headers.get("inference-header-content-length")
         values = self.json_values(request, "inference request header", kserve_infer.JSON_HINT,
                                   kserve_infer.json_part(request.headers, self.limits.max_json_bytes))
@@ -145,6 +182,7 @@ class Door:
     async def _generate_request(self, request: Request, reader: BodyReader, stream: bool) -> WireRequest:
         """A generate body read under the bounds and mapped onto the model's declared inputs."""
         model, version = checked(request, "model"), checked(request, "version", VERSION)
+        self.serving(model)
         body = await reader.read(request.receive, request.headers,
                                  values=self.json_values(request, "generate request body"))
         metadata = await self.upstream.metadata(model, version)
@@ -170,7 +208,8 @@ class Door:
             raise
         if isinstance(first, DoorError):  # refused before any step: the status says so
             call.cancel()
-            return Response(_sse({"error": first.message}), first.status, media_type="text/event-stream")
+            return Response(_sse({"error": first.message}), first.status, first.headers,
+                            media_type="text/event-stream")
         return StreamingResponse(self._events(call, first), media_type="text/event-stream")
 
     async def next_event(self, call: Any) -> dict[str, Any] | DoorError | None:
@@ -179,11 +218,13 @@ class Door:
             try:
                 message = await call.read()
             except grpc.aio.AioRpcError as exc:
-                return grpc_error(exc)
+                try:
+                    return self.upstream_error(exc)
+                except DoorError as refusal:
+                    return refusal
             if message is grpc.aio.EOF:
                 return None
             if message.error_message:
-                self._note_unhealthy(message.error_message)
                 return DoorError(400, message.error_message, reason="upstream")
             response = message.infer_response
             if response.outputs:
@@ -213,6 +254,7 @@ class Door:
 
     async def until_disconnect(self, request: Request, call: Any) -> Any:
         """The call's response, or a cancelled call when the client leaves first."""
+        began = time.monotonic()
         watch = asyncio.ensure_future(_disconnected(request.receive))
         result = asyncio.ensure_future(call)
         try:
@@ -224,17 +266,11 @@ class Door:
             try:
                 return result.result()
             except grpc.aio.AioRpcError as exc:
-                self._note_unhealthy(exc.details() or "")
-                raise grpc_error(exc) from None
+                raise self.upstream_error(exc, began) from None
         finally:
             watch.cancel()
             if not result.done():
                 result.cancel()
-
-    def _note_unhealthy(self, message: str) -> None:
-        match = re.search(r"Stub process '([^']+)' is not healthy", message)
-        if match and self.on_unhealthy is not None:
-            self.on_unhealthy(match.group(1))
 
     async def answer(self, request: Request, endpoint: Callable[[Request], Awaitable[Response]]) -> Response:
         """The endpoint's response; a refusal or an unexpected fault as a JSON error, never a traceback."""

@@ -106,12 +106,21 @@ def build_app(door: Door) -> Starlette:
                      control(lambda r: f"/v2/repository/models/{quote(checked(r, 'model'))}/{action}", True, True),
                      methods=["POST"])
 
+    async def ready(request: Request) -> Response:
+        """Ready when the launcher knows of nothing broken and Triton says so too."""
+        door.serving()
+        return await door.forward(request, "/v2/health/ready")
+
+    async def model_ready(request: Request) -> Response:
+        door.serving(checked(request, "model"))
+        return await door.forward(request, _model_path(request, "/ready"))
+
     async def generations(request: Request) -> Response:
         return await images.answer(request, lambda r: door.inference(r, images.generations))
 
     routes = [
         Route("/v2/health/live", control(lambda r: "/v2/health/live"), methods=["GET"]),
-        Route("/v2/health/ready", control(lambda r: "/v2/health/ready"), methods=["GET"]),
+        Route("/v2/health/ready", guarded(ready), methods=["GET"]),
         Route("/v2", control(lambda r: "/v2"), methods=["GET"]),
         Route("/v2/models/stats", control(lambda r: "/v2/models/stats"), methods=["GET"]),
         Route("/v2/repository/index", control(lambda r: "/v2/repository/index", True, True), methods=["POST"]),
@@ -126,7 +135,8 @@ def build_app(door: Door) -> Starlette:
         Route("/v1/models", guarded(lambda r: images.answer(r, images.models)), methods=["GET"]),
         *inference("infer", door.infer), *inference("generate", door.generate),
         *inference("generate_stream", door.generate_stream),
-        *model_route("", ["GET"]), *model_route("/ready", ["GET"]), *model_route("/config", ["GET"], restricted=True),
+        *model_route("", ["GET"]), Route(MODEL + "/ready", guarded(model_ready), methods=["GET"]),
+        Route(VERSIONED + "/ready", guarded(model_ready), methods=["GET"]), *model_route("/config", ["GET"], restricted=True),
         *model_route("/stats", ["GET"]), *model_route("/trace/setting", ["GET"], restricted=True),
         *model_route("/trace/setting", ["POST"], True, restricted=True),
     ]

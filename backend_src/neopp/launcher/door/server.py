@@ -10,16 +10,16 @@ door validates with its own strict rules).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import logging
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 import uvicorn
 
-from .app import Door
+from .app import Door, Health
 from .connections import ConnectionTable, DoorProtocol, HeadLimit
 from .door_metrics import DoorMetrics
 from .limits import HEADER_LIMIT, DoorLimits
@@ -36,11 +36,12 @@ class DoorServer:
 
     def __init__(self, host: str, port: int, grpc_target: str, http_address: tuple[str, int], front_key: str,
                  limits: DoorLimits | None = None, metrics: DoorMetrics | None = None,
-                 on_unhealthy: Callable[[str], None] | None = None, admin_key: str | None = None,
+                 health: Health | None = None, admin_key: str | None = None,
                  api_key: str | None = None, parse_workers: int = 2) -> None:
         """``admin_key``: to register the tensor region and read the model list where Triton
         restricts them, and what the door asks of administrative routes; ``api_key``: what every
-        inference route requires (None: nothing), and what the door sends Triton's gRPC inference."""
+        inference route requires (None: nothing), and what the door sends Triton's gRPC inference;
+        ``health``: what the launcher knows of the server (readiness, requests it cannot serve now)."""
         self.limits = limits or DoorLimits()
         self.metrics = metrics or DoorMetrics()
         self.upstream = Upstream(grpc_target, http_address, front_key, api_key)
@@ -52,7 +53,7 @@ class DoorServer:
 
         self.region = TensorRegion(arena, register, self.limits.region_min_bytes, self.limits.max_json_bytes,
                                    LOG.warning)
-        self.door = Door(self.upstream, self.limits, self.metrics, self.region, on_unhealthy, self.parser,
+        self.door = Door(self.upstream, self.limits, self.metrics, self.region, health, self.parser,
                          api_key, admin_key)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -65,6 +66,7 @@ class DoorServer:
                                 h11_max_incomplete_event_size=HEADER_LIMIT, timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         if not LOG.handlers:
             LOG.addHandler(logging.StreamHandler())
 
@@ -83,12 +85,24 @@ class DoorServer:
         asyncio.run(self._serve())
 
     async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
         health = asyncio.ensure_future(self.door.health_cache.run())
         try:
             await self._server.serve(sockets=[self.sock])
         finally:
             health.cancel()
             await self.upstream.close()
+
+    def answers(self, timeout_s: float) -> bool:
+        """True when the door's event loop runs a no-op within ``timeout_s`` (it is not stuck)."""
+        loop = self._loop
+        if loop is None or self._thread is None or not self._thread.is_alive():
+            return False
+        try:
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout_s)
+        except (concurrent.futures.TimeoutError, RuntimeError):
+            return False
+        return True
 
     def stop(self) -> None:
         self._server.should_exit = True
