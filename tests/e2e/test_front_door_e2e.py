@@ -37,7 +37,6 @@ from tritonclient.utils import InferenceServerException
 from neopp.launcher.admin import grpc_headers, http_headers
 from neopp.launcher.door.limits import DoorLimits
 from neopp.launcher.stub_kill import holds_robust_lock
-from neopp.launcher.watchdog import model_stub_pids
 from neopp.ports import LOOPBACK
 from neopp.procs import model_stubs, process_group_members, rss_bytes
 from testing.door_attacks import SMALL_DOOR, connect, post, read_answer, request
@@ -286,7 +285,7 @@ def test_a_full_queue_answers_429_over_http_and_unavailable_over_grpc(door, kv):
 def test_a_stopped_stub_is_killed_and_its_model_reloaded(door, kv):
     pid = door.server_pid
     expected = _grpc_image(door, kv, seed=11)
-    stubs = model_stub_pids(pid, MODEL)  # every instance: whichever one Triton picks is stopped
+    stubs = model_stubs(pid, MODEL)  # every instance: whichever one Triton picks is stopped
     for stub in stubs:
         os.kill(stub, signal.SIGSTOP)
     try:

@@ -229,7 +229,7 @@ def test_oversized_prefixes_the_model_refuses_grow_the_region_once(launched, kv)
     try:
         assert _generate(client, kv)
         pid = launched.server_pid
-        stubs = model_stub_pids(pid, MODEL)
+        stubs = model_stubs(pid, MODEL)
         before = rss_parts(process_group_members(pid))
         stub_before = {s: rss_parts([s])["shmem"] for s in stubs}
         answers = refused_burst(client, "tokens", len(stubs) + 2, size, GRPC_API)
@@ -342,7 +342,7 @@ def test_regions_are_private_and_go_with_their_owner(tiny_dense, tmp_path):
         with server:
             assert regions(prefix) == [] and live.exists()
             pid = server.process.pid
-            kill_own_stub(pid, model_stub_pids(pid, MODEL)[0])
+            kill_own_stub(pid, model_stubs(pid, MODEL)[0])
             client = grpcclient.InferenceServerClient(server.grpc_url)
             force_reload(client, MODEL)  # a fresh stub and region next to the dead one's
             client.close()

@@ -136,7 +136,8 @@ def build_app(door: Door) -> Starlette:
         *inference("infer", door.infer), *inference("generate", door.generate),
         *inference("generate_stream", door.generate_stream),
         *model_route("", ["GET"]), Route(MODEL + "/ready", guarded(model_ready), methods=["GET"]),
-        Route(VERSIONED + "/ready", guarded(model_ready), methods=["GET"]), *model_route("/config", ["GET"], restricted=True),
+        Route(VERSIONED + "/ready", guarded(model_ready), methods=["GET"]),
+        *model_route("/config", ["GET"], restricted=True),
         *model_route("/stats", ["GET"]), *model_route("/trace/setting", ["GET"], restricted=True),
         *model_route("/trace/setting", ["POST"], True, restricted=True),
     ]
