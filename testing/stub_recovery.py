@@ -73,9 +73,11 @@ def http_status(port: int, method: str, path: str, body: bytes | None = None,
 
 
 def stub_death_under_traffic(launched: Launched, model: str, send: Callable[[], tuple[int, dict[str, str], bool]],
-                             pace_s: float = 0.1, timeout_s: float = 120.0) -> DeathUnderTraffic:
+                             pace_s: float = 0.1, timeout_s: float = 120.0,
+                             kill: Callable[[int, int], None] = kill_own_stub) -> DeathUnderTraffic:
     """Traffic from one client (``send``: status, headers, right image) and a readiness probe; once two
-    answers are right, kill the model's stub; return once it serves again and the replica is ready."""
+    answers are right, ``kill(server pid, stub pid)`` (by default as the launcher kills: never holding a
+    lock); return once the model serves again and the replica is ready."""
     answers: list[Answer] = []
     readiness: list[tuple[float, int, int]] = []
     stop = threading.Event()
@@ -99,8 +101,9 @@ def stub_death_under_traffic(launched: Launched, model: str, send: Callable[[], 
     try:
         if not wait_for(lambda: sum(a[3] for a in answers) >= 2, timeout_s, poll=0.05):
             raise RuntimeError(f"no right answer before the kill: {answers[-3:]}")
-        before, killed_at = len(launched.text()), time.monotonic()
-        kill_own_stub(launched.server_pid, model_stubs(launched.server_pid, model)[0])
+        before = len(launched.text())
+        kill(launched.server_pid, model_stubs(launched.server_pid, model)[0])
+        killed_at = time.monotonic()
         if not wait_for(lambda: any(t > killed_at and right for t, _, _, right in answers), timeout_s, poll=0.05):
             raise RuntimeError(f"{model} not serving {timeout_s:.0f}s after its stub was killed")
         back = min(t for t, _, _, right in answers if t > killed_at and right)

@@ -15,6 +15,7 @@ import pytest
 
 from neopp.launcher.stub_kill import holds_robust_lock, kill_stub
 from neopp.procs import is_stopped, start_ticks
+from testing.faults import wait_for
 
 # A process that makes a robust, process-shared mutex in shared memory and locks or unlocks it on
 # each line it reads ("lock" / "unlock"), answering "ok" once done.
@@ -87,8 +88,9 @@ def test_a_process_holding_a_shared_lock_is_not_killed_until_it_lets_go(holder):
 def test_a_process_someone_else_stopped_is_never_resumed(holder):
     notes: list[str] = []
     _tell(holder, "lock")
-    os.kill(holder.pid, signal.SIGSTOP)
+    os.kill(holder.pid, signal.SIGSTOP)  # stopped at once or a moment later: never resumed either way
     assert kill_stub(holder.pid, start_ticks(holder.pid), notes.append, bound_s=0.5) is False
+    assert wait_for(lambda: is_stopped(holder.pid), 30, poll=0.01)
     assert is_stopped(holder.pid), "a stub Triton gave up on must not run again"
     assert "stopped holding a lock" in notes[-1]
 

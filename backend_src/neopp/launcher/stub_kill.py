@@ -43,6 +43,16 @@ def _tasks(pid: int) -> list[int]:
         return []
 
 
+def _stop_pending(pid: int) -> bool:
+    """True when a SIGSTOP sent to the process has not stopped it yet."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return False
+    masks = [int(line.split()[1], 16) for line in lines if line.startswith(("ShdPnd:", "SigPnd:"))]
+    return any(mask & (1 << (signal.SIGSTOP - 1)) for mask in masks)
+
+
 def _task_stopped(pid: int, tid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -109,7 +119,7 @@ def kill_stub(pid: int, started: int, log: Callable[[str], None], bound_s: float
     """SIGKILL the stub ``pid`` (which started at ``started``) at a moment it holds no lock it shares
     with the server; True when it is dead or already gone, False when that moment did not come
     within ``bound_s`` (it stays as it was: running, or stopped if someone else stopped it)."""
-    stopped_by_other = is_stopped(pid)
+    stopped_by_other = is_stopped(pid) or _stop_pending(pid)
     deadline, pause = time.monotonic() + bound_s, 0.005
     while True:
         if start_ticks(pid) != started:
