@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from neopp.errors import ConfigError
-from neopp.serving.error_status import SESSIONS_FULL, error_class, status_of_message
+from neopp.serving.error_status import SESSIONS_FULL, error_class, refusal_text, status_of_message
 from neopp.serving.sessions import SessionsFull, SessionTable, UnknownSession
 
 
@@ -72,9 +72,10 @@ def test_a_full_table_refuses_new_sessions_and_never_drops_a_held_one() -> None:
         t.start(sid)  # last used at 1, 2, 3
     clock.now = 4.5
     for sid in range(3, 50):  # a flood of new sessions
-        with pytest.raises(SessionsFull, match=r"session limit reached: all max_sessions=3 .* retry after 7 s") as info:
+        with pytest.raises(SessionsFull, match=r"^all max_sessions=3 .* retry after 7 s") as info:
             t.open(sid)
         assert info.value.retry_after_s == 7 and error_class(info.value) is SESSIONS_FULL
+        assert refusal_text(info.value, SESSIONS_FULL).startswith("session limit reached: all max_sessions=3 ")
     assert t.refused_total == 47 and len(t) == 3
     assert all(t.get(sid).session_id == sid for sid in range(3))  # every held session is still served
 
@@ -106,7 +107,7 @@ def test_the_door_answers_a_full_table_with_429_and_its_retry_after() -> None:
     t.start(1)
     with pytest.raises(SessionsFull) as info:
         t.open(2)
-    message = f"[request id: <id_unknown>] {info.value}"
+    message = f"[request id: <id_unknown>] {refusal_text(info.value, SESSIONS_FULL)}"  # as Triton sends it
     assert status_of_message(message) == "UNAVAILABLE"  # what gRPC clients see
     answer = grpc_error(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                              details=message))
