@@ -5,7 +5,7 @@ can say what was tried. None of them needs the server's cooperation or a key:
 
 * ``IdleConnections``: connections that never send a byte, reopened as soon as the server closes one;
 * ``TrickledUploads``: bodies that declare 128 MiB and send a byte every 10 s;
-* ``LargeJson``: JSON objects of 450,000 keys (about 9 MB) posted without pause;
+* ``LargeJson``: JSON objects of 450,000 keys (about 9 MB) posted one after another;
 * ``PlantedUnhealthy``: requests whose input name is the text Triton prints for a dead stub;
 * ``SessionFlood``: sessions opened and never ended, as many as the server takes.
 
@@ -15,6 +15,7 @@ Every wait is bounded and every socket is closed at ``stop()``.
 from __future__ import annotations
 
 import http.client
+import itertools
 import json
 import select
 import socket
@@ -146,7 +147,7 @@ class TrickledUploads(Attack):
                         self.count("bytes trickled")
             except OSError as exc:
                 self.count(f"connection error: {type(exc).__name__}")
-                self._stop.wait(1.0)
+            self._stop.wait(1.0)  # then the next upload: a trickler, not a connection flood
 
 
 class LargeJson(Attack):
@@ -155,9 +156,10 @@ class LargeJson(Attack):
     name = "large-json"
     threads = 3
 
-    def __init__(self, port: int, path: str = "/v2/models/neopp_dense/infer", keys: int = 450_000) -> None:
+    def __init__(self, port: int, path: str = "/v2/models/neopp_dense/infer", keys: int = 450_000,
+                 pause_s: float = 0.2) -> None:
         super().__init__()
-        self.port, self.path = port, path
+        self.port, self.path, self.pause_s = port, path, pause_s
         self.body = ("{" + ",".join(f'"key{i:07d}":{i}' for i in range(keys)) + "}").encode()  # ~9 MB
 
     def _run(self, index: int) -> None:
@@ -170,9 +172,9 @@ class LargeJson(Attack):
                 self.count(f"answered {answer.status}")
             except OSError as exc:
                 self.count(f"connection error: {type(exc).__name__}")
-                self._stop.wait(0.5)
             finally:
                 conn.close()
+            self._stop.wait(self.pause_s)
 
 
 def unhealthy_text(instance: str) -> str:
@@ -211,20 +213,21 @@ class PlantedUnhealthy(Attack):
 
 
 class SessionFlood(Attack):
-    """Sessions opened and never ended: ``open_session(sequence_id)`` sends one first turn and
-    raises when it is refused; a refusal waits ``pause_s`` before the next try."""
+    """Sessions opened and never ended, from ``threads`` clients: ``open_session(sequence_id)`` sends
+    one first turn and raises when it is refused; a refusal waits ``pause_s`` before the next try."""
 
     name = "session-flood"
 
-    def __init__(self, open_session: Callable[[int], Any], first_id: int = 900_000_000, pause_s: float = 1.0) -> None:
+    def __init__(self, open_session: Callable[[int], Any], first_id: int = 900_000_000, pause_s: float = 1.0,
+                 threads: int = 2) -> None:
         super().__init__()
-        self.open_session, self.next_id, self.pause_s = open_session, first_id, pause_s
+        self.open_session, self.pause_s, self.threads = open_session, pause_s, threads
+        self._ids = itertools.count(first_id + 1)
 
     def _run(self, index: int) -> None:
         while not self._stop.is_set():
-            self.next_id += 1
             try:
-                self.open_session(self.next_id)
+                self.open_session(next(self._ids))
                 self.count("opened")
             except Exception as exc:  # noqa: BLE001 - a refusal is the expected answer once the table is full
                 self.count(f"refused: {_refusal(exc)}")

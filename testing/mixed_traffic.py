@@ -22,6 +22,7 @@ import json
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -188,23 +189,23 @@ class HttpRefusal(Exception):
         self.status, self.headers, self.body = status, headers, body
 
 
-def closed_loop_rate(workload: Workload, clients: int, seconds: float) -> float:
-    """Jobs per second the server completes (correctly) with ``clients`` sending back to back."""
-    done: list[Outcome] = []
+def closed_loop_rate(workload: Workload, clients: int, seconds: float) -> tuple[float, Counter[str]]:
+    """Jobs per second the server completes correctly with ``clients`` sending back to back, and the
+    labels of every outcome."""
+    outcomes: list[list[Outcome]] = []
     deadline = time.monotonic() + seconds
 
     def client(index: int) -> None:
         for i in itertools.count(index):
             if time.monotonic() >= deadline:
                 return
-            outcomes = workload.run(KINDS[i % len(KINDS)], workload.seeds[i % len(workload.seeds)])
-            if outcomes and all(o.label == "ok" for o in outcomes):
-                done.append(outcomes[0])
+            outcomes.append(workload.run(KINDS[i % len(KINDS)], workload.seeds[i % len(workload.seeds)]))
 
     started = time.monotonic()
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
-    return len(done) / (time.monotonic() - started)
+    done = sum(1 for job in outcomes if job and all(o.label == "ok" for o in job))
+    return done / (time.monotonic() - started), Counter(o.label for job in outcomes for o in job)
 
 
 @dataclass
@@ -214,7 +215,7 @@ class OpenLoop:
 
     workload: Workload
     rate: float
-    max_in_flight: int = 32
+    max_in_flight: int = 64
     outcomes: list[Outcome] = field(default_factory=list)
     not_sent: int = 0
 

@@ -35,7 +35,7 @@ def test_the_session_flood_keeps_trying_at_its_pace():
             raise InferenceServerException("session limit reached: ...", "StatusCode.UNAVAILABLE")
         opened.append(sid)
 
-    flood = SessionFlood(open_session, first_id=10, pause_s=0.01).start()
+    flood = SessionFlood(open_session, first_id=10, pause_s=0.01, threads=1).start()
     assert wait_for(lambda: sum(v for k, v in flood.counts.items() if k.startswith("refused")) >= 3, timeout=10)
     counts = flood.stop()
     assert opened == [11, 12, 13] and counts["opened"] == 3 and gate.is_set()
