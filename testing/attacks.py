@@ -59,6 +59,19 @@ class Attack:
         self._close()
         return dict(self.counts)
 
+    def _post(self, port: int, path: str, body: bytes, timeout: float) -> None:
+        """One JSON POST on a fresh connection; its status (or the connection's failure) is counted."""
+        conn = http.client.HTTPConnection(LOOPBACK, port, timeout=timeout)
+        try:
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            answer.read()
+            self.count(f"answered {answer.status}")
+        except OSError as exc:
+            self.count(f"connection error: {type(exc).__name__}")
+        finally:
+            conn.close()
+
     def _guarded(self, index: int) -> None:
         try:
             self._run(index)
@@ -164,16 +177,7 @@ class LargeJson(Attack):
 
     def _run(self, index: int) -> None:
         while not self._stop.is_set():
-            conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=60)
-            try:
-                conn.request("POST", self.path, self.body, {"Content-Type": "application/json"})
-                answer = conn.getresponse()
-                answer.read()
-                self.count(f"answered {answer.status}")
-            except OSError as exc:
-                self.count(f"connection error: {type(exc).__name__}")
-            finally:
-                conn.close()
+            self._post(self.port, self.path, self.body, timeout=60)
             self._stop.wait(self.pause_s)
 
 
@@ -200,16 +204,7 @@ class PlantedUnhealthy(Attack):
             turn += 1
             body = json.dumps({"inputs": [{"name": unhealthy_text(instance), "shape": [1], "datatype": "INT64",
                                            "data": [1]}]}).encode()
-            conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=30)
-            try:
-                conn.request("POST", f"/v2/models/{model}/infer", body, {"Content-Type": "application/json"})
-                answer = conn.getresponse()
-                answer.read()
-                self.count(f"answered {answer.status}")
-            except OSError as exc:
-                self.count(f"connection error: {type(exc).__name__}")
-            finally:
-                conn.close()
+            self._post(self.port, f"/v2/models/{model}/infer", body, timeout=30)
 
 
 class SessionFlood(Attack):
