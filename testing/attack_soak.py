@@ -57,7 +57,7 @@ MODELS = ("neopp_dense", "neopp_dense_stream", "neopp_session", "neopp_prompt_en
 DEMO = REPO / "demo" / "checkpoints" / "dense"
 PROMPT = "a red circle on the left on a blue background"
 OFFSETS = (11, 1)  # the demo sample prefixes' index offsets (README)
-SESSIONS = 16  # neopp_session's table during the soak: a flood fills it in seconds
+SESSIONS = 32  # neopp_session's table during the soak: above the legitimate sessions in flight, a flood fills it
 ADMIN = "triton-grpc-protocol-neopp-admin-key"
 PLANTED = [("neopp_dense", "neopp_dense_0_0"), ("neopp_dense_stream", "neopp_dense_stream_0_0"),
            ("neopp_t2i", "neopp_t2i_0_0"), ("neopp_session", "neopp_session_0_0"),
