@@ -1,7 +1,7 @@
 """``make soak-attack``: legitimate traffic at twice what the server completes, every core busy,
 first alone, then under attack; what the legitimate clients got, and what the attacks cost them.
 
-    python -m testing.attack_soak --seconds 120 [--json build/attack_soak.json]
+    python -m testing.attack_soak --seconds 120 [--json build/attack_soak.json]   (its launcher's log: .launcher.log)
 
 One launcher as `make serve` runs it (the door, the watchdog, restarts) on the demo model, with
 ``neopp_dense``, its streamed twin, ``neopp_session`` (held to a small table, so that a flood fills it
@@ -29,6 +29,7 @@ import http.client
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -194,11 +195,12 @@ class StubCensus:
         return {m: len(pids) for m, pids in self.seen.items()}
 
 
-def watchdog_actions(text: str) -> dict[str, int]:
-    """What the launcher's log says its watchdog and supervisor did."""
+def watchdog_actions(text: str) -> dict[str, Any]:
+    """What the launcher's log says its watchdog and supervisor did (counts, then the lines)."""
     return {"stubs killed": len(re.findall(r"killing its stub", text)),
             "reloads": len(re.findall(r"neopp watchdog: \S+: no live stub", text)),
-            "server restarts": len(re.findall(r"tritonserver exited", text))}
+            "server restarts": len(re.findall(r"tritonserver exited", text)),
+            "lines": re.findall(r"^.*(?:neopp watchdog|tritonserver exited).*$", text, re.MULTILINE)[:12]}
 
 
 def start_attacks(launcher: Launched, workload: Workload) -> list[Any]:
@@ -306,7 +308,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also write the report here")
     ns = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="neopp-attack-soak-") as tmp:
-        report = run(ns, Path(tmp))
+        try:
+            report = run(ns, Path(tmp))
+        finally:
+            if ns.json:  # the launcher's log next to the report
+                ns.json.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(Path(tmp) / "launcher.log", ns.json.with_suffix(".launcher.log"))
     for part in ("attack", "attacks_sent", "stub_kill", "stubs_during_attack"):
         print(f"{part}: {json.dumps(report.get(part))}", flush=True)
     print(f"memory (launcher, tritonserver and stubs): {report.get('rss_mib_before')} MiB before, "
