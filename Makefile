@@ -176,9 +176,17 @@ bench-8b: setup
 
 # ---- Reliability: bad input, 8-client load for SOAK_SECONDS, stub kills, SIGTERM; prints the figures.
 SOAK_SECONDS ?= 600
-.PHONY: soak
+.PHONY: soak soak-attack
 soak: setup
 	$(PY) -m testing.soak --seconds $(SOAK_SECONDS)
+
+# ---- Under attack (docs/reliability.md): legitimate mixed traffic at twice what the server completes, a CPU
+# burner per core, ATTACK_SECONDS alone and ATTACK_SECONDS under attack (idle connections, trickled uploads,
+# large JSON, planted "not healthy" texts, a session flood, a SIGKILLed stub); about 5 minutes plus twice
+# ATTACK_SECONDS. Prints the figures and PASS/FAIL per goal, writes them to build/attack_soak.json.
+ATTACK_SECONDS ?= 120
+soak-attack: setup
+	$(PY) -m testing.attack_soak --seconds $(ATTACK_SECONDS) --json build/attack_soak.json
 
 # ---- Replays of saved KV (docs/replay.md), no venv to activate. CASE: a case of `make replay-list`,
 # either a replay case (scripts/replay) or a LightX2V launcher name (scripts/lightx2v, `.sh` optional);

@@ -18,6 +18,17 @@ this rendering. The rules:
   replica fails before it was sent is sent to another one (``retry-on conn-failure``); one that
   was already running there fails (gRPC UNAVAILABLE / HTTP 502): it is never sent twice.
 * Timeouts are longer than the longest image (15 minutes).
+* gRPC messages are bounded here, since Triton 2.51 takes up to 2 GiB and has no option to lower
+  it: every gRPC message starts with 5 bytes (a compression flag, then its length, big-endian);
+  the router reads a request's first message prefix and refuses a message over
+  ``MAX_GRPC_MESSAGE`` (HTTP/2 status 413, which gRPC clients report as UNKNOWN "Received http2
+  header with status: 413") before a replica sees a byte of it. A unary call (``ModelInfer``:
+  every generation and session turn) whose prefix does not arrive within 10 s is refused too
+  (408), so a trickle cannot pass unchecked. Later messages of a stream (``ModelStreamInfer``) are
+  not read here. HTTP bodies are bounded by each replica's door.
+* The cluster router's statistics: the Prometheus exporter on ``STATS_PORT`` (``/metrics`` only,
+  for the monitoring namespace the NetworkPolicy admits) and HAProxy's stats page on the pod's
+  loopback only (``kubectl port-forward``), never on the client ports.
 * Every router pod lists the same servers under the same names: the replicas are a StatefulSet,
   server ``rI`` is pod ``neopp-I`` (its stable DNS name), so all router pods hash a chat to the
   same replica. Slots whose pod does not exist (fewer replicas now) are simply down.
@@ -35,6 +46,11 @@ CHECK = "GET /v2/health/ready"
 NAMESPACE = "neopp"  # the manifests' namespace (HAProxy's resolver does not apply DNS search domains)
 REPLICAS_SERVICE = f"neopp-replicas.{NAMESPACE}.svc.cluster.local"  # the replicas' headless Service
 MAX_REPLICAS = 16  # replica pods neopp-0 .. neopp-15 the cluster router lists (the autoscaler's maximum)
+MAX_GRPC_MESSAGE = 256 * 2**20  # bytes: the models' max_request_bytes (every input of one request)
+PREFIX_WAIT_S = 10  # how long a gRPC request's first message prefix may take to arrive
+UNARY_INFER = "/inference.GRPCInferenceService/ModelInfer"
+STATS_PORT = 8404  # the cluster router's Prometheus exporter (/metrics)
+STATS_PAGE = "127.0.0.1:8405"  # its stats page: the pod's loopback only
 
 
 @dataclass(frozen=True)
@@ -54,23 +70,32 @@ def _global(stats_port: int | None) -> list[str]:
              f"    balance hdr({ROUTE_HEADER})", "    hash-type consistent", f"    option httpchk {CHECK}",
              "    http-check expect status 200", "    default-server inter 500ms fall 2 rise 2", ""]
     if stats_port is not None:
-        lines += ["frontend stats", f"    bind :{stats_port}", "    http-request use-service prometheus-exporter "
-                  "if { path /metrics }", "    stats enable", "    stats uri /stats", ""]
+        lines += ["frontend metrics", f"    bind :{stats_port}", "    http-request use-service prometheus-exporter "
+                  "if { path /metrics }", "    http-request deny deny_status 404", "",
+                  "frontend stats_page", f"    bind {STATS_PAGE}", "    stats enable", "    stats uri /stats", ""]
     return lines
 
 
-def _frontends(bind: str, grpc_port: int, http_port: int) -> list[str]:
-    return ["frontend grpc", f"    bind {bind}:{grpc_port} proto h2", "    default_backend grpc_replicas", "",
+def _frontends(bind: str, grpc_port: int, http_port: int, max_grpc_message: int, prefix_wait_s: float) -> list[str]:
+    return ["frontend grpc", f"    bind {bind}:{grpc_port} proto h2",
+            "    # the first gRPC message's prefix: a flag byte, then its length (4 bytes, big-endian)",
+            f"    http-request wait-for-body time {int(prefix_wait_s * 1000)}ms at-least 5",
+            "    acl grpc_prefix req.body_size ge 5",
+            f"    http-request deny deny_status 408 if {{ path {UNARY_INFER} }} !grpc_prefix",
+            "    http-request deny deny_status 413 if grpc_prefix "
+            f"{{ req.body,bytes(1,4),be2dec(:,4) -m int gt {max_grpc_message} }}",
+            "    default_backend grpc_replicas", "",
             "frontend http", f"    bind {bind}:{http_port}", "    default_backend http_replicas", ""]
 
 
 def render_local(replicas: Sequence[Replica], bind: str, grpc_port: int, http_port: int,
-                 stats_port: int | None = None) -> str:
-    """The router of `make serve-replicas`: each replica listed by address."""
+                 stats_port: int | None = None, max_grpc_message: int = MAX_GRPC_MESSAGE,
+                 prefix_wait_s: float = PREFIX_WAIT_S) -> str:
+    """The router of `make serve-replicas`: each replica listed by address (the limits: see the module)."""
     grpc = [f"    server r{i} {r.host}:{r.grpc_port} proto h2 check port {r.http_port} check-proto h1"
             for i, r in enumerate(replicas)]
     http = [f"    server r{i} {r.host}:{r.http_port} check" for i, r in enumerate(replicas)]
-    lines = [*_global(stats_port), *_frontends(bind, grpc_port, http_port),
+    lines = [*_global(stats_port), *_frontends(bind, grpc_port, http_port, max_grpc_message, prefix_wait_s),
              "backend grpc_replicas", *grpc, "", "backend http_replicas", *http, ""]
     return "\n".join(lines)
 
@@ -81,8 +106,9 @@ def render_kubernetes() -> str:
     found = "resolvers kube init-addr none"
     grpc = [f"    server r{i} {pod}:8001 proto h2 check port 8000 check-proto h1 {found}" for i, pod in enumerate(pods)]
     http = [f"    server r{i} {pod}:8000 check {found}" for i, pod in enumerate(pods)]
-    lines = [*_global(8404), "resolvers kube", "    parse-resolv-conf", "    hold valid 5s", "",
-             *_frontends("", 8001, 8000), "backend grpc_replicas", *grpc, "", "backend http_replicas", *http, ""]
+    lines = [*_global(STATS_PORT), "resolvers kube", "    parse-resolv-conf", "    hold valid 5s", "",
+             *_frontends("", 8001, 8000, MAX_GRPC_MESSAGE, PREFIX_WAIT_S),
+             "backend grpc_replicas", *grpc, "", "backend http_replicas", *http, ""]
     return "\n".join(lines)
 
 

@@ -46,3 +46,22 @@ def test_readme_uses_this_recipe() -> None:
     assert "docker compose -f docker/compose.yaml up --build" in readme
     assert "docker run" not in readme or "neopp-triton:0.1.0" in readme
     assert "pip install torch" not in readme  # no install at container start
+
+
+def test_the_server_runs_as_an_unprivileged_user() -> None:
+    users = re.findall(r"^USER (\S+)$", DOCKERFILE, re.MULTILINE)
+    uid, gid = users[-1].split(":")
+    assert int(uid) >= 1000 and int(gid) >= 1000  # numeric, so Kubernetes can check runAsNonRoot
+    assert f"--uid {uid} " in DOCKERFILE and "--home-dir /var/lib/neopp" in DOCKERFILE
+    assert "NEOPP_STATE_DIR=/var/lib/neopp" in DOCKERFILE
+
+
+def test_the_entry_point_keeps_every_file_it_writes_in_the_state_dir() -> None:
+    script = (REPO / "docker" / "entrypoint.sh").read_text()
+    assert '--admin-key-file "$state/admin.key"' in script and '--api-key-file "$state/api.key"' in script
+    assert "$NEOPP_ADMIN_KEY" not in script and "$NEOPP_API_KEY" not in script  # never on a command line
+
+
+def test_compose_drops_every_privilege() -> None:
+    assert "read_only: true" in COMPOSE and "- ALL" in COMPOSE and "no-new-privileges:true" in COMPOSE
+    assert re.search(r"tmpfs:\n\s+- /tmp\n", COMPOSE) and "neopp-state:/var/lib/neopp" in COMPOSE

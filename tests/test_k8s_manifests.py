@@ -16,7 +16,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from deploy.router import MAX_REPLICAS, NAMESPACE, render_kubernetes
+from deploy.router import MAX_GRPC_MESSAGE, MAX_REPLICAS, NAMESPACE, STATS_PAGE, STATS_PORT, render_kubernetes
 from neopp.serving.contract import generation_models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,7 +45,8 @@ def env_of(c: dict) -> dict[str, dict]:
 def test_every_object_is_valid_kubernetes(overlay):
     objects = render(overlay)
     assert {kind for kind, _ in objects} == {"Namespace", "ConfigMap", "StatefulSet", "Deployment", "Service",
-                                             "PersistentVolumeClaim", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+                                             "PersistentVolumeClaim", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+                                             "NetworkPolicy"}
     assert all(o["metadata"].get("namespace") == NAMESPACE for (kind, _), o in objects.items() if kind != "Namespace")
     for obj in objects.values():
         kubernetes_validate.validate(obj, VERSION, strict=True)
@@ -112,3 +113,87 @@ def test_the_router_runs_the_routing_rules_and_fronts_the_clients_service():
             subprocess.run(["haproxy", "-c", "-f", str(path)], check=True, capture_output=True, timeout=30)
         finally:
             path.unlink()
+
+
+def pod_of(objects: dict, kind: str, name: str) -> dict:
+    return objects[kind, name]["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("workload", [("StatefulSet", "neopp"), ("Deployment", "neopp-router")])
+def test_every_pod_runs_unprivileged_with_a_read_only_root(overlay, workload):
+    objects = render(overlay)
+    pod = pod_of(objects, *workload)
+    assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] > 0
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert pod["automountServiceAccountToken"] is False
+    for c in pod["containers"]:
+        ctx = c["securityContext"]
+        assert ctx["allowPrivilegeEscalation"] is False and ctx["privileged"] is False
+        assert ctx["readOnlyRootFilesystem"] is True and ctx["capabilities"] == {"drop": ["ALL"]}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_replica_runs_as_the_images_user_and_writes_only_its_volumes(overlay):
+    objects = render(overlay)
+    pod, c = pod_of(objects, "StatefulSet", "neopp"), container(objects)
+    (user,) = re.findall(r"^USER (\d+):(\d+)$", (ROOT / "docker" / "Dockerfile").read_text(), re.MULTILINE)
+    assert (pod["securityContext"]["runAsUser"], pod["securityContext"]["runAsGroup"]) == tuple(map(int, user))
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    for path in ("/var/lib/neopp", "/tmp", "/dev/shm"):  # the state dir (docker/Dockerfile), scratch, IPC
+        assert "emptyDir" in volumes[mounts[path]], path
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_no_key_is_ever_on_a_command_line(overlay):
+    """The keys reach the launcher through the environment, from Secrets; no command, argument or
+    probe names them (Kubernetes would expand $(VAR) into a process's arguments)."""
+    objects = render(overlay)
+    for workload in (("StatefulSet", "neopp"), ("Deployment", "neopp-router")):
+        for c in pod_of(objects, *workload)["containers"]:
+            lines = [*c.get("command", []), *c.get("args", [])]
+            for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+                lines += c.get(probe, {}).get("exec", {}).get("command", [])
+            assert not any("KEY" in part.upper() for part in lines), lines
+    env = env_of(container(objects))
+    for name, secret in (("NEOPP_ADMIN_KEY", "neopp-admin-key"), ("NEOPP_API_KEY", "neopp-api-key")):
+        assert env[name]["valueFrom"]["secretKeyRef"]["name"] == secret and "value" not in env[name]
+
+
+def test_only_the_router_reaches_the_replicas():
+    objects = render("cpu")
+    router_labels = objects["Deployment", "neopp-router"]["spec"]["template"]["metadata"]["labels"]
+    replica_labels = objects["StatefulSet", "neopp"]["spec"]["template"]["metadata"]["labels"]
+    policy = objects["NetworkPolicy", "neopp-replicas"]["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= replica_labels.items()
+    assert set(policy["policyTypes"]) == {"Ingress", "Egress"}
+    admitted: dict[int, list[dict]] = {}
+    for rule in policy["ingress"]:
+        assert rule.get("from"), "an ingress rule without 'from' admits every pod"
+        for port in rule["ports"]:
+            admitted.setdefault(port["port"], []).extend(rule["from"])
+    assert set(admitted) == {8000, 8001, 8002}
+    for port in (8000, 8001):  # the door and Triton's gRPC: the router's pods only
+        assert admitted[port] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "neopp-router"}}}]
+        assert admitted[port][0]["podSelector"]["matchLabels"].items() <= router_labels.items()
+    assert all(set(source) == {"namespaceSelector"} for source in admitted[8002])  # Prometheus's namespace
+    assert all(set(rule) == {"ports"} and {p["port"] for p in rule["ports"]} == {53} for rule in policy["egress"])
+    router = objects["NetworkPolicy", "neopp-router"]["spec"]
+    exporter = [rule for rule in router["ingress"] if any(p["port"] == STATS_PORT for p in rule["ports"])]
+    assert len(exporter) == 1 and all(set(source) == {"namespaceSelector"} for source in exporter[0]["from"])
+
+
+def test_the_router_bounds_grpc_messages_and_keeps_its_stats_page_private():
+    config = render_kubernetes()
+    assert f"be2dec(:,4) -m int gt {MAX_GRPC_MESSAGE} }}" in config and MAX_GRPC_MESSAGE == 256 * 2**20
+    binds = re.findall(r"^frontend (\S+)\n    bind (\S+)", config, re.MULTILINE)
+    assert dict(binds) == {"metrics": f":{STATS_PORT}", "stats_page": STATS_PAGE, "grpc": ":8001", "http": ":8000"}
+    assert STATS_PAGE.startswith("127.0.0.1:")
+    stats = config[config.index("frontend metrics"):config.index("frontend stats_page")]
+    assert "prometheus-exporter if { path /metrics }" in stats and "deny deny_status 404" in stats
+    objects = render("cpu")
+    router = pod_of(objects, "Deployment", "neopp-router")
+    ports = {p["containerPort"] for c in router["containers"] for p in c["ports"]}
+    assert ports == {8000, 8001, STATS_PORT}
+    assert {p["port"] for p in objects["Service", "neopp"]["spec"]["ports"]} == {8000, 8001}

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from neopp.errors import ConfigError
-from neopp.serving.error_status import status_of_message
-from neopp.serving.sessions import SessionTable, UnknownSession
+from neopp.serving.error_status import SESSIONS_FULL, error_class, refusal_text, status_of_message
+from neopp.serving.sessions import SessionsFull, SessionTable, UnknownSession
 
 
 class Clock:
@@ -64,21 +64,54 @@ def test_idle_sessions_expire() -> None:
         t.get(1)
 
 
-def test_count_never_exceeds_maximum_and_evicts_least_recently_used() -> None:
+def test_a_full_table_refuses_new_sessions_and_never_drops_a_held_one() -> None:
     clock = Clock()
-    t = table(max_sessions=3, clock=clock)
+    t = table(max_sessions=3, idle=10.0, clock=clock)
     for sid in range(3):
         clock.now += 1
-        t.start(sid)
-    clock.now += 1
-    t.get(0)  # 0 is now the most recently used; 1 is the oldest
-    for sid in range(3, 50):
-        clock.now += 0.1
-        t.start(sid)
-        assert len(t) <= 3
-    with pytest.raises(UnknownSession, match="evicted to make room"):
+        t.start(sid)  # last used at 1, 2, 3
+    clock.now = 4.5
+    for sid in range(3, 50):  # a flood of new sessions
+        with pytest.raises(SessionsFull, match=r"^all max_sessions=3 .* retry after 7 s") as info:
+            t.open(sid)
+        assert info.value.retry_after_s == 7 and error_class(info.value) is SESSIONS_FULL
+        assert refusal_text(info.value, SESSIONS_FULL).startswith("session limit reached: all max_sessions=3 ")
+    assert t.refused_total == 47 and len(t) == 3
+    assert all(t.get(sid).session_id == sid for sid in range(3))  # every held session is still served
+
+
+def test_a_session_idle_past_the_timeout_makes_room() -> None:
+    clock = Clock()
+    t = table(max_sessions=2, idle=10.0, clock=clock)
+    t.start(1)
+    clock.now = 5.0
+    t.start(2)
+    clock.now = 10.0
+    with pytest.raises(SessionsFull, match="retry after 1 s"):
+        t.open(3)  # session 1 is idle for exactly the timeout: not past it
+    clock.now = 10.5
+    assert t.commit(t.open(3, seed=4), b"s", "neopp_dense") == 0
+    assert 1 not in t and {2, 3} <= set(t._sessions)
+    with pytest.raises(UnknownSession, match="expired after 10 s idle"):
         t.get(1)
-    assert t.evicted_total == 47
+    t.start(2)  # a restarted id takes its own place, never a new one
+    assert len(t) == 2
+
+
+def test_the_door_answers_a_full_table_with_429_and_its_retry_after() -> None:
+    import grpc
+
+    from neopp.launcher.door.upstream import grpc_error
+
+    t = table(max_sessions=1, idle=600.0)
+    t.start(1)
+    with pytest.raises(SessionsFull) as info:
+        t.open(2)
+    message = f"[request id: <id_unknown>] {refusal_text(info.value, SESSIONS_FULL)}"  # as Triton sends it
+    assert status_of_message(message) == "UNAVAILABLE"  # what gRPC clients see
+    answer = grpc_error(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                             details=message))
+    assert answer.status == 429 and answer.headers == {"Retry-After": "601"}
 
 
 def test_restarting_an_id_starts_over() -> None:
@@ -111,11 +144,25 @@ def test_bls_error_status_recovers_the_generation_models_status(message: str, st
 
 def test_a_first_turn_is_held_only_once_it_delivers() -> None:
     t = table(max_sessions=2)
-    t.start(1), t.start(2)
-    fresh = t.open(3, seed=5)  # its first turn is running: nobody evicted, nothing counted
-    assert len(t) == 2 and 1 in t and 3 not in t
-    assert t.commit(fresh, b"s", "neopp_dense") == 0  # delivered: held, the oldest goes
-    assert 3 in t and 1 not in t and len(t) == 2
+    t.start(1)
+    fresh = t.open(2, seed=5)  # its first turn is running: nothing counted yet
+    assert len(t) == 1 and 2 not in t
+    assert t.commit(fresh, b"s", "neopp_dense") == 0  # delivered: held
+    assert 2 in t and 1 in t and len(t) == 2
+
+
+def test_error_classes_give_each_refusal_its_status_and_prefix() -> None:
+    from neopp.errors import ConfigError, GenerationCancelled, InputError
+    from neopp.serving.error_status import CANCELLED, INTERNAL, INVALID_INPUT, MISCONFIGURED, NOT_FOUND, refusal_text
+
+    cases = [(InputError("PROMPT: too long"), INVALID_INPUT, "PROMPT: too long"),
+             (UnknownSession("sequence_id 3: unknown session"), NOT_FOUND, "sequence_id 3: unknown session"),
+             (GenerationCancelled("before step 2"), CANCELLED, "request cancelled: before step 2"),
+             (ConfigError("mode x"), MISCONFIGURED, "model configuration error: mode x"),
+             (RuntimeError("boom"), INTERNAL, "internal error: RuntimeError: boom")]
+    for exc, cls, text in cases:
+        assert error_class(exc) is cls and refusal_text(exc, cls) == text
+        assert status_of_message(text) == cls.status
 
 
 def test_slots_release_dropped_sequences_only_under_pressure() -> None:

@@ -64,8 +64,8 @@ class SmallServer:
         self.server.stop(timeout=30)
         return process_group_members(self.pgid)
 
-    def tensors(self, **overrides) -> list[grpcclient.InferInput]:
-        """A valid 64x64, 1-step guided request; ``NAME=None`` drops an input."""
+    def inputs(self, **overrides) -> dict[str, tuple[np.ndarray, str]]:
+        """A valid 64x64, 1-step guided request, name -> (array, datatype); ``NAME=None`` drops an input."""
         req = {"COND_KV": (self.cond.float().numpy(), "BF16"),
                "UNCOND_KV": (self.uncond.float().numpy(), "BF16"),
                "INDEX_OFFSET_COND": (np.array([COND_TOKENS], np.int64), "INT64"),
@@ -73,11 +73,12 @@ class SmallServer:
                "SIZE": (np.array([64, 64], np.int64), "INT64"), "STEPS": (np.array([1], np.int64), "INT64"),
                "OUTPUT_FORMAT": (np.array([b"png"], np.object_), "BYTES")}
         req.update(overrides)
+        return {name: value for name, value in req.items() if value is not None}
+
+    def tensors(self, **overrides) -> list[grpcclient.InferInput]:
+        """``inputs`` as gRPC tensors."""
         out = []
-        for name, value in req.items():
-            if value is None:
-                continue
-            arr, dtype = value
+        for name, (arr, dtype) in self.inputs(**overrides).items():
             t = grpcclient.InferInput(name, list(arr.shape), dtype)
             t.set_data_from_numpy(arr)
             out.append(t)

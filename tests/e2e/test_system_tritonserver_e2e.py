@@ -1,7 +1,9 @@
 """The container's entry point (docker/entrypoint.sh) on a tritonserver laid out as in NVIDIA's
 image (``bin/``, ``lib/``, ``backends/python/``, found through ``$NEOPP_TRITONSERVER_ROOT``).
 No container engine runs here, so the layout is assembled from the wheel's own files and the
-script runs on this machine with its paths and ports pointed at test places."""
+script runs on this machine with its paths and ports pointed at test places, under the pod's
+security context where the machine allows it (``testing.contained``: a read-only root, no
+capability, no new privileges): it serves, writing only its state directory, /tmp and /dev/shm."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import tritonclient.grpc as grpcclient
 from neopp.launcher.triton_install import find_install, prepare_backend_dir
 from neopp.model.kv_cache import load_kv_file
 from neopp.ports import free_ports
-from testing import REPO
+from testing import REPO, contained
 from testing.launched import run_launcher
 from testing.loadgen import grpc_inputs
 
@@ -38,10 +40,16 @@ def test_entrypoint_serves_from_a_container_layout(tiny_dense: Path, tmp_path: P
            "NEOPP_STATE_DIR": str(tmp_path / "state"), "NEOPP_HOST": "127.0.0.1", "NEOPP_PYTHON": sys.executable,
            "NEOPP_HTTP_PORT": str(http_port), "NEOPP_GRPC_PORT": str(grpc_port),
            "NEOPP_METRICS_PORT": str(metrics_port), "NEOPP_MODELS": "neopp_dense", "NEOPP_ADMIN_KEY": ""}
-    launcher = run_launcher([str(REPO / "docker" / "entrypoint.sh"), "--exit-timeout-secs=5"],
+    contain, why_not = contained.prefix()
+    launcher = run_launcher([*(contain or []), str(REPO / "docker" / "entrypoint.sh"), "--exit-timeout-secs=5"],
                             tmp_path / "serve.log", env, http_port, grpc_port)
     try:
         launcher.wait_for("NeoPP Triton server ready", timeout=300)
+        if contain is None:
+            print(f"not contained: {why_not}")
+        else:  # the launcher and the server really ran that way
+            for pid in (launcher.proc.pid, launcher.server_pid):
+                assert contained.capabilities(pid) == 0 and contained.root_read_only(pid), pid
         assert f"tritonserver {root}/bin/tritonserver\n" in launcher.text()
         assert launcher.servers()[0][2].startswith("neopp_shm_")  # the launcher's server line still parses
         key_file = tmp_path / "state" / "admin.key"

@@ -1,14 +1,18 @@
 """How each error class reaches a client: metric reason, Triton status and message prefix.
 
-Written once because the session model only sees a called model's message (Triton's BLS
-reports every error of a called model as INTERNAL) and must answer with the status that model
-meant: it reads the class back from the prefixes written here.
+Written once for every model: the generation models, the session model and the BLS models
+(``neopp_t2i``, ``neopp_prompt_encoder``) answer a failure through ``error_response``, and a BLS
+model that only sees a called model's message (Triton's BLS reports every error of a called
+model as INTERNAL) answers with the status that model meant: ``forwarded_error`` reads the class
+back from the prefixes written here.
 """
 
 from __future__ import annotations
 
 import re
+import traceback
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import ConfigError, GenerationCancelled, InputError, QueueFull, WorkerFailure
 
@@ -31,13 +35,19 @@ QUEUE_FULL = ErrorClass("queue_full", "UNAVAILABLE", "")
 MISCONFIGURED = ErrorClass("config", "INTERNAL", "model configuration error")
 INTERNAL = ErrorClass("internal", "INTERNAL", "internal error")
 NOT_FOUND = ErrorClass("not_found", "NOT_FOUND", "")
+# Every session of neopp_session is in use: try again later (the HTTP door answers 429 with Retry-After).
+SESSIONS_FULL = ErrorClass("sessions_full", "UNAVAILABLE", "session limit reached")
 
 _INPUT_NAMED = re.compile(r"^[A-Z][A-Z0-9_/]*: ")  # "COND_KV: ...": an input error of our models
 _CORE_INPUT_ERRORS = ("for input '", "unexpected inference input", "expected input", "inference input")
 
 
 def error_class(exc: BaseException) -> ErrorClass:
-    """The class of an exception raised while serving one request."""
+    """The class of an exception raised while serving one request (one that names its own class,
+    ``error_class``, keeps it)."""
+    declared = getattr(exc, "error_class", None)
+    if isinstance(declared, ErrorClass):
+        return declared
     if isinstance(exc, InputError):
         return INVALID_INPUT
     if isinstance(exc, GenerationCancelled):
@@ -54,13 +64,33 @@ def error_class(exc: BaseException) -> ErrorClass:
 def status_of_message(message: str) -> str:
     """The status a generation model (or Triton itself) sent with ``message``."""
     text = re.sub(r"^\[request id: [^\]]*\] ", "", message.strip())
-    for cls in (CANCELLED, WORKERS_DOWN, MISCONFIGURED, INTERNAL):
+    for cls in (CANCELLED, WORKERS_DOWN, MISCONFIGURED, INTERNAL, SESSIONS_FULL):
         if text.startswith(cls.prefix):
             return cls.status
-    if "unknown model" in text or " is not found" in text:
+    if "unknown model" in text or " is not found" in text or ": unknown session" in text:
         return NOT_FOUND.status
     if "is not ready" in text or text.startswith("Exceeds maximum queue size"):
         return WORKERS_DOWN.status
     if _INPUT_NAMED.match(text) or any(part in text for part in _CORE_INPUT_ERRORS):
         return INVALID_INPUT.status
     return INTERNAL.status
+
+
+def refusal_text(exc: BaseException, cls: ErrorClass) -> str:
+    """What the client reads: the class's prefix, then the error (an internal one names its type)."""
+    return cls.message(f"{type(exc).__name__}: {exc}" if cls is INTERNAL else str(exc))
+
+
+def error_response(pb: Any, exc: BaseException, logger: Any, model_name: str) -> Any:
+    """The response refusing a request with ``exc`` (``pb``: triton_python_backend_utils); an
+    internal error's traceback goes to the log, the model stays usable."""
+    cls = error_class(exc)
+    if cls is INTERNAL:
+        logger.log_error(f"{model_name}: internal error\n{traceback.format_exc()}")
+    return pb.InferenceResponse(error=pb.TritonError(refusal_text(exc, cls), getattr(pb.TritonError, cls.status)))
+
+
+def forwarded_error(pb: Any, message: str, status: str | None = None) -> Any:
+    """A called model's error as this model's answer: its message, and the status it meant."""
+    return pb.InferenceResponse(error=pb.TritonError(message, getattr(pb.TritonError,
+                                                                      status or status_of_message(message))))

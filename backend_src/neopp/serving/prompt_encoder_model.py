@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import json
 import re
-import traceback
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError
 from ..model.checkpoint_config import CheckpointConfig
 from ..text.language_tower import LanguageTower
+from .error_status import INVALID_INPUT, error_class, error_response
 from .model_settings import choose_device, int_param, project_root, resolve_checkpoint
 from .parameters import narrow_kv_dims, read_parameters
 from .prompt_parsing import PromptRequest, parse_prompts
@@ -104,13 +104,10 @@ class PromptEncoderTritonModel:
         try:
             req = parse_prompts({tensor.name(): tensor.as_numpy() for tensor in request.inputs()})
             outputs = encode_prompts(self.tower, req)
-        except InputError as exc:
-            self.logger.log_warn(f"{self.model_name}: refused: {exc}")
-            return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
-        except Exception as exc:  # noqa: BLE001 - the model must stay usable
-            self.logger.log_error(f"{self.model_name}: internal error\n{traceback.format_exc()}")
-            return pb.InferenceResponse(error=pb.TritonError(f"internal error: {type(exc).__name__}: {exc}",
-                                                             pb.TritonError.INTERNAL))
+        except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
+            if error_class(exc) is INVALID_INPUT:
+                self.logger.log_warn(f"{self.model_name}: refused: {exc}")
+            return error_response(pb, exc, self.logger, self.model_name)
         return pb.InferenceResponse(output_tensors=[
             pb.Tensor.from_dlpack(name, value) if isinstance(value, torch.Tensor) else pb.Tensor(name, value)
             for name, value in outputs.items()])

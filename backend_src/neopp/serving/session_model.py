@@ -11,7 +11,9 @@ Parameters (``config.pbtxt``):
 * ``default_model``: generation model of a turn without ``MODEL`` (``neopp_dense``);
 * ``allowed_models``: comma-separated models a turn may name (default: the contract's);
 * ``default_seed``: seed of a first turn without ``SEED`` (``0``);
-* ``max_sessions``: sessions held by one instance at most (``1024``);
+* ``max_sessions``: sessions held by one instance at most (``1024``); a new session beyond it is
+  refused with UNAVAILABLE until one ends or has been idle past the timeout (no held session is
+  ever dropped to make room);
 * ``session_idle_timeout_s``: seconds a session may stay unused (``600``). Keep
   ``sequence_batching.max_sequence_idle_microseconds`` at least as long, so that Triton does
   not release the sequence first (its own refusal then says the START flag is missing).
@@ -47,7 +49,6 @@ import queue
 import secrets
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -56,9 +57,18 @@ import numpy as np
 from ..errors import ConfigError, InputError, shown
 from ..limits import text_value
 from ..procs import own_server_grpc_url
-from .error_status import status_of_message
+from .error_status import error_response, forwarded_error
 from .parameters import model_allowlist, read_parameters
-from .sessions import CONTINUE_ELSEWHERE, TOKEN_INPUT, SequenceSlots, SessionTable, TurnPlan, UnknownSession, authorize
+from .sessions import (
+    CONTINUE_ELSEWHERE,
+    TOKEN_INPUT,
+    SequenceSlots,
+    SessionsFull,
+    SessionTable,
+    TurnPlan,
+    UnknownSession,
+    authorize,
+)
 from .stop_watch import StopWatch, server_exiting
 
 SESSION_PARAMETERS = {
@@ -173,9 +183,12 @@ class SessionTritonModel:
                                       description="Sessions held by neopp_session (per instance, summed)")
         turns = pb_utils.MetricFamily(name="neopp_session_turns_total", kind=pb_utils.MetricFamily.COUNTER,
                                       description="Images delivered by neopp_session")
-        self._families = (gauge, turns)  # a family that is garbage-collected unregisters
+        refused = pb_utils.MetricFamily(name="neopp_session_starts_refused_total", kind=pb_utils.MetricFamily.COUNTER,
+                                        description="New sessions refused by neopp_session: max_sessions in use")
+        self._families = (gauge, turns, refused)  # a family that is garbage-collected unregisters
         labels = {"model": self.model_name, "instance": args.get("model_instance_name", "")}
         self.active_metric, self.turns_metric = gauge.Metric(labels=labels), turns.Metric(labels=labels)
+        self.refused_metric = refused.Metric(labels=labels)
         self.logger.log_info(f"{self.model_name}: sessions max={self.table.max_sessions} idle timeout="
                              f"{self.table.idle_timeout_s:g}s default model={self.default_model} "
                              f"default seed={self.table.default_seed}")
@@ -260,19 +273,21 @@ class SessionTritonModel:
             self.slots.seen(session_id, asked_end)  # Triton holds (or, at an end, frees) its slot whatever we answer
             try:
                 self._authorize(session_id, inputs, generates="COND_KV" in inputs)  # a refused turn changes nothing
-            except UnknownSession:
+                end = asked_end
+                seed = int(_scalar(inputs["SEED"])) if "SEED" in inputs else None
+                if "COND_KV" not in inputs:
+                    if not end:
+                        raise InputError("COND_KV: required input is missing (only a sequence_end request may leave "
+                                         "it out, to close the session without an image)")
+                    return self._closed(session_id, CLOSED_WHY.get(request.request_id(), "closed without an image"))
+                held = start and session_id in self.table  # a START with the owner's token continues it
+                session = self.table.open(session_id, seed) if start and not held else self.table.get(session_id)
+            except (UnknownSession, SessionsFull) as exc:
                 if start and not asked_end:  # the slot Triton gave this start serves nothing: free it now
                     self.releaser.release([session_id])
+                if isinstance(exc, SessionsFull):
+                    self.refused_metric.increment(1)
                 raise
-            end = asked_end
-            seed = int(_scalar(inputs["SEED"])) if "SEED" in inputs else None
-            if "COND_KV" not in inputs:
-                if not end:
-                    raise InputError("COND_KV: required input is missing (only a sequence_end request may leave "
-                                     "it out, to close the session without an image)")
-                return self._closed(session_id, CLOSED_WHY.get(request.request_id(), "closed without an image"))
-            held = start and session_id in self.table  # a START with the owner's token continues it
-            session = self.table.open(session_id, seed) if start and not held else self.table.get(session_id)
             model = session.model or self.default_model
             model = _text("MODEL", inputs["MODEL"]) if "MODEL" in inputs else model
             if model not in self.allowed:
@@ -283,18 +298,12 @@ class SessionTritonModel:
             if result.has_error():
                 self.logger.log_warn(f"{self.model_name}: session {session_id}: {model} refused the turn: "
                                      f"{shown(result.error().message(), 300)}")
-                return pb.InferenceResponse(error=self._same_error(result.error()))
+                return forwarded_error(pb, result.error().message())
             image = pb.get_output_tensor_by_name(result, "IMAGE").as_numpy()
             state = pb.get_output_tensor_by_name(result, "NEXT_RNG_STATE").as_numpy()
             turn = self.table.commit(session, state.tobytes(), model)
-        except UnknownSession as exc:
-            return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.NOT_FOUND))
-        except InputError as exc:
-            return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
-        except Exception as exc:  # noqa: BLE001 - the model must stay usable
-            self.logger.log_error(f"{self.model_name}: internal error\n{traceback.format_exc()}")
-            return pb.InferenceResponse(error=pb.TritonError(f"internal error: {type(exc).__name__}: {exc}",
-                                                             pb.TritonError.INTERNAL))
+        except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
+            return error_response(pb, exc, self.logger, self.model_name)
         finally:
             if end:
                 self.table.end(session_id)  # freed whether or not the last turn succeeded
@@ -334,15 +343,6 @@ class SessionTritonModel:
             pb.Tensor("NEXT_RNG_STATE", np.zeros(0, dtype=np.uint8)),
             pb.Tensor(TOKEN_INPUT, np.array([b""], dtype=np.object_)),
         ])
-
-    def _same_error(self, error: Any) -> Any:
-        """The generation model's error with its message and, as far as it can be told, its status.
-
-        BLS hands every error over as INTERNAL (triton-inference-server/server#7804), so the
-        status is recovered from the message, whose forms the serving layer fixes.
-        """
-        message = error.message()
-        return self.pb.TritonError(message, getattr(self.pb.TritonError, status_of_message(message)))
 
     def _generate(self, model: str, inputs: dict[str, Any], plan: TurnPlan) -> Any:
         """One BLS call; the request's tensors are passed through without a copy here."""

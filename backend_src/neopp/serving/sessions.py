@@ -12,15 +12,19 @@ a number anyone can guess; the token is not.
 Bounds, so that clients that vanish without ``sequence_end`` cannot grow memory:
 
 * ``idle_timeout_s``: a session unused for longer is dropped at the next request;
-* ``max_sessions``: starting one more session first drops expired ones, then the least
-  recently used one. A dropped session's later turn is refused with a message that says
-  why (a bounded record of recently dropped ids is kept for that).
+* ``max_sessions``: a new session is refused while that many are held (expired ones are dropped
+  first), with the seconds until the least recently used one can expire (``SessionsFull``).
+  A held session is never dropped to make room: a client that opens sessions without end
+  cannot take another client's session away; it can only fill the table until its own
+  sessions expire. A dropped session's later turn is refused with a message that says why (a
+  bounded record of recently dropped ids is kept for that).
 
 Pure Python (no Triton import), so the rules are testable without a server.
 """
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 import time
@@ -28,7 +32,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass, field
 
-from ..errors import ConfigError, InputError
+from ..errors import ConfigError, InputError, NeoPPError
+from .error_status import NOT_FOUND, SESSIONS_FULL
 
 SessionId = Hashable
 REMEMBERED_DROPPED = 4096  # ids of dropped sessions kept (id and reason only) to explain a refusal
@@ -41,7 +46,19 @@ CONTINUE_ELSEWHERE = ("to continue the chat's stream exactly, send the last NEXT
 
 
 class UnknownSession(InputError):
-    """A turn of a session the table does not hold (never started, ended, expired, evicted)."""
+    """A turn of a session the table does not hold (never started, ended, expired)."""
+
+    error_class = NOT_FOUND
+
+
+class SessionsFull(NeoPPError):
+    """Every session is held and none has been idle past the timeout: a new one must wait."""
+
+    error_class = SESSIONS_FULL
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 TOKEN_INPUT = "SESSION_TOKEN"
@@ -94,7 +111,7 @@ class SessionTable:
         self._clock = clock
         self._sessions: OrderedDict[SessionId, Session] = OrderedDict()  # least recently used first
         self._dropped: OrderedDict[SessionId, str] = OrderedDict()  # id -> why, bounded
-        self.evicted_total = 0
+        self.refused_total = 0
         self.expired_total = 0
 
     def __len__(self) -> int:
@@ -114,22 +131,35 @@ class SessionTable:
     def open(self, session_id: SessionId, seed: int | None = None) -> Session:
         """A fresh session for a first turn, held (and counted) only once ``commit`` records an image.
 
-        A first turn that fails thus leaves nothing open and evicts nobody. A restarted id
+        A first turn that fails thus leaves nothing open and takes no place. A restarted id
         loses its old stream either way.
         """
         now = self._clock()
         self.expire(now)
+        if session_id not in self._sessions:  # a restarted id gives up its own place
+            self._check_room(now)
         self._sessions.pop(session_id, None)
         self._dropped.pop(session_id, None)
         return Session(session_id, next_seed=self.default_seed if seed is None else int(seed), last_used=now)
 
+    def _check_room(self, now: float) -> None:
+        """Refuse a new session while the table is full; expired sessions were dropped before."""
+        if len(self._sessions) < self.max_sessions:
+            return
+        oldest = next(iter(self._sessions.values()))
+        retry = max(1, math.floor(oldest.last_used + self.idle_timeout_s - now) + 1)  # strictly past the timeout
+        self.refused_total += 1
+        raise SessionsFull(  # the client reads it after SESSIONS_FULL's prefix (error_status.refusal_text)
+            f"all max_sessions={self.max_sessions} sessions of this server are in use and none has been idle for "
+            f"session_idle_timeout_s={self.idle_timeout_s:g} s; retry after {retry} s, or keep the chat's stream "
+            "yourself (stateless turns: SEED, then NEXT_RNG_STATE as RNG_STATE, to a generation model)", retry)
+
     def _admit(self, session: Session) -> None:
-        """Hold a session: first the least recently used ones go while the table is full."""
+        """Hold a session; a full table refuses it (no held session is ever dropped to make room)."""
         self._sessions.pop(session.session_id, None)
-        while len(self._sessions) >= self.max_sessions:
-            victim, _ = self._sessions.popitem(last=False)
-            self.evicted_total += 1
-            self._remember(victim, f"evicted to make room (more than max_sessions={self.max_sessions} sessions)")
+        now = self._clock()
+        self.expire(now)
+        self._check_room(now)
         self._sessions[session.session_id] = session
 
     def held(self, session_id: SessionId) -> Session | None:
@@ -208,7 +238,7 @@ class SequenceSlots:
     """Sequences Triton's sequence batcher holds a slot for, as this instance saw them.
 
     Triton frees a slot only at ``sequence_end`` or after ``max_sequence_idle_microseconds``;
-    the table's eviction frees nothing there. So clients that start sessions and never end
+    the table's expiry frees nothing there. So clients that start sessions and never end
     them would fill every slot and park each new start in Triton's backlog. ``to_release``
     names the least recently used sequences the table no longer holds once more than
     ``threshold`` are held; the model then ends them in Triton itself. A dropped session is

@@ -19,7 +19,6 @@ size its checkpoint names, e.g. the demo's 256x256).
 from __future__ import annotations
 
 import json
-import traceback
 from typing import Any
 
 import numpy as np
@@ -28,7 +27,7 @@ from ..errors import ConfigError, GenerationCancelled, InputError, shown
 from ..limits import text_value
 from .contract import ENCODER_OUTPUTS
 from .contract import T2I_PASSED_INPUTS as PASSED_INPUTS
-from .error_status import status_of_message
+from .error_status import MISCONFIGURED, error_response, forwarded_error
 from .parameters import model_allowlist, read_parameters
 from .prompt_parsing import PROMPT_INPUTS, parse_prompts
 
@@ -105,14 +104,8 @@ class T2ITritonModel:
             if result.has_error():
                 return self._forward_error(model, result.error())
             image = pb.get_output_tensor_by_name(result, "IMAGE").as_numpy()
-        except InputError as exc:
-            return pb.InferenceResponse(error=pb.TritonError(str(exc), pb.TritonError.INVALID_ARG))
-        except GenerationCancelled as exc:
-            return pb.InferenceResponse(error=pb.TritonError(f"request cancelled: {exc}", pb.TritonError.CANCELLED))
-        except Exception as exc:  # noqa: BLE001 - the model must stay usable
-            self.logger.log_error(f"{self.model_name}: internal error\n{traceback.format_exc()}")
-            return pb.InferenceResponse(error=pb.TritonError(f"internal error: {type(exc).__name__}: {exc}",
-                                                             pb.TritonError.INTERNAL))
+        except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
+            return error_response(pb, exc, self.logger, self.model_name)
         return pb.InferenceResponse(output_tensors=[pb.Tensor("IMAGE", image)])
 
     def _call(self, model: str, tensors: list[Any], outputs: tuple[str, ...]) -> Any:
@@ -132,9 +125,8 @@ class T2ITritonModel:
         (the generation model does not serve the encoder checkpoint's geometry), not a bad request."""
         message = error.message()
         self.logger.log_warn(f"{self.model_name}: {model} refused the request: {shown(message, 300)}")
-        status = status_of_message(message)
         if model != self.encoder and any(name in message for name in ENCODER_OUTPUTS):
-            message = (f"model configuration error: {model} does not take {self.encoder}'s prefix "
-                       f"(checkpoints of another geometry?): {message}")
-            status = "INTERNAL"
-        return self.pb.InferenceResponse(error=self.pb.TritonError(message, getattr(self.pb.TritonError, status)))
+            message = MISCONFIGURED.message(f"{model} does not take {self.encoder}'s prefix "
+                                            f"(checkpoints of another geometry?): {message}")
+            return forwarded_error(self.pb, message, MISCONFIGURED.status)
+        return forwarded_error(self.pb, message)

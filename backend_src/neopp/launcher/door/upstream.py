@@ -12,6 +12,8 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -33,13 +35,17 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND:
                grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
                grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
 QUEUE_FULL = "Exceeds maximum queue size"
+SESSIONS_FULL = "session limit reached"  # neopp_session's refusal of a new session (it says when to retry)
+RETRY_AFTER = re.compile(r"retry after (\d{1,6}) s")
 
 
 def grpc_error(exc: grpc.aio.AioRpcError) -> DoorError:
-    """A Triton error as the door's answer; a full model queue is 429 with Retry-After."""
+    """A Triton error as the door's answer; a full model queue or session table is 429 with Retry-After."""
     message = exc.details() or exc.code().name
-    if exc.code() == grpc.StatusCode.UNAVAILABLE and QUEUE_FULL in message:
-        return DoorError(429, message, reason="queue_full", headers={"Retry-After": "1"})
+    if exc.code() == grpc.StatusCode.UNAVAILABLE and (QUEUE_FULL in message or SESSIONS_FULL in message):
+        wait = RETRY_AFTER.search(message)
+        return DoorError(429, message, reason="queue_full" if QUEUE_FULL in message else "sessions_full",
+                         headers={"Retry-After": wait.group(1) if wait else "1"})
     status = HTTP_STATUS.get(exc.code(), 400 if exc.code() == grpc.StatusCode.UNKNOWN else 500)
     return DoorError(status, message, reason="upstream")
 

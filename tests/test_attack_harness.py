@@ -1,0 +1,62 @@
+"""The soak harness's bookkeeping without a server: outcome labels, the session flood's pacing, the
+summary and the goals (testing.mixed_traffic, testing.attacks, testing.attack_soak)."""
+
+from __future__ import annotations
+
+import threading
+
+from tritonclient.utils import InferenceServerException
+
+from testing.attack_soak import goals, summary, watchdog_actions
+from testing.attacks import SessionFlood
+from testing.faults import wait_for
+from testing.mixed_traffic import Outcome, grpc_label, http_label
+
+
+def test_outcomes_are_labelled_by_what_a_client_can_do_with_them():
+    full = InferenceServerException("[request id: <id_unknown>] Exceeds maximum queue size", "StatusCode.UNAVAILABLE")
+    assert grpc_label(full)[0] == "refused"
+    assert grpc_label(InferenceServerException("Stub process 'x' is not healthy.", "StatusCode.INTERNAL"))[0] == \
+        "server-error"
+    assert grpc_label(InferenceServerException("COND_KV: bad", "StatusCode.INVALID_ARGUMENT"))[0] == "client-error"
+    assert grpc_label(InferenceServerException("failed to connect to all addresses",
+                                               "StatusCode.UNAVAILABLE"))[0] == "transport"
+    assert http_label(429, {"Retry-After": "1"}, b"")[0] == "refused"
+    assert http_label(503, {}, b"busy")[0] == "refused-without-retry-after"
+    assert http_label(500, {}, b"boom") == ("server-error", "HTTP 500: boom")
+
+
+def test_the_session_flood_keeps_trying_at_its_pace():
+    opened, gate = [], threading.Event()
+
+    def open_session(sid: int) -> None:
+        if len(opened) >= 3:
+            gate.set()
+            raise InferenceServerException("session limit reached: ...", "StatusCode.UNAVAILABLE")
+        opened.append(sid)
+
+    flood = SessionFlood(open_session, first_id=10, pause_s=0.01, threads=1).start()
+    assert wait_for(lambda: sum(v for k, v in flood.counts.items() if k.startswith("refused")) >= 3, timeout=10)
+    counts = flood.stop()
+    assert opened == [11, 12, 13] and counts["opened"] == 3 and gate.is_set()
+
+
+def test_the_goals_read_the_report():
+    fine = [Outcome("grpc", 0.0, 0.1, "ok"), Outcome("v1", 0.0, 0.3, "refused", "HTTP 429: x")]
+    base = summary(fine, 0, 10.0)
+    report = {"baseline": base, "attack": {**summary(fine, 0, 10.0), "health_live": {"p99_ms": 20.0,
+                                                                                     "answers": {"200": 40}}},
+              "stub_kill": {"serving_again_s": 8.0, "actions": watchdog_actions(
+                  "neopp watchdog: neopp_dense: no live stub for ['neopp_dense_0_0']; reloading the model\n")},
+              "stubs_during_attack": {"neopp_dense": {"seen": 2, "lost": 1, "alive": 1},
+                                      "neopp_t2i": {"seen": 1, "lost": 0, "alive": 1}}}
+    assert all(held for _, held in goals(report))
+    slow_and_failing = [*fine, Outcome("grpc", 0.0, 5.0, "ok"), Outcome("grpc", 0.0, 9.0, "server-error", "gRPC x")]
+    report["attack"] = {**summary(slow_and_failing, 0, 10.0),
+                        "health_live": {"p99_ms": 900.0, "answers": {"200": 3, "503": 9}}}
+    assert [held for _, held in goals(report)] == [False, False, True, False]
+    report["stubs_during_attack"]["neopp_t2i"] = {"seen": 1, "lost": 1, "alive": 0}  # killed by the attack
+    assert not goals(report)[2][1]
+    report["stubs_during_attack"]["neopp_t2i"] = {"seen": 1, "lost": 0, "alive": 1}
+    report["stub_kill"]["actions"] = watchdog_actions("neopp watchdog: x: y; killing its stub 7 (SIGKILL)")
+    assert not goals(report)[2][1]  # the watchdog killed a stub of its own accord
