@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import asyncio
-import http.client
 import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
