@@ -10,6 +10,7 @@ before the same final bytes.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -81,22 +82,44 @@ class ImagesRoutes:
         if req.partial_images:
             return await self._streamed(request, req)
         if stream:
-            first = await self._image(request, req, 0)  # a refusal is an error answer, not an event
-            return StreamingResponse(self._events(request, req, first), media_type="text/event-stream")
-        images = [await self._image(request, req, i) for i in range(req.n)]
+            return await self._completed_events(request, req)
+        images = await self.door.until_disconnect(request, asyncio.ensure_future(self._all(req)))
         doc = {"created": int(time.time()), "data": [{"b64_json": _b64(image)} for image in images],
                "output_format": req.output_format, "size": req.size_text, "seed": req.seed}
         return Response(strict_json.dumps(doc), media_type="application/json")
 
-    async def _image(self, request: Request, req: oa.ImagesRequest, index: int) -> bytes:
-        call = self.door.upstream.infer(oa.prompt_model_request(req, index))
-        return oa.image_bytes(await self.door.until_disconnect(request, call))
+    def _calls(self, req: oa.ImagesRequest) -> list[Any]:
+        """The ``n`` images' calls, all sent at once: each is a row of the model's running batch."""
+        return [self.door.upstream.infer(oa.prompt_model_request(req, index)) for index in range(req.n)]
 
-    async def _events(self, request: Request, req: oa.ImagesRequest, first: bytes) -> AsyncIterator[bytes]:
+    async def _all(self, req: oa.ImagesRequest) -> list[bytes]:
+        calls = self._calls(req)
+        try:
+            return [oa.image_bytes(response) for response in await asyncio.gather(*calls)]
+        finally:
+            for call in calls:  # after one failed (or the client left), the others are not drawn
+                call.cancel()
+
+    async def _completed_events(self, request: Request, req: oa.ImagesRequest) -> Response:
+        images = [asyncio.ensure_future(self._image(call)) for call in self._calls(req)]
+        try:
+            first = await self.door.until_disconnect(request, images[0])  # a refusal is an error answer
+        except BaseException:
+            for image in images:
+                image.cancel()
+            raise
+        return StreamingResponse(self._events(request, req, first, images), media_type="text/event-stream")
+
+    @staticmethod
+    async def _image(call: Any) -> bytes:
+        return oa.image_bytes(await call)
+
+    async def _events(self, request: Request, req: oa.ImagesRequest, first: bytes,
+                      images: list[asyncio.Future]) -> AsyncIterator[bytes]:
         finished = False
         try:
             for index in range(req.n):
-                image = first if index == 0 else await self._image(request, req, index)
+                image = first if index == 0 else await self.door.until_disconnect(request, images[index])
                 event = {"b64_json": _b64(image), "created_at": int(time.time()),
                          "size": req.size_text, "output_format": req.output_format, "quality": "auto",
                          "background": "auto", "seed": req.seed + index}
@@ -108,6 +131,8 @@ class ImagesRoutes:
         finally:
             if not finished:  # the client left: the images still to come are not drawn
                 self.door.metrics.cancel()
+                for image in images:
+                    image.cancel()
 
     async def _streamed(self, request: Request, req: oa.ImagesRequest) -> Response:
         """Partial images: the prompt encoder, then the model's streamed twin with previews."""
