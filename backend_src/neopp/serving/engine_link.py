@@ -167,12 +167,17 @@ class EngineLink:
 
     def _watch(self) -> None:
         while not self._closed.wait(POLL_S):
-            with self._lock:
-                waiting = [(job, e) for job, e in self._jobs.items() if not e.told]
-            for job, entry in waiting:
-                if _asked_gone(entry):
-                    entry.told = True
-                    self.cancel(job)
+            self._poll()
+
+    def _poll(self) -> None:
+        """One look at every request; its own frame, so no request stays referenced while the
+        watcher waits (a request kept alive keeps its inputs in the stub's shared memory)."""
+        with self._lock:
+            waiting = [(job, e) for job, e in self._jobs.items() if not e.told]
+        for job, entry in waiting:
+            if _asked_gone(entry):
+                entry.told = True
+                self.cancel(job)
 
 
 def _finish(entry: _Job) -> None:
