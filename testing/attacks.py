@@ -133,7 +133,9 @@ class IdleConnections(Attack):
 
 
 class TrickledUploads(Attack):
-    """``threads`` uploads that declare ``declared`` bytes and send one every ``every_s`` seconds."""
+    """``threads`` uploads that declare ``declared`` bytes and send one every ``every_s`` seconds;
+    the body declares a short JSON header and a large binary part (the binary extension), the only
+    shape in which a large body is taken at all."""
 
     name = "trickled-uploads"
     threads = 3
@@ -145,7 +147,7 @@ class TrickledUploads(Attack):
 
     def _run(self, index: int) -> None:
         head = (f"POST {self.path} HTTP/1.1\r\nHost: {LOOPBACK}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {self.declared}\r\n\r\n").encode()
+                f"Inference-Header-Content-Length: 64\r\nContent-Length: {self.declared}\r\n\r\n").encode()
         while not self._stop.is_set():
             try:
                 with _connect(self.port) as sock:

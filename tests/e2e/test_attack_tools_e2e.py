@@ -35,8 +35,9 @@ def test_idle_connections_are_held_then_closed(triton):
 
 def test_trickled_uploads_send_a_byte_at_a_time(triton):
     attack = TrickledUploads(door_port(triton), every_s=0.2).start()
-    assert wait_for(lambda: attack.counts["started"] >= 3 and attack.counts["bytes trickled"] >= 6, timeout=30)
+    trickled = wait_for(lambda: attack.counts["started"] >= 3 and attack.counts["bytes trickled"] >= 6, timeout=30)
     counts = attack.stop()
+    assert trickled, counts
     assert not any(k.startswith(("crashed", "connection error")) for k in counts), counts
     assert live(triton) == 200
 

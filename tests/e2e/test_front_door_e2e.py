@@ -355,7 +355,7 @@ def _http_infer(door, kv, seed: int) -> tuple[int, dict[str, str], bytes | None]
 def test_a_planted_not_healthy_text_kills_no_stub(door, kv):
     """Triton echoes a client's input names in its errors: the text decides nothing."""
     pid = door.server_pid
-    stub = model_stubs(pid, MODEL)[0]
+    stubs = model_stubs(pid, MODEL)
     planted = f"Stub process '{MODEL}_0_0' is not healthy"
     body = json.dumps({"inputs": [{"name": planted, "shape": [1], "datatype": "INT64", "data": [1]}]}).encode()
     for route in ("infer", "generate"):
@@ -367,16 +367,16 @@ def test_a_planted_not_healthy_text_kills_no_stub(door, kv):
     with pytest.raises(InferenceServerException, match="not healthy"):
         client.infer(MODEL, [planted_input])
     client.close()
-    assert _grpc_image(door, kv)  # answered by the same stub: nothing was killed or reloaded
-    assert model_stubs(pid, MODEL) == [stub]
-    assert f"killing its stub {stub}" not in door.text()
+    assert _grpc_image(door, kv)  # answered by the same stubs: nothing was killed or reloaded
+    assert model_stubs(pid, MODEL) == stubs
+    assert not any(f"killing its stub {stub}" in door.text() for stub in stubs)
 
 
 def test_a_busy_stub_is_never_killed(door, kv):
     """A long legitimate request (512x512, 150 steps) outlasts the hung rule many times, with
-    requests queued behind it: its stub computes (CPU advances), so it keeps its stub."""
+    requests beside it: its engine computes (CPU advances), so the model keeps its stubs."""
     pid = door.server_pid
-    stub, killed = model_stubs(pid, MODEL)[0], len(re.findall("killing its stub", door.text()))
+    stubs, killed = model_stubs(pid, MODEL), len(re.findall("killing its stub", door.text()))
     answers: list[str] = []
 
     def send(size: int, steps: int, seed: int) -> None:
@@ -400,7 +400,7 @@ def test_a_busy_stub_is_never_killed(door, kv):
         t.join(timeout=900)
     print(f"a 512x512, 150-step request and two behind it: {time.monotonic() - started:.1f}s, {answers}")
     assert answers == ["ok"] * 3
-    assert model_stubs(pid, MODEL) == [stub] and len(re.findall("killing its stub", door.text())) == killed
+    assert model_stubs(pid, MODEL) == stubs and len(re.findall("killing its stub", door.text())) == killed
 
 
 def _steps(door) -> float:
@@ -450,7 +450,7 @@ def test_a_stub_killed_holding_a_shared_lock_is_contained(door, kv):
     def kill_holding_a_lock(server_pid: int, stub: int) -> None:
         stop = threading.Event()
 
-        def traffic() -> None:  # many short steps: the stub talks to the server all the time
+        def traffic() -> None:  # many short steps: a stub with a request talks to the server all the time
             client = grpcclient.InferenceServerClient(f"{LOOPBACK}:{door.grpc_port}")
             while not stop.is_set():
                 try:
@@ -459,8 +459,10 @@ def test_a_stub_killed_holding_a_shared_lock_is_contained(door, kv):
                     break
             client.close()
 
-        worker = threading.Thread(target=traffic)
-        worker.start()
+        # one client per instance, so the stub always holds a request whichever instance it is
+        workers = [threading.Thread(target=traffic) for _ in model_stubs(server_pid, MODEL)]
+        for worker in workers:
+            worker.start()
         try:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline:
@@ -475,7 +477,8 @@ def test_a_stub_killed_holding_a_shared_lock_is_contained(door, kv):
             pytest.fail(f"the stub never held a shared lock in {len(looks)} looks")
         finally:
             stop.set()
-            worker.join(timeout=120)
+            for worker in workers:
+                worker.join(timeout=120)
 
     death = stub_death_under_traffic(door, MODEL, send, timeout_s=300, kill=kill_holding_a_lock)
     aborted = "tritonserver exited with code -6" in death.log
