@@ -219,6 +219,7 @@ def triton(tiny_dense: Path, tiny_moe: Path, tmp_path_factory: pytest.TempPathFa
 
 
 HUNG_S = 3  # the launcher's hung rule, short: a long request outlasts it many times
+STOPPED_S = 5  # a stub stopped this long is replaced: the lock drill's stops of a few ms never add up to it
 
 
 @pytest.fixture(scope="session")
@@ -228,8 +229,8 @@ def door(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     traceback, and the stop leaves no process."""
     log = tmp_path_factory.mktemp("door") / "serve.log"
     handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": SMALL_DOOR.key}, (MODEL,),
-                    max_restarts=4, launcher_args=[*SMALL_DOOR.args(), "--hung-s", str(HUNG_S),
-                                                   "--alive-file", str(log.parent / "alive")])
+                    max_restarts=4, launcher_args=[*SMALL_DOOR.args(), "--hung-s", str(HUNG_S), "--stopped-s",
+                                                   str(STOPPED_S), "--alive-file", str(log.parent / "alive")])
     try:
         handle.wait_for("NeoPP Triton server ready")
         yield handle

@@ -1,10 +1,10 @@
 """Every generation model batches, through the real server: a request's bytes are its solo bytes.
 
-For each model a long request runs first (the engine is busy with it for hundreds of steps);
-then requests that differ in size, steps, guidance (on, off, over an interval), seed, prefix and
-task (editing with the image branch) are sent at once. They must all finish while the long one
-still runs, which a one-at-a-time path cannot do, so they shared its batched steps; and each
-image must be the PNG its request gives when sent alone.
+For each model a long request runs first (512x512, 200 steps: the engine is busy with it for a
+long while); then requests that differ in size, steps, guidance (on, off, over an interval), seed,
+prefix and task (editing with the image branch) are sent at once. The engine's own count of its
+steps by batch size must show steps that ran several requests (a one-at-a-time path never does),
+and each image must be the PNG its request gives when sent alone.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from conftest import E2E_MODELS
 
+from testing.faults import _series
 from testing.tiny_checkpoint import random_kv, tiny_config
 
 GENERATION = [m for m in E2E_MODELS if m != "neopp_session" and not m.endswith("_stream")]
@@ -44,6 +45,15 @@ def image(result) -> bytes:
     return result.as_numpy("IMAGE")[0]
 
 
+def shared_steps(triton, model: str) -> float:
+    """Steps of ``model``'s engine that ran more than one request (its batch-size histogram)."""
+    series = [(n, labels, v) for n, labels, v in _series(triton.server.metrics_url)
+              if labels.get("model") == model and n.startswith("neopp_batch_size")]
+    total = sum(v for n, _, v in series if n == "neopp_batch_size_count")
+    alone = sum(v for n, labels, v in series if n == "neopp_batch_size_bucket" and float(labels["le"]) == 1.0)
+    return total - alone
+
+
 @pytest.mark.parametrize("model", GENERATION)
 def test_concurrent_requests_share_steps_and_equal_their_solo_bytes(triton, model):
     requests = mixed_requests(model)
@@ -56,9 +66,9 @@ def test_concurrent_requests_share_steps_and_equal_their_solo_bytes(triton, mode
         long_outcome["error"] = error
         long_done.set()
 
-    before = triton.metric(STEPS_METRIC, model=model)
-    long = triton.grpc.async_infer(model, triton.grpc_tensors(STEPS=np.array([200], I64), SEED=np.array([9], I64)),
-                                   on_long)
+    before, shared_before = triton.metric(STEPS_METRIC, model=model), shared_steps(triton, model)
+    long = triton.grpc.async_infer(model, triton.grpc_tensors(STEPS=np.array([200], I64), SEED=np.array([9], I64),
+                                                              SIZE=np.array([512, 512], I64)), on_long)
     try:
         assert triton.wait_metric(STEPS_METRIC, before + 1, timeout=120, model=model) >= before + 1, "no step ran"
         got: dict[int, bytes] = {}
@@ -79,7 +89,8 @@ def test_concurrent_requests_share_steps_and_equal_their_solo_bytes(triton, mode
         for t in threads:
             t.join(timeout=300)
         assert not errors, errors
-        assert not long_done.is_set(), "the long request ended first: nothing shows the others shared its steps"
+        assert shared_steps(triton, model) > shared_before, f"no step ran two requests at once ({long_outcome})"
+        assert long_outcome.get("error") is None, long_outcome
         for i, want in enumerate(solo):
             assert got[i] == want, f"request {i} of {model}: batched bytes differ from solo"
     finally:

@@ -268,7 +268,8 @@ def _start_watchdog(server: TritonServer, extra: Sequence[str], ns: argparse.Nam
 
     metrics = None if any(a in ("--allow-metrics=false", "--allow-metrics=0") for a in extra) else server.metrics_url
     return start_watchdog(server.grpc_url, server.process.pid, log=log, admin_key=key, health=health,
-                          metrics_url=metrics, reload_timeout_s=ns.reload_timeout_s, hung_s=ns.hung_s)
+                          metrics_url=metrics, reload_timeout_s=ns.reload_timeout_s, hung_s=ns.hung_s,
+                          stopped_s=ns.stopped_s)
 
 
 def serve(ns: argparse.Namespace) -> int:
@@ -301,6 +302,9 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--hung-s", type=float, default=60.0,
                    help="requests for a model waiting this long while the server makes no progress and that "
                         "model's stubs use no CPU: they are hung and replaced")
+    s.add_argument("--stopped-s", type=float, default=1.0,
+                   help="a stub stopped by a signal (SIGSTOP, a debugger) this long is replaced: Triton gives up "
+                        "on it after a second, and it aborts the server if it runs again")
     s.add_argument("--alive-file", default=None,
                    help="touched every 5 s while the launcher's HTTP door answers: what a liveness probe reads")
     s.add_argument("--admin-key-file", default=default_key,
