@@ -137,6 +137,11 @@ def test_bad_bounds_are_configuration_errors() -> None:
     ("internal error: RuntimeError: boom", "INTERNAL"),
     ("model configuration error: mode x", "INTERNAL"),
     ("Request for unknown model: 'nope' is not found", "NOT_FOUND"),
+    ("Stub process 'neopp_dense_0_0' is not healthy.", "UNAVAILABLE"),  # retried once the model is back
+    ("the engine of neopp_dense went away (the other end closed the connection); retry the request", "UNAVAILABLE"),
+    ("neopp_dense: its requests run on the engine of neopp_dense, which does not answer (refused); load it",
+     "UNAVAILABLE"),
+    ("unexpected shape for input 'the engine of x went away' for model 'neopp_dense'", "INVALID_ARG"),
 ])
 def test_bls_error_status_recovers_the_generation_models_status(message: str, status: str) -> None:
     assert status_of_message(message) == status

@@ -61,6 +61,11 @@ def error_class(exc: BaseException) -> ErrorClass:
     return INTERNAL
 
 
+# a called model whose stub died, or whose engine went away or does not answer (the engine link's words)
+_GONE = re.compile(r"^Stub process '[\w.-]+' is not healthy\.?$|the engine of [\w.-]+ went away|"
+                   r"on the engine of [\w.-]+, which does not answer")
+
+
 def status_of_message(message: str) -> str:
     """The status a generation model (or Triton itself) sent with ``message``."""
     text = re.sub(r"^\[request id: [^\]]*\] ", "", message.strip())
@@ -73,6 +78,8 @@ def status_of_message(message: str) -> str:
         return WORKERS_DOWN.status
     if _INPUT_NAMED.match(text) or any(part in text for part in _CORE_INPUT_ERRORS):
         return INVALID_INPUT.status
+    if _GONE.search(text):  # after the input rules: a client's input name may carry these words
+        return WORKERS_DOWN.status  # a retry is answered once the model is back
     return INTERNAL.status
 
 
