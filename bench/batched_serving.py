@@ -207,8 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_all(args: argparse.Namespace, matrix: dict, work: Path, baseline: Path) -> list[str]:
     now_repo, before_repo = repositories(work, baseline)
-    env = checkpoint_env(DEMO / "dense", DEMO / "moe")
-    before_env = {**env, "PYTHONPATH": str(baseline / "backend_src")}
+    env = {**checkpoint_env(DEMO / "dense", DEMO / "moe"), "NEOPP_BASE_DIR": str(REPO)}  # the copies' mode files
+    before_env = {**env, "PYTHONPATH": str(baseline / "backend_src"), "NEOPP_BASE_DIR": str(baseline)}
     now_models = ("neopp_dense", "neopp_moe", "neopp_dense_cfg")
     before_models = ("neopp_dense", "neopp_dense_x2", "neopp_moe", "neopp_dense_cfg")
     sections = []
