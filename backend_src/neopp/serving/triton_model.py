@@ -59,6 +59,15 @@ def stop_on_sigterm(logger: Any, model_name: str) -> threading.Event:
     return event
 
 
+ENGINE_LOST_RETRIES = 1
+
+
+def engine_lost(header: dict[str, Any]) -> bool:
+    """The engine's stub died while it held the request (not: no engine answered at all)."""
+    return header.get("type") == "error" and header.get("reason") == WORKERS_DOWN.reason \
+        and "went away" in str(header.get("message", ""))
+
+
 def first_instance(args: dict[str, str]) -> bool:
     """The owner of a model's engine: instance 0 of its first instance group (``<model>_0_0``)."""
     numbers = re.findall(r"_(\d+)", args.get("model_instance_name", ""))
@@ -151,7 +160,7 @@ class NeoPPTritonModel:
         for request in requests:
             answers.append(queue.Queue())
             self._submit(request, Call(None, time.perf_counter()), answers[-1].put, final_only=True)
-        return [self._answer(q) for q in answers]
+        return [self._answer(request, q) for request, q in zip(requests, answers)]
 
     def _submit(self, request: Any, call: Call, deliver: Any, final_only: bool) -> None:
         """Hand ``request`` to the engine; every message about it goes to ``deliver((header, blobs, call))``."""
@@ -167,9 +176,18 @@ class NeoPPTritonModel:
             deliver(({"type": "error", "status": WORKERS_DOWN.status, "reason": WORKERS_DOWN.reason,
                       "message": str(exc)}, [], call))
 
-    def _answer(self, answers: queue.Queue) -> Any:
+    def _answer(self, request: Any, answers: queue.Queue) -> Any:
+        """The request's one response. A request whose engine went away (its stub died) is sent once
+        more: the link waits for the engine the watchdog's reload brings back, and a plain answer
+        has sent nothing yet, so the client sees only the image."""
+        retries = ENGINE_LOST_RETRIES
         while True:
             header, blobs, call = answers.get()
+            if retries and engine_lost(header) and not self._stopping.is_set() and not request.is_cancelled():
+                retries -= 1
+                self.logger.log_warn(f"{self.model_name}: {header.get('message')}; sending the request again")
+                self._submit(request, call, answers.put, final_only=True)
+                continue
             response = self._message(header, blobs, call)
             if header.get("type") in ("final", "error"):
                 return response
