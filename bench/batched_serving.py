@@ -284,9 +284,6 @@ def eight_b_section(args: argparse.Namespace, matrix: dict, work: Path, now_repo
             "\n".join(throughput_table(rows, ["one at a time", "batched"], "one at a time")))
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
-
 
 def link_section(steps: int, rounds: int) -> str:
     """The hop from an instance to the engine: one request through the link (socket, memory file,
@@ -342,3 +339,7 @@ def link_section(steps: int, rounds: int) -> str:
         f"through the link (socket, memory file, parsing in the engine's stub, pixels back) {k * 1e3:.0f} ms: "
         f"the hop costs {(k / d - 1) * 100:+.1f}% of a request (goal <= 2%).",
     ])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
