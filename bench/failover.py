@@ -130,15 +130,23 @@ def open_chats(rs: ReplicaSet, count: int) -> list[tuple[NeoPPTritonClient, int,
     return chats
 
 
+REFUSED_STREAM = "RST_STREAM with error code 7"  # HTTP/2 REFUSED_STREAM: the router took it to a dead replica
+
+
 def load(rs: ReplicaSet, stop: threading.Event, crashed_at: list[float], out: list[Outcome]) -> None:
     client = grpcclient.InferenceServerClient(rs.url("grpc"))
     while not stop.is_set():
         start = time.monotonic()
         error = None
-        try:
-            client.infer("neopp_dense", plain_inputs(LOAD_STEPS, seed=1), client_timeout=120)
-        except InferenceServerException as exc:
-            error = f"{exc.status()}: {exc.message()[:120]}"
+        for attempt in range(2):
+            try:
+                client.infer("neopp_dense", plain_inputs(LOAD_STEPS, seed=1), client_timeout=120)
+                error = None
+                break
+            except InferenceServerException as exc:
+                error = f"{exc.status()}: {exc.message()[:120]}"
+                if attempt or REFUSED_STREAM not in error:
+                    break  # a refused stream was never processed: gRPC clients send it once more
         end = time.monotonic()
         zero = crashed_at[0] if crashed_at else float("inf")
         out.append(Outcome(start - zero, end - zero, error))

@@ -16,7 +16,9 @@ this rendering. The rules:
   checked every 500 ms; two misses take it out, so new
   requests reach the others within about a second of a crash. A request whose connection to a
   replica fails before it was sent is sent to another one (``retry-on conn-failure``); one that
-  was already running there fails (gRPC UNAVAILABLE / HTTP 502): it is never sent twice.
+  was already running there fails (gRPC UNAVAILABLE / HTTP 502): it is never sent twice. In the
+  moment between a replica's death and the router noticing it, a gRPC call on the router's
+  connection to it is refused (REFUSED_STREAM, never processed): a client sends it once more.
 * Timeouts are longer than the longest image (15 minutes).
 * gRPC messages are bounded here, since Triton 2.51 takes up to 2 GiB and has no option to lower
   it: every gRPC message starts with 5 bytes (a compression flag, then its length, big-endian);

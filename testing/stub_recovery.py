@@ -28,9 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from neopp.procs import model_stubs
 from testing import REPO
-from testing.faults import kill_own_stub, wait_for
+from testing.faults import kill_own_stub, stub_pid, wait_for
 from testing.launched import Launched, launch
 
 Answer = tuple[float, int, str | None, bool]  # (when, HTTP status, Retry-After, the right image)
@@ -102,7 +101,7 @@ def stub_death_under_traffic(launched: Launched, model: str, send: Callable[[], 
         if not wait_for(lambda: sum(a[3] for a in answers) >= 2, timeout_s, poll=0.05):
             raise RuntimeError(f"no right answer before the kill: {answers[-3:]}")
         before = len(launched.text())
-        kill(launched.server_pid, model_stubs(launched.server_pid, model)[0])
+        kill(launched.server_pid, stub_pid(launched.server_pid, model))  # this generation's engine stub
         killed_at = time.monotonic()
         if not wait_for(lambda: any(t > killed_at and right for t, _, _, right in answers), timeout_s, poll=0.05):
             raise RuntimeError(f"{model} not serving {timeout_s:.0f}s after its stub was killed")

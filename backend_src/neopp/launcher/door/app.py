@@ -300,8 +300,9 @@ class Door:
         if isinstance(key, str) and key.lstrip("/").startswith(SERVER_REGIONS):
             raise DoorError(403, f"the key '{key[:64]}' names the server's own shared memory; register a region "
                             "of your own", reason="shm_region")
-        answer = (self.health_cache.get(path) if body is None else None) or \
-            await self.upstream.control(request.method, path, body, auth.admin_key(request.headers))
+        cached = self.health_cache.get(path) if body is None else None
+        answer = cached if cached is not None and cached.status == 200 else \
+            await self.upstream.control(request.method, path, body, auth.admin_key(request.headers))  # a 503 re-asked
         return Response(answer.body, answer.status, media_type=answer.content_type)
 
     async def region_call(self, request: Request, path: str, kind: str, action: str, name: str | None) -> Response:

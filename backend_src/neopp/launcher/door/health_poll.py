@@ -1,8 +1,8 @@
 """Triton's health answers, polled in the background, so that a health check costs the door no
 round trip to Triton and answers within its own loop even while that loop is busy with attackers'
 bytes: a probe of the door waits for no one else's request. Each answer is at most ``period_s``
-old; one older than ``fresh_s`` (the poll itself stuck) is not used, and the check goes to
-Triton as any control route does.
+old; one older than ``fresh_s`` (the poll itself stuck) is not used, nor is a refusal (it may be
+from just before the server became ready): then the check goes to Triton as any control route does.
 """
 
 from __future__ import annotations
