@@ -25,7 +25,6 @@ memory before and after, and each goal with PASS or FAIL. Exit status 0 only whe
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import re
@@ -49,6 +48,7 @@ from neopp.ports import LOOPBACK
 from neopp.procs import descendants, model_stubs, rss_bytes
 from testing import REPO
 from testing.attacks import IdleConnections, LargeJson, PlantedUnhealthy, SessionFlood, TrickledUploads
+from testing.door_attacks import Probe
 from testing.faults import signal_own, stub_pid
 from testing.launched import Launched, launch
 from testing.loadgen import grpc_inputs, valid_inputs
@@ -77,38 +77,6 @@ class Burners:
         for proc in self.procs:
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)
-
-
-class HealthProbe:
-    """``GET /v2/health/live`` on a fresh connection every ``every_s``: (seconds, status or error)."""
-
-    def __init__(self, port: int, every_s: float = 0.25) -> None:
-        self.port, self.every_s, self.samples = port, every_s, []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="health-probe", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
-            began = time.monotonic()
-            conn = http.client.HTTPConnection(LOOPBACK, self.port, timeout=10)
-            try:
-                conn.request("GET", "/v2/health/live")
-                answer = conn.getresponse()
-                answer.read()
-                result: str = str(answer.status)
-            except OSError as exc:
-                result = type(exc).__name__
-            finally:
-                conn.close()
-            self.samples.append((time.monotonic() - began, result))
-
-    def stop(self) -> dict[str, Any]:
-        self._stop.set()
-        self._thread.join(timeout=15)
-        seconds = [s for s, _ in self.samples]
-        return {"probes": len(seconds), "answers": dict(Counter(r for _, r in self.samples)),
-                "p50_ms": _ms(seconds, 50), "p99_ms": _ms(seconds, 99)}
 
 
 def _ms(values: list[float], q: float) -> float | None:
@@ -228,12 +196,15 @@ def small_session_table(launcher: Launched, key: str) -> None:
 
 
 def phase(workload: Workload, rate: float, seconds: float, port: int, on_tick: Any = None) -> dict[str, Any]:
-    probe = HealthProbe(port)
+    probe = Probe(port, interval_s=0.25).start()  # GET /v2/health/live on a fresh connection
     load = OpenLoop(workload, rate)
     began = time.monotonic()
     load.run(seconds, on_tick)
     result = summary(load.outcomes, load.not_sent, time.monotonic() - began)
-    result["health_live"] = probe.stop()
+    probe.stop()
+    result["health_live"] = {"probes": len(probe.latencies),
+                             "answers": {str(k): v for k, v in probe.statuses.items()},
+                             "p50_ms": _ms(probe.latencies, 50), "p99_ms": _ms(probe.latencies, 99)}
     return result
 
 

@@ -79,6 +79,7 @@ class Attack:
             self.count(f"crashed: {type(exc).__name__}")
 
     def _run(self, index: int) -> None:
+        """What each of the attack's ``threads`` does until stopped: every attack defines it."""
         raise NotImplementedError
 
     def _close(self) -> None:
