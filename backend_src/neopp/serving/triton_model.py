@@ -59,7 +59,8 @@ def stop_on_sigterm(logger: Any, model_name: str) -> threading.Event:
     return event
 
 
-ENGINE_LOST_RETRIES = 1
+ENGINE_LOST_RETRIES = 2  # the first may still reach the dying engine's socket
+ENGINE_LOST_PAUSE_S = 0.5
 
 
 def engine_lost(header: dict[str, Any]) -> bool:
@@ -177,8 +178,8 @@ class NeoPPTritonModel:
                       "message": str(exc)}, [], call))
 
     def _answer(self, request: Any, answers: queue.Queue) -> Any:
-        """The request's one response. A request whose engine went away (its stub died) is sent once
-        more: the link waits for the engine the watchdog's reload brings back, and a plain answer
+        """The request's one response. A request whose engine went away (its stub died) is sent again
+        (twice at most): the link waits for the engine the watchdog's reload brings back, and a plain answer
         has sent nothing yet, so the client sees only the image."""
         retries = ENGINE_LOST_RETRIES
         while True:
@@ -186,6 +187,7 @@ class NeoPPTritonModel:
             if retries and engine_lost(header) and not self._stopping.is_set() and not request.is_cancelled():
                 retries -= 1
                 self.logger.log_warn(f"{self.model_name}: {header.get('message')}; sending the request again")
+                time.sleep(ENGINE_LOST_PAUSE_S)
                 self._submit(request, call, answers.put, final_only=True)
                 continue
             response = self._message(header, blobs, call)
