@@ -54,6 +54,7 @@ from testing.launched import Launched, launch
 from testing.loadgen import grpc_inputs, valid_inputs
 from testing.mixed_traffic import KINDS, OpenLoop, Outcome, Workload, closed_loop_rate
 
+KILLED_MODEL = "neopp_dense"  # the model whose stub the drill SIGKILLs
 MODELS = ("neopp_dense", "neopp_dense_stream", "neopp_session", "neopp_prompt_encoder", "neopp_t2i")
 DEMO = REPO / "demo" / "checkpoints" / "dense"
 PROMPT = "a red circle on the left on a blue background"
@@ -113,7 +114,7 @@ class StubKill:
 
     def _run(self) -> None:
         server = self.launcher.server_pid
-        pid = stub_pid(server, "neopp_dense")
+        pid = stub_pid(server, KILLED_MODEL)
         log_at = len(self.launcher.text())
         killed = time.monotonic()
         signal_own(server, pid)
@@ -145,6 +146,7 @@ class StubCensus:
         self.launcher, self.models, self.every_s = launcher, models, every_s
         self.seen: dict[str, set[int]] = {m: set() for m in models}
         self.now: dict[str, set[int]] = {m: set() for m in models}
+        self.first: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="stub-census", daemon=True)
         self._thread.start()
@@ -155,15 +157,27 @@ class StubCensus:
             for model in self.models:
                 self.now[model] = {pid for server in servers for pid in model_stubs(server, model)}
                 self.seen[model] |= self.now[model]
+                self.first.setdefault(model, len(self.now[model]))
             if self._stop.wait(self.every_s):
                 return
 
+    def settle(self, timeout_s: float) -> float | None:
+        """Seconds until every model has as many stubs as at the start (a reload's old instances
+        gone: Triton unloads them once their last requests end), or None after ``timeout_s``."""
+        began = time.monotonic()
+        while time.monotonic() - began < timeout_s:
+            if self.first and all(len(self.now[m]) == self.first.get(m) for m in self.models):
+                return round(time.monotonic() - began, 1)
+            time.sleep(self.every_s)
+        return None
+
     def stop(self) -> dict[str, dict[str, int]]:
-        """Per model: stub processes seen, those gone by the end (lost), those alive at the end."""
+        """Per model: stubs at the start (one per instance), processes seen, those gone by the end (lost),
+        those alive at the end."""
         self._stop.set()
         self._thread.join(timeout=30)
-        return {m: {"seen": len(self.seen[m]), "lost": len(self.seen[m] - self.now[m]), "alive": len(self.now[m])}
-                for m in self.models}
+        return {m: {"at_start": self.first.get(m, 0), "seen": len(self.seen[m]),
+                    "lost": len(self.seen[m] - self.now[m]), "alive": len(self.now[m])} for m in self.models}
 
 
 def watchdog_actions(text: str) -> dict[str, Any]:
@@ -208,6 +222,13 @@ def phase(workload: Workload, rate: float, seconds: float, port: int, on_tick: A
     return result
 
 
+def one_replacement(killed: bool, stubs: dict[str, int]) -> bool:
+    """Every instance alive at the end; the killed model's reload replaced its stubs once (each
+    instance's at most once), every other model lost none."""
+    return (stubs["at_start"] > 0 and stubs["alive"] == stubs["at_start"]
+            and (0 < stubs["lost"] <= stubs["at_start"] if killed else stubs["lost"] == 0))
+
+
 def goals(report: dict[str, Any]) -> list[tuple[str, bool]]:
     base, attack, kill, stubs = report["baseline"], report["attack"], report["stub_kill"], report["stubs_during_attack"]
     labels = attack["labels"]
@@ -217,7 +238,7 @@ def goals(report: dict[str, Any]) -> list[tuple[str, bool]]:
             ("their p50 and p99 within 2x of the baseline's", len(ratio) == 2 and max(ratio) <= 2.0),
             ("a SIGKILLed stub serves again within 30 s, one kill and no loop (one replacement, no other stub lost)",
              (kill.get("serving_again_s") or 1e9) <= 30
-             and all(n["lost"] == (m == "neopp_dense") and n["alive"] == 1 for m, n in stubs.items())
+             and all(one_replacement(m == KILLED_MODEL, n) for m, n in stubs.items())
              and kill["actions"]["stubs killed"] == 0 and kill["actions"]["reloads"] <= 1),
             ("the door's /v2/health/live p99 under attack below 100 ms",
              (attack["health_live"]["p99_ms"] or 1e9) < 100 and set(attack["health_live"]["answers"]) == {"200"})]
@@ -261,6 +282,7 @@ def run(ns: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         if kill.thread is not None:
             kill.thread.join(timeout=200)
         time.sleep(2.0)  # what the last answers set off
+        report["stubs_settled_after_s"] = census.settle(timeout_s=300)
         report["stubs_during_attack"] = census.stop()
         kill.result["actions"] = watchdog_actions(launcher.text()[kill.result.get("log_from", 0):])
         report["stub_kill"] = kill.result
@@ -288,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if ns.json:  # the launcher's log next to the report
                 ns.json.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(Path(tmp) / "launcher.log", ns.json.with_suffix(".launcher.log"))
-    for part in ("attack", "attacks_sent", "stub_kill", "stubs_during_attack"):
+    for part in ("attack", "attacks_sent", "stub_kill", "stubs_settled_after_s", "stubs_during_attack"):
         print(f"{part}: {json.dumps(report.get(part))}", flush=True)
     print(f"memory (launcher, tritonserver and stubs): {report.get('rss_mib_before')} MiB before, "
           f"{report.get('rss_mib_after')} MiB after", flush=True)

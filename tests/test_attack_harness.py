@@ -48,15 +48,21 @@ def test_the_goals_read_the_report():
                                                                                      "answers": {"200": 40}}},
               "stub_kill": {"serving_again_s": 8.0, "actions": watchdog_actions(
                   "neopp watchdog: neopp_dense: no live stub for ['neopp_dense_0_0']; reloading the model\n")},
-              "stubs_during_attack": {"neopp_dense": {"seen": 2, "lost": 1, "alive": 1},
-                                      "neopp_t2i": {"seen": 1, "lost": 0, "alive": 1}}}
+              # four instances each; the killed model's reload replaced all four
+              "stubs_during_attack": {"neopp_dense": {"at_start": 4, "seen": 8, "lost": 4, "alive": 4},
+                                      "neopp_t2i": {"at_start": 4, "seen": 4, "lost": 0, "alive": 4}}}
     assert all(held for _, held in goals(report))
     slow_and_failing = [*fine, Outcome("grpc", 0.0, 5.0, "ok"), Outcome("grpc", 0.0, 9.0, "server-error", "gRPC x")]
     report["attack"] = {**summary(slow_and_failing, 0, 10.0),
                         "health_live": {"p99_ms": 900.0, "answers": {"200": 3, "503": 9}}}
     assert [held for _, held in goals(report)] == [False, False, True, False]
-    report["stubs_during_attack"]["neopp_t2i"] = {"seen": 1, "lost": 1, "alive": 0}  # killed by the attack
+    report["stubs_during_attack"]["neopp_t2i"] = {"at_start": 4, "seen": 5, "lost": 1, "alive": 4}  # one replaced
     assert not goals(report)[2][1]
-    report["stubs_during_attack"]["neopp_t2i"] = {"seen": 1, "lost": 0, "alive": 1}
+    report["stubs_during_attack"]["neopp_dense"] = {"at_start": 4, "seen": 12, "lost": 8, "alive": 4}  # reloaded twice
+    assert not goals(report)[2][1]
+    report["stubs_during_attack"]["neopp_dense"] = {"at_start": 4, "seen": 7, "lost": 4, "alive": 3}  # one missing
+    assert not goals(report)[2][1]
+    report["stubs_during_attack"]["neopp_dense"] = {"at_start": 4, "seen": 8, "lost": 4, "alive": 4}
+    report["stubs_during_attack"]["neopp_t2i"] = {"at_start": 4, "seen": 4, "lost": 0, "alive": 4}
     report["stub_kill"]["actions"] = watchdog_actions("neopp watchdog: x: y; killing its stub 7 (SIGKILL)")
     assert not goals(report)[2][1]  # the watchdog killed a stub of its own accord
