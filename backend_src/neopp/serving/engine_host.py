@@ -32,6 +32,7 @@ from ..modes import ModeSpec
 from ..request import GenerationRequest
 from ..sampling.rng import NoiseStream
 from ..sampling.sampler import StepEvent
+from .capabilities import Capabilities
 from .engine_link import socket_path
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .model_settings import TritonModelSettings
@@ -61,6 +62,7 @@ class EngineHost:
         self.stopping, self.error_log = stopping, error_log
         self._on_held, self._held, self._held_lock = on_held, 0, threading.Lock()
         self.kv_dims = engine.config.kv_dims
+        self.capabilities = Capabilities.of(engine.config, mode, settings.limits, settings.untrained_sizes, owner)
         self.noise_stream = NoiseStream()  # the mode's own stream, for requests with neither SEED nor RNG_STATE
         self._stream_lock = threading.Lock()
         self._connections: set[Connection] = set()
@@ -167,6 +169,7 @@ class EngineHost:
             with self._stream_lock:
                 stream = NoiseStream.from_state(self.noise_stream.state())
         height, width = parsed.size or self.mode.default_size
+        self.capabilities.check_size(height, width)
         req = GenerationRequest(
             cond_kv=parsed.cond_kv, index_offset_cond=parsed.index_offset_cond, height=height, width=width,
             sampling=parsed.sampling_values, uncond_kv=parsed.uncond_kv, index_offset_uncond=parsed.index_offset_uncond,

@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..image_io import encode_image
 from ..model.checkpoint_config import CheckpointConfig
+from .capabilities import advertise, model_capabilities
 from .engine_link import EngineLink, EngineUnavailable
 from .error_status import WORKERS_DOWN
 from .metrics import GenerationMetrics
@@ -97,10 +98,12 @@ class NeoPPTritonModel:
         """Narrow COND_KV/UNCOND_KV/IMAGE_KV to ``[layers, 2, -1, kv_heads, head_dim]`` of the checkpoint.
 
         Metadata then reports the exact geometry and Triton itself rejects a wrong layout.
-        Inputs/outputs missing from config.pbtxt are added from the contract table.
+        Inputs/outputs missing from config.pbtxt are added from the contract table, and the model's
+        capabilities (trained sizes, step limits) are written into its parameters as ``neopp``.
         """
-        config = auto_complete_model_config.as_dict()
+        config = auto_complete_model_config.as_dict()  # the config itself: edits in place are kept
         settings = TritonModelSettings.from_config(config, cls.MODEL_DIR)
+        advertise(config, model_capabilities(settings))
         try:
             layers, kv_heads, head_dim = CheckpointConfig.from_checkpoint(settings.checkpoint).kv_dims
         except ConfigError as exc:  # the repository index shows this line: say which model and folder

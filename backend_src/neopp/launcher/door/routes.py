@@ -3,7 +3,7 @@
 Inference routes want the API key when one is set and take a slot among the inference requests
 in flight; the routes Triton restricts to the operator key are refused here without it; health,
 metadata, statistics, the playground and ``/metrics`` take nothing and stay open. Any other path
-is a 404 with a JSON error.
+is a 404 with a JSON error (under ``/v1`` in OpenAI's shape, as every ``/v1`` answer is).
 """
 
 from __future__ import annotations
@@ -143,6 +143,9 @@ def build_app(door: Door) -> Starlette:
     ]
     for kind in ("systemsharedmemory", "cudasharedmemory"):
         routes += [*region(kind, "status"), *region(kind, "register"), *region(kind, "unregister")]
+    routes += [Route(f"/v1/images/{what}", guarded(lambda r: images.answer(r, images.editing)), methods=["POST"])
+               for what in ("edits", "variations")]
+    routes.append(Route("/v1/{rest:path}", guarded(lambda r: images.answer(r, images.no_route))))  # OpenAI's shape
     app = Starlette(routes=routes)
     app.add_exception_handler(404, _not_found(door))
     app.add_exception_handler(405, _not_allowed(door))
