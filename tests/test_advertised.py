@@ -10,12 +10,12 @@ import pytest
 
 from neopp.errors import ConfigError, InputError
 from neopp.image_sizes import TrainedSizes
-from neopp.launcher.door import model_facts
+from neopp.launcher.door import model_facts, triton_metrics
 from neopp.launcher.door import openai_images as oa
 from neopp.limits import Limits
 from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.modes import ModeSpec, mode_from_dict
-from neopp.serving.capabilities import PARAMETER, Capabilities, advertise
+from neopp.serving.capabilities import Capabilities
 from neopp.serving.model_settings import TritonModelSettings
 from testing import REPO
 from testing.tiny_checkpoint import tiny_config
@@ -90,10 +90,21 @@ def test_the_advertised_object_holds_the_sizes_the_default_and_the_one_step_limi
     assert doc["default_size"] == "256x256" and doc["default_steps"] == 30
     assert doc["steps"] == {"min": 1, "max": 120} and doc["untrained_sizes"] is False
     assert doc["size_range"] == {"min": 128, "max": 320, "multiple": 32}
-    config = {"parameters": {"checkpoint": {"string_value": "x"}}}
-    advertise(config, _capabilities())
-    assert json.loads(config["parameters"][PARAMETER]["string_value"])["steps"]["max"] == Limits().max_steps
-    assert model_facts.parse(config["parameters"][PARAMETER]["string_value"])["default_steps"] == 30
+
+
+def test_the_published_facts_come_back_from_prometheus_text_as_they_were() -> None:
+    """The label as the metrics port writes it (backslash, quote and newline escaped) reads back
+    to the same object; other series and a model without facts are left out."""
+    text = json.dumps(_capabilities().advertised(), separators=(",", ":"))
+    escaped = text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    page = "\n".join(["# TYPE neopp_model_capabilities gauge",
+                      f'neopp_model_capabilities{{capabilities="{escaped}",model="neopp_dense"}} 1',
+                      'nv_inference_request_success{model="neopp_dense",version="1"} 7',
+                      'nv_inference_pending_request_count{model="neopp_dense",version="1"} 2'])
+    published = triton_metrics.capabilities(page)
+    assert list(published) == ["neopp_dense"] and model_facts.parse(published["neopp_dense"]) == json.loads(text)
+    wanted = {"nv_inference_request_success": "successes", "nv_inference_pending_request_count": "queued"}
+    assert triton_metrics.samples(page, wanted) == {"neopp_dense": {"successes": 7.0, "queued": 2.0}}
 
 
 def test_a_checkpoint_that_declares_nothing_serves_every_size_and_says_so() -> None:

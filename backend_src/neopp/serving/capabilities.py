@@ -2,9 +2,10 @@
 
 The checkpoint's trained sizes narrowed by the mode file, the default size, and the one step
 limit (the model's ``max_steps``): the engine's stub refuses a size outside them (unless the
-operator allows untrained sizes) and ``auto_complete_config`` writes the same facts into the
-model's config as the parameter ``neopp`` (JSON), which the door's ``/v1/models`` and the
-playground read, and any gRPC or HTTP client can read with the model's config.
+operator allows untrained sizes), and the model's first instance publishes the same facts on
+Triton's metrics port as the gauge ``neopp_model_capabilities{model, capabilities="<JSON>"} 1``,
+which the door's ``/v1/models`` and the playground read. (Triton keeps only the inputs, outputs
+and batching of an auto-completed config, so its ``parameters`` cannot carry them.)
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from ..model.checkpoint_config import CheckpointConfig
 from ..modes import ModeSpec, load_mode
 from .model_settings import TritonModelSettings
 
-PARAMETER = "neopp"  # the config parameter that carries the advertised facts
 MIN_STEPS = 1
 
 
@@ -84,7 +84,14 @@ def model_capabilities(settings: TritonModelSettings) -> Capabilities:
     return Capabilities.of(config, mode, settings.limits, settings.untrained_sizes, settings.model_name)
 
 
-def advertise(model_config: dict[str, Any], capabilities: Capabilities) -> None:
-    """Write the facts into the config (in place: the auto-completed config Triton keeps)."""
-    params = model_config.setdefault("parameters", {})
-    params[PARAMETER] = {"string_value": json.dumps(capabilities.advertised(), separators=(",", ":"))}
+METRIC = "neopp_model_capabilities"
+
+
+def publish(pb_utils: Any, model_name: str, capabilities: Capabilities) -> Any:
+    """The gauge that carries the facts as a label; keep the returned metric (it lives as long)."""
+    family = pb_utils.MetricFamily(name=METRIC, kind=pb_utils.MetricFamily.GAUGE,
+                                   description="What a generation model draws (label capabilities: JSON)")
+    text = json.dumps(capabilities.advertised(), separators=(",", ":"))
+    metric = family.Metric(labels={"model": model_name, "capabilities": text})
+    metric.set(1.0)
+    return family, metric

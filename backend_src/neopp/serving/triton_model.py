@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..image_io import encode_image
 from ..model.checkpoint_config import CheckpointConfig
-from .capabilities import advertise, model_capabilities
+from .capabilities import model_capabilities, publish
 from .engine_link import EngineLink, EngineUnavailable
 from .error_status import WORKERS_DOWN
 from .metrics import GenerationMetrics
@@ -98,12 +98,10 @@ class NeoPPTritonModel:
         """Narrow COND_KV/UNCOND_KV/IMAGE_KV to ``[layers, 2, -1, kv_heads, head_dim]`` of the checkpoint.
 
         Metadata then reports the exact geometry and Triton itself rejects a wrong layout.
-        Inputs/outputs missing from config.pbtxt are added from the contract table, and the model's
-        capabilities (trained sizes, step limits) are written into its parameters as ``neopp``.
+        Inputs/outputs missing from config.pbtxt are added from the contract table.
         """
-        config = auto_complete_model_config.as_dict()  # the config itself: edits in place are kept
+        config = auto_complete_model_config.as_dict()
         settings = TritonModelSettings.from_config(config, cls.MODEL_DIR)
-        advertise(config, model_capabilities(settings))
         try:
             layers, kv_heads, head_dim = CheckpointConfig.from_checkpoint(settings.checkpoint).kv_dims
         except ConfigError as exc:  # the repository index shows this line: say which model and folder
@@ -137,6 +135,9 @@ class NeoPPTritonModel:
         self._stopping = stop_on_sigterm(self.logger, self.model_name)
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
         self.host = None
+        # what the model draws, on the metrics port for the door (read from files: no weights needed)
+        self.advertised = publish(pb_utils, self.model_name, model_capabilities(self.settings)) \
+            if first_instance(args) else None
         owner = self.settings.engine_model or self.model_name
         if not self.settings.engine_model and first_instance(args):
             from .engine_host import start_host

@@ -1,9 +1,11 @@
-"""What each generation model advertises (its config parameter ``neopp``), read once per model
-load by the door: the sizes and step limits ``/v1/models`` lists, the playground offers, and
-``/v1`` holds a request to before it is sent.
+"""What each generation model advertises, read by the door from Triton's metrics port (each model
+publishes ``neopp_model_capabilities`` at load): the sizes and step limits ``/v1/models`` lists,
+the playground offers, and ``/v1`` holds a request to before it is sent.
 
-A model that advertises nothing (the prompt encoder, ``neopp_session``, a streamed twin) does not
-draw for ``/v1``. The facts are kept a few seconds: a reloaded model's are read again.
+A model that publishes nothing (the prompt encoder, ``neopp_session``, a streamed twin) does not
+draw for ``/v1``. A door without Triton's metrics port (one started on its own, in front of a
+server it did not launch) falls back to the models' metadata: a model that takes ``COND_KV``
+draws, and advertises nothing. The facts are kept a few seconds: a reloaded model's are read again.
 """
 
 from __future__ import annotations
@@ -12,35 +14,38 @@ import json
 import time
 from typing import Any
 
+from . import triton_metrics
 from .errors import DoorError
 from .upstream import Upstream
 
-PARAMETER = "neopp"  # written by the model at load (neopp.serving.capabilities)
 STREAM_SUFFIX = "_stream"
 KEEP_S = 5.0
 MAX_TEXT = 1 << 16
 
 
 class ModelFacts:
-    """The advertised facts per model name, from the models' configs."""
+    """The advertised facts per model name."""
 
-    def __init__(self, upstream: Upstream, admin_key: str | None) -> None:
-        self.upstream, self.admin_key = upstream, admin_key
-        self._kept: dict[str, tuple[float, dict[str, Any] | None]] = {}
+    def __init__(self, upstream: Upstream, admin_key: str | None,
+                 metrics_address: tuple[str, int] | None = None) -> None:
+        self.upstream, self.admin_key, self.metrics_address = upstream, admin_key, metrics_address
+        self._read_at, self._published = -KEEP_S, {}
+
+    async def _all(self) -> dict[str, str]:
+        if time.monotonic() - self._read_at >= KEEP_S:
+            self._published = triton_metrics.capabilities(await triton_metrics.fetch(self.metrics_address))
+            self._read_at = time.monotonic()
+        return self._published
 
     async def of(self, model: str) -> dict[str, Any] | None:
-        """The model's facts; None when it advertises none (it does not draw for ``/v1``)."""
-        now = time.monotonic()
-        kept = self._kept.get(model)
-        if kept is not None and now - kept[0] < KEEP_S:
-            return kept[1]
-        facts = None
-        if not model.endswith(STREAM_SUFFIX):
-            facts = parse(await self.upstream.config_parameter(model, PARAMETER, self.admin_key))
-        if len(self._kept) > 256:  # names come from the repository, but stay bounded all the same
-            self._kept.clear()
-        self._kept[model] = (now, facts)
-        return facts
+        """The model's facts ({}: it draws, advertising nothing); None when it does not draw."""
+        if model.endswith(STREAM_SUFFIX):
+            return None
+        published = await self._all()
+        if published:
+            return parse(published.get(model))
+        metadata = await self.upstream.metadata(model, "")
+        return {} if any(item.name == "COND_KV" for item in metadata.inputs) else None
 
     async def drawing(self) -> dict[str, dict[str, Any]]:
         """Every READY model that draws, with its facts."""
@@ -48,7 +53,7 @@ class ModelFacts:
         for name in await self.upstream.ready_models(self.admin_key):
             try:
                 facts = await self.of(name)
-            except DoorError:  # unloaded between the index and its config
+            except DoorError:  # unloaded between the index and its metadata
                 continue
             if facts is not None:
                 found[name] = facts

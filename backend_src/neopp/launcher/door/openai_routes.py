@@ -44,6 +44,7 @@ class Door(Protocol):
     parser: Parser
     api_key: str | None
     admin_key: str | None
+    metrics_address: tuple[str, int] | None
 
     def reader(self, request: Request, route: str = "inference") -> BodyReader: ...
 
@@ -64,7 +65,7 @@ class ImagesRoutes:
 
     def __init__(self, door: Door) -> None:
         self.door = door
-        self.facts = ModelFacts(door.upstream, door.admin_key)
+        self.facts = ModelFacts(door.upstream, door.admin_key, door.metrics_address)
 
     async def answer(self, request: Request, handler) -> Response:
         after = None
@@ -225,8 +226,9 @@ class ImagesRoutes:
 
     async def models(self, request: Request) -> Response:
         """The models that draw, each with what it advertises under ``neopp``."""
-        offered = [{"id": name, "object": "model", "created": 0, "owned_by": "neopp", "neopp": facts}
-                   for name, facts in sorted((await self.facts.drawing()).items())]
+        drawing = sorted((await self.facts.drawing()).items())
+        offered = [{"id": name, "object": "model", "created": 0, "owned_by": "neopp",
+                    **({"neopp": facts} if facts else {})} for name, facts in drawing]
         return Response(strict_json.dumps({"object": "list", "data": offered}), media_type="application/json")
 
     async def editing(self, request: Request) -> Response:
