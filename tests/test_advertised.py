@@ -153,3 +153,36 @@ def test_facts_that_are_not_an_advertised_object_are_no_facts() -> None:
     facts = {"steps": {"min": 1, "max": 40}, "default_size": "128x320"}
     assert model_facts.parse(json.dumps(facts)) == facts
     assert model_facts.max_steps(facts) == 40 and model_facts.default_size(facts) == (128, 320)
+
+
+def test_the_docs_page_of_the_routes_is_the_one_the_route_table_writes() -> None:
+    from neopp.launcher.door import openapi
+    from neopp.launcher.door.routes import build_app
+    from neopp.launcher.door.server import DoorServer
+    from neopp.ports import LOOPBACK
+
+    server = DoorServer(LOOPBACK, 0, f"{LOOPBACK}:1", (LOOPBACK, 1), "docs", parse_workers=0)
+    try:
+        doc = openapi.document(build_app(server.door).routes)
+    finally:
+        server.stop()
+    assert (REPO / "docs" / "openapi.md").read_text() == openapi.markdown(doc), \
+        "run: python -m neopp.launcher.door.openapi > docs/openapi.md"
+    assert "/v1/{rest}" not in doc["paths"] and "/status" in doc["paths"]
+
+
+def test_the_status_of_a_model_takes_its_recent_latency_from_what_finished_since_the_last_look() -> None:
+    from neopp.launcher.door.status import StatusBoard, render_html
+
+    board = StatusBoard(None, None, None)  # type: ignore[arg-type]  # _model reads no server
+    first = board._model("m", "READY", {"successes": 4, "duration_us": 4_000_000, "failed_in_model": 1}, 0)
+    assert first["recent_latency_ms"] == 1000.0 and first["errors"] == 1 and first["ready"]
+    again = board._model("m", "READY", {"successes": 6, "duration_us": 4_600_000, "refused_by_triton": 3}, 2)
+    assert again["recent_latency_ms"] == 300.0 and again["errors"] == 3 and again["restarts"] == 2
+    restarted = board._model("m", "UNAVAILABLE", {"successes": 1, "duration_us": 50_000}, 2)
+    assert restarted["recent_latency_ms"] == 50.0 and not restarted["ready"]  # counters began again
+    idle = board._model("m", "", {}, 0)
+    assert idle["state"] == "UNLOADED" and idle["in_flight"] is None and idle["recent_latency_ms"] is None
+    page = render_html({"ready": False, "why": "tritonserver is starting <now>", "server_restarts": 1,
+                        "models": [idle]})
+    assert "not ready: tritonserver is starting &lt;now&gt;" in page and "<td>UNLOADED</td>" in page

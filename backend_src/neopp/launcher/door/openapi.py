@@ -14,7 +14,8 @@ from . import openai_images as oa
 SUMMARIES = {
     "/": "The playground: a prompt in, a picture out, in the browser",
     "/status": "Per model: ready, in flight, queued, recent latency, errors, restarts (HTML, or JSON when asked)",
-    "/openapi.json": "This document",
+    "/openapi.json": "The OpenAPI 3.1 document of these routes",
+    "/v2/models/stats": "Every model's statistics",
     "/metrics": "The door's own counters (Prometheus text); the models' are on Triton's metrics port",
     "/v1/images/generations": "OpenAI's image generation: a prompt in, images out (streamed with 'stream')",
     "/v1/models": "The models that draw, each with what it advertises under 'neopp'",
@@ -99,3 +100,50 @@ def document(routes: list[Route]) -> dict[str, Any]:
                      "description": "The routes of the door in front of Triton: OpenAI's images API, the "
                                     "playground, the status page, and Triton's KServe v2 routes, checked"},
             "paths": paths}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The document as the page in the docs (``docs/openapi.md``), written by ``main``."""
+    lines = ["# The door's HTTP routes", "",
+             "Written from the door's route table by `python -m neopp.launcher.door.openapi` (a test checks it);",
+             "a running server serves the same as OpenAPI 3.1 at `/openapi.json`. Model routes also take",
+             "`/versions/{version}` after the model.", "", "| route | methods | what |", "|---|---|---|"]
+    for path, ops in doc["paths"].items():
+        if "/versions/{version}" in path:
+            continue
+        methods = ", ".join(m.upper() for m in ops)
+        lines.append(f"| `{path}` | {methods} | {next(iter(ops.values()))['summary']} |")
+    lines += ["", "## `POST /v1/images/generations`", "", "| field | schema |", "|---|---|"]
+    body = doc["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    for name, schema in body["properties"].items():
+        lines.append(f"| `{name}` | {_schema_text(schema)} |")
+    lines += ["", "## `GET /v1/models`: the `neopp` object of each model", "", "| field | schema |", "|---|---|"]
+    for name, schema in NEOPP_EXTENSION["properties"].items():
+        lines.append(f"| `{name}` | {_schema_text(schema)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _schema_text(schema: dict[str, Any]) -> str:
+    parts = [f"{k} {v}" for k, v in schema.items() if k not in ("description", "properties", "items")]
+    if "description" in schema:
+        parts.append(schema["description"])
+    if "properties" in schema:
+        parts.append("fields " + ", ".join(schema["properties"]))
+    return "; ".join(parts).replace("|", "/")
+
+
+def main() -> None:
+    """Print the docs page of the door's routes (``> docs/openapi.md``)."""
+    from ...ports import LOOPBACK
+    from .routes import build_app
+    from .server import DoorServer
+
+    server = DoorServer(LOOPBACK, 0, f"{LOOPBACK}:1", (LOOPBACK, 1), "docs", parse_workers=0)
+    try:
+        print(markdown(document(build_app(server.door).routes)), end="")
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
