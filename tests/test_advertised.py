@@ -108,7 +108,7 @@ def test_the_published_facts_come_back_from_prometheus_text_as_they_were() -> No
 
 
 def test_a_checkpoint_that_declares_nothing_serves_every_size_and_says_so() -> None:
-    config = CheckpointConfig.from_dict(tiny_config("dense"))
+    config = CheckpointConfig.from_dict(tiny_config("dense", {"image_size_range": None}))
     caps = Capabilities.of(config, ModeSpec(), Limits(), False, "m")
     caps.check_size(64, 1024)
     assert caps.advertised()["untrained_sizes"] is True and caps.advertised()["sizes"] == ["1024x1024"]

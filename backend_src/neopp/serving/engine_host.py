@@ -169,13 +169,13 @@ class EngineHost:
             with self._stream_lock:
                 stream = NoiseStream.from_state(self.noise_stream.state())
         height, width = parsed.size or self.mode.default_size
-        self.capabilities.check_size(height, width)
         req = GenerationRequest(
             cond_kv=parsed.cond_kv, index_offset_cond=parsed.index_offset_cond, height=height, width=width,
             sampling=parsed.sampling_values, uncond_kv=parsed.uncond_kv, index_offset_uncond=parsed.index_offset_uncond,
             image_kv=parsed.image_kv, index_offset_image=parsed.index_offset_image,
             task=parsed.task or self.settings.default_task)
         self.engine.validate(req)
+        self.capabilities.check_size(height, width)  # after the limits and the token multiple: a size it can run
         if parsed.noise is not None:
             check_noise(parsed.noise, (height, width))
             req.noise, req.noise_scaled = torch.from_numpy(np.array(parsed.noise)), True
