@@ -207,7 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_all(args: argparse.Namespace, matrix: dict, work: Path, baseline: Path) -> list[str]:
     now_repo, before_repo = repositories(work, baseline)
-    env = {**checkpoint_env(DEMO / "dense", DEMO / "moe"), "NEOPP_BASE_DIR": str(REPO)}  # the copies' mode files
+    env = {**checkpoint_env(DEMO / "dense", DEMO / "moe"), "NEOPP_BASE_DIR": str(REPO),  # the copies' mode files
+           "NEOPP_ALLOW_UNTRAINED_SIZES": "true"}  # 512x512 measures speed, which the demo's training does not bound
     before_env = {**env, "PYTHONPATH": str(baseline / "backend_src"), "NEOPP_BASE_DIR": str(baseline)}
     now_models = ("neopp_dense", "neopp_moe", "neopp_dense_cfg")
     before_models = ("neopp_dense", "neopp_dense_x2", "neopp_moe", "neopp_dense_cfg")
@@ -312,7 +313,7 @@ def link_section(steps: int, rounds: int) -> str:
                                    worker_processes=0, collective_timeout_s=60.0, default_task="t2i",
                                    limits=pipe.rules.limits)
     engine = BatchingEngine(pipe)
-    host = EngineHost(f"bench_link_{os.getpid()}", engine, settings, mode, threading.Event(), print)
+    host = EngineHost(f"bench_link_{os.getpid()}", engine, settings, pipe.mode, threading.Event(), print)
     link = EngineLink(host.owner, "bench", "plain")
     direct, linked = [], []
     try:

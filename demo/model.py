@@ -36,13 +36,14 @@ PIXEL_CONV1 = 256  # the pixel head's first conv: 16-px cells, then 64 channels 
 NOISE = {"noise_scale": 1.0, "noise_scale_mode": "resolution", "noise_scale_base_image_seq_len": 16,
          "noise_scale_max_value": 8.0}
 DRAWN_SIZE = [256, 256]  # what the demo is trained to draw: its models' default size
+TRAINED_SIDES = [128, 320]  # every side the training draws (shapes.SIZES): the server refuses others
 
 
 def demo_config(moe: dict | None = None, pixel_head: bool = True) -> dict:
     llm = dict(LLM, **(moe or {}))
     return {"model_type": "neo_chat", "llm_config": llm, "vision_config": dict(VISION_CFG), "patch_size": 16,
             "use_pixel_head": pixel_head, "add_noise_scale_embedding": True, **NOISE,
-            "default_image_size": list(DRAWN_SIZE)}
+            "default_image_size": list(DRAWN_SIZE), "image_size_range": list(TRAINED_SIDES)}
 
 
 def demo_tokenizer(words: list[str], max_tokens: int = 32) -> WordTokenizer:

@@ -24,6 +24,9 @@ TINY_LLM = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 4
 TINY_VISION = {"hidden_size": 64, "rope_theta_vision": 10_000.0, "max_position_embeddings_vision": 1024}
 MLP_WIDTH, HEAD_WIDTH, PIXEL_CONV1 = 256, 256, 64
 MOE_EXPERTS, MOE_TOP_K = 4, 2
+# The tiny weights are random, so no size is drawn better than another: every size the default
+# limits allow counts as trained; a test narrows it with overrides={"image_size_range": [...]}.
+TRAINED_SIDES = [32, 2048]
 
 
 def tiny_config(variant: str = "dense", overrides: dict | None = None) -> dict:
@@ -33,7 +36,7 @@ def tiny_config(variant: str = "dense", overrides: dict | None = None) -> dict:
     if variant == "moe":
         llm.update(gen_num_experts=MOE_EXPERTS, num_experts_per_tok=MOE_TOP_K, norm_topk_prob=True)
     cfg = {"model_type": "neo_chat", "llm_config": llm, "vision_config": dict(TINY_VISION),
-           "patch_size": 16, "use_pixel_head": variant == "pixel"}
+           "patch_size": 16, "use_pixel_head": variant == "pixel", "image_size_range": list(TRAINED_SIDES)}
     for key, value in (overrides or {}).items():
         if key in ("llm_config", "vision_config"):
             _edit(cfg[key], value)

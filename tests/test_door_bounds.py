@@ -171,7 +171,7 @@ def test_openai_fields_that_change_nothing_are_still_bounded() -> None:
         with pytest.raises(oa.OpenAIError) as info:
             oa.parse_images_request(doc)
         assert info.value.status == 400 and info.value.param == param
-    assert oa.parse_images_request({"prompt": "x", "user": "u1", "quality": "hd", "output_compression": 50})
+    assert oa.parse_images_request({"prompt": "x", "user": "u1", "quality": "auto", "output_compression": 50})
     for status in (408, 411, 413, 415):  # the door's own refusals keep their status on /v1
         assert oa.refusal(status, "x", {}).status == status
 

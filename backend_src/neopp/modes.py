@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, InputError, shown
+from .image_sizes import TrainedSizes
 from .json_file import read_json_object
 from .limits import CFG_SCALE_MAX_ABS, TIMESTEP_SHIFT_RANGE
 
@@ -100,6 +101,7 @@ class ModeSpec:
     dit_quant_scheme: str | None = None
     lora_configs: tuple[dict, ...] = ()
     default_size: tuple[int, int] = (1024, 1024)
+    sizes: TrainedSizes = TrainedSizes()  # narrows the checkpoint's trained sizes (none: no narrowing)
 
     @property
     def world_size(self) -> int:
@@ -158,6 +160,7 @@ def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None,
         seq_p_attn_type=parallel.get("seq_p_attn_type", "ulysses"),
         dit_quantized=bool(raw.get("dit_quantized", False)), dit_quant_scheme=raw.get("dit_quant_scheme"),
         lora_configs=tuple(loras), default_size=(int(size[0]), int(size[1])),
+        sizes=TrainedSizes.from_raw(raw, f"mode {name}"),
     )
     mode.check()
     return mode

@@ -10,7 +10,6 @@ import http.client
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from neopp.ports import LOOPBACK
 from neopp.procs import process_group_members
 from neopp.text.language_tower import LanguageTower
 from testing import REPO
+from testing.browser import headless_chromium
 from testing.tiny_checkpoint import write_tiny_checkpoint
 
 MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i", "neopp_dense_8steps", "neopp_moe", "neopp_dense_fp8",
@@ -72,7 +72,8 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT_", "NEOPP_LORA_DIR"))}
     tiny = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "dense")  # another geometry
     env.update(NEOPP_CHECKPOINT=str(ckpt), NEOPP_CHECKPOINT_NEOPP_MOE=str(DEMO / "moe"),
-               NEOPP_LORA_DIR=str(DEMO / "lora"), NEOPP_CHECKPOINT_NEOPP_DENSE_FP8=str(tiny))
+               NEOPP_LORA_DIR=str(DEMO / "lora"), NEOPP_CHECKPOINT_NEOPP_DENSE_FP8=str(tiny),
+               NEOPP_ALLOW_UNTRAINED_SIZES="true")  # small sizes keep these quick; the refusal: test_advertised_e2e
     server = TritonServer(REPO / "model_repository", env=env, log_path=tmp_path_factory.mktemp("log") / "triton.log",
                           extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
                                       *(f"--load-model={m}" for m in MODELS)])
@@ -225,7 +226,8 @@ def test_generate_through_the_door_answers_valid_json_with_the_image_in_base64(s
 @pytest.fixture(scope="module")
 def openai_door(served: Served):
     """The door in front of the prompt server, as `make serve` runs it on loopback (no API key)."""
-    door = DoorServer(LOOPBACK, 0, served.server.grpc_url, (LOOPBACK, served.server.http_port), "e2e").start()
+    door = DoorServer(LOOPBACK, 0, served.server.grpc_url, (LOOPBACK, served.server.http_port), "e2e",
+                      metrics_address=(LOOPBACK, served.server.metrics_port)).start()
     yield f"http://{LOOPBACK}:{door.server_address[1]}/v1"
     door.stop()
 
@@ -296,7 +298,8 @@ def test_partial_images_come_before_the_same_final_bytes(served: Served, openai_
                                              partial_images=2, extra_body=extra))
         assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
         assert [e.partial_image_index for e in events[:2]] == [0, 1]
-        assert {e.size for e in events} == {size}  # as the non-streamed answer says it
+        drawn = "256x256" if size == "auto" else size  # "auto" is answered with the size drawn
+        assert {e.size for e in events} == {drawn} and plain.size == drawn
         assert base64.b64decode(events[-1].b64_json) == base64.b64decode(plain.data[0].b64_json)
         assert Image.open(io.BytesIO(base64.b64decode(events[0].b64_json))).size == \
             Image.open(io.BytesIO(base64.b64decode(plain.data[0].b64_json))).size
@@ -336,28 +339,13 @@ def test_v1_wants_the_api_key_when_one_is_set(served: Served):
         door.stop()
 
 
-def _browser():
-    """Headless Chromium through its driver (Debian's chromium and chromium-driver: `make deps`)."""
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver):
-        pytest.skip("the browser test needs Debian's chromium and chromium-driver: run `make deps`")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=640,960"):
-        options.add_argument(arg)
-    return webdriver.Chrome(service=Service(driver), options=options)
-
-
 def test_the_playground_draws_a_prompt_with_progress_in_a_browser(served: Served, openai_door: str):
     """A person's path: the page at /, a prompt and Enter; step progress, previews, then the picture,
     its seed and a download link. The picture is the bytes neopp_t2i draws for that seed."""
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    browser = _browser()
+    browser = headless_chromium()
     try:
         browser.get(openai_door.removesuffix("/v1") + "/")
         WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)

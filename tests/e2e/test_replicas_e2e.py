@@ -20,7 +20,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from bench.failover import MODELS, SIZE, STEPS, drill, plain_inputs, reference_chat
+from bench.failover import ENV, MODELS, SIZE, STEPS, drill, plain_inputs, reference_chat
 from deploy.replicas import ReplicaSet
 from testing import REPO
 
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(shutil.which("haproxy") is None,
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory: pytest.TempPathFactory) -> ReplicaSet:
-    rs = ReplicaSet(tmp_path_factory.mktemp("replicas"), 2, MODELS).start()
+    rs = ReplicaSet(tmp_path_factory.mktemp("replicas"), 2, MODELS, env=ENV).start()
     try:
         yield rs
     finally:

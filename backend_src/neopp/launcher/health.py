@@ -31,6 +31,7 @@ class ServerHealth:
         self._clock = clock
         self._server: str | None = "tritonserver is starting"
         self._broken: dict[str, str] = {}
+        self._reloads: dict[str, int] = {}  # per model: the times its stubs broke and were reloaded
         self._restart: str | None = None
         self._ready_at = 0.0  # when it last became ready
 
@@ -53,7 +54,14 @@ class ServerHealth:
 
     def model_broken(self, model: str, reason: str) -> None:
         with self._changing():
+            if model not in self._broken:
+                self._reloads[model] = self._reloads.get(model, 0) + 1
             self._broken[model] = reason
+
+    def reloads(self) -> dict[str, int]:
+        """How often each model's stubs broke (and were reloaded) since the launcher started."""
+        with self._lock:
+            return dict(self._reloads)
 
     def model_serving(self, model: str) -> None:
         with self._changing():

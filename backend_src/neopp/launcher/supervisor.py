@@ -92,7 +92,7 @@ class Supervisor:
         self.api_key = api_key_for(ns)
         self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", (LOOPBACK, self.upstream_port),
                                 self.front_key, door_limits(ns), health=self.health, admin_key=key,
-                                api_key=self.api_key)
+                                api_key=self.api_key, metrics_address=(grpc_host, ns.metrics_port))
         self.alive = None if ns.alive_file is None else Poller(
             "neopp-alive", 5.0, lambda: self.front.answers(2.0) and touch(Path(ns.alive_file)), lambda exc: None)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
+from ..image_sizes import TrainedSizes
 from ..json_file import read_json_object
 from ..modes import ModeSpec
 
@@ -83,6 +84,9 @@ class CheckpointConfig:
     # Ours, optional: the size the checkpoint draws well ([height, width]); absent, a mode file's
     # default_size stands. The demo model (trained at 256x256) carries it.
     default_image_size: tuple[int, int] | None = None
+    # Ours, optional: the sizes it was trained at (``image_sizes`` / ``image_size_range``, see
+    # neopp.image_sizes); the server refuses others unless the operator allows untrained sizes.
+    trained_sizes: TrainedSizes = TrainedSizes()
 
     @property
     def token_size(self) -> int:
@@ -131,6 +135,7 @@ class CheckpointConfig:
             norm_topk_prob=_get(llm, "norm_topk_prob", L, True, bool),
             rms_norm_eps=_get(llm, "rms_norm_eps", L, DEFAULT_RMS_NORM_EPS, float),
             default_image_size=_image_size(raw.get("default_image_size")),
+            trained_sizes=TrainedSizes.from_raw(raw, "config.json", _get(raw, "patch_size", "", 16) * 2),
         )
         config.check()
         return config
@@ -167,6 +172,9 @@ class CheckpointConfig:
             _log.warning("config.json: 'noise_scale_mode' %r is not one of %s; the initial noise uses "
                          "noise_scale unscaled (capped at noise_scale_max_value), as 'constant' does",
                          self.noise_scale_mode, SIZE_SCALED_NOISE_MODES + ("constant",))
+        if self.default_image_size is not None and not self.trained_sizes.allows(*self.default_image_size):
+            raise ConfigError(f"config.json: default_image_size {list(self.default_image_size)} is not among its "
+                              f"trained sizes ({self.trained_sizes.describe()})")
         if self.is_moe and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"config.json: the MoE top-k ('llm_config.gen_num_experts_per_tok', else "
                               f"'num_experts_per_tok') must be in 1..{self.num_experts} (the expert count), "

@@ -32,6 +32,7 @@ from ..modes import ModeSpec
 from ..request import GenerationRequest
 from ..sampling.rng import NoiseStream
 from ..sampling.sampler import StepEvent
+from .capabilities import Capabilities
 from .engine_link import socket_path
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .model_settings import TritonModelSettings
@@ -61,6 +62,7 @@ class EngineHost:
         self.stopping, self.error_log = stopping, error_log
         self._on_held, self._held, self._held_lock = on_held, 0, threading.Lock()
         self.kv_dims = engine.config.kv_dims
+        self.capabilities = Capabilities.of(engine.config, mode, settings.limits, settings.untrained_sizes, owner)
         self.noise_stream = NoiseStream()  # the mode's own stream, for requests with neither SEED nor RNG_STATE
         self._stream_lock = threading.Lock()
         self._connections: set[Connection] = set()
@@ -173,6 +175,7 @@ class EngineHost:
             image_kv=parsed.image_kv, index_offset_image=parsed.index_offset_image,
             task=parsed.task or self.settings.default_task)
         self.engine.validate(req)
+        self.capabilities.check_size(height, width)  # after the limits and the token multiple: a size it can run
         if parsed.noise is not None:
             check_noise(parsed.noise, (height, width))
             req.noise, req.noise_scaled = torch.from_numpy(np.array(parsed.noise)), True

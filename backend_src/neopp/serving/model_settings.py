@@ -21,6 +21,11 @@ See :data:`PARAMETER_DEFAULTS`:
   ``gpus``, and models of one layout on the same GPU are refused unless both share;
 * limits: ``max_side``, ``max_pixels``, ``max_prefix_tokens``, ``max_steps``,
   ``max_index_offset``, ``max_request_bytes`` (docs/security.md); ``default_task``;
+* ``allow_untrained_sizes``: ``false`` (default) refuses a size outside the sizes the checkpoint
+  was trained at (its ``image_sizes`` / ``image_size_range``, narrowed by the mode file's) with
+  a 400 naming them; ``true`` draws them anyway (they come out as noise, not a worse picture).
+  Env ``NEOPP_ALLOW_UNTRAINED_SIZES`` replaces the default. ``max_steps`` is the one step limit:
+  the server, ``/v1`` and the playground all hold it (at most 1000, the sampler's own bound);
 * ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.engines.warmup`),
   so the first request is as fast as the next ones; ``false`` skips it.
 * step batching (docs/performance.md): ``token_budget``, the image tokens x branches one
@@ -55,7 +60,7 @@ from ..engines.scheduler import DEFAULT_MAX_QUEUED, DEFAULT_PATIENCE, DEFAULT_TO
 from ..errors import ConfigError
 from ..limits import Limits
 from ..model.checkpoint_config import CheckpointConfig
-from ..modes import TASKS, ModeSpec, load_mode
+from ..modes import MAX_STEPS_HARD, TASKS, ModeSpec, load_mode
 from .parameters import read_parameters
 
 if TYPE_CHECKING:  # the stubs that only forward requests read their settings without torch
@@ -75,6 +80,7 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "collective_timeout_s": "120",
     "default_task": "t2i",
     "warmup": "true",
+    "allow_untrained_sizes": os.environ.get("NEOPP_ALLOW_UNTRAINED_SIZES", "false"),
     "token_budget": str(DEFAULT_TOKEN_BUDGET),
     "max_queued": str(DEFAULT_MAX_QUEUED),
     "patience": str(DEFAULT_PATIENCE),
@@ -177,6 +183,7 @@ class TritonModelSettings:
     patience: int = DEFAULT_PATIENCE
     engine_model: str = ""
     speed_params: tuple[str, str, int, str] = ("auto", "auto", 8, "off")  # SpeedOptions' fields
+    untrained_sizes: bool = False
 
     @staticmethod
     def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
@@ -193,6 +200,8 @@ class TritonModelSettings:
         for key in Limits().__dict__:
             int_param(params, key)
         limits = Limits.from_params(params)
+        if not 1 <= limits.max_steps <= MAX_STEPS_HARD:
+            raise ConfigError(f"parameter max_steps: must be in 1..{MAX_STEPS_HARD}, got {limits.max_steps}")
         return TritonModelSettings(
             model_name=name,
             checkpoint=resolve_checkpoint(params, name, root),
@@ -203,6 +212,7 @@ class TritonModelSettings:
             worker_processes=int_param(params, "worker_processes"),
             collective_timeout_s=float(int_param(params, "collective_timeout_s")),
             warmup=_bool_param(params, "warmup"),
+            untrained_sizes=_bool_param(params, "allow_untrained_sizes"),
             token_budget=int_param(params, "token_budget"),
             max_queued=int_param(params, "max_queued"),
             patience=int_param(params, "patience"),

@@ -29,6 +29,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..image_io import encode_image
 from ..model.checkpoint_config import CheckpointConfig
+from .capabilities import model_capabilities, publish
 from .engine_link import EngineLink, EngineUnavailable
 from .error_status import WORKERS_DOWN
 from .metrics import GenerationMetrics
@@ -134,6 +135,9 @@ class NeoPPTritonModel:
         self._stopping = stop_on_sigterm(self.logger, self.model_name)
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
         self.host = None
+        # what the model draws, on the metrics port for the door (read from files: no weights needed)
+        self.advertised = publish(pb_utils, self.model_name, model_capabilities(self.settings)) \
+            if first_instance(args) else None
         owner = self.settings.engine_model or self.model_name
         if not self.settings.engine_model and first_instance(args):
             from .engine_host import start_host

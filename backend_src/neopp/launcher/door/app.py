@@ -37,6 +37,7 @@ from .parse_jobs import Parser
 from .responses import error_answer, json_response
 from .shm_arena import PREFIX as DOOR_REGION_PREFIX
 from .shm_arena import TensorRegion
+from .status import StatusBoard
 from .upstream import Upstream, grpc_error
 from .wire import WireRequest
 
@@ -87,7 +88,8 @@ class Door:
 
     def __init__(self, upstream: Upstream, limits: DoorLimits, metrics: DoorMetrics, region: TensorRegion,
                  health: Health | None = None, parser: Parser | None = None,
-                 api_key: str | None = None, admin_key: str | None = None) -> None:
+                 api_key: str | None = None, admin_key: str | None = None,
+                 metrics_address: tuple[str, int] | None = None) -> None:
         self.upstream, self.limits, self.metrics, self.region = upstream, limits, metrics, region
         self.budget = ByteBudget(limits.bodies_in_flight, limits.client_bodies)
         self.health = health
@@ -96,6 +98,8 @@ class Door:
         self.client_regions = ClientRegions()
         self.inference_in_flight = 0
         self.health_cache = HealthCache(upstream)
+        self.metrics_address = metrics_address  # Triton's metrics port: /status and the models' facts
+        self.status = StatusBoard(upstream, admin_key, metrics_address, health)
 
     def serving(self, model: str | None = None, since: float | None = None) -> None:
         """Refuse (503) what the launcher knows cannot be served now: ``model``, or the server (now

@@ -41,6 +41,10 @@ class DoorMetrics:
         with self._lock:
             self.restarts[(("reason", reason),)] += 1
 
+    def restart_count(self) -> int:
+        with self._lock:
+            return sum(self.restarts.values())
+
     def render(self, body_bytes_held: int) -> str:
         """The text exposition; ``body_bytes_held`` is read from the door's budget at the time."""
         with self._lock:

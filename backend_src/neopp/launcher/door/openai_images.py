@@ -27,14 +27,19 @@ STREAM_SUFFIX = "_stream"  # the streamed twin of a generation model
 DEFAULT_MODEL = "neopp_dense"
 FORMATS = ("png", "jpeg", "webp")
 MAX_IMAGES, MAX_PROMPT = 4, 4000
-# OpenAI's parameters that change nothing here: accepted when they hold what OpenAI allows, no more
-ACCEPTED_AND_IGNORED = {"quality": ("auto", "high", "medium", "low", "hd", "standard"),
-                        "background": ("auto", "transparent", "opaque"), "moderation": ("auto", "low"),
-                        "style": ("vivid", "natural")}
+# OpenAI's parameters whose only values here are what this server does anyway: any other value
+# would be a promise the answer does not keep, so it is refused by name
+ACCEPTED_AND_IGNORED = {"quality": ("auto",), "background": ("auto", "opaque"), "moderation": ("auto", "low")}
+UNSUPPORTED = {"quality": "this server draws one quality; more steps ('num_inference_steps') draw finer detail",
+               "background": "images are drawn opaque", "style": "the model has no styles to choose from"}
+EDITING = ("Image editing is not served over /v1/images: this server edits from the KV prefix of the source "
+           "image and the instruction as the language model encodes them (IMAGE_KV with COND_KV and UNCOND_KV, "
+           "task 'i2i') on the generation models' own routes; see docs/contract.md, 'Inputs of every "
+           "generation model'")
 MAX_USER = 256
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
               "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
-              "output_compression", *ACCEPTED_AND_IGNORED)
+              "output_compression", "style", *ACCEPTED_AND_IGNORED)
 SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 
 
@@ -42,17 +47,18 @@ class OpenAIError(Exception):
     """An answer in OpenAI's error shape."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
-        self.headers = headers or {}
+        self.headers, self.code = headers or {}, code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def __reduce__(self):
         """Raised in a parse worker, rebuilt in the door."""
-        return type(self), (self.status, self.message, self.param, self.kind, self.headers)
+        return type(self), (self.status, self.message, self.param, self.kind, self.headers, self.code)
 
 
 @dataclass(frozen=True)
@@ -73,6 +79,7 @@ class ImagesRequest:
 
     @property
     def size_text(self) -> str:
+        """OpenAI's ``WIDTHxHEIGHT`` of the size drawn ("auto" only before the door resolved it)."""
         return "auto" if self.size is None else f"{self.size[1]}x{self.size[0]}"
 
 
@@ -137,16 +144,27 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
         prompt=prompt, model=_text(doc, "model", DEFAULT_MODEL, 128) or DEFAULT_MODEL,
         n=_int(doc, "n", 1, MAX_IMAGES, 1), size=_size(doc.get("size")), output_format=output_format,
         seed=secrets.randbelow(2**31) if seed is None else seed,
-        negative_prompt=_text(doc, "negative_prompt", None), steps=_int(doc, "num_inference_steps", 1, 1000, None),
+        negative_prompt=_text(doc, "negative_prompt", None), steps=_steps(doc.get("num_inference_steps")),
         guidance_scale=None if guidance is None else float(guidance), partial_images=partial, progress=progress)
     return request, stream
 
 
+def _steps(value: Any) -> int | None:
+    """A positive integer; the model's own limit (``steps.max`` in /v1/models) is held by the door."""
+    if value is not None and (type(value) is not int or not 1 <= value <= 2**31):
+        raise OpenAIError(400, "'num_inference_steps' must be a positive integer (at most the model's steps.max "
+                          "in /v1/models)", "num_inference_steps")
+    return value
+
+
 def _ignored(doc: dict[str, Any]) -> None:
-    """The parameters OpenAI has and this server ignores, held to what OpenAI allows."""
-    for key, allowed in ACCEPTED_AND_IGNORED.items():
-        if key in doc and doc[key] not in allowed:
-            raise OpenAIError(400, f"'{key}' must be one of {', '.join(allowed)}", key)
+    """OpenAI's parameters this server has no choice for: only the values it keeps anyway."""
+    for key in ("style", *ACCEPTED_AND_IGNORED):
+        if key in doc and doc[key] not in ACCEPTED_AND_IGNORED.get(key, ()):
+            allowed = ACCEPTED_AND_IGNORED.get(key)
+            rule = f"send {' or '.join(repr(a) for a in allowed)} or leave it out" if allowed else "leave it out"
+            raise OpenAIError(400, f"'{key}': {str(doc[key])[:32]!r} is not supported ({UNSUPPORTED[key]}); {rule}",
+                              key)
     _text(doc, "user", None, MAX_USER)
     _int(doc, "output_compression", 0, 100, None)
 
@@ -245,8 +263,3 @@ def image_bytes(response: pb.ModelInferResponse) -> bytes:
         if out.name == "IMAGE":
             return deserialize_bytes(raw, 1, "IMAGE")[0]
     raise OpenAIError(500, "the prompt model answered without an image", kind="server_error")
-
-
-def is_generation_model(name: str, metadata: pb.ModelMetadataResponse) -> bool:
-    """A model ``model`` may name: it takes a KV prefix and answers once (not a streamed twin)."""
-    return not name.endswith("_stream") and any(item.name == "COND_KV" for item in metadata.inputs)

@@ -5,13 +5,19 @@ is one ``neopp_t2i`` call over gRPC (a client that hangs up cancels it). With ``
 each finished image is one ``image_generation.completed`` server-sent event; with
 ``partial_images`` the door runs what ``neopp_t2i`` runs, the prompt encoder and then the
 model's streamed twin, and sends its previews as ``image_generation.partial_image`` events
-before the same final bytes.
+before the same final bytes (previews are JPEG, and their events say so).
+
+Before anything is drawn the request is held to what its model advertises (``model_facts``): a
+model that is not in the repository is a 404, one that is not loaded a 503 naming it with
+Retry-After, one that does not draw a 400; more steps than its ``steps.max`` a 400; and "auto" is
+resolved to the size the model draws, which the answer then names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -19,11 +25,12 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from . import auth, parse_jobs, strict_json
+from . import auth, model_facts, parse_jobs, strict_json
 from . import openai_images as oa
 from .body import BodyReader
 from .door_metrics import DoorMetrics
 from .errors import DoorError
+from .model_facts import ModelFacts
 from .parse_jobs import Parser
 from .responses import error_answer
 from .upstream import Upstream
@@ -37,6 +44,7 @@ class Door(Protocol):
     parser: Parser
     api_key: str | None
     admin_key: str | None
+    metrics_address: tuple[str, int] | None
 
     def reader(self, request: Request, route: str = "inference") -> BodyReader: ...
 
@@ -57,6 +65,7 @@ class ImagesRoutes:
 
     def __init__(self, door: Door) -> None:
         self.door = door
+        self.facts = ModelFacts(door.upstream, door.admin_key, door.metrics_address)
 
     async def answer(self, request: Request, handler) -> Response:
         after = None
@@ -79,6 +88,7 @@ class ImagesRoutes:
             body = await reader.read(request.receive, request.headers,
                                      values=self.door.json_values(request, "request body", route="openai"))
         req, stream = await self.door.parser.run(len(body), parse_jobs.images_request, bytes(body), reader.cap.values)
+        req = await self._resolved(req)
         if req.partial_images:
             return await self._streamed(request, req)
         if stream:
@@ -142,16 +152,14 @@ class ImagesRoutes:
         if twin not in await self.door.upstream.ready_models(self.door.admin_key):
             raise oa.OpenAIError(400, f"'partial_images' needs {twin}, the streamed twin of {req.model}, which this "
                                  "server does not serve", "partial_images")
-        size = req.size or await self._default_size()
         encoded = await self.door.until_disconnect(request, self.door.upstream.infer(oa.encoder_request(req)))
-        wire = oa.streamed_request(req, encoded, size, oa.preview_plan(req.partial_images, req.steps))
+        wire = oa.streamed_request(req, encoded, req.size, oa.preview_plan(req.partial_images, req.steps))
         call = self.door.upstream.stream(wire)
         first = await self.door.next_event(call)
         if not isinstance(first, dict):
             call.cancel()
             raise first or oa.OpenAIError(500, f"{twin} answered nothing", kind="server_error")
-        size_text = req.size_text if size is None else f"{size[1]}x{size[0]}"
-        return StreamingResponse(self._preview_events(call, req, size_text, first), media_type="text/event-stream")
+        return StreamingResponse(self._preview_events(call, req, req.size_text, first), media_type="text/event-stream")
 
     async def _preview_events(self, call, req: oa.ImagesRequest, size: str, first: dict) -> AsyncIterator[bytes]:
         event, sent, finished = first, 0, False
@@ -166,8 +174,9 @@ class ImagesRoutes:
                     yield _sse("image_generation.completed", {"b64_json": event["IMAGE"], **now, "seed": req.seed})
                 elif "PREVIEW" in event and oa.wanted_preview(event["STEP"], event["TOTAL_STEPS"], sent,
                                                               req.partial_images):
-                    yield _sse("image_generation.partial_image",
-                               {"b64_json": event["PREVIEW"], "partial_image_index": sent, **now})
+                    yield _sse("image_generation.partial_image",  # previews are JPEG whatever the image's format
+                               {"b64_json": event["PREVIEW"], "partial_image_index": sent, **now,
+                                "output_format": "jpeg"})
                     sent += 1
                 event = None if final else await self.door.next_event(call)
             if isinstance(event, DoorError):
@@ -189,13 +198,45 @@ class ImagesRoutes:
             raise oa.OpenAIError(500, f"{oa.PROMPT_MODEL}'s default size is not readable ({answer.status})",
                                  kind="server_error") from None
 
+    async def _resolved(self, req: oa.ImagesRequest) -> oa.ImagesRequest:
+        """The request held to its model's advertised facts, "auto" resolved to the size drawn."""
+        facts = await self._facts_of(req.model)
+        most = model_facts.max_steps(facts)
+        if req.steps is not None and most is not None and req.steps > most:
+            raise oa.OpenAIError(400, f"'num_inference_steps' must be an integer from 1 to {most} ({req.model}'s "
+                                 "steps.max)", "num_inference_steps")
+        size = req.size or await self._default_size() or model_facts.default_size(facts)
+        return dataclasses.replace(req, size=size)
+
+    async def _facts_of(self, model: str) -> dict:
+        """The facts of a model that draws, or the OpenAI answer that says why it cannot."""
+        states = await self.door.upstream.model_states(self.door.admin_key)
+        if model not in states:
+            raise oa.OpenAIError(404, f"The model '{model[:128]}' does not exist on this server; GET /v1/models "
+                                 "lists the ones that draw", "model", code="model_not_found")
+        if states[model] != "READY":
+            raise oa.OpenAIError(503, f"The model '{model}' is not loaded now ({states[model] or 'unloaded'}); "
+                                 "try again shortly", "model", "server_error", {"Retry-After": "2"},
+                                 code="model_not_loaded")
+        facts = await self.facts.of(model)
+        if facts is None:
+            raise oa.OpenAIError(400, f"The model '{model}' does not draw images here; GET /v1/models lists the "
+                                 "ones that do", "model", code="model_not_found")
+        return facts
+
     async def models(self, request: Request) -> Response:
-        names = await self.door.upstream.ready_models(self.door.admin_key)
-        offered = []
-        for name in names:
-            if oa.is_generation_model(name, await self.door.upstream.metadata(name, "")):
-                offered.append({"id": name, "object": "model", "created": 0, "owned_by": "neopp"})
+        """The models that draw, each with what it advertises under ``neopp``."""
+        drawing = sorted((await self.facts.drawing()).items())
+        offered = [{"id": name, "object": "model", "created": 0, "owned_by": "neopp",
+                    **({"neopp": facts} if facts else {})} for name, facts in drawing]
         return Response(strict_json.dumps({"object": "list", "data": offered}), media_type="application/json")
+
+    async def editing(self, request: Request) -> Response:
+        raise oa.OpenAIError(400, oa.EDITING, code="unsupported_endpoint")
+
+    async def no_route(self, request: Request) -> Response:
+        raise oa.OpenAIError(404, f"Invalid URL ({request.method} {request.url.path[:200]}): this server answers "
+                             "POST /v1/images/generations and GET /v1/models", code="unknown_url")
 
 
 def _b64(image: bytes) -> str:

@@ -3,7 +3,7 @@
 Inference routes want the API key when one is set and take a slot among the inference requests
 in flight; the routes Triton restricts to the operator key are refused here without it; health,
 metadata, statistics, the playground and ``/metrics`` take nothing and stay open. Any other path
-is a 404 with a JSON error.
+is a 404 with a JSON error (under ``/v1`` in OpenAI's shape, as every ``/v1`` answer is).
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from starlette.responses import Response
 from starlette.routing import Route, request_response
 from starlette.types import Receive, Scope, Send
 
-from . import auth
+from . import auth, openapi, strict_json
 from .app import SLOT, VERSION, Door, checked
 from .openai_routes import ImagesRoutes
 from .responses import json_response
+from .status import render_html
 
 PLAYGROUND = (resources.files(__package__) / "playground.html").read_bytes()  # the page at /, no build step
 MODEL = "/v2/models/{model}"
@@ -98,6 +99,17 @@ def build_app(door: Door) -> Starlette:
     async def playground(request: Request) -> Response:
         return Response(PLAYGROUND, media_type="text/html; charset=utf-8")
 
+    async def status(request: Request) -> Response:
+        doc = await door.status.look(door.metrics.restart_count())
+        wants_json = "application/json" in request.headers.get("accept", "") or \
+            request.query_params.get("format") == "json"
+        if wants_json:
+            return json_response(200, doc)
+        return Response(render_html(doc), media_type="text/html; charset=utf-8")
+
+    async def api_document(request: Request) -> Response:
+        return Response(strict_json.dumps(openapi.document(routes)), media_type="application/json")
+
     async def metrics(request: Request) -> Response:
         return Response(door.metrics.render(door.budget.used), media_type="text/plain; version=0.0.4")
 
@@ -131,6 +143,7 @@ def build_app(door: Door) -> Starlette:
         Route("/v2/logging", control(lambda r: "/v2/logging", False, True), methods=["GET"]),
         Route("/", playground, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
+        Route("/status", guarded(status), methods=["GET"]), Route("/openapi.json", api_document, methods=["GET"]),
         Route("/v1/images/generations", Slotted(door, guarded(generations)), methods=["POST"]),
         Route("/v1/models", guarded(lambda r: images.answer(r, images.models)), methods=["GET"]),
         *inference("infer", door.infer), *inference("generate", door.generate),
@@ -143,6 +156,10 @@ def build_app(door: Door) -> Starlette:
     ]
     for kind in ("systemsharedmemory", "cudasharedmemory"):
         routes += [*region(kind, "status"), *region(kind, "register"), *region(kind, "unregister")]
+    routes += [Route(f"/v1/images/{what}", guarded(lambda r: images.answer(r, images.editing)), methods=["POST"])
+               for what in ("edits", "variations")]
+    routes.append(Route("/v1/{rest:path}", guarded(lambda r: images.answer(r, images.no_route)),
+                        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]))  # in OpenAI's shape
     app = Starlette(routes=routes)
     app.add_exception_handler(404, _not_found(door))
     app.add_exception_handler(405, _not_allowed(door))

@@ -37,11 +37,13 @@ class DoorServer:
     def __init__(self, host: str, port: int, grpc_target: str, http_address: tuple[str, int], front_key: str,
                  limits: DoorLimits | None = None, metrics: DoorMetrics | None = None,
                  health: Health | None = None, admin_key: str | None = None,
-                 api_key: str | None = None, parse_workers: int = 2) -> None:
+                 api_key: str | None = None, parse_workers: int = 2,
+                 metrics_address: tuple[str, int] | None = None) -> None:
         """``admin_key``: to register the tensor region and read the model list where Triton
         restricts them, and what the door asks of administrative routes; ``api_key``: what every
         inference route requires (None: nothing), and what the door sends Triton's gRPC inference;
-        ``health``: what the launcher knows of the server (readiness, requests it cannot serve now)."""
+        ``health``: what the launcher knows of the server (readiness, requests it cannot serve now);
+        ``metrics_address``: Triton's metrics port, which ``/status`` reads."""
         self.limits = limits or DoorLimits()
         self.metrics = metrics or DoorMetrics()
         self.upstream = Upstream(grpc_target, http_address, front_key, api_key)
@@ -54,7 +56,7 @@ class DoorServer:
         self.region = TensorRegion(arena, register, self.limits.region_min_bytes, self.limits.max_json_bytes,
                                    LOG.warning)
         self.door = Door(self.upstream, self.limits, self.metrics, self.region, health, self.parser,
-                         api_key, admin_key)
+                         api_key, admin_key, metrics_address)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))

@@ -105,13 +105,27 @@ class Upstream:
 
     async def ready_models(self, admin_key: str | None) -> list[str]:
         """Names of the models the server has READY (the repository index; the key where restricted)."""
+        return sorted(name for name, state in (await self.model_states(admin_key)).items() if state == "READY")
+
+    async def model_states(self, admin_key: str | None) -> dict[str, str]:
+        """Every model of the repository and its state (READY, UNAVAILABLE, LOADING, or "")."""
         metadata = [(GRPC_HEADER, admin_key)] if admin_key else None
         try:
-            index = await self.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True), metadata=metadata,
+            index = await self.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=False), metadata=metadata,
                                                     timeout=30)
         except grpc.aio.AioRpcError as exc:
             raise grpc_error(exc) from None
-        return sorted(model.name for model in index.models)
+        return {model.name: model.state for model in index.models}
+
+    async def config_parameter(self, model: str, key: str, admin_key: str | None) -> str | None:
+        """One ``parameters`` value of a model's config (None: the model sets none)."""
+        metadata = [(GRPC_HEADER, admin_key)] if admin_key else None
+        try:
+            answer = await self.stub.ModelConfig(pb.ModelConfigRequest(name=model), metadata=metadata, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            raise grpc_error(exc) from None
+        value = answer.config.parameters.get(key)
+        return None if value is None else value.string_value
 
     def infer(self, request: WireRequest) -> grpc.aio.UnaryUnaryCall:
         """The call itself, so that the caller can cancel it."""

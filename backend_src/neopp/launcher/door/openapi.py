@@ -1,0 +1,149 @@
+"""``GET /openapi.json``: an OpenAPI 3.1 document of the door's own routes, made from the route
+table itself (so a route cannot be served and left out), with a line for each and the schema of
+the two bodies a person writes by hand: the OpenAI images request and the models list."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from starlette.routing import Route
+
+from . import openai_images as oa
+
+SUMMARIES = {
+    "/": "The playground: a prompt in, a picture out, in the browser",
+    "/status": "Per model: ready, in flight, queued, recent latency, errors, restarts (HTML, or JSON when asked)",
+    "/openapi.json": "The OpenAPI 3.1 document of these routes",
+    "/v2/models/stats": "Every model's statistics",
+    "/metrics": "The door's own counters (Prometheus text); the models' are on Triton's metrics port",
+    "/v1/images/generations": "OpenAI's image generation: a prompt in, images out (streamed with 'stream')",
+    "/v1/models": "The models that draw, each with what it advertises under 'neopp'",
+    "/v1/images/edits": "Not served: answers, in OpenAI's shape, what editing needs on this server",
+    "/v1/images/variations": "Not served: answers, in OpenAI's shape, what editing needs on this server",
+    "/v2": "Triton's server metadata",
+    "/v2/health/live": "Live: the server process answers",
+    "/v2/health/ready": "Ready: the launcher knows of nothing broken and Triton is ready",
+}
+KINDS = (("/infer", "KServe v2 inference (JSON, or JSON with binary tensors)"),
+         ("/generate_stream", "Triton's generate extension, streamed as server-sent events"),
+         ("/generate", "Triton's generate extension: named inputs as JSON in, outputs as JSON out"),
+         ("/ready", "Whether the model is ready"), ("/config", "The model's configuration (operator key)"),
+         ("/stats", "The model's statistics"), ("sharedmemory", "Shared-memory regions (operator key)"),
+         ("/repository", "Load, unload and list models (operator key)"), ("/trace", "Tracing (operator key)"),
+         ("/logging", "Logging (operator key)"))
+PARAM = re.compile(r"{([a-z]+)(?::path)?}")
+
+NEOPP_EXTENSION = {
+    "type": "object", "description": "What the model can draw (sizes are HxW: height x width)",
+    "properties": {
+        "sizes": {"type": "array", "items": {"type": "string"}, "description": "the trained sizes, offered"},
+        "default_size": {"type": "string"}, "default_steps": {"type": "integer"},
+        "steps": {"type": "object", "properties": {"min": {"type": "integer"}, "max": {"type": "integer"}}},
+        "untrained_sizes": {"type": "boolean", "description": "sizes outside 'sizes' are drawn too"},
+        "size_range": {"type": "object", "properties": {"min": {"type": "integer"}, "max": {"type": "integer"},
+                                                        "multiple": {"type": "integer"}}}}}
+IMAGES_REQUEST = {
+    "type": "object", "required": ["prompt"], "additionalProperties": False,
+    "properties": {
+        "prompt": {"type": "string", "maxLength": oa.MAX_PROMPT},
+        "model": {"type": "string", "default": oa.DEFAULT_MODEL},
+        "n": {"type": "integer", "minimum": 1, "maximum": oa.MAX_IMAGES},
+        "size": {"type": "string", "description": "'auto' or WIDTHxHEIGHT, one the model advertises"},
+        "response_format": {"const": "b64_json"}, "output_format": {"enum": list(oa.FORMATS)},
+        "stream": {"type": "boolean"}, "partial_images": {"type": "integer", "minimum": 0, "maximum": 3},
+        "seed": {"type": "integer", "minimum": 0}, "negative_prompt": {"type": "string"},
+        "num_inference_steps": {"type": "integer", "minimum": 1, "description": "at most the model's steps.max"},
+        "guidance_scale": {"type": "number", "minimum": 0, "maximum": 100}, "progress": {"type": "boolean"},
+        "user": {"type": "string"}, "output_compression": {"type": "integer", "minimum": 0, "maximum": 100},
+        **{key: {"enum": list(values)} for key, values in oa.ACCEPTED_AND_IGNORED.items()}}}
+MODELS_LIST = {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
+    "type": "object", "properties": {"id": {"type": "string"}, "object": {"const": "model"},
+                                     "owned_by": {"type": "string"}, "neopp": NEOPP_EXTENSION}}}}}
+OPENAI_ERROR = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+    "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": ["string", "null"]},
+    "code": {"type": ["string", "null"]}}}}}
+
+
+def summary(path: str) -> str:
+    if path in SUMMARIES:
+        return SUMMARIES[path]
+    return next((text for part, text in KINDS if part in path), "Triton's model metadata")
+
+
+def operation(path: str, method: str) -> dict[str, Any]:
+    op: dict[str, Any] = {"summary": summary(path), "responses": {"200": {"description": "OK"}}}
+    names = PARAM.findall(path)
+    if names:
+        op["parameters"] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names]
+    if path.startswith("/v1"):
+        op["responses"]["default"] = {"description": "an error in OpenAI's shape",
+                                      "content": {"application/json": {"schema": OPENAI_ERROR}}}
+    if path == "/v1/images/generations":
+        op["requestBody"] = {"required": True, "content": {"application/json": {"schema": IMAGES_REQUEST}}}
+    if path == "/v1/models":
+        op["responses"]["200"]["content"] = {"application/json": {"schema": MODELS_LIST}}
+    return op
+
+
+def document(routes: list[Route]) -> dict[str, Any]:
+    """The OpenAPI document of ``routes`` (the catch-all of ``/v1`` left out)."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes:
+        if not isinstance(route, Route) or ":path}" in route.path:
+            continue
+        path = route.path
+        for method in sorted((route.methods or {"GET"}) - {"HEAD"}):
+            paths.setdefault(path, {})[method.lower()] = operation(path, method)
+    return {"openapi": "3.1.0",
+            "info": {"title": "NeoPP serving: the HTTP door", "version": "1",
+                     "description": "The routes of the door in front of Triton: OpenAI's images API, the "
+                                    "playground, the status page, and Triton's KServe v2 routes, checked"},
+            "paths": paths}
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    """The document as the page in the docs (``docs/openapi.md``), written by ``main``."""
+    lines = ["# The door's HTTP routes", "",
+             "Written from the door's route table by `python -m neopp.launcher.door.openapi` (a test checks it);",
+             "a running server serves the same as OpenAPI 3.1 at `/openapi.json`. Model routes also take",
+             "`/versions/{version}` after the model.", "", "| route | methods | what |", "|---|---|---|"]
+    for path, ops in doc["paths"].items():
+        if "/versions/{version}" in path:
+            continue
+        methods = ", ".join(m.upper() for m in ops)
+        lines.append(f"| `{path}` | {methods} | {next(iter(ops.values()))['summary']} |")
+    lines += ["", "## `POST /v1/images/generations`", "", "| field | schema |", "|---|---|"]
+    body = doc["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    for name, schema in body["properties"].items():
+        lines.append(f"| `{name}` | {_schema_text(schema)} |")
+    lines += ["", "## `GET /v1/models`: the `neopp` object of each model", "", "| field | schema |", "|---|---|"]
+    for name, schema in NEOPP_EXTENSION["properties"].items():
+        lines.append(f"| `{name}` | {_schema_text(schema)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _schema_text(schema: dict[str, Any]) -> str:
+    parts = [f"{k} {v}" for k, v in schema.items() if k not in ("description", "properties", "items")]
+    if "description" in schema:
+        parts.append(schema["description"])
+    if "properties" in schema:
+        parts.append("fields " + ", ".join(schema["properties"]))
+    return "; ".join(parts).replace("|", "/")
+
+
+def main() -> None:
+    """Print the docs page of the door's routes (``> docs/openapi.md``)."""
+    from ...ports import LOOPBACK
+    from .routes import build_app
+    from .server import DoorServer
+
+    server = DoorServer(LOOPBACK, 0, f"{LOOPBACK}:1", (LOOPBACK, 1), "docs", parse_workers=0)
+    try:
+        print(markdown(document(build_app(server.door).routes)), end="")
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

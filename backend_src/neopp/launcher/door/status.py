@@ -1,0 +1,93 @@
+"""``GET /status``: per model, ready or not, requests in flight and queued, recent latency, errors
+and restarts, as JSON (``Accept: application/json`` or ``?format=json``) or as a small HTML page.
+
+Read at each call from what already counts them: the repository index (ready), Triton's metrics
+port (``nv_inference_pending_request_count``: queued; ``neopp_engine_requests``: held by the
+engine; ``nv_inference_request_success``/``_duration_us``; ``neopp_failures_total`` and
+``nv_inference_request_failure``: errors), and the launcher's health (reloads of a model's stubs,
+restarts of the server). Recent latency is the mean over the requests that finished since the
+previous look (the mean since start on the first look).
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from . import triton_metrics
+from .errors import DoorError
+from .upstream import Upstream
+
+WANTED = {"nv_inference_pending_request_count": "queued", "neopp_engine_requests": "in_flight",
+          "nv_inference_request_success": "successes", "nv_inference_request_failure": "refused_by_triton",
+          "neopp_failures_total": "failed_in_model", "nv_inference_request_duration_us": "duration_us"}
+
+
+class StatusBoard:
+    """The status of every model, with the previous look kept for the recent latency."""
+
+    def __init__(self, upstream: Upstream, admin_key: str | None, metrics_address: tuple[str, int] | None,
+                 health: Any = None) -> None:
+        self.upstream, self.admin_key, self.metrics_address = upstream, admin_key, metrics_address
+        self.health = health
+        self._last: dict[str, tuple[float, float]] = {}  # model: (successes, duration_us)
+
+    async def look(self, server_restarts: int) -> dict[str, Any]:
+        try:
+            states = await self.upstream.model_states(self.admin_key)
+        except DoorError as exc:
+            return {"ready": False, "why": exc.message, "server_restarts": server_restarts, "models": []}
+        counts = triton_metrics.samples(await triton_metrics.fetch(self.metrics_address), WANTED)
+        reloads = self.health.reloads() if self.health is not None and hasattr(self.health, "reloads") else {}
+        why = self.health.not_ready() if self.health is not None else None
+        models = [self._model(name, state, counts.get(name, {}), reloads.get(name, 0))
+                  for name, state in sorted(states.items())]
+        return {"ready": why is None and any(m["ready"] for m in models), "why": why,
+                "server_restarts": server_restarts, "models": models}
+
+    def _model(self, name: str, state: str, counts: dict[str, float], reloads: int) -> dict[str, Any]:
+        done, spent = counts.get("successes"), counts.get("duration_us")
+        latency = None
+        if done is not None and spent is not None:
+            before_done, before_spent = self._last.get(name, (0.0, 0.0))
+            if done < before_done:  # the server restarted: its counters began again
+                before_done, before_spent = 0.0, 0.0
+            if done > before_done:
+                latency = round((spent - before_spent) / (done - before_done) / 1000.0, 1)
+                self._last[name] = (done, spent)
+        return {"model": name, "ready": state == "READY", "state": state or "UNLOADED",
+                "in_flight": _int(counts.get("in_flight")), "queued": _int(counts.get("queued")),
+                "recent_latency_ms": latency, "successes": _int(done), "errors": _errors(counts),
+                "restarts": reloads}
+
+
+def _errors(counts: dict[str, float]) -> int | None:
+    """Failed requests: the model's own count (by reason, refusals of its inputs included), or
+    Triton's where it is higher (a request Triton itself refused never reached the model)."""
+    found = [counts[k] for k in ("failed_in_model", "refused_by_triton") if k in counts]
+    return int(max(found)) if found else None
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+def render_html(doc: dict[str, Any]) -> str:
+    """The status as a page a person reads; the same figures as the JSON."""
+    columns = ("model", "state", "in_flight", "queued", "recent_latency_ms", "successes", "errors", "restarts")
+    rows = "".join("<tr>" + "".join(f"<td>{html.escape(_shown(m[c]))}</td>" for c in columns) + "</tr>"
+                   for m in doc["models"])
+    head = "".join(f"<th>{c.replace('_', ' ')}</th>" for c in columns)
+    verdict = "ready" if doc["ready"] else f"not ready: {doc.get('why') or 'no model is ready'}"
+    return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>NeoPP status</title>"
+            "<meta http-equiv=\"refresh\" content=\"5\"><style>body{font-family:system-ui,sans-serif;margin:1.5rem}"
+            "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:.3rem .6rem;text-align:left}"
+            "</style></head><body><h1>NeoPP status</h1>"
+            f"<p id=\"verdict\">Server {html.escape(verdict)}; restarts of the server: {doc['server_restarts']}. "
+            "<a href=\"/\">playground</a> &middot; <a href=\"/status?format=json\">JSON</a> &middot; "
+            "<a href=\"/openapi.json\">API</a></p>"
+            f"<table id=\"models\"><tr>{head}</tr>{rows}</table></body></html>")
+
+
+def _shown(value: Any) -> str:
+    return "-" if value is None else str(value)

@@ -1,0 +1,62 @@
+"""Triton's metrics port, read by the door: the models' counters for ``/status`` and the facts
+each generation model publishes (``neopp_model_capabilities``) for ``/v1/models``."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+MODEL_LABEL = r'model="([A-Za-z0-9_.-]{1,128})"'
+SAMPLE = re.compile(r'^([a-z_]+)\{[^}]*' + MODEL_LABEL + r'[^}]*\} ([0-9.eE+-]+)$')
+CAPABILITIES = re.compile(r'^neopp_model_capabilities\{(.*)\} 1(?:\.0*)?$')
+LABEL = re.compile(r'([a-z_]+)="((?:[^"\\]|\\.)*)"')
+MAX_METRICS = 4 << 20  # Triton's exposition for a few dozen models is tens of kilobytes
+TIMEOUT_S = 5.0
+
+
+async def fetch(address: tuple[str, int] | None) -> str:
+    """The metrics text ("" when there is no metrics port or it does not answer)."""
+    if address is None:
+        return ""
+    try:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError):
+        return ""
+    try:
+        writer.write(f"GET /metrics HTTP/1.0\r\nHost: {address[0]}\r\n\r\n".encode())
+        raw = await asyncio.wait_for(reader.read(MAX_METRICS), TIMEOUT_S)
+    except (OSError, asyncio.TimeoutError):
+        return ""
+    finally:
+        writer.close()
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return body.decode("utf-8", "replace") if head.startswith(b"HTTP/1.") and b" 200 " in head[:16] else ""
+
+
+def samples(text: str, wanted: dict[str, str]) -> dict[str, dict[str, float]]:
+    """{model: {field: value}} of the ``wanted`` series (name -> field), summed over other labels."""
+    found: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if match and match.group(1) in wanted:
+            fields = found.setdefault(match.group(2), {})
+            key = wanted[match.group(1)]
+            fields[key] = fields.get(key, 0.0) + float(match.group(3))
+    return found
+
+
+def capabilities(text: str) -> dict[str, str]:
+    """{model: the JSON text of its published facts}."""
+    found = {}
+    for line in text.splitlines():
+        match = CAPABILITIES.match(line)
+        if match:
+            labels = {k: _unescaped(v) for k, v in LABEL.findall(match.group(1))}
+            if "model" in labels and "capabilities" in labels:
+                found[labels["model"]] = labels["capabilities"]
+    return found
+
+
+def _unescaped(value: str) -> str:
+    """A label value as Prometheus escapes it (backslash, quote, newline)."""
+    return re.sub(r'\\(.)', lambda m: "\n" if m.group(1) == "n" else m.group(1), value)
