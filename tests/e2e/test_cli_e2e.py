@@ -1,11 +1,13 @@
 """A person's path through a real server: the ``neopp`` command (as installed, found through
-``NEOPP_URL``) draws, lists models and reports status; errors are the server's message and a
-non-zero exit; the playground's new controls in a browser. One ``make serve``-like launcher on the
-demo checkpoints (the prompt encoder needs its language tower) serves the whole module; every
-picture is compared with the bytes ``neopp_t2i`` draws for the same seed over gRPC."""
+``NEOPP_URL``, its key in ``NEOPP_API_KEY``) draws, lists models and reports status; errors are
+the server's message and a non-zero exit; the playground's new controls in a browser. One
+``make serve``-like launcher on the demo checkpoints (the prompt encoder needs its language tower)
+with an API key serves the whole module; every picture is compared with the bytes ``neopp_t2i``
+draws for the same seed over gRPC."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -19,20 +21,23 @@ import pytest
 import tritonclient.grpc as grpcclient
 from PIL import Image
 
+from neopp.launcher.admin import GRPC_API_KEY_HEADER
 from neopp.ports import free_ports
 from testing import REPO
+from testing.browser import browser as open_browser
 from testing.launched import Launched, launch
 
 MODELS = ("neopp_dense", "neopp_dense_stream", "neopp_dense_8steps", "neopp_prompt_encoder", "neopp_t2i")
 DEMO = REPO / "demo" / "checkpoints"
 PROMPT = "a red circle on the left on a blue background"
 NEOPP = Path(sys.executable).with_name("neopp")  # the console script `pip install -e .` puts beside python
+KEY = "cli-e2e-api-key-0123456789"
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Launched:
     log = tmp_path_factory.mktemp("cli") / "serve.log"
-    env = {"NEOPP_CHECKPOINT": str(DEMO / "dense"), "NEOPP_LORA_DIR": str(DEMO / "lora")}
+    env = {"NEOPP_CHECKPOINT": str(DEMO / "dense"), "NEOPP_LORA_DIR": str(DEMO / "lora"), "NEOPP_API_KEY": KEY}
     handle = launch(log, env, MODELS, launcher_args=["--admin-key-file", str(log.parent / "admin.key")])
     try:
         handle.wait_for("NeoPP Triton server ready")
@@ -45,14 +50,14 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Launched:
 def neopp(served: Launched, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """The command as a person types it, the server found through NEOPP_URL."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_")}
-    env["NEOPP_URL"] = f"http://127.0.0.1:{served.http_port}"
+    env.update(NEOPP_URL=f"http://127.0.0.1:{served.http_port}", NEOPP_API_KEY=KEY)
     return subprocess.run([str(NEOPP), *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
-def t2i(served: Launched, seed: int, model: str = "neopp_dense", **extra: np.ndarray) -> bytes:
-    """What neopp_t2i draws for the prompt at 64x64 in 2 steps: the independent reference."""
+def t2i(served: Launched, seed: int, model: str = "neopp_dense", size: int = 64, **extra: np.ndarray) -> bytes:
+    """What neopp_t2i draws for the prompt at ``size`` squared: the independent reference."""
     inputs = {"PROMPT": np.array([PROMPT.encode()], np.object_), "MODEL": np.array([model.encode()], np.object_),
-              "SIZE": np.array([64, 64], np.int64), "SEED": np.array([seed], np.int64),
+              "SIZE": np.array([size, size], np.int64), "SEED": np.array([seed], np.int64),
               "OUTPUT_FORMAT": np.array([b"png"], np.object_), **extra}
     tensors = []
     for name, value in inputs.items():
@@ -61,7 +66,8 @@ def t2i(served: Launched, seed: int, model: str = "neopp_dense", **extra: np.nda
         tensors.append(tensor)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
     try:
-        return client.infer("neopp_t2i", tensors, client_timeout=120).as_numpy("IMAGE")[0]
+        return client.infer("neopp_t2i", tensors, client_timeout=120,
+                            headers={GRPC_API_KEY_HEADER: f"Bearer {KEY}"}).as_numpy("IMAGE")[0]
     finally:
         client.close()
 
@@ -110,7 +116,8 @@ def test_a_refusal_exits_1_with_the_server_s_message_and_writes_nothing(served: 
 
 
 def _get(served: Launched, path: str) -> tuple[int, bytes]:
-    req = urllib.request.Request(f"http://127.0.0.1:{served.http_port}{path}", headers={"Accept": "application/json"})
+    req = urllib.request.Request(f"http://127.0.0.1:{served.http_port}{path}",
+                                 headers={"Accept": "application/json", "Authorization": f"Bearer {KEY}"})
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             return resp.status, resp.read()
@@ -152,3 +159,68 @@ def test_no_server_is_exit_2_and_names_the_url(served: Launched, tmp_path: Path)
     done = subprocess.run([str(NEOPP), "--url", f"127.0.0.1:{port}", "generate", PROMPT], capture_output=True,
                           text=True, timeout=60, cwd=tmp_path)
     assert done.returncode == 2 and f"http://127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_without_the_key_the_server_s_refusal_is_shown(served: Launched, tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_")}
+    done = subprocess.run([str(NEOPP), "--url", f"http://127.0.0.1:{served.http_port}", "models"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1 and "401" in done.stderr and "API key" in done.stderr, done.stderr
+
+
+def test_the_playground_s_new_controls_in_a_browser(served: Launched):
+    """The page on a server with a key: no models until the key is typed, then the list without a
+    reload; a negative prompt; n=2 as a grid of the pictures neopp_t2i draws for seed and seed+1;
+    an error that clears the picture and its seed; this browser's history, kept across a reload,
+    whose thumbnail brings a picture and its seed back."""
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    def field(b, name: str, value: str) -> None:
+        b.find_element("id", name).clear()
+        b.find_element("id", name).send_keys(value)
+
+    def draw(b, prompt: str, done) -> None:
+        field(b, "prompt", prompt)
+        b.find_element("id", "prompt").send_keys(Keys.ENTER)
+        WebDriverWait(b, 180).until(lambda b: not b.find_element("id", "generate").get_attribute("disabled")
+                                    and done(b))
+
+    shown = "return document.getElementById('image').getAttribute('src')"
+    b = open_browser()
+    try:
+        b.get(f"http://127.0.0.1:{served.http_port}/")
+        WebDriverWait(b, 60).until(lambda b: "API key" in b.find_element("id", "status").text)
+        assert len(Select(b.find_element("id", "model")).options) == 0
+        b.find_element("id", "key").send_keys(KEY, Keys.TAB)  # the change event, no reload
+        WebDriverWait(b, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
+        Select(b.find_element("id", "size")).select_by_visible_text("128x128")
+        for name, value in (("steps", "2"), ("seed", "21"), ("negative", "green")):
+            field(b, name, value)
+        draw(b, PROMPT, lambda b: b.find_element("id", "caption").text == "seed 21")
+        one = b.execute_script(shown)
+        draw(b, "a red dragon", lambda b: b.find_element("id", "status").get_attribute("class") == "error")
+        error = (b.find_element("id", "status").text, b.execute_script(shown), b.find_element("id", "caption").text,
+                 b.find_element("id", "seed").get_attribute("placeholder"))
+        field(b, "n", "2")
+        draw(b, PROMPT, lambda b: len(b.find_elements("css selector", "#grid img")) == 2)
+        grid = [img.get_attribute("src") for img in b.find_elements("css selector", "#grid img")]
+        caption = b.find_element("id", "caption").text
+        b.refresh()  # the history and the key outlive the page
+        WebDriverWait(b, 60).until(lambda b: len(b.find_elements("css selector", "#history img")) == 3)
+        b.find_elements("css selector", "#history img")[2].click()  # the oldest: the first picture
+        back = (b.execute_script(shown), b.find_element("id", "seed").get_attribute("value"))
+    finally:
+        b.quit()
+    neg = np.array([b"green"], np.object_)
+    steps = np.array([2], np.int64)
+
+    def png(src: str) -> bytes:
+        return base64.b64decode(src.split(",", 1)[1])
+
+    assert png(one) == t2i(served, 21, size=128, STEPS=steps, NEGATIVE_PROMPT=neg)
+    assert "dragon" in error[0] and error[1:] == (None, "", "random"), error
+    assert [png(src) for src in grid] == [t2i(served, seed, size=128, STEPS=steps, NEGATIVE_PROMPT=neg)
+                                          for seed in (21, 22)]
+    assert caption == "seeds 21, 22"
+    assert back == (one, "21")

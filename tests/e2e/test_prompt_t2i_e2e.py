@@ -10,7 +10,6 @@ import http.client
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +30,7 @@ from neopp.ports import LOOPBACK
 from neopp.procs import process_group_members
 from neopp.text.language_tower import LanguageTower
 from testing import REPO
+from testing.browser import browser as open_browser
 from testing.tiny_checkpoint import write_tiny_checkpoint
 
 MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i", "neopp_dense_8steps", "neopp_moe", "neopp_dense_fp8",
@@ -336,28 +336,13 @@ def test_v1_wants_the_api_key_when_one_is_set(served: Served):
         door.stop()
 
 
-def _browser():
-    """Headless Chromium through its driver (Debian's chromium and chromium-driver: `make deps`)."""
-    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (chromium and driver):
-        pytest.skip("the browser test needs Debian's chromium and chromium-driver: run `make deps`")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=640,960"):
-        options.add_argument(arg)
-    return webdriver.Chrome(service=Service(driver), options=options)
-
-
 def test_the_playground_draws_a_prompt_with_progress_in_a_browser(served: Served, openai_door: str):
     """A person's path: the page at /, a prompt and Enter; step progress, previews, then the picture,
     its seed and a download link. The picture is the bytes neopp_t2i draws for that seed."""
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    browser = _browser()
+    browser = open_browser()
     try:
         browser.get(openai_door.removesuffix("/v1") + "/")
         WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
