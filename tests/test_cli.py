@@ -47,12 +47,12 @@ def test_the_api_key_comes_from_the_environment_only(monkeypatch):
 def test_the_request_carries_what_was_asked_and_nothing_unset():
     ask = Ask("a red circle", Path("o/x.jpg"), model="neopp_moe", size="128x128", steps=4, seed=5, guidance=2.5,
               negative_prompt="green", n=1)
-    assert ask.body(True, True) == {
+    assert ask.body(True) == {
         "prompt": "a red circle", "n": 1, "output_format": "jpeg", "model": "neopp_moe", "size": "128x128",
         "num_inference_steps": 4, "seed": 5, "guidance_scale": 2.5, "negative_prompt": "green", "stream": True,
         "partial_images": 1, "progress": True}
-    assert Ask("p", Path("x.png"), n=3).body(True, False) == {"prompt": "p", "n": 3, "output_format": "png",
-                                                              "stream": True}
+    assert Ask("p", Path("x.png"), n=3).body(False) == {"prompt": "p", "n": 3, "output_format": "png",
+                                                        "stream": True}
 
 
 def test_file_names_follow_o_and_number_several_pictures():
@@ -86,6 +86,11 @@ def test_the_bar_redraws_one_line_on_a_terminal_and_writes_lines_elsewhere():
         bar.end()
     assert tty.getvalue() == f"\r[{'#' * 7}{'.' * 23}] step 1/4\r[{'#' * 30}] step 4/4\n"
     assert log.getvalue() == f"[{'#' * 7}{'.' * 23}] step 1/4\n[{'#' * 30}] step 4/4\n"
+    many = io.StringIO()
+    bar = Bar(many)
+    for step in range(1, 51):
+        bar.show(step, 50, "step")
+    assert len(many.getvalue().splitlines()) == 11 and many.getvalue().endswith("step 50/50\n")  # start, each tenth
     Bar(None).show(1, 2, "step")  # quiet: nothing to write to
 
 

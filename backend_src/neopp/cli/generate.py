@@ -17,7 +17,9 @@ from typing import Any, TextIO
 
 from .client import CliError, Server, checked, error_message, events
 
+PATH = "/v1/images/generations"
 FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+MAX_ERROR = 1 << 20  # an error answer is a short JSON document
 SIZE = re.compile(r"^[0-9]{1,5}x[0-9]{1,5}$")
 
 
@@ -35,14 +37,14 @@ class Ask:
     negative_prompt: str | None = None
     n: int = 1
 
-    def body(self, stream: bool, previews: bool) -> dict[str, Any]:
-        """The generations request (OpenAI's parameters plus NeoPP's ``seed``, steps, guidance...)."""
-        doc: dict[str, Any] = {"prompt": self.prompt, "n": self.n, "output_format": output_format(self.out)}
+    def body(self, previews: bool) -> dict[str, Any]:
+        """The streamed generations request (OpenAI's parameters plus NeoPP's ``seed``, steps,
+        guidance...); with ``previews``, per-step progress and one preview too."""
+        doc: dict[str, Any] = {"prompt": self.prompt, "n": self.n, "output_format": output_format(self.out),
+                               "stream": True}
         optional = {"model": self.model, "size": self.size, "num_inference_steps": self.steps, "seed": self.seed,
                     "guidance_scale": self.guidance, "negative_prompt": self.negative_prompt}
         doc.update({k: v for k, v in optional.items() if v is not None})
-        if stream:
-            doc["stream"] = True
         if previews:
             doc.update(partial_images=1, progress=True)
         return doc
@@ -71,17 +73,22 @@ def paths(out: Path, n: int) -> list[Path]:
 
 
 class Bar:
-    """A one-line progress bar on a terminal; plain lines elsewhere (logs, pipes); nothing when quiet."""
+    """A one-line progress bar on a terminal; elsewhere (logs, pipes) a line at each tenth of the
+    way, not one per step; nothing when quiet."""
 
     WIDTH = 30
 
     def __init__(self, stream: TextIO | None) -> None:
-        self.stream, self.open = stream, False
+        self.stream, self.open, self.tenth = stream, False, -1
         self.tty = bool(stream is not None and stream.isatty())
 
     def show(self, done: int, total: int, what: str) -> None:
         if self.stream is None or total <= 0:
             return
+        tenth = 10 * min(done, total) // total
+        if not self.tty and tenth == self.tenth:
+            return
+        self.tenth = tenth
         filled = self.WIDTH * min(done, total) // total
         text = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {what} {done}/{total}"
         if self.tty:
@@ -101,15 +108,17 @@ class Bar:
 def generate(server: Server, ask: Ask, bar: Bar, out: TextIO = sys.stdout) -> list[Path]:
     """Draw, write the files, say where they are; the written paths."""
     previews = ask.n == 1
-    resp = server.open("POST", "/v1/images/generations", ask.body(True, previews), accept="text/event-stream")
+    resp = server.open("POST", PATH, ask.body(previews), accept="text/event-stream")
     if resp.status == 400 and previews:
-        doc = _json_or_none(resp)
-        if _param(doc) == "partial_images":  # no streamed twin: stream the finished picture only
-            resp = server.open("POST", "/v1/images/generations", ask.body(True, False), accept="text/event-stream")
-        else:
-            raise CliError(f"{resp.status} {error_message(doc)}")
+        with resp:
+            raw = resp.read(MAX_ERROR)
+        doc = _json_or_none(raw)
+        if _param(doc) != "partial_images":
+            raise CliError(f"{PATH}: 400 {error_message(doc, raw)}")
+        # no streamed twin: stream the finished picture only
+        resp = server.open("POST", PATH, ask.body(False), accept="text/event-stream")
     if not 200 <= resp.status < 300:
-        checked(resp, "/v1/images/generations")
+        checked(resp, PATH)
     written = _receive(resp, ask, bar)
     bar.end()
     for path, (seed, size) in written.items():
@@ -141,12 +150,11 @@ def _receive(resp, ask: Ask, bar: Bar) -> dict[Path, tuple[Any, Any]]:
     return written
 
 
-def _json_or_none(resp) -> Any:
-    with resp:
-        try:
-            return json.loads(resp.read(1 << 20))
-        except ValueError:
-            return None
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
 
 
 def _param(doc: Any) -> Any:
