@@ -120,15 +120,19 @@ def test_models_show_the_advertised_sizes_and_limits_or_say_they_are_not_adverti
     assert model_line({"id": "neopp_moe"}) == "neopp_moe  (sizes and step limits not advertised by this server)"
 
 
-def test_the_status_table_has_a_line_per_model_and_a_dash_for_what_is_not_sent():
-    doc = {"models": [{"model": "neopp_dense", "ready": True, "in_flight": 2, "queued": 0, "latency_ms": 812.4,
-                       "errors": 1, "restarts": 0}, {"model": "neopp_moe", "ready": False}]}
+def test_the_status_table_has_a_line_per_model_a_column_per_field_sent_and_a_dash_for_what_is_not():
+    doc = {"server": "ready", "models": [
+        {"latency_ms": {"p50": 812.4, "p99": 2100.0}, "model": "neopp_dense", "errors": 1, "queued": 0,
+         "ready": True, "in_flight": 2, "restarts": 0},
+        {"model": "neopp_moe", "ready": False, "unloaded_by": "operator"}]}
     lines = status_table(doc).splitlines()
-    assert lines[0].split() == ["model", "ready", "in", "flight", "queued", "recent", "latency", "ms", "errors",
-                                "restarts"]
-    assert lines[1].split() == ["neopp_dense", "yes", "2", "0", "812", "1", "0"]
-    assert lines[2].split() == ["neopp_moe", "no", "-", "-", "-", "-", "-"]
-    assert status_table({"models": {"m": {"ready": True}}}).splitlines()[1].split()[:2] == ["m", "yes"]
+    assert lines[0] == "server: ready"
+    assert lines[1].split() == ["model", "ready", "in", "flight", "queued", "latency", "ms", "errors", "restarts",
+                                "unloaded", "by"]
+    assert lines[2].split() == ["neopp_dense", "yes", "2", "0", "p50=812", "p99=2100", "1", "0", "-"]
+    assert lines[3].split() == ["neopp_moe", "no", "-", "-", "-", "-", "-", "operator"]
+    assert status_table({"models": {"m": {"ready": True}}}).splitlines() == ["model  ready", "m      yes"]
+    assert status_table({"models": []}) == "(the server lists no models)\n"
 
 
 def test_no_server_at_the_url_exits_2_saying_how_to_point_elsewhere(capsys):

@@ -149,9 +149,9 @@ def test_status_shows_every_model_or_says_the_page_is_missing(served: Launched, 
         assert "has no /status page" in done.stdout and "server ready: yes" in done.stdout
         assert "ready to draw: neopp_dense" in done.stdout
     else:
-        assert status == 200 and done.stdout.splitlines()[0].split()[:2] == ["model", "ready"]
-        for name in ("neopp_dense", "neopp_t2i"):
-            assert any(line.split()[:2] == [name, "yes"] for line in done.stdout.splitlines()), done.stdout
+        assert status == 200 and any(line.split()[:1] == ["model"] for line in done.stdout.splitlines())
+        for name in ("neopp_dense", "neopp_t2i"):  # a line each, whatever fields the page sends
+            assert any(line.split()[:1] == [name] for line in done.stdout.splitlines()), done.stdout
 
 
 def test_no_server_is_exit_2_and_names_the_url(served: Launched, tmp_path: Path):

@@ -13,8 +13,8 @@ from typing import Any, TextIO
 
 from .client import CliError, Server, checked
 
-STATUS_FIELDS = (("ready", "ready"), ("in_flight", "in flight"), ("queued", "queued"),
-                 ("latency_ms", "recent latency ms"), ("errors", "errors"), ("restarts", "restarts"))
+FIRST = ("ready", "in_flight", "queued")  # the columns a person looks at first, when the server sends them
+NAME_KEYS = ("model", "name", "id")
 
 
 def models(server: Server, out: TextIO = sys.stdout, as_json: bool = False) -> int:
@@ -81,15 +81,21 @@ def _rows(doc: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def status_table(doc: dict[str, Any]) -> str:
-    """A plain text table, one model a line; a field the server does not send shows as ``-``."""
-    header = ["model", *(title for _, title in STATUS_FIELDS)]
-    lines = [header]
-    for row in _rows(doc):
-        lines.append([str(row.get("model", row.get("name", "?"))),
-                      *(_cell(row.get(key)) for key, _ in STATUS_FIELDS)])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    text = "".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() + "\n" for line in lines)
-    return text if len(lines) > 1 else text + "(the server lists no models)\n"
+    """The server's other top-level facts as ``key: value`` lines, then a table, one model a line,
+    a column per field the server sends (ready, in flight and queued first); ``-`` where a row
+    lacks one. The columns come from the answer, so a field the page adds shows without a change here."""
+    rows = _rows(doc)
+    keys = [k for k in FIRST if any(k in row for row in rows)]
+    for row in rows:
+        keys += [k for k in row if k not in keys and k not in NAME_KEYS]
+    lines = [["model", *(k.replace("_", " ") for k in keys)]]
+    for row in rows:
+        name = next((row[k] for k in NAME_KEYS if k in row), "?")
+        lines.append([str(name), *(_cell(row.get(k)) for k in keys)])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    facts = "".join(f"{k.replace('_', ' ')}: {_cell(v)}\n" for k, v in doc.items() if k != "models")
+    table = "".join("  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() + "\n" for line in lines)
+    return facts + (table if rows else "(the server lists no models)\n")
 
 
 def _cell(value: Any) -> str:
@@ -101,7 +107,9 @@ def _cell(value: Any) -> str:
         return f"{value:.0f}"
     if isinstance(value, dict):  # e.g. latency percentiles
         return " ".join(f"{k}={_cell(v)}" for k, v in value.items())
-    return str(value)
+    if isinstance(value, list):
+        return ",".join(_cell(v) for v in value)
+    return str(value).replace("\n", " ")
 
 
 def _ready_only(server: Server, out: TextIO) -> int:
