@@ -2,4 +2,5 @@
 
 from neopp.cli.main import main
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    raise SystemExit(main())
