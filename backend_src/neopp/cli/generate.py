@@ -51,7 +51,7 @@ class Ask:
 
 
 def output_format(out: Path) -> str:
-    """The image format the file name asks for (png when it names none we write)."""
+    """The image format the file name asks for; a name without one we write is a usage error."""
     fmt = FORMATS.get(out.suffix.lower())
     if fmt is None:
         raise CliError(f"-o {out}: the file must end in one of {', '.join(sorted(FORMATS))}", 2)
