@@ -9,7 +9,7 @@ TINY_DIR ?= build/tiny
 # The checkout this Makefile belongs to (through symlinks): the editable install always points here.
 REPO_DIR := $(realpath $(dir $(realpath $(firstword $(MAKEFILE_LIST)))))
 
-.PHONY: setup test lint bench tiny clean contract-configs router-config serve-replicas
+.PHONY: setup test test-quick lint bench tiny clean contract-configs router-config serve-replicas
 
 setup: $(STAMP)
 
@@ -34,6 +34,16 @@ lint: setup
 
 test: lint
 	$(PY) -m pytest -q
+
+# A smoke subset in about a minute: the request rules, parsing, schedule and noise, the contract
+# tables, KV and image files, the float64 reference, the neopp command, and one picture drawn through
+# a real tritonserver behind the door (the demo model). One file: $(PY) -m pytest -q tests/test_cli.py
+QUICK_TESTS ?= tests/test_cli.py tests/test_request_limits.py tests/test_front_parsing.py tests/test_schedule.py \
+               tests/test_rng.py tests/test_contract_configs.py tests/test_stream_parsing.py \
+               tests/test_kv_and_images.py tests/test_reference_equivalence.py tests/test_security.py \
+               tests/e2e/test_cli_e2e.py::test_generate_streams_progress_and_writes_the_picture_neopp_t2i_draws
+test-quick: setup
+	$(PY) -m pytest -q $(QUICK_TESTS)
 
 # The input/output blocks of every config.pbtxt, written from the code's tables (a test fails when
 # a file differs from them).
@@ -111,6 +121,8 @@ train-demo: setup
 	PYTHONPATH=. $(PY) -m demo.card --dir $(DEMO_DIR)
 
 # perf_analyzer against the server `make serve` runs (same GRPC_PORT); BENCH_ARGS="--own-server" starts one.
+# It measures exactly 30 requests (a stability wait may never end on a busy machine); BENCH_ARGS="-- FLAGS"
+# passes perf_analyzer flags that override it (docs/local-triton.md).
 bench-serve: setup
 	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
 	  "(make train-demo writes the demo one, make tiny the tiny test ones in $(TINY_DIR);" \

@@ -178,7 +178,8 @@ class NeoPPTritonClient:
             data = self._generate_stateless(inputs, seed)
         else:
             data = self._generate_session(inputs, seed)
-        if save_result_path:
+        if save_result_path:  # its folder is made, as for any image file this project writes
+            Path(save_result_path).parent.mkdir(parents=True, exist_ok=True)
             Path(save_result_path).write_bytes(data)
         return base64.b64encode(data).decode("ascii")
 

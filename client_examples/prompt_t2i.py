@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("jpeg", "png", "webp"), default="png")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the client gives up")
     p.add_argument("--no-progress", action="store_true", help="one neopp_t2i request, no progress bar")
-    p.add_argument("-o", "--out", type=Path, default=Path("out.png"), help="image path (default out.png)")
+    p.add_argument("-o", "--out", type=Path, default=Path("outputs/out.png"),
+                   help="image path (default outputs/out.png)")
     return p
 
 

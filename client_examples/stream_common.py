@@ -11,7 +11,7 @@ from t2i_common import build_parser
 
 
 def stream_parser(description: str, default_url: str, script: str) -> argparse.ArgumentParser:
-    p = build_parser(description, default_url, script, " \\\n    --preview-every 5 --preview-dir previews")
+    p = build_parser(description, default_url, script, " \\\n    --preview-every 5 --preview-dir outputs/previews")
     p.set_defaults(model="neopp_dense_stream")
     p.add_argument("--preview-every", type=int, default=0, metavar="N",
                    help="a JPEG preview every N steps (PREVIEW_EVERY; default 0: none)")

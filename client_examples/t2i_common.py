@@ -40,7 +40,7 @@ def example(script: str, url: str, extra: str = "") -> str:
             f"  python client_examples/{script} --url {url} \\\n"
             "    --cond demo/checkpoints/dense/sample_kv/cond_kv.pt \\\n"
             "    --uncond demo/checkpoints/dense/sample_kv/uncond_kv.pt \\\n"
-            f"    --offset-cond 11 --offset-uncond 1 --size 256 256 --steps 20 --seed 42 --out out.png{extra}")
+            f"    --offset-cond 11 --offset-uncond 1 --size 256 256 --steps 20 --seed 42 --out outputs/out.png{extra}")
 
 
 def build_parser(description: str, default_url: str, script: str, example_extra: str = "") -> argparse.ArgumentParser:
@@ -67,7 +67,7 @@ def build_parser(description: str, default_url: str, script: str, example_extra:
     p.add_argument("--task", choices=("t2i", "i2i"))
     p.add_argument("--format", choices=("jpeg", "png", "webp"), default="png")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the client gives up")
-    p.add_argument("--out", type=Path, default=None, help="image path (default: out.<format>)")
+    p.add_argument("--out", type=Path, default=None, help="image path (default: outputs/out.<format>)")
     return p
 
 
@@ -130,9 +130,9 @@ def requested_outputs(client_module: ModuleType, **options: Any) -> list:
 
 
 def save_result(args: argparse.Namespace, result: Any) -> Path:
-    """Write IMAGE to --out (default out.<format>) and NEXT_RNG_STATE to --save-rng-state if given."""
+    """Write IMAGE to --out (default outputs/out.<format>) and NEXT_RNG_STATE to --save-rng-state if given."""
     image = result.as_numpy("IMAGE")[0]
-    out = args.out or Path(f"out.{'jpg' if args.format == 'jpeg' else args.format}")
+    out = args.out or Path(f"outputs/out.{'jpg' if args.format == 'jpeg' else args.format}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(image)
     if args.save_rng_state:

@@ -1,4 +1,5 @@
-"""Headless Chromium for the playground's browser tests (Debian's chromium and chromium-driver)."""
+"""Headless Chromium through its driver, for the playground's browser tests (Debian's chromium and
+chromium-driver: `make deps`); a machine without them skips those tests, saying how to get them."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import shutil
 import pytest
 
 
-def headless_chromium():
-    """A Selenium driver of headless Chromium; the test is skipped where the browser is missing."""
+def browser():
+    """A fresh headless browser (a new profile: empty localStorage); the caller quits it."""
     chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
     if not (chromium and driver):
         pytest.skip("the browser test needs Debian's chromium and chromium-driver: run `make deps`")

@@ -150,7 +150,7 @@ def test_openai_parameters_this_server_cannot_honour_are_refused_by_name(doc: di
 def test_facts_that_are_not_an_advertised_object_are_no_facts() -> None:
     for text in (None, "", "[]", "{", json.dumps({"sizes": []}), "x" * 70000):
         assert model_facts.parse(text) is None
-    facts = {"steps": {"min": 1, "max": 40}, "default_size": "128x320"}
+    facts = {"steps": {"min": 1, "max": 40}, "default_size": "320x128"}
     assert model_facts.parse(json.dumps(facts)) == facts
     assert model_facts.max_steps(facts) == 40 and model_facts.default_size(facts) == (128, 320)
 
@@ -167,7 +167,7 @@ def test_the_docs_page_of_the_routes_is_the_one_the_route_table_writes() -> None
     finally:
         server.stop()
     assert (REPO / "docs" / "openapi.md").read_text() == openapi.markdown(doc), \
-        "run: python -m neopp.launcher.door.openapi > docs/openapi.md"
+        "run: python -m neopp.launcher.door.openapi_page > docs/openapi.md"
     assert "/v1/{rest}" not in doc["paths"] and "/status" in doc["paths"]
 
 

@@ -47,7 +47,7 @@ def test_defaults_of_a_continued_chat_and_of_a_parallel_case():
 
 def test_cfg_off_case_has_no_uncond_prefix():
     _, args, turns = parsed("dense_8steps_lora_2k")
-    assert args.enable_cfg is False and args.cfg_scale == 1.0 and str(args.lora_dir) == "checkpoints/lora"
+    assert args.enable_cfg is False and args.cfg_scale == 1.0
     assert str(parsed("dense_8steps_lora_2k", LORA_DIR="build/tiny/lora")[1].lora_dir) == "build/tiny/lora"
     assert turns[0].uncond is None and turns[0].offset_uncond is None and turns[0].seed == 200
 
@@ -208,3 +208,12 @@ def test_demo_case_runs_on_what_ships_from_any_directory(tmp_path):
                            "--offset-cond", "11", "--offset-uncond", "1", "--seed", "7", "--size", "256", "256",
                            "--steps", "4", "--cfg-norm", "global", "--output", str(direct)]) == 0
     assert (tmp_path / "demo_0.png").read_bytes() == direct.read_bytes()
+
+
+def test_the_lora_folder_is_passed_only_where_it_exists(tmp_path: Path):
+    """The default folder (checkpoints/lora under the checkout) is passed when it is there, never
+    when it is not; a LORA_DIR the caller names is passed as named."""
+    assert parsed("demo", NEOPP_BASE_DIR=str(tmp_path))[1].lora_dir is None
+    (tmp_path / "checkpoints" / "lora").mkdir(parents=True)
+    assert parsed("demo", NEOPP_BASE_DIR=str(tmp_path))[1].lora_dir == tmp_path / "checkpoints" / "lora"
+    assert str(parsed("demo", NEOPP_BASE_DIR=str(tmp_path), LORA_DIR="elsewhere")[1].lora_dir) == "elsewhere"

@@ -100,6 +100,7 @@ class InProcessRunner:
         self.pipeline.validate(req)  # before drawing, so a refused request does not advance the stream
         req.noise = self.noise_stream.draw(height, width)
         data = encode_image(self.pipeline.generate(req), self.sampling.output_format, self._resize)
-        if save_result_path:
+        if save_result_path:  # its folder is made, as for any image file this project writes
+            Path(save_result_path).parent.mkdir(parents=True, exist_ok=True)
             Path(save_result_path).write_bytes(data)
         return data

@@ -23,7 +23,7 @@ from neopp.launcher.door import triton_metrics
 from neopp.ports import LOOPBACK
 from neopp.procs import process_group_members
 from testing import REPO
-from testing.browser import headless_chromium
+from testing.browser import browser as open_browser
 from testing.launched import Launched, launch
 
 DEMO = REPO / "demo" / "checkpoints" / "dense"
@@ -177,7 +177,7 @@ def test_the_openapi_document_lists_the_door_s_routes(served: Launched):
 def test_the_playground_offers_only_the_trained_sizes_and_the_step_limit(served: Launched, tmp_path: Path):
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    browser = headless_chromium()
+    browser = open_browser()
     try:
         browser.get(f"http://{LOOPBACK}:{served.http_port}/")
         WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "size")).options) > 1)

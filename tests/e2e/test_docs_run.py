@@ -3,9 +3,11 @@
 A fenced block names its language: ``bash`` and ``python`` blocks run here, against a server
 started as ``make serve`` starts it (the demo model, the door in front, an operator key), from a
 folder that looks like the checkout; only the addresses are this server's (``localhost:8000``,
-``8001``, ``8002`` become its free ports, and the client examples' default ``--url`` follows
-``NEOPP_GRPC_URL`` / ``NEOPP_HTTP_URL``). A block that cannot run here (a real checkpoint, a GPU
-machine, a container) says ``sketch`` after its language; data and output are ``json``/``text``.
+``8001``, ``8002`` become its free ports, the client examples' default ``--url`` follows
+``NEOPP_GRPC_URL`` / ``NEOPP_HTTP_URL``, and the ``neopp`` command ``NEOPP_URL``). What a block
+writes goes under ``outputs/`` (ignored by git) or ``build/``, never beside the checkout's own
+files. A block that cannot run here (a real checkpoint, a GPU machine, a container) says
+``sketch`` after its language; data and output are ``json``/``text``.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
         client.close()
         run_env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_")}
         run_env.update(NEOPP_GRPC_URL=f"127.0.0.1:{launched.grpc_port}",
+                       NEOPP_URL=f"http://127.0.0.1:{launched.http_port}",
                        NEOPP_HTTP_URL=f"127.0.0.1:{launched.http_port}", PYTHONUNBUFFERED="1",
                        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # as activated
         yield Site(root, launched, run_env)
@@ -120,7 +123,10 @@ def _ready(client: grpcclient.InferenceServerClient, model: str) -> bool:
 @pytest.mark.parametrize("block", RUNNABLE, ids=[b.id for b in RUNNABLE])
 def test_the_block_runs_as_written(site: Site, block: Block):
     text = site.rewrite(block.text)
+    before = {p.name for p in site.root.iterdir()}
     cmd = ["bash", "-e", "-o", "pipefail", "-c", text] if block.language == "bash" else [sys.executable, "-c", text]
     done = subprocess.run(cmd, cwd=site.root, env=site.env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"{block.id} failed:\n{text}\n--- stdout\n{done.stdout[-3000:]}\n" \
                                  f"--- stderr\n{done.stderr[-3000:]}"
+    strays = sorted({p.name for p in site.root.iterdir()} - before - {"outputs", "build"})
+    assert not strays, f"{block.id} wrote {strays} into the checkout: write under outputs/ (ignored by git)"

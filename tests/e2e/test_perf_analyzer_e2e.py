@@ -12,11 +12,12 @@ from neopp.ports import free_ports
 
 
 def test_settings_yield_to_the_callers_own_flags() -> None:
-    assert perf_analyzer.measurement_args([]) == [
-        "--measurement-mode", "count_windows", "--measurement-request-count", "20",
-        "--stability-percentage", "50", "--max-trials", "10"]
+    assert perf_analyzer.measurement_args([]) == ["--request-count", "30", "--stability-percentage", "50",
+                                                  "--max-trials", "10"]
     mine = perf_analyzer.measurement_args(["--measurement-interval=5000", "--stability-percentage", "10"])
     assert mine == ["--max-trials", "10"]
+    assert perf_analyzer.measurement_args(["--request-count", "8"]) == ["--stability-percentage", "50",
+                                                                        "--max-trials", "10"]
 
 
 def test_no_server_says_what_to_start() -> None:

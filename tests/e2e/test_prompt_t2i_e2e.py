@@ -30,7 +30,7 @@ from neopp.ports import LOOPBACK
 from neopp.procs import process_group_members
 from neopp.text.language_tower import LanguageTower
 from testing import REPO
-from testing.browser import headless_chromium
+from testing.browser import browser as open_browser
 from testing.tiny_checkpoint import write_tiny_checkpoint
 
 MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i", "neopp_dense_8steps", "neopp_moe", "neopp_dense_fp8",
@@ -345,7 +345,7 @@ def test_the_playground_draws_a_prompt_with_progress_in_a_browser(served: Served
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    browser = headless_chromium()
+    browser = open_browser()
     try:
         browser.get(openai_door.removesuffix("/v1") + "/")
         WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)

@@ -156,6 +156,9 @@ class Supervisor:
     def _announce(self) -> None:
         url, grpc = f"{self.server.client_host}:{self.ns.http_port}", self.server.grpc_url
         log(f"\nNeoPP Triton server ready:\n"
+            f"  page     http://{url}/  (the playground)\n"
+            f"  neopp    NEOPP_URL=http://{url} .venv/bin/neopp generate \"a red circle on the left on a blue "
+            f"background\" -o outputs/red.png\n"
             f"  HTTP     http://{url}  (client_examples/http_t2i.py --url {url})\n"
             f"  gRPC     {grpc}  (client_examples/grpc_t2i.py --url {grpc})\n"
             f"  metrics  {self.server.metrics_url}\nCtrl-C stops it.")

@@ -59,11 +59,12 @@ class Capabilities:
                              "allow_untrained_sizes)")
 
     def advertised(self) -> dict[str, Any]:
-        """The ``neopp`` object of ``/v1/models``: sizes as ``HxW`` (height x width)."""
+        """The ``neopp`` object of ``/v1/models``: sizes as ``WxH``, as OpenAI's ``size`` spells them,
+        so a client sends one back as it is."""
         h, w = self.default_size
         offered = self.sizes.listed() or [self.default_size]
         doc: dict[str, Any] = {
-            "sizes": [f"{sh}x{sw}" for sh, sw in offered], "default_size": f"{h}x{w}",
+            "sizes": [f"{sw}x{sh}" for sh, sw in offered], "default_size": f"{w}x{h}",
             "steps": {"min": MIN_STEPS, "max": self.max_steps}, "default_steps": self.default_steps,
             "untrained_sizes": self.untrained_sizes or not self.sizes.declared,
         }

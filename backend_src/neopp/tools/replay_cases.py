@@ -123,6 +123,15 @@ def kv_file(kv_dir: str, branch: str, turn: int) -> str:
     return plain if dump is None else str(dump)
 
 
+def _lora_dir(env: Mapping[str, str]) -> list[str]:
+    """``--lora-dir`` when LORA_DIR names one, or the default folder exists: a folder that is not
+    there is not passed (the tool then looks beside the mode file, and names what it misses)."""
+    if env.get("LORA_DIR"):
+        return ["--lora-dir", env["LORA_DIR"]]
+    default = base_path(LORA_DIR, env)
+    return ["--lora-dir", default] if Path(default).is_dir() else []
+
+
 def case_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
     """(process count, replay_kv_multiturn arguments) for case `name` under the overrides in `env`."""
     case = CASES[name]
@@ -131,8 +140,7 @@ def case_argv(name: str, env: Mapping[str, str]) -> tuple[int, list[str]]:
         return env.get(var) or str(default)
 
     kv_dir = pick("KV_DIR", base_path(case.kv, env))
-    argv = ["--checkpoint", pick("CKPT", base_path(case.checkpoint, env)),
-            "--lora-dir", pick("LORA_DIR", base_path(LORA_DIR, env)),
+    argv = ["--checkpoint", pick("CKPT", base_path(case.checkpoint, env)), *_lora_dir(env),
             "--mode", pick("MODE", base_path(f"configs/neopp/{case.mode}", env)),
             "--task", pick("TASK", case.task), "--size", *_words(env, "SIZE", case.size),
             "--cfg-scale", pick("CFG_SCALE", case.cfg_scale),

@@ -77,10 +77,10 @@ def max_steps(facts: dict[str, Any]) -> int | None:
 
 
 def default_size(facts: dict[str, Any]) -> tuple[int, int] | None:
-    """The model's default size as (height, width): its ``default_size`` is ``HxW``."""
+    """The model's default size as (height, width): its ``default_size`` is ``WxH``, as OpenAI's."""
     text = facts.get("default_size")
     try:
-        height, width = (int(v) for v in str(text).lower().split("x"))
+        width, height = (int(v) for v in str(text).lower().split("x"))
     except ValueError:
         return None
     return height, width

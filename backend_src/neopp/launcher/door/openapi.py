@@ -35,7 +35,7 @@ KINDS = (("/infer", "KServe v2 inference (JSON, or JSON with binary tensors)"),
 PARAM = re.compile(r"{([a-z]+)(?::path)?}")
 
 NEOPP_EXTENSION = {
-    "type": "object", "description": "What the model can draw (sizes are HxW: height x width)",
+    "type": "object", "description": "What the model can draw (sizes are WxH, as OpenAI's size)",
     "properties": {
         "sizes": {"type": "array", "items": {"type": "string"}, "description": "the trained sizes, offered"},
         "default_size": {"type": "string"}, "default_steps": {"type": "integer"},
@@ -105,7 +105,7 @@ def document(routes: list[Route]) -> dict[str, Any]:
 def markdown(doc: dict[str, Any]) -> str:
     """The document as the page in the docs (``docs/openapi.md``), written by ``main``."""
     lines = ["# The door's HTTP routes", "",
-             "Written from the door's route table by `python -m neopp.launcher.door.openapi` (a test checks it);",
+             "Written from the door's route table by `python -m neopp.launcher.door.openapi_page` (a test checks it);",
              "a running server serves the same as OpenAPI 3.1 at `/openapi.json`. Model routes also take",
              "`/versions/{version}` after the model.", "", "| route | methods | what |", "|---|---|---|"]
     for path, ops in doc["paths"].items():
@@ -130,20 +130,3 @@ def _schema_text(schema: dict[str, Any]) -> str:
     if "properties" in schema:
         parts.append("fields " + ", ".join(schema["properties"]))
     return "; ".join(parts).replace("|", "/")
-
-
-def main() -> None:
-    """Print the docs page of the door's routes (``> docs/openapi.md``)."""
-    from ...ports import LOOPBACK
-    from .routes import build_app
-    from .server import DoorServer
-
-    server = DoorServer(LOOPBACK, 0, f"{LOOPBACK}:1", (LOOPBACK, 1), "docs", parse_workers=0)
-    try:
-        print(markdown(document(build_app(server.door).routes)), end="")
-    finally:
-        server.stop()
-
-
-if __name__ == "__main__":
-    main()

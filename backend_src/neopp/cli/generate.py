@@ -1,0 +1,161 @@
+"""``neopp generate``: a prompt in, picture files out, with a progress bar while it draws.
+
+One picture streams through ``/v1/images/generations`` with a preview and per-step progress
+(the model's streamed twin); a model without one, or ``n`` above 1, streams each finished
+picture instead. Files are named after ``-o``: ``out.png``, or ``out-1.png`` ... for ``n`` > 1.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+from .client import CliError, Server, checked, error_message, events
+
+PATH = "/v1/images/generations"
+FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+MAX_ERROR = 1 << 20  # an error answer is a short JSON document
+SIZE = re.compile(r"^[0-9]{1,5}x[0-9]{1,5}$")
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What the person asked for, as the command line says it."""
+
+    prompt: str
+    out: Path
+    model: str | None = None
+    size: str | None = None
+    steps: int | None = None
+    seed: int | None = None
+    guidance: float | None = None
+    negative_prompt: str | None = None
+    n: int = 1
+
+    def body(self, previews: bool) -> dict[str, Any]:
+        """The streamed generations request (OpenAI's parameters plus NeoPP's ``seed``, steps,
+        guidance...); with ``previews``, per-step progress and one preview too."""
+        doc: dict[str, Any] = {"prompt": self.prompt, "n": self.n, "output_format": output_format(self.out),
+                               "stream": True}
+        optional = {"model": self.model, "size": self.size, "num_inference_steps": self.steps, "seed": self.seed,
+                    "guidance_scale": self.guidance, "negative_prompt": self.negative_prompt}
+        doc.update({k: v for k, v in optional.items() if v is not None})
+        if previews:
+            doc.update(partial_images=1, progress=True)
+        return doc
+
+
+def output_format(out: Path) -> str:
+    """The image format the file name asks for; a name without one we write is a usage error."""
+    fmt = FORMATS.get(out.suffix.lower())
+    if fmt is None:
+        raise CliError(f"-o {out}: the file must end in one of {', '.join(sorted(FORMATS))}", 2)
+    return fmt
+
+
+def check_size(text: str) -> str:
+    """``WIDTHxHEIGHT`` or ``auto``, as the server takes it (it checks the range itself)."""
+    if text != "auto" and not SIZE.match(text):
+        raise CliError(f"--size must be WIDTHxHEIGHT (e.g. 256x256) or auto, got {text!r}", 2)
+    return text
+
+
+def paths(out: Path, n: int) -> list[Path]:
+    """``out`` for one picture; ``out-1.ext`` ... ``out-n.ext`` for several."""
+    if n == 1:
+        return [out]
+    return [out.with_name(f"{out.stem}-{i}{out.suffix}") for i in range(1, n + 1)]
+
+
+class Bar:
+    """A one-line progress bar on a terminal; elsewhere (logs, pipes) a line at each tenth of the
+    way, not one per step; nothing when quiet."""
+
+    WIDTH = 30
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream, self.open, self.tenth = stream, False, -1
+        self.tty = bool(stream is not None and stream.isatty())
+
+    def show(self, done: int, total: int, what: str) -> None:
+        if self.stream is None or total <= 0:
+            return
+        tenth = 10 * min(done, total) // total
+        if not self.tty and tenth == self.tenth:
+            return
+        self.tenth = tenth
+        filled = self.WIDTH * min(done, total) // total
+        text = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {what} {done}/{total}"
+        if self.tty:
+            self.stream.write("\r" + text)
+            self.open = True
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def end(self) -> None:
+        if self.open and self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.open = False
+
+
+def generate(server: Server, ask: Ask, bar: Bar, out: TextIO = sys.stdout) -> list[Path]:
+    """Draw, write the files, say where they are; the written paths."""
+    previews = ask.n == 1
+    resp = server.open("POST", PATH, ask.body(previews), accept="text/event-stream")
+    if resp.status == 400 and previews:
+        with resp:
+            raw = resp.read(MAX_ERROR)
+        doc = _json_or_none(raw)
+        if _param(doc) != "partial_images":
+            raise CliError(f"{PATH}: 400 {error_message(doc, raw)}")
+        # no streamed twin: stream the finished picture only
+        resp = server.open("POST", PATH, ask.body(False), accept="text/event-stream")
+    if not 200 <= resp.status < 300:
+        checked(resp, PATH)
+    written = _receive(resp, ask, bar)
+    bar.end()
+    for path, (seed, size) in written.items():
+        out.write(f"wrote {path} ({size}, seed {seed})\n")
+    return list(written)
+
+
+def _receive(resp, ask: Ask, bar: Bar) -> dict[Path, tuple[Any, Any]]:
+    """The stream's pictures written to their files, in order; progress shown as it comes."""
+    targets, written = paths(ask.out, ask.n), {}
+    with resp:
+        for event in events(resp):
+            kind = event.get("type")
+            if kind == "neopp.progress":
+                bar.show(event["step"], event["total_steps"], "step")
+            elif kind == "image_generation.completed":
+                path = targets[len(written)]
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(base64.b64decode(event["b64_json"]))
+                written[path] = (event.get("seed"), event.get("size"))
+                if ask.n > 1:
+                    bar.show(len(written), ask.n, "picture")
+            elif kind == "error":
+                bar.end()
+                raise CliError(error_message(event))
+    if len(written) < ask.n:
+        bar.end()
+        raise CliError(f"the server ended the stream after {len(written)} of {ask.n} pictures")
+    return written
+
+
+def _json_or_none(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return None
+
+
+def _param(doc: Any) -> Any:
+    return doc["error"].get("param") if isinstance(doc, dict) and isinstance(doc.get("error"), dict) else None

@@ -1,0 +1,58 @@
+"""The ``neopp`` command line: ``generate``, ``models``, ``status``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from . import info
+from .client import DEFAULT_URL, CliError, Server
+from .generate import Ask, Bar, check_size, generate
+
+EPILOG = (f"The server is --url, else NEOPP_URL, else {DEFAULT_URL} (what `make serve` prints; "
+          "`make serve HTTP_PORT=9000` is http://127.0.0.1:9000). An API key is read from NEOPP_API_KEY.")
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="neopp", description="Draw with a running NeoPP server.", epilog=EPILOG)
+    top.add_argument("--url", help=f"the server's HTTP address (default: NEOPP_URL or {DEFAULT_URL})")
+    top.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer (default 600)")
+    sub = top.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="draw a prompt into image files", epilog=EPILOG)
+    gen.add_argument("prompt")
+    gen.add_argument("-o", "--out", type=Path, default=Path("outputs/neopp.png"),
+                     help="the file to write (.png, .jpg, .webp; n > 1: out-1.png, out-2.png ...; "
+                          "default outputs/neopp.png)")
+    gen.add_argument("--size", type=check_size, help="WIDTHxHEIGHT, e.g. 256x256 (default: the model's)")
+    gen.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
+    gen.add_argument("--seed", type=int, help="the noise seed (default: random, printed)")
+    gen.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the model's)")
+    gen.add_argument("--negative-prompt", help="what the picture should not show")
+    gen.add_argument("--model", help="the generation model (neopp models lists them; default neopp_dense)")
+    gen.add_argument("-n", type=int, default=1, help="how many pictures (seeds seed, seed+1, ...)")
+    gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    for name, what in (("models", "the models that draw, their sizes and step limits"),
+                       ("status", "per model: ready, in flight, queued, latency, errors, restarts")):
+        cmd = sub.add_parser(name, help=what, epilog=EPILOG)
+        cmd.add_argument("--json", action="store_true", help="the server's JSON as it is")
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; 0 on success, 1 when the server refused or failed, 2 for a usage error."""
+    ns = parser().parse_args(argv)
+    try:
+        server = Server.from_url(ns.url, ns.timeout)
+        if ns.command == "generate":
+            ask = Ask(ns.prompt, ns.out, ns.model, ns.size, ns.steps, ns.seed, ns.guidance, ns.negative_prompt, ns.n)
+            generate(server, ask, Bar(None if ns.quiet else sys.stderr))
+            return 0
+        return getattr(info, ns.command)(server, as_json=ns.json)
+    except CliError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

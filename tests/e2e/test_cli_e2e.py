@@ -1,0 +1,226 @@
+"""A person's path through a real server: the ``neopp`` command (as installed, found through
+``NEOPP_URL``, its key in ``NEOPP_API_KEY``) draws, lists models and reports status; errors are
+the server's message and a non-zero exit; the playground's new controls in a browser. One
+``make serve``-like launcher on the demo checkpoints (the prompt encoder needs its language tower)
+with an API key serves the whole module; every picture is compared with the bytes ``neopp_t2i``
+draws for the same seed over gRPC."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from PIL import Image
+
+from neopp.launcher.admin import GRPC_API_KEY_HEADER
+from neopp.ports import free_ports
+from testing import REPO
+from testing.browser import browser as open_browser
+from testing.launched import Launched, launch
+
+MODELS = ("neopp_dense", "neopp_dense_stream", "neopp_dense_8steps", "neopp_prompt_encoder", "neopp_t2i")
+DEMO = REPO / "demo" / "checkpoints"
+PROMPT = "a red circle on the left on a blue background"
+NEOPP = Path(sys.executable).with_name("neopp")  # the console script `pip install -e .` puts beside python
+KEY = "cli-e2e-api-key-0123456789"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Launched:
+    log = tmp_path_factory.mktemp("cli") / "serve.log"
+    env = {"NEOPP_CHECKPOINT": str(DEMO / "dense"), "NEOPP_LORA_DIR": str(DEMO / "lora"), "NEOPP_API_KEY": KEY}
+    handle = launch(log, env, MODELS, launcher_args=["--admin-key-file", str(log.parent / "admin.key")])
+    try:
+        handle.wait_for("NeoPP Triton server ready")
+        yield handle
+    finally:
+        assert handle.stop() == 0, handle.text()[-4000:]
+        assert not handle.leftovers(), "the launcher left processes behind"
+
+
+def neopp(served: Launched, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """The command as a person types it, the server found through NEOPP_URL."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_")}
+    env.update(NEOPP_URL=f"http://127.0.0.1:{served.http_port}", NEOPP_API_KEY=KEY)
+    return subprocess.run([str(NEOPP), *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
+
+
+def t2i(served: Launched, seed: int, model: str = "neopp_dense", size: int = 64, **extra: np.ndarray) -> bytes:
+    """What neopp_t2i draws for the prompt at ``size`` squared: the independent reference."""
+    inputs = {"PROMPT": np.array([PROMPT.encode()], np.object_), "MODEL": np.array([model.encode()], np.object_),
+              "SIZE": np.array([size, size], np.int64), "SEED": np.array([seed], np.int64),
+              "OUTPUT_FORMAT": np.array([b"png"], np.object_), **extra}
+    tensors = []
+    for name, value in inputs.items():
+        tensor = grpcclient.InferInput(name, list(value.shape), "BYTES" if value.dtype == np.object_ else "INT64")
+        tensor.set_data_from_numpy(value)
+        tensors.append(tensor)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
+    try:
+        return client.infer("neopp_t2i", tensors, client_timeout=120,
+                            headers={GRPC_API_KEY_HEADER: f"Bearer {KEY}"}).as_numpy("IMAGE")[0]
+    finally:
+        client.close()
+
+
+def test_generate_streams_progress_and_writes_the_picture_neopp_t2i_draws(served: Launched, tmp_path: Path):
+    done = neopp(served, "generate", PROMPT, "-o", "outputs/red.png", "--size", "64x64", "--steps", "2",
+                 "--seed", "5", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "step 2/2" in done.stderr  # the streamed twin's per-step progress, as plain lines off a terminal
+    assert done.stdout.startswith("wrote outputs/red.png (") and "seed 5)" in done.stdout
+    assert (tmp_path / "outputs" / "red.png").read_bytes() == t2i(served, 5, STEPS=np.array([2], np.int64))
+
+
+def test_n_pictures_of_a_model_without_a_streamed_twin_are_numbered_and_seeded_in_turn(served: Launched,
+                                                                                       tmp_path: Path):
+    done = neopp(served, "generate", PROMPT, "-o", "g.png", "-n", "2", "--size", "64x64", "--seed", "11",
+                 "--model", "neopp_dense_8steps", "--negative-prompt", "green", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "picture 2/2" in done.stderr and not (tmp_path / "g.png").exists()
+    neg = np.array([b"green"], np.object_)
+    for index in (0, 1):
+        png = (tmp_path / f"g-{index + 1}.png").read_bytes()
+        assert png == t2i(served, 11 + index, "neopp_dense_8steps", NEGATIVE_PROMPT=neg)
+        assert Image.open(tmp_path / f"g-{index + 1}.png").size == (64, 64)
+
+
+def test_a_single_picture_without_a_streamed_twin_falls_back_to_the_finished_picture(served: Launched,
+                                                                                    tmp_path: Path):
+    done = neopp(served, "generate", PROMPT, "-o", "e.png", "--size", "64x64", "--seed", "3",
+                 "--model", "neopp_dense_8steps", "-q", cwd=tmp_path)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert (tmp_path / "e.png").read_bytes() == t2i(served, 3, "neopp_dense_8steps")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--steps", "0"], "'num_inference_steps' must be an integer from 1 to"),
+    (["--model", "neopp_nothing"], "neopp_nothing"),
+    (["--size", "250x256"], "multiple of 32"),
+])
+def test_a_refusal_exits_1_with_the_server_s_message_and_writes_nothing(served: Launched, tmp_path: Path, args,
+                                                                        message: str):
+    done = neopp(served, "generate", PROMPT, "-o", "x.png", *args, cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.startswith("error: ") and message in done.stderr, done.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def _get(served: Launched, path: str) -> tuple[int, bytes]:
+    req = urllib.request.Request(f"http://127.0.0.1:{served.http_port}{path}",
+                                 headers={"Accept": "application/json", "Authorization": f"Bearer {KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_models_lists_what_v1_models_offers_with_its_sizes_or_says_they_are_not_advertised(served: Launched,
+                                                                                          tmp_path: Path):
+    data = json.loads(_get(served, "/v1/models")[1])["data"]
+    done = neopp(served, "models", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == [m["id"] for m in data] and "neopp_dense" in done.stdout
+    for entry, line in zip(data, lines):
+        if "neopp" in entry:  # a server that advertises them: the range is shown
+            assert f"steps {entry['neopp']['steps']['min']}-{entry['neopp']['steps']['max']}" in line
+        else:
+            assert line.endswith("(sizes and step limits not advertised by this server)")
+    as_json = neopp(served, "models", "--json", cwd=tmp_path)
+    assert json.loads(as_json.stdout) == data
+
+
+def test_status_shows_every_model_or_says_the_page_is_missing(served: Launched, tmp_path: Path):
+    status, body = _get(served, "/status")
+    done = neopp(served, "status", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    if status == 404:  # a server without the status page: readiness and the models that draw
+        assert "has no /status page" in done.stdout and "server ready: yes" in done.stdout
+        assert "ready to draw: neopp_dense" in done.stdout
+    else:
+        assert status == 200 and any(line.split()[:1] == ["model"] for line in done.stdout.splitlines())
+        for name in ("neopp_dense", "neopp_t2i"):  # a line each, whatever fields the page sends
+            assert any(line.split()[:1] == [name] for line in done.stdout.splitlines()), done.stdout
+
+
+def test_no_server_is_exit_2_and_names_the_url(served: Launched, tmp_path: Path):
+    (port,) = free_ports(1)
+    done = subprocess.run([str(NEOPP), "--url", f"127.0.0.1:{port}", "generate", PROMPT], capture_output=True,
+                          text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2 and f"http://127.0.0.1:{port}" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_without_the_key_the_server_s_refusal_is_shown(served: Launched, tmp_path: Path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_")}
+    done = subprocess.run([str(NEOPP), "--url", f"http://127.0.0.1:{served.http_port}", "models"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1 and "401" in done.stderr and "API key" in done.stderr, done.stderr
+
+
+def test_the_playground_s_new_controls_in_a_browser(served: Launched):
+    """The page on a server with a key: no models until the key is typed, then the list without a
+    reload; a negative prompt; n=2 as a grid of the pictures neopp_t2i draws for seed and seed+1;
+    an error that clears the picture and its seed; this browser's history, kept across a reload,
+    whose thumbnail brings a picture and its seed back."""
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    def field(b, name: str, value: str) -> None:
+        b.find_element("id", name).clear()
+        b.find_element("id", name).send_keys(value)
+
+    def draw(b, prompt: str, done) -> None:
+        field(b, "prompt", prompt)
+        b.find_element("id", "prompt").send_keys(Keys.ENTER)
+        WebDriverWait(b, 180).until(lambda b: not b.find_element("id", "generate").get_attribute("disabled")
+                                    and done(b))
+
+    shown = "return document.getElementById('image').getAttribute('src')"
+    b = open_browser()
+    try:
+        b.get(f"http://127.0.0.1:{served.http_port}/")
+        WebDriverWait(b, 60).until(lambda b: "API key" in b.find_element("id", "status").text)
+        assert len(Select(b.find_element("id", "model")).options) == 0
+        b.find_element("id", "key").send_keys(KEY, Keys.TAB)  # the change event, no reload
+        WebDriverWait(b, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
+        Select(b.find_element("id", "size")).select_by_visible_text("128x128")
+        for name, value in (("steps", "2"), ("seed", "21"), ("negative", "green")):
+            field(b, name, value)
+        draw(b, PROMPT, lambda b: b.find_element("id", "caption").text == "seed 21")
+        one = b.execute_script(shown)
+        draw(b, "a red dragon", lambda b: b.find_element("id", "status").get_attribute("class") == "error")
+        error = (b.find_element("id", "status").text, b.execute_script(shown), b.find_element("id", "caption").text,
+                 b.find_element("id", "seed").get_attribute("placeholder"))
+        field(b, "n", "2")
+        draw(b, PROMPT, lambda b: len(b.find_elements("css selector", "#grid img")) == 2)
+        grid = [img.get_attribute("src") for img in b.find_elements("css selector", "#grid img")]
+        caption = b.find_element("id", "caption").text
+        b.refresh()  # the history and the key outlive the page
+        WebDriverWait(b, 60).until(lambda b: len(b.find_elements("css selector", "#history img")) == 3)
+        b.find_elements("css selector", "#history img")[2].click()  # the oldest: the first picture
+        back = (b.execute_script(shown), b.find_element("id", "seed").get_attribute("value"))
+    finally:
+        b.quit()
+    neg = np.array([b"green"], np.object_)
+    steps = np.array([2], np.int64)
+
+    def png(src: str) -> bytes:
+        return base64.b64decode(src.split(",", 1)[1])
+
+    assert png(one) == t2i(served, 21, size=128, STEPS=steps, NEGATIVE_PROMPT=neg)
+    assert "dragon" in error[0] and error[1:] == (None, "", "random"), error
+    assert [png(src) for src in grid] == [t2i(served, seed, size=128, STEPS=steps, NEGATIVE_PROMPT=neg)
+                                          for seed in (21, 22)]
+    assert caption == "seeds 21, 22"
+    assert back == (one, "21")

@@ -1,0 +1,149 @@
+"""The ``neopp`` command's own logic: its URL setting, the request it sends, file names, the
+progress bar, how it reads events and errors, and its tables. Through a real server:
+tests/e2e/test_cli_e2e.py."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from neopp.cli import main as cli
+from neopp.cli.client import DEFAULT_URL, CliError, Server, error_message, events
+from neopp.cli.generate import Ask, Bar, check_size, output_format, paths
+from neopp.cli.info import model_line, status_table
+from neopp.ports import free_ports
+
+
+@pytest.mark.parametrize("url, env, want", [
+    (None, None, DEFAULT_URL),
+    (None, "http://10.0.0.5:9000", "http://10.0.0.5:9000"),
+    ("127.0.0.1:9100", "http://10.0.0.5:9000", "http://127.0.0.1:9100"),  # --url wins; no scheme means http
+    ("http://h:8000/v1", None, "http://h:8000"),  # an OpenAI base URL works too
+    ("https://h", None, "https://h:443"),
+])
+def test_the_url_comes_from_the_flag_then_neopp_url_then_make_serve_s_default(monkeypatch, url, env, want):
+    monkeypatch.delenv("NEOPP_URL", raising=False)
+    if env:
+        monkeypatch.setenv("NEOPP_URL", env)
+    assert Server.from_url(url).url == want
+
+
+@pytest.mark.parametrize("url", ["ftp://h:1", "http://h:1/v2/models", "http://h:99999", "http://"])
+def test_a_bad_url_is_a_usage_error_that_shows_it(url):
+    with pytest.raises(CliError) as info:
+        Server.from_url(url)
+    assert info.value.code == 2 and "URL" in str(info.value)
+
+
+def test_the_api_key_comes_from_the_environment_only(monkeypatch):
+    monkeypatch.setenv("NEOPP_API_KEY", "k-123")
+    assert Server.from_url(None).api_key == "k-123"
+    monkeypatch.delenv("NEOPP_API_KEY")
+    assert Server.from_url(None).api_key is None
+
+
+def test_the_request_carries_what_was_asked_and_nothing_unset():
+    ask = Ask("a red circle", Path("o/x.jpg"), model="neopp_moe", size="128x128", steps=4, seed=5, guidance=2.5,
+              negative_prompt="green", n=1)
+    assert ask.body(True) == {
+        "prompt": "a red circle", "n": 1, "output_format": "jpeg", "model": "neopp_moe", "size": "128x128",
+        "num_inference_steps": 4, "seed": 5, "guidance_scale": 2.5, "negative_prompt": "green", "stream": True,
+        "partial_images": 1, "progress": True}
+    assert Ask("p", Path("x.png"), n=3).body(False) == {"prompt": "p", "n": 3, "output_format": "png",
+                                                        "stream": True}
+
+
+def test_file_names_follow_o_and_number_several_pictures():
+    assert paths(Path("out.png"), 1) == [Path("out.png")]
+    assert paths(Path("d/out.webp"), 3) == [Path("d/out-1.webp"), Path("d/out-2.webp"), Path("d/out-3.webp")]
+    assert output_format(Path("a.JPEG")) == "jpeg"
+    with pytest.raises(CliError, match="must end in one of"):
+        output_format(Path("a.gif"))
+
+
+@pytest.mark.parametrize("text, ok", [("256x256", True), ("auto", True), ("256", False), ("-1x4", False)])
+def test_the_size_is_width_x_height_or_auto(text, ok):
+    if ok:
+        assert check_size(text) == text
+    else:
+        with pytest.raises(CliError, match="WIDTHxHEIGHT"):
+            check_size(text)
+
+
+class Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_the_bar_redraws_one_line_on_a_terminal_and_writes_lines_elsewhere():
+    tty, log = Tty(), io.StringIO()
+    for stream in (tty, log):
+        bar = Bar(stream)
+        bar.show(1, 4, "step")
+        bar.show(4, 4, "step")
+        bar.end()
+    assert tty.getvalue() == f"\r[{'#' * 7}{'.' * 23}] step 1/4\r[{'#' * 30}] step 4/4\n"
+    assert log.getvalue() == f"[{'#' * 7}{'.' * 23}] step 1/4\n[{'#' * 30}] step 4/4\n"
+    many = io.StringIO()
+    bar = Bar(many)
+    for step in range(1, 51):
+        bar.show(step, 50, "step")
+    assert len(many.getvalue().splitlines()) == 11 and many.getvalue().endswith("step 50/50\n")  # start, each tenth
+    Bar(None).show(1, 2, "step")  # quiet: nothing to write to
+
+
+def test_events_are_read_one_json_document_each_as_the_door_sends_them():
+    stream = io.BytesIO(b'event: neopp.progress\ndata: {"type": "neopp.progress", "step": 1}\n\n'
+                        b'event: x\r\ndata: {"a":\r\ndata: 2}\r\n\r\n'
+                        b'data: {"last": true}')
+    assert list(events(stream)) == [{"type": "neopp.progress", "step": 1}, {"a": 2}, {"last": True}]
+
+
+@pytest.mark.parametrize("doc, raw, want", [
+    ({"error": {"message": "'n' must be ...", "type": "invalid_request_error", "param": "n", "code": None}}, b"",
+     "'n' must be ... (parameter n)"),
+    ({"error": "Triton says no"}, b"", "Triton says no"),
+    (None, b"plain text\n", "plain text"),
+    (None, b"", "(no message)"),
+])
+def test_an_error_shows_the_server_s_message_and_the_parameter_it_names(doc, raw, want):
+    assert error_message(doc, raw) == want
+
+
+def test_models_show_the_advertised_sizes_and_limits_or_say_they_are_not_advertised():
+    ext = {"sizes": ["128x128", "256x256"], "default_size": "256x256", "steps": {"min": 1, "max": 200},
+           "default_steps": 50, "untrained_sizes": False}
+    assert model_line({"id": "neopp_dense", "neopp": ext}) == \
+        "neopp_dense  sizes 128x128,256x256; default 256x256; steps 1-200; default steps 50"
+    assert model_line({"id": "neopp_moe"}) == "neopp_moe  (sizes and step limits not advertised by this server)"
+
+
+def test_the_status_table_has_a_line_per_model_a_column_per_field_sent_and_a_dash_for_what_is_not():
+    doc = {"server": "ready", "models": [
+        {"latency_ms": {"p50": 812.4, "p99": 2100.0}, "model": "neopp_dense", "errors": 1, "queued": 0,
+         "ready": True, "in_flight": 2, "restarts": 0},
+        {"model": "neopp_moe", "ready": False, "unloaded_by": "operator"}]}
+    lines = status_table(doc).splitlines()
+    assert lines[0] == "server: ready"
+    assert lines[1].split() == ["model", "ready", "in", "flight", "queued", "latency", "ms", "errors", "restarts",
+                                "unloaded", "by"]
+    assert lines[2].split() == ["neopp_dense", "yes", "2", "0", "p50=812", "p99=2100", "1", "0", "-"]
+    assert lines[3].split() == ["neopp_moe", "no", "-", "-", "-", "-", "-", "operator"]
+    assert status_table({"models": {"m": {"ready": True}}}).splitlines() == ["model  ready", "m      yes"]
+    assert status_table({"models": []}) == "(the server lists no models)\n"
+
+
+def test_no_server_at_the_url_exits_2_saying_how_to_point_elsewhere(capsys):
+    (port,) = free_ports(1)
+    assert cli.main(["--url", f"127.0.0.1:{port}", "models"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no answer from http://127.0.0.1:{port}") and "NEOPP_URL" in err
+
+
+def test_the_help_says_where_the_url_comes_from(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "NEOPP_URL" in out and "NEOPP_API_KEY" in out and "--negative-prompt" in out
