@@ -54,7 +54,7 @@ def neopp(served: Launched, *args: str, cwd: Path) -> subprocess.CompletedProces
     return subprocess.run([str(NEOPP), *args], capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
 
 
-def t2i(served: Launched, seed: int, model: str = "neopp_dense", size: int = 64, **extra: np.ndarray) -> bytes:
+def t2i(served: Launched, seed: int, model: str = "neopp_dense", size: int = 128, **extra: np.ndarray) -> bytes:
     """What neopp_t2i draws for the prompt at ``size`` squared: the independent reference."""
     inputs = {"PROMPT": np.array([PROMPT.encode()], np.object_), "MODEL": np.array([model.encode()], np.object_),
               "SIZE": np.array([size, size], np.int64), "SEED": np.array([seed], np.int64),
@@ -73,7 +73,7 @@ def t2i(served: Launched, seed: int, model: str = "neopp_dense", size: int = 64,
 
 
 def test_generate_streams_progress_and_writes_the_picture_neopp_t2i_draws(served: Launched, tmp_path: Path):
-    done = neopp(served, "generate", PROMPT, "-o", "outputs/red.png", "--size", "64x64", "--steps", "2",
+    done = neopp(served, "generate", PROMPT, "-o", "outputs/red.png", "--size", "128x128", "--steps", "2",
                  "--seed", "5", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "step 2/2" in done.stderr  # the streamed twin's per-step progress, as plain lines off a terminal
@@ -83,7 +83,7 @@ def test_generate_streams_progress_and_writes_the_picture_neopp_t2i_draws(served
 
 def test_n_pictures_of_a_model_without_a_streamed_twin_are_numbered_and_seeded_in_turn(served: Launched,
                                                                                        tmp_path: Path):
-    done = neopp(served, "generate", PROMPT, "-o", "g.png", "-n", "2", "--size", "64x64", "--seed", "11",
+    done = neopp(served, "generate", PROMPT, "-o", "g.png", "-n", "2", "--size", "128x128", "--seed", "11",
                  "--model", "neopp_dense_8steps", "--negative-prompt", "green", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "picture 2/2" in done.stderr and not (tmp_path / "g.png").exists()
@@ -91,19 +91,19 @@ def test_n_pictures_of_a_model_without_a_streamed_twin_are_numbered_and_seeded_i
     for index in (0, 1):
         png = (tmp_path / f"g-{index + 1}.png").read_bytes()
         assert png == t2i(served, 11 + index, "neopp_dense_8steps", NEGATIVE_PROMPT=neg)
-        assert Image.open(tmp_path / f"g-{index + 1}.png").size == (64, 64)
+        assert Image.open(tmp_path / f"g-{index + 1}.png").size == (128, 128)
 
 
 def test_a_single_picture_without_a_streamed_twin_falls_back_to_the_finished_picture(served: Launched,
                                                                                     tmp_path: Path):
-    done = neopp(served, "generate", PROMPT, "-o", "e.png", "--size", "64x64", "--seed", "3",
+    done = neopp(served, "generate", PROMPT, "-o", "e.png", "--size", "128x128", "--seed", "3",
                  "--model", "neopp_dense_8steps", "-q", cwd=tmp_path)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     assert (tmp_path / "e.png").read_bytes() == t2i(served, 3, "neopp_dense_8steps")
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--steps", "0"], "'num_inference_steps' must be an integer from 1 to"),
+    (["--steps", "0"], "'num_inference_steps' must be a positive integer"),
     (["--model", "neopp_nothing"], "neopp_nothing"),
     (["--size", "250x256"], "multiple of 32"),
 ])
