@@ -11,6 +11,7 @@ leaves the model as it was.
 from __future__ import annotations
 
 import json
+import math
 import re
 import struct
 import threading
@@ -30,6 +31,7 @@ MAX_SIDECAR_BYTES = 64 << 10
 # Sampling values an adapter may recommend (an 8-step adapter: 8 steps, guidance off).
 RECOMMENDABLE = ("infer_steps", "cfg_scale", "timestep_shift", "cfg_interval", "enable_cfg")
 DEFAULT_MAX_BYTES = 1 << 30
+LORA_SCALE_MAX_ABS = 8.0  # an adapter is trained at 1; far beyond, the image is noise
 
 
 def check_name(name: str) -> str:
@@ -38,6 +40,18 @@ def check_name(name: str) -> str:
         raise InputError(f"LORA: {shown(name)} is not an adapter name (letters, digits, '.', '_', '-'; "
                          "at most 128, starting with a letter or digit)")
     return name
+
+
+def lora_inputs(name: str | None, scale: Any) -> tuple[str, float]:
+    """A request's ``LORA`` (a name, never a path) and ``LORA_SCALE`` (default 1.0)."""
+    if name is None:
+        raise InputError("LORA_SCALE: given without LORA (name the adapter it scales)")
+    check_name(name)
+    value = 1.0 if scale is None else float(getattr(scale, "reshape", lambda _: [scale])(-1)[0])
+    if not math.isfinite(value) or abs(value) > LORA_SCALE_MAX_ABS:
+        raise InputError(f"LORA_SCALE: must be a finite number within -{LORA_SCALE_MAX_ABS:g}..{LORA_SCALE_MAX_ABS:g}, "
+                         f"got {shown(value)}")
+    return name, value
 
 
 def safetensors_metadata(path: Path) -> dict[str, str]:
@@ -117,6 +131,17 @@ class AdapterDirectory:
         except json.JSONDecodeError as exc:
             raise ConfigError(f"LoRA {path}: metadata key '{METADATA_KEY}' is not JSON ({exc})") from None
         return recommended_values(raw, f"LoRA {path}: metadata key '{METADATA_KEY}'")
+
+
+def adapter_sampling(directory: AdapterDirectory, name: str, defaults: SamplingParams,
+                     overrides: Mapping[str, Any]) -> SamplingParams:
+    """A request's sampling values under adapter ``name`` (``apply_recommended``); a sidecar or
+    metadata that cannot be read refuses the request, naming LORA and the key."""
+    try:
+        recommended = directory.recommended(name)
+    except (ConfigError, OSError) as exc:
+        raise InputError(f"LORA: adapter {name!r} refused: {exc}") from None
+    return apply_recommended(defaults, overrides, recommended)
 
 
 def apply_recommended(defaults: SamplingParams, overrides: Mapping[str, Any],

@@ -28,6 +28,7 @@ import torch
 
 from ..engines.engine import Engine
 from ..errors import ConfigError, GenerationCancelled
+from ..model.adapter_store import AdapterDirectory, adapter_sampling
 from ..modes import ModeSpec
 from ..request import GenerationRequest
 from ..sampling.rng import NoiseStream
@@ -61,6 +62,7 @@ class EngineHost:
         self.stopping, self.error_log = stopping, error_log
         self._on_held, self._held, self._held_lock = on_held, 0, threading.Lock()
         self.kv_dims = engine.config.kv_dims
+        self.adapters = AdapterDirectory(settings.lora_dir)
         self.noise_stream = NoiseStream()  # the mode's own stream, for requests with neither SEED nor RNG_STATE
         self._stream_lock = threading.Lock()
         self._connections: set[Connection] = set()
@@ -153,8 +155,12 @@ class EngineHost:
         limits, defaults = self.settings.limits, self.mode.sampling
         if kind == "stream":
             refuse_input_like_parameters(parameters if isinstance(parameters, str) and parameters else None)
-            return parse_stream_request(inputs, limits, self.kv_dims, defaults)
-        return parse_request(inputs, limits, defaults), StreamOptions()
+            parsed, options = parse_stream_request(inputs, limits, self.kv_dims, defaults)
+        else:
+            parsed, options = parse_request(inputs, limits, defaults), StreamOptions()
+        if parsed.lora is not None:  # what the adapter recommends, for what the request left unset
+            parsed.sampling_values = adapter_sampling(self.adapters, parsed.lora, defaults, parsed.sampling)
+        return parsed, options
 
     def _ready_request(self, parsed: ParsedRequest) -> tuple[GenerationRequest, NoiseStream]:
         """The validated request with its starting noise: the client's ``NOISE`` (LightX2V's draw,
@@ -171,7 +177,7 @@ class EngineHost:
             cond_kv=parsed.cond_kv, index_offset_cond=parsed.index_offset_cond, height=height, width=width,
             sampling=parsed.sampling_values, uncond_kv=parsed.uncond_kv, index_offset_uncond=parsed.index_offset_uncond,
             image_kv=parsed.image_kv, index_offset_image=parsed.index_offset_image,
-            task=parsed.task or self.settings.default_task)
+            task=parsed.task or self.settings.default_task, lora=parsed.lora, lora_scale=parsed.lora_scale)
         self.engine.validate(req)
         if parsed.noise is not None:
             check_noise(parsed.noise, (height, width))

@@ -34,7 +34,9 @@ ACCEPTED_AND_IGNORED = {"quality": ("auto", "high", "medium", "low", "hd", "stan
 MAX_USER = 256
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
               "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
-              "output_compression", *ACCEPTED_AND_IGNORED)
+              "output_compression", "lora", "lora_scale", *ACCEPTED_AND_IGNORED)
+MAX_LORA_NAME = 128  # the model checks the name's characters and that the adapter exists
+MAX_LORA_SCALE = 8.0
 SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 
 
@@ -70,6 +72,8 @@ class ImagesRequest:
     guidance_scale: float | None
     partial_images: int = 0
     progress: bool = False  # ours: a neopp.progress event after every step (with partial_images)
+    lora: str | None = None  # ours: an adapter of the model's adapter directory, by name
+    lora_scale: float | None = None
 
     @property
     def size_text(self) -> str:
@@ -132,14 +136,30 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
     if guidance is not None and (type(guidance) not in (int, float) or not 0 <= guidance <= 100):
         raise OpenAIError(400, "'guidance_scale' must be a number from 0 to 100", "guidance_scale")
     seed = _int(doc, "seed", 0, 2**63 - MAX_IMAGES - 1, None)
+    lora, lora_scale = _lora(doc)
     _ignored(doc)
     request = ImagesRequest(
         prompt=prompt, model=_text(doc, "model", DEFAULT_MODEL, 128) or DEFAULT_MODEL,
         n=_int(doc, "n", 1, MAX_IMAGES, 1), size=_size(doc.get("size")), output_format=output_format,
         seed=secrets.randbelow(2**31) if seed is None else seed,
         negative_prompt=_text(doc, "negative_prompt", None), steps=_int(doc, "num_inference_steps", 1, 1000, None),
-        guidance_scale=None if guidance is None else float(guidance), partial_images=partial, progress=progress)
+        guidance_scale=None if guidance is None else float(guidance), partial_images=partial, progress=progress,
+        lora=lora, lora_scale=lora_scale)
     return request, stream
+
+
+def _lora(doc: dict[str, Any]) -> tuple[str | None, float | None]:
+    """``lora`` (a name, at most 128 characters) and ``lora_scale`` (only with ``lora``)."""
+    lora = _text(doc, "lora", None, MAX_LORA_NAME)
+    scale = doc.get("lora_scale")
+    if scale is not None and (type(scale) not in (int, float) or not abs(scale) <= MAX_LORA_SCALE):
+        raise OpenAIError(400, f"'lora_scale' must be a number from -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}",
+                          "lora_scale")
+    if scale is not None and lora is None:
+        raise OpenAIError(400, "'lora_scale' needs 'lora': the adapter it scales", "lora_scale")
+    if lora is not None and not lora.strip():
+        raise OpenAIError(400, "'lora' must name an adapter", "lora")
+    return lora, None if scale is None else float(scale)
 
 
 def _ignored(doc: dict[str, Any]) -> None:
@@ -199,6 +219,10 @@ def _sampling(wire: WireRequest, req: ImagesRequest, size: tuple[int, int] | Non
         _add(wire, "STEPS", "INT64", [1], np.array([req.steps], "<i8").tobytes())
     if req.guidance_scale is not None:
         _add(wire, "CFG_SCALE", "FP32", [1], np.array([req.guidance_scale], "<f4").tobytes())
+    if req.lora is not None:
+        _texts(wire, {"LORA": req.lora})
+    if req.lora_scale is not None:
+        _add(wire, "LORA_SCALE", "FP32", [1], np.array([req.lora_scale], "<f4").tobytes())
 
 
 def preview_plan(partial_images: int, steps: int | None) -> int:
