@@ -249,7 +249,7 @@ def _add(wire: WireRequest, name: str, datatype: str, shape: list[int], raw: byt
 
 PARAMETER_OF_INPUT = {"PROMPT": "prompt", "NEGATIVE_PROMPT": "negative_prompt", "MODEL": "model", "SIZE": "size",
                       "STEPS": "num_inference_steps", "CFG_SCALE": "guidance_scale", "SEED": "seed",
-                      "OUTPUT_FORMAT": "output_format"}
+                      "OUTPUT_FORMAT": "output_format", "LORA": "lora", "LORA_SCALE": "lora_scale"}
 
 
 def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:
