@@ -305,6 +305,23 @@ def test_partial_images_come_before_the_same_final_bytes(served: Served, openai_
     assert info.value.param == "partial_images" and "neopp_moe_stream" in info.value.body["message"]
 
 
+def test_v1_lora_draws_what_neopp_t2i_draws_with_the_lora_input(served: Served, openai_door: str):
+    """``lora``/``lora_scale`` in the body reach the generation model as LORA/LORA_SCALE."""
+    import openai
+
+    client = openai.OpenAI(base_url=openai_door, api_key="x", max_retries=0)
+    extra = {"seed": 7, "num_inference_steps": 2, "lora": "neopp_8steps_lora", "lora_scale": 0.7}
+    got = client.images.generate(model="neopp_dense", prompt=PROMPT, size="96x64", output_format="png",
+                                 extra_body=extra)
+    lora = {"LORA": text("neopp_8steps_lora"), "LORA_SCALE": np.array([0.7], np.float32)}
+    want = served.infer("neopp_t2i", PROMPT=text(PROMPT), **SMALL, **lora)["IMAGE"][0]
+    assert base64.b64decode(got.data[0].b64_json) == want
+    assert want != served.infer("neopp_t2i", PROMPT=text(PROMPT), **SMALL)["IMAGE"][0]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.generate(prompt=PROMPT, size="64x64", extra_body={"lora": "no_such_adapter"})
+    assert info.value.param == "lora" and "no adapter named" in info.value.body["message"]
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"response_format": "url"}, "response_format"),
     ({"size": "big"}, "size"),
