@@ -5,6 +5,7 @@ bytes, and every refusal names its input while the server stays ready."""
 
 from __future__ import annotations
 
+import os
 import queue
 
 import numpy as np
@@ -51,8 +52,9 @@ def test_concurrent_requests_on_different_adapters_equal_their_solo_bytes(triton
     solo = [pixels(infer(triton, **c)) for c in cases]
     answers: queue.Queue = queue.Queue()
     for i, c in enumerate(cases):
-        triton.grpc.async_infer(MODEL, triton.grpc_tensors(**c), lambda result, error, i=i: answers.put((i, result, error)),
-                                client_timeout=TIMEOUT_S)
+        def done(result, error, i=i):
+            answers.put((i, result, error))
+        triton.grpc.async_infer(MODEL, triton.grpc_tensors(**c), done, client_timeout=TIMEOUT_S)
     got = {}
     for _ in cases:
         i, result, error = answers.get(timeout=TIMEOUT_S)
@@ -91,3 +93,17 @@ def test_a_malformed_adapter_is_refused_naming_the_key_and_the_model_stays_up(tr
     finally:
         broken.unlink()
     assert TritonHandle.image(infer(triton, LORA=text("lora_up_down"))).size == (64, 64)
+
+
+def test_adapters_are_listed_in_v1_models(triton: TritonHandle, monkeypatch):
+    """The door (here in this process) lists the folder the server's NEOPP_LORA_DIR names."""
+    import json
+    import urllib.request
+
+    offered = ["lora_B_A", "lora_peft", "lora_up_down", "neopp_8steps_lora"]
+    monkeypatch.setenv("NEOPP_LORA_DIR", str(ensure_8steps_lora().parent))
+    for key in [k for k in os.environ if k.startswith("NEOPP_LORA_DIR_")]:
+        monkeypatch.delenv(key)
+    with urllib.request.urlopen(f"http://{triton.door_url}/v1/models", timeout=30) as answer:
+        entries = {e["id"]: e for e in json.load(answer)["data"]}
+    assert entries[MODEL]["neopp"]["loras"] == offered

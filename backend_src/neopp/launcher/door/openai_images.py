@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -37,6 +39,7 @@ PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format"
               "output_compression", "lora", "lora_scale", *ACCEPTED_AND_IGNORED)
 MAX_LORA_NAME = 128  # the model checks the name's characters and that the adapter exists
 MAX_LORA_SCALE = 8.0
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # the stub's rule for an adapter name
 SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 
 
@@ -269,6 +272,28 @@ def image_bytes(response: pb.ModelInferResponse) -> bytes:
         if out.name == "IMAGE":
             return deserialize_bytes(raw, 1, "IMAGE")[0]
     raise OpenAIError(500, "the prompt model answered without an image", kind="server_error")
+
+
+def adapter_folder(model: str, environ: Mapping[str, str], lora_dir_param: str = "") -> Path | None:
+    """A model's adapter directory as its stub resolves it: the per-model variable, the server-wide
+    one, else an absolute ``lora_dir`` parameter (a relative one is the stub's to resolve: None)."""
+    for key in (f"NEOPP_LORA_DIR_{model.upper()}", "NEOPP_LORA_DIR"):
+        if environ.get(key):
+            return Path(environ[key]).expanduser()
+    return Path(lora_dir_param) if lora_dir_param and Path(lora_dir_param).is_absolute() else None
+
+
+def adapter_names(folder: Path | None) -> list[str]:
+    """The adapters of a folder (``<name>.safetensors``), sorted; a request may name any of them."""
+    if folder is None or not folder.is_dir():
+        return []
+    return sorted(p.name[: -len(".safetensors")] for p in folder.glob("*.safetensors")
+                  if ADAPTER_NAME.fullmatch(p.name[: -len(".safetensors")]) and ".." not in p.name)
+
+
+def extend(entry: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` in a ``/v1/models`` entry's ``neopp`` extension object (created when absent)."""
+    entry.setdefault("neopp", {})[key] = value
 
 
 def is_generation_model(name: str, metadata: pb.ModelMetadataResponse) -> bool:

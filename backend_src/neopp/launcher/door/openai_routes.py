@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -189,12 +190,24 @@ class ImagesRoutes:
             raise oa.OpenAIError(500, f"{oa.PROMPT_MODEL}'s default size is not readable ({answer.status})",
                                  kind="server_error") from None
 
+    async def _loras(self, name: str) -> list[str]:
+        """The adapters a model offers: the files of its adapter directory (``NEOPP_LORA_DIR_<MODEL>``,
+        else ``NEOPP_LORA_DIR``, else its config's absolute ``lora_dir``), listed off the event loop."""
+        answer = await self.door.upstream.control("GET", f"/v2/models/{name}/config", None, self.door.admin_key)
+        try:
+            param = strict_json.loads(answer.body)["parameters"].get("lora_dir", {}).get("string_value", "")
+        except (DoorError, AttributeError, KeyError, TypeError, ValueError):
+            param = ""
+        return await asyncio.to_thread(oa.adapter_names, oa.adapter_folder(name, os.environ, param))
+
     async def models(self, request: Request) -> Response:
         names = await self.door.upstream.ready_models(self.door.admin_key)
         offered = []
         for name in names:
             if oa.is_generation_model(name, await self.door.upstream.metadata(name, "")):
-                offered.append({"id": name, "object": "model", "created": 0, "owned_by": "neopp"})
+                entry = {"id": name, "object": "model", "created": 0, "owned_by": "neopp"}
+                oa.extend(entry, "loras", await self._loras(name))
+                offered.append(entry)
         return Response(strict_json.dumps({"object": "list", "data": offered}), media_type="application/json")
 
 
