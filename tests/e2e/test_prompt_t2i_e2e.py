@@ -368,17 +368,21 @@ def _browser():
     return webdriver.Chrome(service=Service(driver), options=options)
 
 
-def test_the_playground_draws_a_prompt_with_progress_in_a_browser(served: Served, openai_door: str):
+def test_the_playground_draws_a_prompt_with_progress_in_a_browser(served: Served, openai_door: str, monkeypatch):
     """A person's path: the page at /, a prompt and Enter; step progress, previews, then the picture,
-    its seed and a download link. The picture is the bytes neopp_t2i draws for that seed."""
+    its seed and a download link. The picture is the bytes neopp_t2i draws for that seed. The LoRA
+    choice lists the model's adapters (the door here reads the server's NEOPP_LORA_DIR)."""
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
+    monkeypatch.setenv("NEOPP_LORA_DIR", str(DEMO / "lora"))
     browser = _browser()
     try:
         browser.get(openai_door.removesuffix("/v1") + "/")
         WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
         assert Select(browser.find_element("id", "model")).first_selected_option.text == "neopp_dense"
+        assert [o.get_attribute("value") for o in Select(browser.find_element("id", "lora")).options] == \
+            ["", "neopp_8steps_lora"]
         Select(browser.find_element("id", "size")).select_by_visible_text("128x128")
         browser.find_element("id", "seed").send_keys("5")
         browser.find_element("id", "steps").send_keys("4")
