@@ -70,18 +70,19 @@ def body(args) -> str:
             for _ in range(args.repeats):
                 for label, run in runs.items():
                     times[label] += timed(run, 1, warmup=0 if times[label] else 1)
-            base = stats(times["base"])[0]
+            base_med, base_min, _ = stats(times["base"])
             for label, values in times.items():
                 med, low, high = stats(values)
-                rows.append(f"| {rank} | {label} | {med * 1e3:.1f} | {low * 1e3:.1f}..{high * 1e3:.1f} | "
-                            f"{med / base:.3f} |")
+                rows.append(f"| {rank} | {label} | {med * 1e3:.0f} | {low * 1e3:.0f}..{high * 1e3:.0f} | "
+                            f"{med / base_med:.3f} | {low / base_min:.3f} |")
             one = pipe.adapters.get(names[0]).nbytes
             memory.append(f"| {rank} | {one / MIB:.1f} | {one / args.layers * EIGHT_B.layers / MIB:.0f} |")
     tokens = (args.size // 32) ** 2
     return (f"Slice of the 8B geometry: {args.layers} layer(s) of width {geo.hidden} (MLP {geo.mlp}), {dtype} on "
             f"{device}; a batch of {BATCH} unguided {args.size}x{args.size} requests ({tokens} tokens each); "
             f"{args.repeats} steps per case, timed in rotation.\n\n"
-            "| rank | batch | step ms (median) | min..max | vs base |\n|---|---|---|---|---|\n" + "\n".join(rows)
+            "| rank | batch | step ms (median) | min..max | vs base (medians) | vs base (minima) |\n"
+            "|---|---|---|---|---|---|\n" + "\n".join(rows)
             + "\n\nMemory of one resident adapter (every layer linear targeted; factors in the run dtype):\n\n"
             "| rank | MiB on this slice | MiB on the 36-layer tower |\n|---|---|---|\n" + "\n".join(memory))
 

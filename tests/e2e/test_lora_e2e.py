@@ -107,3 +107,20 @@ def test_adapters_are_listed_in_v1_models(triton: TritonHandle, monkeypatch):
     with urllib.request.urlopen(f"http://{triton.door_url}/v1/models", timeout=30) as answer:
         entries = {e["id"]: e for e in json.load(answer)["data"]}
     assert entries[MODEL]["neopp"]["loras"] == offered
+
+
+def test_an_adapter_s_recommended_values_fill_what_the_request_leaves_unset(triton: TritonHandle):
+    """A sidecar recommends 2 steps and guidance off: a request without STEPS and CFG_SCALE draws
+    what the explicit values draw; one that sets STEPS keeps its own."""
+    sidecar = ensure_8steps_lora().parent / "lora_peft.json"
+    sidecar.write_text('{"sampling": {"infer_steps": 2, "enable_cfg": false}}')
+    try:
+        lora = {"LORA": text("lora_peft"), "SEED": np.array([4], np.int64)}
+        recommended = pixels(infer(triton, STEPS=None, **lora))
+        own_steps = pixels(infer(triton, **lora))  # STEPS=4 from the request, guidance off from the sidecar
+    finally:
+        sidecar.unlink()
+    explicit = pixels(infer(triton, STEPS=np.array([2], np.int64), CFG_SCALE=np.array([1.0], np.float32), **lora))
+    four = pixels(infer(triton, CFG_SCALE=np.array([1.0], np.float32), **lora))
+    assert_pixels_match(recommended, explicit, "sidecar values against explicit ones")
+    assert_pixels_match(own_steps, four, "the request's STEPS kept")
