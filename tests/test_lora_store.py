@@ -58,6 +58,11 @@ def test_adapters_load_on_first_use_and_the_lru_keeps_the_byte_bound(tiny, tmp_p
     assert list(store.resident()) == ["a", "c"] and loads == ["a", "b", "c"]
     assert store.unload("a") and not store.unload("a") and list(store.resident()) == ["c"]
     assert store.reload("c") is not store.get("a") and loads == ["a", "b", "c", "c", "a"]
+    write_adapter(tmp_path, "c", weights, sorted(k for k in weights if k.endswith(Q)), rank=2, seed=5)
+    assert store.get("c").rank == 2 and loads[-1] == "c"  # replaced in place: read again
+    (tmp_path / "c.safetensors").unlink()
+    with pytest.raises(InputError, match="^LORA: no adapter named 'c'"):
+        store.get("c")  # removed: refused, resident or not
     small = AdapterStore(pipe.adapters.directory, inner, max_bytes=one - 1)
     with pytest.raises(InputError, match=r"^LORA: adapter 'a' takes \d+ bytes, over .* lora_max_bytes"):
         small.get("a")

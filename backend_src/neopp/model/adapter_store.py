@@ -154,6 +154,12 @@ def apply_recommended(defaults: SamplingParams, overrides: Mapping[str, Any],
     return defaults.replace(**taken, **overrides)
 
 
+def file_stamp(path: Path) -> tuple[int, int]:
+    """(modification time in ns, size): what tells a file replaced in place."""
+    info = path.stat()
+    return info.st_mtime_ns, info.st_size
+
+
 class AdapterStore:
     """Adapters resident in one model's process: loaded on first use, least recently used evicted
     while their bytes exceed ``max_bytes`` (an adapter bigger than the bound alone is refused).
@@ -167,12 +173,15 @@ class AdapterStore:
             raise ConfigError(f"parameter lora_max_bytes: must be positive, got {max_bytes}")
         self.directory, self._load, self.max_bytes = directory, load, max_bytes
         self._resident: OrderedDict[str, Any] = OrderedDict()
+        self._stamps: dict[str, tuple[int, int]] = {}  # each resident adapter's file when it loaded
         self._lock = threading.Lock()
 
     def get(self, name: str) -> Any:
-        """The adapter ``name``, loaded if it is not resident; InputError naming LORA and the key."""
+        """The adapter ``name``, loaded if it is not resident or its file changed since (a file
+        replaced in place is read again; a removed one is refused); InputError naming LORA."""
+        stamp = file_stamp(self.directory.path(name))
         with self._lock:
-            if name in self._resident:
+            if name in self._resident and self._stamps.get(name) == stamp:
                 self._resident.move_to_end(name)
                 return self._resident[name]
         return self.reload(name)
@@ -180,6 +189,7 @@ class AdapterStore:
     def reload(self, name: str) -> Any:
         """Read ``name`` from its file again (replacing a resident copy only once it loaded)."""
         path = self.directory.path(name)
+        stamp = file_stamp(path)
         try:
             adapter = self._load(name, path, self.directory.recommended(name))
         except ConfigError as exc:
@@ -189,14 +199,15 @@ class AdapterStore:
                              f"memory bound of {self.max_bytes} (parameter lora_max_bytes)")
         with self._lock:
             self._resident.pop(name, None)
-            self._resident[name] = adapter
+            self._resident[name], self._stamps[name] = adapter, stamp
             while sum(a.nbytes for a in self._resident.values()) > self.max_bytes:
-                self._resident.popitem(last=False)
+                self._stamps.pop(self._resident.popitem(last=False)[0], None)
         return adapter
 
     def unload(self, name: str) -> bool:
         """Drop ``name`` from the resident set; False when it was not resident."""
         with self._lock:
+            self._stamps.pop(name, None)
             return self._resident.pop(name, None) is not None
 
     def resident(self) -> dict[str, int]:
