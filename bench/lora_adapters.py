@@ -80,7 +80,8 @@ def body(args) -> str:
     tokens = (args.size // 32) ** 2
     return (f"Slice of the 8B geometry: {args.layers} layer(s) of width {geo.hidden} (MLP {geo.mlp}), {dtype} on "
             f"{device}; a batch of {BATCH} unguided {args.size}x{args.size} requests ({tokens} tokens each); "
-            f"{args.repeats} steps per case, timed in rotation.\n\n"
+            f"{args.repeats} steps per case, timed in rotation. Other work on a shared machine only adds time, "
+            "so the minima are the least disturbed samples.\n\n"
             "| rank | batch | step ms (median) | min..max | vs base (medians) | vs base (minima) |\n"
             "|---|---|---|---|---|---|\n" + "\n".join(rows)
             + "\n\nMemory of one resident adapter (every layer linear targeted; factors in the run dtype):\n\n"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from neopp.errors import InputError
 from neopp.model.adapters import RowGroup, build_adapter, row_adapters, tower_linears
 from neopp.model.layers import Linear
 from neopp.model.quant import FP8Linear, dequantize_fp8, quantize_fp8
@@ -160,16 +159,3 @@ def test_every_key_scheme_loads_to_the_same_factors(setup, tmp_path):
         for lin, f in adapter.factors.items():
             assert torch.equal(f.down, loaded[0].factors[lin].down) and f.factor == loaded[0].factors[lin].factor
     assert len(loaded[3].factors) == len(keys)
-
-
-def test_parallel_modes_refuse_lora(setup):
-    pipe, kvs, ckpt, folder = setup
-    req = make(kvs, 0, 64, 64, 1, 1)
-    req.lora = "style_a"
-    mode = pipe.mode
-    pipe.mode = ModeSpec(name="neopp_dense_cfg", cfg_p_size=2)
-    try:
-        with pytest.raises(InputError, match="^LORA: adapters run on one-process models"):
-            start(pipe, 0, req)
-    finally:
-        pipe.mode = mode

@@ -65,12 +65,23 @@ def test_concurrent_requests_on_different_adapters_equal_their_solo_bytes(triton
     assert (solo[0] != solo[1]).mean() > 0.2 and (solo[1] != solo[2]).mean() > 0.2
 
 
+@pytest.mark.parametrize("model", ["neopp_dense_cfg", "neopp_dense_cfg_seq"])
+def test_parallel_modes_apply_the_adapter_on_every_rank(triton: TritonHandle, model):
+    """Each rank loads the adapter by name; its rows (a CFG rank's branch, a Ulysses rank's shard)
+    take the per-row delta, so the image is the one-device one (as the parallel tests allow: one
+    level on under 1% of the values)."""
+    lora = {"LORA": text("lora_up_down"), "LORA_SCALE": np.array([0.8], np.float32), "SEED": np.array([6], np.int64)}
+    one_device = pixels(infer(triton, **lora))
+    assert_pixels_near(pixels(infer(triton, model, **lora)), one_device, model)
+    assert (pixels(infer(triton, model, SEED=lora["SEED"])) != one_device).mean() > 0.2
+
+
 @pytest.mark.parametrize("model, overrides, message", [
     (MODEL, {"LORA": text("no_such_adapter")}, "LORA: no adapter named 'no_such_adapter' on this model; offered: ["),
     (MODEL, {"LORA": text("../neopp_8steps_lora")}, "LORA: '../neopp_8steps_lora' is not an adapter name"),
     (MODEL, {"LORA_SCALE": np.array([0.5], np.float32)}, "LORA_SCALE: given without LORA"),
     (MODEL, {"LORA": text("lora_peft"), "LORA_SCALE": np.array([50.0], np.float32)}, "LORA_SCALE: must be"),
-    ("neopp_dense_cfg", {"LORA": text("lora_peft")}, "LORA: adapters run on one-process models"),
+    ("neopp_dense_cfg", {"LORA": text("no_such_adapter")}, "LORA: no adapter named 'no_such_adapter'"),
 ])
 def test_refusals_name_the_input_and_the_server_stays_ready(triton: TritonHandle, model, overrides, message):
     with pytest.raises(InferenceServerException) as info:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError, GenerationCancelled, InputError
+from ..errors import ConfigError, GenerationCancelled
 from ..limits import Limits
 from ..model.adapter_store import DEFAULT_MAX_BYTES, AdapterDirectory, AdapterStore
 from ..model.adapters import Adapter, RowGroup, build_adapter, row_adapters, tower_linears
@@ -128,13 +128,10 @@ class NeoPPPipeline:
         self.adapters = AdapterStore(AdapterDirectory(folder), load, max_bytes)
 
     def adapter(self, req: GenerationRequest) -> Adapter | None:
-        """The adapter a request names, loaded if need be (None: the base model)."""
-        if req.lora is None:
-            return None
-        if self.mode.world_size > 1:
-            raise InputError(f"LORA: adapters run on one-process models; mode {self.mode.name} runs "
-                             f"{self.mode.world_size} ranks (serve the request on a one-process model)")
-        return self.adapters.get(req.lora)
+        """The adapter a request names, loaded if need be (None: the base model). Each rank of a
+        parallel mode loads it from the same folder: its rows (a CFG rank's branches, a Ulysses
+        rank's token shard) take the same per-row delta as on one device."""
+        return None if req.lora is None else self.adapters.get(req.lora)
 
     # ---- validation -------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
