@@ -62,7 +62,8 @@ def test_adapters_load_on_first_use_and_the_lru_keeps_the_byte_bound(tiny, tmp_p
     assert store.get("c").rank == 2 and loads[-1] == "c"  # replaced in place: read again
     (tmp_path / "c.safetensors").unlink()
     with pytest.raises(InputError, match="^LORA: no adapter named 'c'"):
-        store.get("c")  # removed: refused, resident or not
+        store.get("c")  # removed: refused, resident or not, and no longer held
+    assert "c" not in store.resident()
     small = AdapterStore(pipe.adapters.directory, inner, max_bytes=one - 1)
     with pytest.raises(InputError, match=r"^LORA: adapter 'a' takes \d+ bytes, over .* lora_max_bytes"):
         small.get("a")

@@ -178,8 +178,14 @@ class AdapterStore:
 
     def get(self, name: str) -> Any:
         """The adapter ``name``, loaded if it is not resident or its file changed since (a file
-        replaced in place is read again; a removed one is refused); InputError naming LORA."""
-        stamp = file_stamp(self.directory.path(name))
+        replaced in place is read again; a removed one is refused and dropped); InputError naming LORA."""
+        try:
+            stamp = file_stamp(self.directory.path(name))
+        except (InputError, OSError) as exc:
+            self.unload(name)
+            if isinstance(exc, InputError):
+                raise
+            raise InputError(f"LORA: adapter {name!r} refused: {exc}") from None
         with self._lock:
             if name in self._resident and self._stamps.get(name) == stamp:
                 self._resident.move_to_end(name)
@@ -189,10 +195,10 @@ class AdapterStore:
     def reload(self, name: str) -> Any:
         """Read ``name`` from its file again (replacing a resident copy only once it loaded)."""
         path = self.directory.path(name)
-        stamp = file_stamp(path)
         try:
+            stamp = file_stamp(path)
             adapter = self._load(name, path, self.directory.recommended(name))
-        except ConfigError as exc:
+        except (ConfigError, OSError) as exc:
             raise InputError(f"LORA: adapter {name!r} refused: {exc}") from None
         if adapter.nbytes > self.max_bytes:
             raise InputError(f"LORA: adapter {name!r} takes {adapter.nbytes} bytes, over this model's adapter "
