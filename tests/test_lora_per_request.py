@@ -8,6 +8,8 @@ equal to its solo bytes (the base one to today's bytes).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -159,3 +161,16 @@ def test_every_key_scheme_loads_to_the_same_factors(setup, tmp_path):
         for lin, f in adapter.factors.items():
             assert torch.equal(f.down, loaded[0].factors[lin].down) and f.factor == loaded[0].factors[lin].factor
     assert len(loaded[3].factors) == len(keys)
+
+
+@pytest.mark.parametrize("mode, dtype", [(ModeSpec(dit_quantized=True, dit_quant_scheme="fp8-sgl"), torch.float32),
+                                         (ModeSpec(), torch.bfloat16)])
+def test_mixed_adapters_equal_solo_bytes_on_fp8_and_bf16_weights(setup, mode, dtype):
+    pipe, kvs, ckpt, folder = setup
+    other = NeoPPPipeline.from_pretrained(ckpt, mode, device="cpu", dtype=dtype)
+    other.use_adapter_dir(folder)
+    reqs = lora_requests(kvs)[:3]
+    solo = [run_batch(other, [r])[0] for r in reqs]
+    for i, got in enumerate(run_batch(other, reqs)):
+        assert_pixels_match(got, solo[i], f"request {i} ({reqs[i].lora}, {dtype}, fp8={mode.dit_quantized})")
+    assert (solo[1] != run_batch(other, [replace(reqs[1], lora=None)])[0]).mean() > 0.2  # the adapter matters
