@@ -135,3 +135,13 @@ def test_an_adapter_s_recommended_values_fill_what_the_request_leaves_unset(trit
     four = pixels(infer(triton, CFG_SCALE=np.array([1.0], np.float32), **lora))
     assert_pixels_match(recommended, explicit, "sidecar values against explicit ones")
     assert_pixels_match(own_steps, four, "the request's STEPS kept")
+
+
+def test_the_streamed_twin_takes_lora_and_ends_on_the_plain_model_s_bytes(triton: TritonHandle):
+    from tests.e2e.test_streaming_e2e import stream
+
+    ask = {"LORA": text("lora_B_A"), "LORA_SCALE": np.array([0.7], np.float32), "SEED": np.array([12], np.int64),
+           "STEPS": np.array([3], np.int64)}
+    answers = stream(triton, "neopp_dense_stream", **ask)
+    assert all(error is None for _, error in answers), [e for _, e in answers if e]
+    assert answers[-1][0].as_numpy("IMAGE")[0] == infer(triton, **ask).as_numpy("IMAGE")[0]
