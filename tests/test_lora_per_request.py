@@ -174,3 +174,11 @@ def test_mixed_adapters_equal_solo_bytes_on_fp8_and_bf16_weights(setup, mode, dt
     for i, got in enumerate(run_batch(other, reqs)):
         assert_pixels_match(got, solo[i], f"request {i} ({reqs[i].lora}, {dtype}, fp8={mode.dit_quantized})")
     assert (solo[1] != run_batch(other, [replace(reqs[1], lora=None)])[0]).mean() > 0.2  # the adapter matters
+
+
+def test_the_adapter_hook_leaves_compiled_layers_whole():
+    """Compiled layers run only steps without an adapter; the hook must not break their graph."""
+    import torch._dynamo as dynamo
+
+    lin = Linear(torch.randn(16, 16))
+    assert dynamo.explain(lambda x: lin(x) * 2)(torch.randn(4, 16)).graph_break_count == 0

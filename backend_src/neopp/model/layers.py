@@ -65,6 +65,12 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ROW_ADAPTERS: ContextVar[tuple] = ContextVar("neopp_row_adapters", default=())
 
 
+def adapters_active() -> bool:
+    """Do row groups apply here? Never inside a compiled layer: those run only steps without an
+    adapter, and tracing the context variable would break the compiled graph at every linear."""
+    return not torch.compiler.is_compiling() and bool(ROW_ADAPTERS.get())
+
+
 def add_adapter_rows(linear: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``y`` (the base projection of ``x``) plus each active group's low-rank delta on its own rows:
     ``scale * (alpha / rank) * (x[rows] A^T) B^T``, tiled as the base product (batch-invariant)."""
@@ -88,7 +94,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = linear_rows(x, self.weight, self.bias)
-        return add_adapter_rows(self, x, y) if ROW_ADAPTERS.get() else y
+        return add_adapter_rows(self, x, y) if adapters_active() else y
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from .checkpoint import FP8_DTYPE, LM
-from .layers import ROW_ADAPTERS, Linear, add_adapter_rows, linear_rows
+from .layers import Linear, adapters_active, add_adapter_rows, linear_rows
 from .transformer import LinearFactory
 
 log = logging.getLogger(__name__)
@@ -156,7 +156,7 @@ class FP8Linear(Linear):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._base(x)
-        return add_adapter_rows(self, x, y) if ROW_ADAPTERS.get() else y
+        return add_adapter_rows(self, x, y) if adapters_active() else y
 
     def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_scaled_mm:
