@@ -27,6 +27,8 @@ SECTIONS = [
     ("cfg_layout", "cfg_layout", lambda out: ["--out", out], "cfg_layout.md",
      "Three-branch guidance on 2 CFG ranks: branch pairing"),
     ("modes", "modes_bench", lambda out: ["--out", out], "modes.md", "Modes: FP8 memory, step time, MoE dispatch"),
+    ("lora", "lora_adapters", lambda out: ["--out", out], "lora_adapters.md",
+     "LoRA per request: step cost of mixed adapters, adapter memory"),
     ("kv_ingest", "kv_ingest", lambda out: ["--out", str(Path(out) / "kv_ingest.md")], "kv_ingest.md",
      "KV ingest: gRPC vs system shared memory"),
     ("http_door", "http_door", lambda out: ["--out", str(Path(out) / "http_door.md")], "http_door.md",

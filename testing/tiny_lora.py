@@ -53,3 +53,16 @@ def write_tiny_loras(out_dir: str | Path, weights: Mapping[str, torch.Tensor], s
         paths[name] = out / f"{name}.safetensors"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(paths[name]))
     return paths
+
+
+def write_adapter(folder: str | Path, name: str, weights: Mapping[str, torch.Tensor], targets: Iterable[str],
+                  scheme: str = "up_down", rank: int = 4, seed: int = 11, gain: float = 0.3,
+                  prefix: str = "", metadata: dict[str, str] | None = None) -> Path:
+    """One adapter file `<name>.safetensors` for a per-request adapter directory; `prefix` is put
+    before every key (the official files' `diffusion_model.`)."""
+    tensors = tiny_lora_tensors(weights, targets, scheme, rank=rank, alpha=2.0 * rank if scheme != "peft" else None,
+                                seed=seed, gain=gain)
+    path = Path(folder) / f"{name}.safetensors"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    return path

@@ -41,6 +41,8 @@ class GenerationRequest:
     noise_scaled: bool = False  # True: ``noise`` is the starting state itself (LightX2V draws it scaled)
     image_kv: torch.Tensor | None = None  # image-editing guidance: the input images without the prompt
     index_offset_image: int | None = None
+    lora: str | None = None  # an adapter's name in the model's adapter directory; None: the base model
+    lora_scale: float = 1.0
 
     @property
     def image_editing(self) -> bool:

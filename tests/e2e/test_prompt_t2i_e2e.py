@@ -308,6 +308,23 @@ def test_partial_images_come_before_the_same_final_bytes(served: Served, openai_
     assert info.value.param == "partial_images" and "neopp_moe_stream" in info.value.body["message"]
 
 
+def test_v1_lora_draws_what_neopp_t2i_draws_with_the_lora_input(served: Served, openai_door: str):
+    """``lora``/``lora_scale`` in the body reach the generation model as LORA/LORA_SCALE."""
+    import openai
+
+    client = openai.OpenAI(base_url=openai_door, api_key="x", max_retries=0)
+    extra = {"seed": 7, "num_inference_steps": 2, "lora": "neopp_8steps_lora", "lora_scale": 0.7}
+    got = client.images.generate(model="neopp_dense", prompt=PROMPT, size="96x64", output_format="png",
+                                 extra_body=extra)
+    lora = {"LORA": text("neopp_8steps_lora"), "LORA_SCALE": np.array([0.7], np.float32)}
+    want = served.infer("neopp_t2i", PROMPT=text(PROMPT), **SMALL, **lora)["IMAGE"][0]
+    assert base64.b64decode(got.data[0].b64_json) == want
+    assert want != served.infer("neopp_t2i", PROMPT=text(PROMPT), **SMALL)["IMAGE"][0]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.images.generate(prompt=PROMPT, size="64x64", extra_body={"lora": "no_such_adapter"})
+    assert info.value.param == "lora" and "no adapter named" in info.value.body["message"]
+
+
 @pytest.mark.parametrize("kwargs, param", [
     ({"response_format": "url"}, "response_format"),
     ({"size": "big"}, "size"),
@@ -339,17 +356,21 @@ def test_v1_wants_the_api_key_when_one_is_set(served: Served):
         door.stop()
 
 
-def test_the_playground_draws_a_prompt_with_progress_in_a_browser(served: Served, openai_door: str):
+def test_the_playground_draws_a_prompt_with_progress_in_a_browser(served: Served, openai_door: str, monkeypatch):
     """A person's path: the page at /, a prompt and Enter; step progress, previews, then the picture,
-    its seed and a download link. The picture is the bytes neopp_t2i draws for that seed."""
+    its seed and a download link. The picture is the bytes neopp_t2i draws for that seed. The LoRA
+    choice lists the model's adapters (the door here reads the server's NEOPP_LORA_DIR)."""
     from selenium.webdriver.common.keys import Keys
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
+    monkeypatch.setenv("NEOPP_LORA_DIR", str(DEMO / "lora"))
     browser = open_browser()
     try:
         browser.get(openai_door.removesuffix("/v1") + "/")
         WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
         assert Select(browser.find_element("id", "model")).first_selected_option.text == "neopp_dense"
+        assert [o.get_attribute("value") for o in Select(browser.find_element("id", "lora")).options] == \
+            ["", "neopp_8steps_lora"]
         Select(browser.find_element("id", "size")).select_by_visible_text("128x128")
         browser.find_element("id", "seed").send_keys("5")
         browser.find_element("id", "steps").send_keys("4")

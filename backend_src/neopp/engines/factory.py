@@ -22,6 +22,7 @@ def build_engine(spec: EngineSpec, hooks: EngineHooks | None = None) -> Engine:
     if spec.mode.world_size == 1:
         pipe = NeoPPPipeline.from_pretrained(spec.checkpoint, spec.mode, spec.devices[0], spec.dtype, spec.limits,
                                              speed=spec.speed)
+        pipe.use_adapter_dir(spec.lora_dir, spec.lora_max_bytes)
         return BatchingEngine(pipe, spec.token_budget, hooks, spec.max_queued, spec.patience)
     config = CheckpointConfig.from_checkpoint(spec.checkpoint)
     check_heads(config, spec.mode)

@@ -56,6 +56,7 @@ def load_rank(rank: int, spec: EngineSpec, port: Any, results: Any, parent: int,
                          store=store)
         pipe = ParallelPipeline.from_pretrained(spec.checkpoint, spec.mode, mesh, str(device), spec.dtype,
                                                 spec.limits, speed=spec.speed)
+        pipe.use_adapter_dir(spec.lora_dir, spec.lora_max_bytes)  # every rank loads a request's adapter by name
     except Exception as exc:  # noqa: BLE001 - reported to the instance, which refuses to load
         results.put(("load_error", rank, f"{type(exc).__name__}: {exc}"))
         return None

@@ -35,6 +35,8 @@ class EngineSpec:
     token_budget: int = DEFAULT_TOKEN_BUDGET
     max_queued: int = DEFAULT_MAX_QUEUED
     patience: int = DEFAULT_PATIENCE
+    lora_dir: str | None = None          # the adapters a request may name (LORA); None: none
+    lora_max_bytes: int = 1 << 30        # resident adapters' bytes, least recently used evicted past it
 
     @classmethod
     def local(cls, checkpoint: str | Path, mode: ModeSpec, device: str | None = None, **options: Any) -> EngineSpec:

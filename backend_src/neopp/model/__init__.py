@@ -5,7 +5,8 @@ loading, sharded or not), ``kv_cache`` (the KV prefix layouts and their checks),
 ``embeddings`` (positions, patches, the image grid), ``layers`` and ``transformer`` (one decoder
 layer, dense or MoE; the tower that embeds, runs the layers over a branch's prefix and predicts
 the clean image), ``attention`` (attention over prefix + image, and which SDPA kernel runs it),
-``quant`` (FP8 layer linears), ``lora`` (adapters merged into weights), ``cuda_graphs`` (the
+``quant`` (FP8 layer linears), ``lora`` (adapters merged into weights), ``adapters`` and
+``adapter_store`` (adapters applied unmerged per request, their directory and LRU), ``cuda_graphs`` (the
 layers as CUDA graphs) and ``speed`` (a model's speed options: graphs, attention kernel, compile).
 It may import torch, safetensors and the package's foundation modules (``errors``, ``limits``,
 ``modes``, ``json_file``); nothing of sampling, engines or serving.

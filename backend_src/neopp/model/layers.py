@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import ConfigError
 from .checkpoint_config import DEFAULT_RMS_NORM_EPS
 
 
@@ -58,6 +60,32 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out[:rows].reshape(*x.shape[:-1], weight.shape[0])
 
 
+# The LoRA row groups of the step running in this context (``neopp.model.adapters.RowGroup``:
+# start, stop, adapter, scale); empty outside a step that carries an adapter.
+ROW_ADAPTERS: ContextVar[tuple] = ContextVar("neopp_row_adapters", default=())
+
+
+def adapters_active() -> bool:
+    """Do row groups apply here? Never inside a compiled layer: those run only steps without an
+    adapter, and tracing the context variable would break the compiled graph at every linear."""
+    return not torch.compiler.is_compiling() and bool(ROW_ADAPTERS.get())
+
+
+def add_adapter_rows(linear: object, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``y`` (the base projection of ``x``) plus each active group's low-rank delta on its own rows:
+    ``scale * (alpha / rank) * (x[rows] A^T) B^T``, tiled as the base product (batch-invariant)."""
+    for g in ROW_ADAPTERS.get():
+        f = g.adapter.factors.get(linear)
+        if f is None:
+            continue
+        if x.dim() != 2 or (g.stop is not None and x.shape[0] < g.stop):
+            raise ConfigError(f"LORA: adapter {g.adapter.name!r} targets a linear that ran on {tuple(x.shape)}, "
+                              "not on the batch's rows (a routed expert); adapters apply to whole-batch linears only")
+        delta = linear_rows(linear_rows(x[g.start:g.stop], f.down), f.up)
+        y[g.start:g.stop] += delta * (g.scale * f.factor)
+    return y
+
+
 class Linear:
     """`y = x W^T + b` with a full-precision weight; quantised variants share this call."""
 
@@ -65,7 +93,8 @@ class Linear:
         self.weight, self.bias = weight, bias
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_rows(x, self.weight, self.bias)
+        y = linear_rows(x, self.weight, self.bias)
+        return add_adapter_rows(self, x, y) if adapters_active() else y
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)

@@ -4,7 +4,8 @@ Merging once at load means every step runs the plain (or FP8) weights at full sp
 serving path, the parallel workers included, sees the merged model. Three naming schemes are
 read: `<base>.lora_up.weight` / `<base>.lora_down.weight` (+ optional `<base>.alpha`),
 `<base>.lora_B.weight` / `<base>.lora_A.weight`, and the PEFT form
-`<base>.lora_B.default.weight` / `<base>.lora_A.default.weight`. The target is
+`<base>.lora_B.default.weight` / `<base>.lora_A.default.weight`; a `diffusion_model.` prefix on
+`<base>` is dropped. The target is
 `<base>.weight`; `W += strength * (alpha / rank) * up @ down` (factor 1 without alpha).
 A key that matches nothing, or a shape that does not fit, is an error naming the key.
 """
@@ -30,6 +31,8 @@ SUFFIXES: dict[str, tuple[str, str]] = {
     ".alpha": ("alpha", "any"),
 }
 SCHEMES = ("up_down", "B_A", "peft")
+# The official files may name targets under the diffusion model's own prefix; targets are the tower's keys.
+OFFICIAL_PREFIX = "diffusion_model."
 SCHEME_SUFFIX = {"up_down": (".lora_up.weight", ".lora_down.weight"),
                   "B_A": (".lora_B.weight", ".lora_A.weight"),
                   "peft": (".lora_B.default.weight", ".lora_A.default.weight")}
@@ -61,7 +64,7 @@ def split_key(key: str) -> tuple[str, str, str]:
     for suffix in sorted(SUFFIXES, key=len, reverse=True):
         if key.endswith(suffix) and len(key) > len(suffix):
             role, scheme = SUFFIXES[suffix]
-            return key[: -len(suffix)], role, scheme
+            return key[: -len(suffix)].removeprefix(OFFICIAL_PREFIX), role, scheme
     raise ConfigError(f"key '{key}' is not a LoRA key of any known naming scheme "
                       f"(expected <base> + one of {sorted(SUFFIXES)})")
 

@@ -17,7 +17,7 @@ import torch
 
 from ..errors import ConfigError
 from .checkpoint import FP8_DTYPE, LM
-from .layers import Linear, linear_rows
+from .layers import Linear, adapters_active, add_adapter_rows, linear_rows
 from .transformer import LinearFactory
 
 log = logging.getLogger(__name__)
@@ -155,6 +155,10 @@ class FP8Linear(Linear):
         self._quantize = activation_quantizer(weight.device) if self.use_scaled_mm else quantize_rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        return add_adapter_rows(self, x, y) if adapters_active() else y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_scaled_mm:
             return self._scaled(x)
         # FP8 values are exact in bf16/fp32; the per-row scale applies to the output columns, so

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import InputError, NeoPPError
+from ..model.adapters import Adapter, RowGroup
 from ..model.embeddings import patchify, unpatchify
 from ..model.transformer import BatchedBranches, BranchContext
 from ..request import GenerationRequest
@@ -38,6 +39,7 @@ class Active:
     preview_every: int = 0
     k: int = 0
     submitted: float = field(default_factory=time.monotonic)
+    adapter: Adapter | None = None  # the request's LoRA, held while it runs (even once evicted)
 
     @property
     def total(self) -> int:
@@ -52,15 +54,28 @@ def start(pipe: NeoPPPipeline, job: int, req: GenerationRequest, preview_every: 
     """Prepare a request's branches and its starting state (as `NeoPPPipeline.sample` does)."""
     if not isinstance(preview_every, int) or preview_every < 0:
         raise InputError(f"preview_every: must be a non-negative integer, got {preview_every!r}")
+    adapter = pipe.adapter(req)
     prep = pipe.prepare(req)
     x = prep.sampler.start(req, pipe.device)
     z = patchify(x, prep.grid.token_size)
-    return Active(job, req, prep, z, x, preview_every, 0, submitted if submitted is not None else time.monotonic())
+    return Active(job, req, prep, z, x, preview_every, 0, submitted if submitted is not None else time.monotonic(),
+                  adapter)
 
 
 def step_cost(pipe: NeoPPPipeline, a: Active) -> int:
     """Tokens the layers carry for this request at its next step: tokens x branches."""
     return a.prep.grid.num_tokens * len(pipe.step_branches(a.prep, a.k))
+
+
+def adapter_rows(batch: list[Active], owners: list[int], sizes: list[int]) -> tuple[RowGroup, ...]:
+    """The row groups of a step's concatenated inputs whose request carries an adapter."""
+    groups, start_row = [], 0
+    for i, size in zip(owners, sizes):
+        a = batch[i]
+        if a.adapter is not None:
+            groups.append(RowGroup(start_row, start_row + size, a.adapter, a.req.lora_scale))
+        start_row += size
+    return tuple(groups)
 
 
 class StepBatcher:
@@ -98,7 +113,8 @@ class StepBatcher:
         if owned:
             hids = {i: pipe.embed(batch[i].x, batch[i].prep, batch[i].k) for i in sorted({i for i, _, _ in owned})}
             inputs = [self.layer_input(hids[i], b) for i, _, b in owned]
-            hidden = pipe.run_layers(torch.cat(inputs), BatchedBranches([b for _, _, b in owned]))
+            groups = adapter_rows(batch, [i for i, _, _ in owned], [t.shape[0] for t in inputs])
+            hidden = pipe.run_layers(torch.cat(inputs), BatchedBranches([b for _, _, b in owned]), groups)
             for (i, j, b), h in zip(owned, hidden.split([t.shape[0] for t in inputs])):
                 a = batch[i]
                 out[i, j] = pipe.head_velocity(self.layer_output(h, b), a.z, a.prep, a.k)

@@ -17,9 +17,12 @@ import torch
 
 from ..errors import ConfigError, GenerationCancelled
 from ..limits import Limits
+from ..model.adapter_store import DEFAULT_MAX_BYTES, AdapterDirectory, AdapterStore
+from ..model.adapters import Adapter, RowGroup, build_adapter, row_adapters, tower_linears
 from ..model.checkpoint import default_dtype, load_checkpoint
 from ..model.checkpoint_config import CheckpointConfig
 from ..model.embeddings import Grid, patchify, unpatchify
+from ..model.layers import ROW_ADAPTERS
 from ..model.lora import apply_loras_
 from ..model.quant import fp8_layer_linear, quantize_layer_linears_
 from ..model.speed import SpeedOptions
@@ -81,6 +84,7 @@ class NeoPPPipeline:
         self.rules = RequestRules(config, self.limits, support_tasks)
         self.cfg_batching = "auto"
         self.use_speed(speed or SpeedOptions())
+        self.use_adapter_dir(None)
 
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeSpec | None = None, device: str | None = None,
@@ -112,6 +116,22 @@ class NeoPPPipeline:
         tower = self.transformer
         self.layer_graphs = speed.layer_graphs(tower.run_layers, self.device, tower.reads_host_values) \
             if one_process else None
+
+    # ---- adapters (LoRA per request) -----------------------------------------------------
+    def use_adapter_dir(self, folder: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        """Offer the adapters of ``folder`` (None: none), at most ``max_bytes`` of them resident."""
+        linears = tower_linears(self.transformer)
+
+        def load(name: str, path: Path, recommended: dict) -> Adapter:
+            return build_adapter(name, path, linears, self.device, self.dtype, recommended)
+
+        self.adapters = AdapterStore(AdapterDirectory(folder), load, max_bytes)
+
+    def adapter(self, req: GenerationRequest) -> Adapter | None:
+        """The adapter a request names, loaded if need be (None: the base model). Each rank of a
+        parallel mode loads it from the same folder: its rows (a CFG rank's branches, a Ulysses
+        rank's token shard) take the same per-row delta as on one device."""
+        return None if req.lora is None else self.adapters.get(req.lora)
 
     # ---- validation -------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
@@ -151,8 +171,15 @@ class NeoPPPipeline:
         """One branch's velocity at step k: the layers, then the head."""
         return self.head_velocity(self.run_layers(hid, branch), z, prep, k)
 
-    def run_layers(self, hid: torch.Tensor, branches: BranchContext | BatchedBranches) -> torch.Tensor:
-        """The decoder layers, through a CUDA graph where the model has them."""
+    def run_layers(self, hid: torch.Tensor, branches: BranchContext | BatchedBranches,
+                   adapters: tuple[RowGroup, ...] = ()) -> torch.Tensor:
+        """The decoder layers, through a CUDA graph where the model has them; a step carrying
+        adapters runs eagerly (a graph or a compiled layer holds only the base computation)."""
+        if adapters:
+            with row_adapters(adapters):
+                return self.transformer.run_layers(hid, branches, eager=True)
+        if ROW_ADAPTERS.get():  # a whole request under its adapter (``sample``)
+            return self.transformer.run_layers(hid, branches, eager=True)
         graphs = self.layer_graphs
         return self.transformer.run_layers(hid, branches) if graphs is None else graphs(hid, branches)
 
@@ -213,9 +240,12 @@ class NeoPPPipeline:
     def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
                prep: Prepared | None = None) -> torch.Tensor:
         """Run every step; the state stays float32 whatever the run dtype."""
+        adapter = self.adapter(req)
         prep = prep or self.prepare(req)
+        groups = () if adapter is None else (RowGroup(0, None, adapter, req.lora_scale),)
         try:
-            return self._steps(req, prep, should_stop, on_step)
+            with row_adapters(groups):
+                return self._steps(req, prep, should_stop, on_step)
         finally:
             self.release(prep)
 

@@ -28,6 +28,7 @@ import torch
 
 from ..engines.engine import Engine
 from ..errors import ConfigError, GenerationCancelled
+from ..model.adapter_store import AdapterDirectory, adapter_sampling
 from ..modes import ModeSpec
 from ..request import GenerationRequest
 from ..sampling.rng import NoiseStream
@@ -63,6 +64,7 @@ class EngineHost:
         self._on_held, self._held, self._held_lock = on_held, 0, threading.Lock()
         self.kv_dims = engine.config.kv_dims
         self.capabilities = Capabilities.of(engine.config, mode, settings.limits, settings.untrained_sizes, owner)
+        self.adapters = AdapterDirectory(settings.lora_dir)
         self.noise_stream = NoiseStream()  # the mode's own stream, for requests with neither SEED nor RNG_STATE
         self._stream_lock = threading.Lock()
         self._connections: set[Connection] = set()
@@ -155,8 +157,12 @@ class EngineHost:
         limits, defaults = self.settings.limits, self.mode.sampling
         if kind == "stream":
             refuse_input_like_parameters(parameters if isinstance(parameters, str) and parameters else None)
-            return parse_stream_request(inputs, limits, self.kv_dims, defaults)
-        return parse_request(inputs, limits, defaults), StreamOptions()
+            parsed, options = parse_stream_request(inputs, limits, self.kv_dims, defaults)
+        else:
+            parsed, options = parse_request(inputs, limits, defaults), StreamOptions()
+        if parsed.lora is not None:  # what the adapter recommends, for what the request left unset
+            parsed.sampling_values = adapter_sampling(self.adapters, parsed.lora, defaults, parsed.sampling)
+        return parsed, options
 
     def _ready_request(self, parsed: ParsedRequest) -> tuple[GenerationRequest, NoiseStream]:
         """The validated request with its starting noise: the client's ``NOISE`` (LightX2V's draw,
@@ -173,7 +179,7 @@ class EngineHost:
             cond_kv=parsed.cond_kv, index_offset_cond=parsed.index_offset_cond, height=height, width=width,
             sampling=parsed.sampling_values, uncond_kv=parsed.uncond_kv, index_offset_uncond=parsed.index_offset_uncond,
             image_kv=parsed.image_kv, index_offset_image=parsed.index_offset_image,
-            task=parsed.task or self.settings.default_task)
+            task=parsed.task or self.settings.default_task, lora=parsed.lora, lora_scale=parsed.lora_scale)
         self.engine.validate(req)
         self.capabilities.check_size(height, width)  # after the limits and the token multiple: a size it can run
         if parsed.noise is not None:

@@ -8,7 +8,9 @@ See :data:`PARAMETER_DEFAULTS`:
 * ``lora_dir``: the folder a relative LoRA path of the mode file (its ``lora_configs``, shipped
   as a file name only) resolves against; env ``NEOPP_LORA_DIR_<MODEL NAME UPPER>`` or
   ``NEOPP_LORA_DIR`` overrides it, as for ``checkpoint``. A LoRA that does not fit the
-  checkpoint is refused at load, naming the model, the LoRA file and the first key that misfits;
+  checkpoint is refused at load, naming the model, the LoRA file and the first key that misfits.
+  The same folder is the model's adapter directory: a request's ``LORA`` names one of its files;
+* ``lora_max_bytes``: the bytes of per-request adapters a model keeps resident (default 1 GiB);
 * ``device``: ``auto`` (default) | ``cpu`` | ``cuda`` | ``cuda:N``. ``auto`` picks the
   instance's GPU for a KIND_GPU instance; otherwise, with CUDA present, GPU
   ``(instance index * world size) mod device count`` (so the KIND_CPU instances of a group
@@ -73,6 +75,7 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "checkpoint": "checkpoints/neopp",
     "mode_file": "configs/neopp/neopp_dense.json",
     "lora_dir": "checkpoints/lora",
+    "lora_max_bytes": str(1 << 30),  # resident per-request adapters of the model, least recently used evicted
     "device": "auto",
     "dtype": "auto",
     "num_threads": "0",
@@ -182,6 +185,7 @@ class TritonModelSettings:
     max_queued: int = DEFAULT_MAX_QUEUED
     patience: int = DEFAULT_PATIENCE
     engine_model: str = ""
+    lora_max_bytes: int = 1 << 30
     speed_params: tuple[str, str, int, str] = ("auto", "auto", 8, "off")  # SpeedOptions' fields
     untrained_sizes: bool = False
 
@@ -217,6 +221,7 @@ class TritonModelSettings:
             max_queued=int_param(params, "max_queued"),
             patience=int_param(params, "patience"),
             engine_model=_engine_model(params["engine_model"], name),
+            lora_max_bytes=int_param(params, "lora_max_bytes"),
             speed_params=(params["cuda_graphs"].strip().lower(), params["attention_kernel"].strip().lower(),
                           int_param(params, "max_graphs"), params["compile_layers"].strip().lower()),
         )
@@ -244,7 +249,8 @@ class TritonModelSettings:
                               f"not negative, got {self.token_budget}, {self.max_queued}, {self.patience}")
         return EngineSpec(str(self.checkpoint), dtype=self.dtype, limits=self.limits,
                           collective_timeout_s=self.collective_timeout_s, speed=self.speed,
-                          token_budget=self.token_budget, max_queued=self.max_queued, patience=self.patience)
+                          token_budget=self.token_budget, max_queued=self.max_queued, patience=self.patience,
+                          lora_dir=str(self.lora_dir), lora_max_bytes=self.lora_max_bytes)
 
 
 def _engine_model(value: str, own_name: str) -> str:

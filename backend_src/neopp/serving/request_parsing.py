@@ -15,6 +15,7 @@ import numpy as np
 
 from ..errors import SHOWN_CHARS, InputError, shown
 from ..limits import Limits, text_value
+from ..model.adapter_store import lora_inputs
 from ..modes import TASKS, SamplingParams
 from ..request import check_offset, check_side_bounds, check_steps
 
@@ -52,6 +53,8 @@ INPUT_SPECS: dict[str, TensorSpec] = {
     "IMAGE_GUIDANCE_SCALE": TensorSpec("TYPE_FP32", (1,)),
     "IMAGE_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
     "INDEX_OFFSET_IMAGE": TensorSpec("TYPE_INT64", (1,)),
+    "LORA": TensorSpec("TYPE_STRING", (1,)),
+    "LORA_SCALE": TensorSpec("TYPE_FP32", (1,)),
 }
 OUTPUT_SPECS: dict[str, TensorSpec] = {
     "IMAGE": TensorSpec("TYPE_STRING", (1,)),
@@ -84,6 +87,8 @@ class ParsedRequest:
     resize: tuple[int, int] | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams.replace overrides
     sampling_values: SamplingParams = field(default_factory=SamplingParams)  # the defaults with them, checked
+    lora: str | None = None  # an adapter's name (checked as a name; the model checks it exists)
+    lora_scale: float = 1.0
 
     @property
     def uses_instance_stream(self) -> bool:
@@ -229,6 +234,11 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits, defaults: SamplingP
     if inputs.get("TASK") is not None:
         req.task = _choice("TASK", inputs["TASK"], TASKS, "task")
     _parse_sampling(inputs, req, limits, defaults or SamplingParams())
+    if inputs.get("LORA") is not None or inputs.get("LORA_SCALE") is not None:
+        req.lora, req.lora_scale = lora_inputs(_string("LORA", inputs["LORA"], INPUT_SPECS["LORA"])
+                                               if inputs.get("LORA") is not None else None,
+                                               _numeric("LORA_SCALE", inputs["LORA_SCALE"], INPUT_SPECS["LORA_SCALE"])
+                                               if inputs.get("LORA_SCALE") is not None else None)
     return req
 
 
@@ -317,5 +327,5 @@ REQUEST_INPUT_NAMES = {
     "cond_kv": "COND_KV", "uncond_kv": "UNCOND_KV", "index_offset_cond": "INDEX_OFFSET_COND",
     "index_offset_uncond": "INDEX_OFFSET_UNCOND", "image_kv": "IMAGE_KV", "index_offset_image": "INDEX_OFFSET_IMAGE",
     "size": "SIZE", "noise": "NOISE",
-    "task": "TASK", **SAMPLING_INPUT_NAMES,
+    "task": "TASK", "lora": "LORA", "lora_scale": "LORA_SCALE", **SAMPLING_INPUT_NAMES,
 }

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -39,7 +41,10 @@ EDITING = ("Image editing is not served over /v1/images: this server edits from 
 MAX_USER = 256
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
               "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
-              "output_compression", "style", *ACCEPTED_AND_IGNORED)
+              "output_compression", "style", "lora", "lora_scale", *ACCEPTED_AND_IGNORED)
+MAX_LORA_NAME = 128  # the model checks the name's characters and that the adapter exists
+MAX_LORA_SCALE = 8.0
+ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # the stub's rule for an adapter name
 SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 
 
@@ -76,6 +81,8 @@ class ImagesRequest:
     guidance_scale: float | None
     partial_images: int = 0
     progress: bool = False  # ours: a neopp.progress event after every step (with partial_images)
+    lora: str | None = None  # ours: an adapter of the model's adapter directory, by name
+    lora_scale: float | None = None
 
     @property
     def size_text(self) -> str:
@@ -139,13 +146,15 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
     if guidance is not None and (type(guidance) not in (int, float) or not 0 <= guidance <= 100):
         raise OpenAIError(400, "'guidance_scale' must be a number from 0 to 100", "guidance_scale")
     seed = _int(doc, "seed", 0, 2**63 - MAX_IMAGES - 1, None)
+    lora, lora_scale = _lora(doc)
     _ignored(doc)
     request = ImagesRequest(
         prompt=prompt, model=_text(doc, "model", DEFAULT_MODEL, 128) or DEFAULT_MODEL,
         n=_int(doc, "n", 1, MAX_IMAGES, 1), size=_size(doc.get("size")), output_format=output_format,
         seed=secrets.randbelow(2**31) if seed is None else seed,
         negative_prompt=_text(doc, "negative_prompt", None), steps=_steps(doc.get("num_inference_steps")),
-        guidance_scale=None if guidance is None else float(guidance), partial_images=partial, progress=progress)
+        guidance_scale=None if guidance is None else float(guidance), partial_images=partial, progress=progress,
+        lora=lora, lora_scale=lora_scale)
     return request, stream
 
 
@@ -155,6 +164,20 @@ def _steps(value: Any) -> int | None:
         raise OpenAIError(400, "'num_inference_steps' must be a positive integer (at most the model's steps.max "
                           "in /v1/models)", "num_inference_steps")
     return value
+
+
+def _lora(doc: dict[str, Any]) -> tuple[str | None, float | None]:
+    """``lora`` (a name, at most 128 characters) and ``lora_scale`` (only with ``lora``)."""
+    lora = _text(doc, "lora", None, MAX_LORA_NAME)
+    scale = doc.get("lora_scale")
+    if scale is not None and (type(scale) not in (int, float) or not abs(scale) <= MAX_LORA_SCALE):
+        raise OpenAIError(400, f"'lora_scale' must be a number from -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}",
+                          "lora_scale")
+    if scale is not None and lora is None:
+        raise OpenAIError(400, "'lora_scale' needs 'lora': the adapter it scales", "lora_scale")
+    if lora is not None and not lora.strip():
+        raise OpenAIError(400, "'lora' must name an adapter", "lora")
+    return lora, None if scale is None else float(scale)
 
 
 def _ignored(doc: dict[str, Any]) -> None:
@@ -217,6 +240,10 @@ def _sampling(wire: WireRequest, req: ImagesRequest, size: tuple[int, int] | Non
         _add(wire, "STEPS", "INT64", [1], np.array([req.steps], "<i8").tobytes())
     if req.guidance_scale is not None:
         _add(wire, "CFG_SCALE", "FP32", [1], np.array([req.guidance_scale], "<f4").tobytes())
+    if req.lora is not None:
+        _texts(wire, {"LORA": req.lora})
+    if req.lora_scale is not None:
+        _add(wire, "LORA_SCALE", "FP32", [1], np.array([req.lora_scale], "<f4").tobytes())
 
 
 def preview_plan(partial_images: int, steps: int | None) -> int:
@@ -243,7 +270,7 @@ def _add(wire: WireRequest, name: str, datatype: str, shape: list[int], raw: byt
 
 PARAMETER_OF_INPUT = {"PROMPT": "prompt", "NEGATIVE_PROMPT": "negative_prompt", "MODEL": "model", "SIZE": "size",
                       "STEPS": "num_inference_steps", "CFG_SCALE": "guidance_scale", "SEED": "seed",
-                      "OUTPUT_FORMAT": "output_format"}
+                      "OUTPUT_FORMAT": "output_format", "LORA": "lora", "LORA_SCALE": "lora_scale"}
 
 
 def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:
@@ -263,3 +290,26 @@ def image_bytes(response: pb.ModelInferResponse) -> bytes:
         if out.name == "IMAGE":
             return deserialize_bytes(raw, 1, "IMAGE")[0]
     raise OpenAIError(500, "the prompt model answered without an image", kind="server_error")
+
+
+def adapter_folder(model: str, environ: Mapping[str, str], lora_dir_param: str = "") -> Path | None:
+    """A model's adapter directory as its stub resolves it: the per-model variable, the server-wide
+    one, else an absolute ``lora_dir`` parameter (a relative one is the stub's to resolve: None)."""
+    for key in (f"NEOPP_LORA_DIR_{model.upper()}", "NEOPP_LORA_DIR"):
+        if environ.get(key):
+            return Path(environ[key]).expanduser()
+    return Path(lora_dir_param) if lora_dir_param and Path(lora_dir_param).is_absolute() else None
+
+
+def adapter_names(folder: Path | None) -> list[str]:
+    """The adapters of a folder (``<name>.safetensors``), sorted; a request may name any of them."""
+    if folder is None or not folder.is_dir():
+        return []
+    return sorted(p.name[: -len(".safetensors")] for p in folder.glob("*.safetensors")
+                  if ADAPTER_NAME.fullmatch(p.name[: -len(".safetensors")]) and ".." not in p.name)
+
+
+def extend(entry: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` in a ``/v1/models`` entry's ``neopp`` extension object (created when absent)."""
+    entry.setdefault("neopp", {})[key] = value
+

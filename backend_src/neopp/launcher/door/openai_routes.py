@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
@@ -224,11 +225,23 @@ class ImagesRoutes:
                                  "ones that do", "model", code="model_not_found")
         return facts
 
+    async def _loras(self, name: str) -> list[str]:
+        """The adapters a model offers: the files of its adapter directory (``NEOPP_LORA_DIR_<MODEL>``,
+        else ``NEOPP_LORA_DIR``, else its config's absolute ``lora_dir``), listed off the event loop."""
+        answer = await self.door.upstream.control("GET", f"/v2/models/{name}/config", None, self.door.admin_key)
+        try:
+            param = strict_json.loads(answer.body)["parameters"].get("lora_dir", {}).get("string_value", "")
+        except (DoorError, AttributeError, KeyError, TypeError, ValueError):
+            param = ""
+        return await asyncio.to_thread(oa.adapter_names, oa.adapter_folder(name, os.environ, param))
+
     async def models(self, request: Request) -> Response:
         """The models that draw, each with what it advertises under ``neopp``."""
         drawing = sorted((await self.facts.drawing()).items())
         offered = [{"id": name, "object": "model", "created": 0, "owned_by": "neopp",
-                    **({"neopp": facts} if facts else {})} for name, facts in drawing]
+                    **({"neopp": dict(facts)} if facts else {})} for name, facts in drawing]
+        for entry in offered:
+            oa.extend(entry, "loras", await self._loras(entry["id"]))
         return Response(strict_json.dumps({"object": "list", "data": offered}), media_type="application/json")
 
     async def editing(self, request: Request) -> Response:

@@ -1,0 +1,114 @@
+"""LoRA adapters applied unmerged, per row group of a step batch.
+
+A merged LoRA changes the weights for every request; an adapter held apart changes only the
+rows of the requests that name it. The batched forward knows which token rows belong to which
+request (``RowGroup``); while ``row_adapters`` is active, every decoder-layer linear adds, for
+each group whose adapter targets it, ``scale * (alpha / rank) * (x[rows] A^T) B^T`` to its own
+output rows. The base projection (bf16, float32 or FP8) is computed exactly as without adapters,
+so rows without an adapter keep today's bytes; the low-rank products run on the group's rows
+alone, tiled like the base product on the CPU, so a request's bytes do not depend on who shares
+its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+from .checkpoint import layer_prefix
+from .layers import ROW_ADAPTERS, Linear
+
+MLP_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # checkpoint name -> SwiGLU part
+
+
+@dataclass
+class Factors:
+    """One target linear's factors: ``down`` (A, [rank, in]) and ``up`` (B, [out, rank]) in the
+    model's dtype and device, and ``alpha / rank``."""
+
+    down: torch.Tensor
+    up: torch.Tensor
+    factor: float
+
+
+@dataclass
+class Adapter:
+    """A loaded adapter: its factors by target linear (the tower's own objects), the sampling
+    values it recommends, and the bytes it holds."""
+
+    name: str
+    factors: dict[Linear, Factors]
+    recommended: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for f in self.factors.values() for t in (f.down, f.up))
+
+    @property
+    def rank(self) -> int:
+        return max((int(f.down.shape[0]) for f in self.factors.values()), default=0)
+
+
+def tower_linears(tower: object) -> dict[str, Linear]:
+    """Checkpoint weight key -> the decoder-layer linear built from it (what an adapter targets)."""
+    out: dict[str, Linear] = {}
+    for i, layer in enumerate(tower.layers):
+        attn = layer_prefix(i) + "self_attn."
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            out[f"{attn}{name}_mot_gen.weight"] = getattr(layer, name)
+        mlp = layer_prefix(i) + "mlp_mot_gen."
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            out.update({f"{mlp}{n}.weight": getattr(layer.mlp, part) for n, part in MLP_NAMES.items()})
+        else:
+            for j, expert in enumerate(experts):
+                out.update({f"{mlp}experts.{j}.{n}.weight": getattr(expert, part) for n, part in MLP_NAMES.items()})
+    return out
+
+
+def build_adapter(name: str, path: Path, linears: Mapping[str, Linear], device: torch.device,
+                  dtype: torch.dtype, recommended: dict[str, object] | None = None) -> Adapter:
+    """Read ``path`` (any known key scheme) and fit it to ``linears``; ConfigError naming the key."""
+    from .lora import check_pair, read_lora_pairs  # lora imports quant, which imports this package's layers
+
+    weights = {key: lin.weight for key, lin in linears.items()}
+    factors: dict[Linear, Factors] = {}
+    for pair in read_lora_pairs(path).values():
+        target = check_pair(pair, weights, path)
+        if ".experts." in target:
+            raise ConfigError(f"LoRA {path}: key '{pair.up_key}' targets a routed expert; an adapter applied per "
+                              "request takes attention and dense MLP linears only (merge it in a mode file instead)")
+        if not torch.isfinite(pair.up).all() or not torch.isfinite(pair.down).all():
+            raise ConfigError(f"LoRA {path}: key '{pair.up_key}' or '{pair.down_key}' holds a NaN or an infinity")
+        factor = pair.alpha / pair.rank if pair.alpha is not None else 1.0
+        factors[linears[target]] = Factors(pair.down.to(device=device, dtype=dtype).contiguous(),
+                                           pair.up.to(device=device, dtype=dtype).contiguous(), factor)
+    if not factors:
+        raise ConfigError(f"LoRA {path}: holds no LoRA factors")
+    return Adapter(name, factors, dict(recommended or {}))
+
+
+@dataclass(frozen=True)
+class RowGroup:
+    """Rows ``start:stop`` of the batch's hidden states take ``adapter`` at ``scale`` (stop None:
+    every row, one request running alone)."""
+
+    start: int
+    stop: int | None
+    adapter: Adapter
+    scale: float
+
+
+@contextmanager
+def row_adapters(groups: tuple[RowGroup, ...]) -> Iterator[None]:
+    """Every linear called inside the block applies ``groups`` (none: today's computation)."""
+    token = ROW_ADAPTERS.set(groups)
+    try:
+        yield
+    finally:
+        ROW_ADAPTERS.reset(token)
