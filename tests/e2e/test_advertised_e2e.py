@@ -79,7 +79,8 @@ def test_v1_models_lists_only_the_models_that_draw_with_what_they_were_trained_a
         published = triton_metrics.capabilities(metrics.getresponse().read().decode())
     finally:
         metrics.close()
-    assert json.loads(published["neopp_dense"]) == facts and "neopp_session" not in published
+    from_the_model = {k: v for k, v in facts.items() if k != "loras"}  # the door adds the adapters it finds
+    assert json.loads(published["neopp_dense"]) == from_the_model and "neopp_session" not in published
 
 
 def test_a_size_the_model_was_not_trained_at_is_refused_naming_the_range(served: Launched):
