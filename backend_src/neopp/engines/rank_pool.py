@@ -27,6 +27,7 @@ from ..parallel.rank_step import rank_request
 from ..request import GenerationRequest
 from ..sampling.plan import RequestRules
 from ..sampling.sampler import StepEvent
+from ..sampling.step_cache import check_request
 from .engine import CancelledFn, EmitFn, EngineHooks, QueuedEngine, Ticket, closed_error, is_cancelled, send
 from .lifeline import silent_rank, start_processes
 from .rank_loop import ERRORS, rank_main
@@ -183,6 +184,7 @@ class RankPool(QueuedEngine):
     # ---- requests -----------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
         self.rules.validate(req)
+        check_request(self.mode, req.sampling)
 
     def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
         ticket = self._ticket(req, emit, cancelled, preview_every)

@@ -21,6 +21,7 @@ from ..model.transformer import BatchedBranches, BranchContext
 from ..request import GenerationRequest
 from .pipeline import NeoPPPipeline, Prepared
 from .sampler import StepEvent, to_pixels
+from .step_cache import RequestCache, Row, check_request, new_cache, run_tower
 
 # Velocity of (request index in the batch, branch index in its step plan).
 BranchKey = tuple[int, int]
@@ -38,6 +39,7 @@ class Active:
     preview_every: int = 0
     k: int = 0
     submitted: float = field(default_factory=time.monotonic)
+    cache: RequestCache | None = None  # its step cache (None: off)
 
     @property
     def total(self) -> int:
@@ -52,10 +54,12 @@ def start(pipe: NeoPPPipeline, job: int, req: GenerationRequest, preview_every: 
     """Prepare a request's branches and its starting state (as `NeoPPPipeline.sample` does)."""
     if not isinstance(preview_every, int) or preview_every < 0:
         raise InputError(f"preview_every: must be a non-negative integer, got {preview_every!r}")
+    check_request(pipe.mode, req.sampling)
     prep = pipe.prepare(req)
     x = prep.sampler.start(req, pipe.device)
     z = patchify(x, prep.grid.token_size)
-    return Active(job, req, prep, z, x, preview_every, 0, submitted if submitted is not None else time.monotonic())
+    return Active(job, req, prep, z, x, preview_every, 0, submitted if submitted is not None else time.monotonic(),
+                  new_cache(req.sampling))
 
 
 def step_cost(pipe: NeoPPPipeline, a: Active) -> int:
@@ -98,8 +102,14 @@ class StepBatcher:
         if owned:
             hids = {i: pipe.embed(batch[i].x, batch[i].prep, batch[i].k) for i in sorted({i for i, _, _ in owned})}
             inputs = [self.layer_input(hids[i], b) for i, _, b in owned]
-            hidden = pipe.run_layers(torch.cat(inputs), BatchedBranches([b for _, _, b in owned]))
-            for (i, j, b), h in zip(owned, hidden.split([t.shape[0] for t in inputs])):
+            if any(batch[i].cache is not None for i, _, _ in owned):  # some rows may reuse (step_cache)
+                names = {i: pipe.step_branch_names(batch[i].prep, batch[i].k) for i, _, _ in owned}
+                hidden = run_tower(pipe, [Row(batch[i].cache, names[i][j], batch[i].k, h, b)
+                                          for (i, j, b), h in zip(owned, inputs)])
+            else:
+                hidden = pipe.run_layers(torch.cat(inputs), BatchedBranches([b for _, _, b in owned]))
+                hidden = hidden.split([t.shape[0] for t in inputs])
+            for (i, j, b), h in zip(owned, hidden):
                 a = batch[i]
                 out[i, j] = pipe.head_velocity(self.layer_output(h, b), a.z, a.prep, a.k)
         return plans, self.exchange(batch, plans, out)

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError, GenerationCancelled
+from ..errors import ConfigError, GenerationCancelled, InputError
 from ..limits import Limits
 from ..model.checkpoint import default_dtype, load_checkpoint
 from ..model.checkpoint_config import CheckpointConfig
@@ -30,6 +30,7 @@ from .guidance import COND, UNCOND, combine
 from .plan import RequestRules, StepPlan, step_plan
 from .sampler import FlowSampler, to_pixels
 from .schedule import initial_noise_scale
+from .step_cache import check_request
 
 StopFn = Callable[[], bool]
 StepFn = Callable[[int, float], None]
@@ -117,6 +118,7 @@ class NeoPPPipeline:
     def validate(self, req: GenerationRequest) -> None:
         """Every rule a request can break, checked before any heavy work (see RequestRules)."""
         self.rules.validate(req)
+        check_request(self.mode, req.sampling)
 
     def close(self) -> None:
         """Drop the graphs (the worker pool stops its ranks here)."""
@@ -213,6 +215,8 @@ class NeoPPPipeline:
     def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
                prep: Prepared | None = None) -> torch.Tensor:
         """Run every step; the state stays float32 whatever the run dtype."""
+        if req.sampling.cache != "off":  # the cache's state lives in the step batcher's requests
+            raise InputError(f"cache: {req.sampling.cache!r} runs only in a step-batching engine; send cache off")
         prep = prep or self.prepare(req)
         try:
             return self._steps(req, prep, should_stop, on_step)
