@@ -41,7 +41,7 @@ def check_request(mode: ModeSpec, sampling: SamplingParams) -> None:
     if sampling.cache not in offered:
         why = ("its Ulysses ranks would each decide on a shard of the tokens" if mode.seq_p_size > 1
                else "its config parameter cache_methods does not list it")
-        raise InputError(f"cache: {sampling.cache!r} is not offered by model {mode.name} ({why}); "
+        raise InputError(f"cache: {sampling.cache!r} is not offered by this model (mode {mode.name}: {why}); "
                          f"offered: {['off', *offered]}")
     if sampling.infer_steps < MIN_STEPS:
         raise InputError(f"cache: needs at least {MIN_STEPS} steps, got {sampling.infer_steps} "
