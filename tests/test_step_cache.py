@@ -17,7 +17,7 @@ import torch
 from neopp.errors import InputError
 from neopp.model.embeddings import patchify, unpatchify
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.sampling.batching import StepBatcher, start
+from neopp.sampling.batching import StepBatcher, start, step_cost
 from neopp.sampling.sampler import to_pixels
 from neopp.sampling.step_cache import MAX_REUSE, check_request
 from testing.stream_requests import assert_pixels_match, make, tiny_setup
@@ -182,3 +182,19 @@ def test_the_one_request_path_refuses_a_cache_it_cannot_keep(setup):
     with pytest.raises(InputError, match="cache: 'fbcache' runs only in a step-batching engine"):
         pipe.generate(make(kvs, 0, 64, 64, STEPS, 1, cache="fbcache"))
     assert torch.is_tensor(pipe.sample(make(kvs, 0, 64, 64, 2, 1)))
+
+
+def test_the_scheduler_s_cost_is_what_the_step_then_runs(setup):
+    """step_cost before each step equals tokens x the branches whose layers that step ran: a branch
+    that reuses (taylorseer decides before the tower) costs nothing; fbcache is charged in full."""
+    pipe, kvs = setup
+    for req in requests(kvs, "taylorseer", 0.3)[::2] + requests(kvs, "fbcache", 0.3)[:1]:
+        a, batcher, free_steps = start(pipe, 0, req), StepBatcher(pipe), 0
+        while a.k < a.total:
+            cost, before = step_cost(pipe, a), a.cache.computed
+            branches = len(pipe.step_branch_names(a.prep, a.k))
+            batcher.step([a])
+            ran = branches if a.cache.method == "fbcache" else a.cache.computed - before
+            assert cost == a.prep.grid.num_tokens * ran, f"{a.cache.method} step {a.k}"
+            free_steps += cost == 0
+        assert free_steps > 0 or a.cache.method == "fbcache"

@@ -61,7 +61,8 @@ def test_the_openai_body_carries_cache_and_its_threshold():
         with pytest.raises(oa.OpenAIError) as info:
             oa.parse_images_request(doc)
         assert info.value.param == param
-    assert oa.refusal(400, "CACHE: 'fbcache' is not offered by this model (mode neopp_dense_8steps: ...)", {}).param == "cache"
+    refused = oa.refusal(400, "CACHE: 'fbcache' is not offered by this model (mode neopp_dense_8steps: ...)", {})
+    assert refused.param == "cache"
 
 
 def test_cache_methods_parameter_and_what_a_mode_offers():

@@ -31,7 +31,8 @@ def request(triton, pipeline, **sampling) -> GenerationRequest:
     return GenerationRequest(cond_kv=triton.cond, uncond_kv=triton.uncond, index_offset_cond=COND_TOKENS,
                              index_offset_uncond=UNCOND_TOKENS, height=64, width=64,
                              noise=NoiseStream(SEED).draw(64, 64),
-                             sampling=pipeline.mode.sampling.replace(infer_steps=STEPS, output_format="png", **sampling))
+                             sampling=pipeline.mode.sampling.replace(infer_steps=STEPS, output_format="png",
+                                                                     **sampling))
 
 
 def batcher_png(pipeline, req: GenerationRequest) -> tuple[bytes, int]:
@@ -67,14 +68,15 @@ def test_a_cached_request_is_the_step_batcher_s_bytes(triton, pipeline, method):
 @pytest.mark.parametrize("model,overrides,message", [
     ("neopp_dense_8steps", {"STEPS": None, "UNCOND_KV": None, "INDEX_OFFSET_UNCOND": None},
      "CACHE: 'fbcache' is not offered by this model (mode neopp_dense_8steps: its config parameter cache_methods"),
-    ("neopp_dense_cfg_seq", {}, "CACHE: 'fbcache' is not offered by this model (mode neopp_dense_parallel_cfg_seq: its Ulysses ranks"),
+    ("neopp_dense_cfg_seq", {},
+     "CACHE: 'fbcache' is not offered by this model (mode neopp_dense_parallel_cfg_seq: its Ulysses ranks"),
     ("neopp_dense", {"STEPS": np.array([6], I64)}, "CACHE: needs at least 10 steps, got 6"),
     ("neopp_dense", {"CACHE": np.array([b"magcache"], np.object_)}, "CACHE: unknown method 'magcache'"),
     ("neopp_dense", {"CACHE": None, "CACHE_THRESHOLD": np.array([0.2], F32)}, "CACHE_THRESHOLD: 0.2 given with"),
 ])
 def test_what_a_model_does_not_offer_is_refused_by_name(triton, model, overrides, message):
-    inputs = {"SEED": np.array([SEED], I64), "STEPS": np.array([STEPS], I64), "CACHE": np.array([b"fbcache"], np.object_),
-              **overrides}
+    inputs = {"SEED": np.array([SEED], I64), "STEPS": np.array([STEPS], I64),
+              "CACHE": np.array([b"fbcache"], np.object_), **overrides}
     with pytest.raises(InferenceServerException) as info:
         triton.grpc.infer(model, triton.grpc_tensors(**inputs), client_timeout=180)
     assert "INVALID_ARG" in str(info.value.status()) and message in info.value.message()

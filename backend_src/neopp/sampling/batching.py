@@ -21,7 +21,7 @@ from ..model.transformer import BatchedBranches, BranchContext
 from ..request import GenerationRequest
 from .pipeline import NeoPPPipeline, Prepared
 from .sampler import StepEvent, to_pixels
-from .step_cache import RequestCache, Row, check_request, new_cache, run_tower
+from .step_cache import RequestCache, Row, check_request, new_cache, run_tower, skipping_branches
 
 # Velocity of (request index in the batch, branch index in its step plan).
 BranchKey = tuple[int, int]
@@ -63,8 +63,10 @@ def start(pipe: NeoPPPipeline, job: int, req: GenerationRequest, preview_every: 
 
 
 def step_cost(pipe: NeoPPPipeline, a: Active) -> int:
-    """Tokens the layers carry for this request at its next step: tokens x branches."""
-    return a.prep.grid.num_tokens * len(pipe.step_branches(a.prep, a.k))
+    """Tokens the layers carry for this request at its next step: tokens x branches that run them
+    (a branch that reuses its cached residual carries none)."""
+    branches = len(pipe.step_branches(a.prep, a.k)) - skipping_branches(pipe, a.cache, a.x, a.prep, a.k)
+    return a.prep.grid.num_tokens * branches
 
 
 class StepBatcher:

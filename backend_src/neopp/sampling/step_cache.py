@@ -140,13 +140,31 @@ def _layers(pipe, rows: list[Row], idx: list[int], layers: range | None,
     return list(hidden.split([h.shape[0] for h in hids]))
 
 
+@torch.inference_mode()
+def skipping_branches(pipe, cache: RequestCache | None, x: torch.Tensor, prep, k: int) -> int:
+    """How many of step k's branches will skip the tower (``taylorseer`` decides before it), read
+    without changing the state: the scheduler's cost of a request that reuses is nothing."""
+    if cache is None or cache.method != "taylorseer":
+        return 0
+    hid = pipe.embed(x, prep, k)
+    states = [cache.branches.get(name) for name in pipe.step_branch_names(prep, k)]
+    return sum(st is not None and _taylor_skips(cache, st, hid, k) for st in states)
+
+
+def _taylor_skips(cache: RequestCache, st: BranchState, hid: torch.Tensor, k: int) -> bool:
+    """The decision for tower input ``hid`` at step k, without noting it."""
+    drift = st.drift + (rel_l1(hid, st.probe) if st.probe is not None else 0.0)
+    return not cache.must_compute(st, k) and drift < cache.threshold
+
+
 def _taylor_forecast(row: Row) -> torch.Tensor | None:
     """The forecast hidden states if this row may skip the tower, else None (it computes)."""
     cache, st = row.cache, row.cache.state(row.name)
+    skips = _taylor_skips(cache, st, row.hid, row.k)
     if st.probe is not None:
         st.drift += rel_l1(row.hid, st.probe)
     st.probe = row.hid
-    if cache.must_compute(st, row.k) or st.drift >= cache.threshold:
+    if not skips:
         return None
     st.reused += 1
     cache.reused += 1
