@@ -19,7 +19,7 @@ from neopp.model.embeddings import patchify, unpatchify
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.sampling.batching import StepBatcher, start, step_cost
 from neopp.sampling.sampler import to_pixels
-from neopp.sampling.step_cache import MAX_REUSE, check_request
+from neopp.sampling.step_cache import DEFAULT_THRESHOLDS, MAX_REUSE, check_request, new_cache
 from testing.stream_requests import assert_pixels_match, make, tiny_setup
 
 STEPS = 12
@@ -198,3 +198,10 @@ def test_the_scheduler_s_cost_is_what_the_step_then_runs(setup):
             assert cost == a.prep.grid.num_tokens * ran, f"{a.cache.method} step {a.k}"
             free_steps += cost == 0
         assert free_steps > 0 or a.cache.method == "fbcache"
+
+
+def test_without_a_threshold_the_method_s_documented_default_applies():
+    for method, default in DEFAULT_THRESHOLDS.items():
+        assert new_cache(SamplingParams(cache=method)).threshold == default
+        assert new_cache(SamplingParams(cache=method, cache_threshold=0.5)).threshold == 0.5
+    assert new_cache(SamplingParams()) is None

@@ -27,7 +27,7 @@ from ..model.transformer import BatchedBranches, BranchContext
 from ..modes import ModeSpec, SamplingParams
 
 # Thresholds chosen from bench/step_cache.md (the demo model at 50 steps).
-DEFAULT_THRESHOLDS = {"fbcache": 0.08, "taylorseer": 0.10}
+DEFAULT_THRESHOLDS = {"fbcache": 0.05, "taylorseer": 0.12}
 MAX_REUSE = 3        # reused steps in a row at most: the stale residual's error grows with each
 MIN_STEPS = 10       # fewer steps (a distilled sampler) leave no step to spare
 PROBE_LAYERS = 1     # fbcache: the layers that always run and whose residual decides
