@@ -19,12 +19,16 @@ Both always compute the first step, the last step and after ``MAX_REUSE`` reuses
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import InputError
 from ..model.transformer import BatchedBranches, BranchContext
 from ..modes import ModeSpec, SamplingParams
+
+if TYPE_CHECKING:  # the pipeline imports this module (its checks)
+    from .pipeline import NeoPPPipeline, Prepared
 
 # Thresholds chosen from bench/step_cache.md (the demo model at 50 steps).
 DEFAULT_THRESHOLDS = {"fbcache": 0.05, "taylorseer": 0.12}
@@ -104,7 +108,7 @@ class Row:
     branch: BranchContext
 
 
-def run_tower(pipe, rows: list[Row]) -> list[torch.Tensor]:
+def run_tower(pipe: NeoPPPipeline, rows: list[Row]) -> list[torch.Tensor]:
     """The final hidden states of every row: uncached and computing rows run the layers together,
     ``fbcache`` rows run the first layer, then the rest only where the residual moved."""
     out: list[torch.Tensor | None] = [None] * len(rows)
@@ -127,7 +131,7 @@ def run_tower(pipe, rows: list[Row]) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
-def _layers(pipe, rows: list[Row], idx: list[int], layers: range | None,
+def _layers(pipe: NeoPPPipeline, rows: list[Row], idx: list[int], layers: range | None,
             inputs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Run ``layers`` (None: all, through the pipeline's graphs) over rows ``idx`` in one batch."""
     if not idx:
@@ -141,7 +145,8 @@ def _layers(pipe, rows: list[Row], idx: list[int], layers: range | None,
 
 
 @torch.inference_mode()
-def skipping_branches(pipe, cache: RequestCache | None, x: torch.Tensor, prep, k: int) -> int:
+def skipping_branches(pipe: NeoPPPipeline, cache: RequestCache | None, x: torch.Tensor, prep: Prepared,
+                      k: int) -> int:
     """How many of step k's branches will skip the tower (``taylorseer`` decides before it), read
     without changing the state: the scheduler's cost of a request that reuses is nothing."""
     if cache is None or cache.method != "taylorseer":
@@ -184,7 +189,7 @@ def _taylor_computed(row: Row, hidden: torch.Tensor) -> None:
     cache.computed += 1
 
 
-def _first_block(pipe, rows: list[Row], probe: list[int], out: list[torch.Tensor | None]) -> None:
+def _first_block(pipe: NeoPPPipeline, rows: list[Row], probe: list[int], out: list[torch.Tensor | None]) -> None:
     """fbcache rows: the first layer for all, then the rest only for the rows that moved."""
     depth = len(pipe.transformer.layers)
     first = _layers(pipe, rows, probe, range(PROBE_LAYERS))
