@@ -182,3 +182,19 @@ def test_the_adapter_hook_leaves_compiled_layers_whole():
 
     lin = Linear(torch.randn(16, 16))
     assert dynamo.explain(lambda x: lin(x) * 2)(torch.randn(4, 16)).graph_break_count == 0
+
+
+@pytest.mark.parametrize("method", ["fbcache", "taylorseer"])
+def test_adapters_and_step_caches_share_a_batch_each_request_its_solo_bytes(setup, method):
+    """Cached rows run (or skip) the tower under their own adapter: a request with both, beside
+    requests with one or neither, gives its solo bytes; the adapter still changes what it draws."""
+    pipe, kvs, _, _ = setup
+    cached = {"cache": method, "cache_threshold": 0.3}
+    reqs = [make(kvs, 0, 64, 64, 12, 1, **cached), make(kvs, 1, 64, 96, 12, 2, **cached),
+            make(kvs, 2, 64, 64, 12, 3), make(kvs, 0, 96, 64, 12, 4, enable_cfg=False, **cached)]
+    for r, (name, scale) in zip(reqs, [("style_a", 1.0), (None, 1.0), ("style_b", 0.6), ("style_a", -0.5)]):
+        r.lora, r.lora_scale = name, scale
+    solo = [run_batch(pipe, [r])[0] for r in reqs]
+    for i, got in enumerate(run_batch(pipe, reqs, {0: [0, 1], 2: [2, 3]})):
+        assert_pixels_match(got, solo[i], f"request {i} ({reqs[i].lora}, {reqs[i].sampling.cache})")
+    assert (solo[0] != run_batch(pipe, [replace(reqs[0], lora=None)])[0]).mean() > 0.2  # the adapter matters

@@ -137,5 +137,5 @@ def test_contract_table_is_complete():
     assert set(INPUT_SPECS) == {
         "COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND", "SIZE", "SEED", "RNG_STATE", "NOISE",
         "TASK", "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT", "STEPS", "OUTPUT_FORMAT", "RESIZE",
-        "IMAGE_GUIDANCE_SCALE", "IMAGE_KV", "INDEX_OFFSET_IMAGE", "LORA", "LORA_SCALE"}
+        "IMAGE_GUIDANCE_SCALE", "IMAGE_KV", "INDEX_OFFSET_IMAGE", "LORA", "LORA_SCALE", "CACHE", "CACHE_THRESHOLD"}
     assert [n for n, s in INPUT_SPECS.items() if not s.optional] == ["COND_KV", "INDEX_OFFSET_COND"]

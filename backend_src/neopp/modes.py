@@ -17,6 +17,9 @@ CFG_NORMS = ("global", "channel", "none")
 OUTPUT_FORMATS = ("jpeg", "png", "webp")
 TASKS = ("t2i", "i2i")
 MAX_STEPS_HARD = 1000
+# Per-request step caches (neopp.sampling.step_cache): off, first-block residual difference, and a
+# forecast of the tower's residual (TaylorSeer, first order) decided before the tower.
+CACHE_METHODS = ("off", "fbcache", "taylorseer")
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,8 @@ class SamplingParams:
     cfg_norm: str = "global"
     output_format: str = "jpeg"
     image_guidance_scale: float = 1.0
+    cache: str = "off"
+    cache_threshold: float | None = None  # None: the method's documented default
 
     def __post_init__(self) -> None:
         self.check()
@@ -64,9 +69,23 @@ class SamplingParams:
         if abs(self.image_guidance_scale) > CFG_SCALE_MAX_ABS:
             raise InputError(f"image_guidance_scale: must be within -{CFG_SCALE_MAX_ABS:g}..{CFG_SCALE_MAX_ABS:g}, "
                              f"got {self.image_guidance_scale:g}")
+        self.check_cache()
         if self.image_guidance_scale != 1.0 and not self.enable_cfg:
             raise InputError(f"image_guidance_scale: {self.image_guidance_scale:g} refused; guidance is disabled "
                              "(enable_cfg false, e.g. the 8-step mode), only 1.0 is accepted")
+
+    def check_cache(self) -> None:
+        """A known method; a threshold, when given, in (0, 1] (a relative change: 1 is already a
+        picture that drifts by its own size)."""
+        if self.cache not in CACHE_METHODS:
+            raise InputError(f"cache: unknown method {shown(self.cache)}; expected one of {CACHE_METHODS}")
+        t = self.cache_threshold
+        if t is None:
+            return
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or not 0.0 < t <= 1.0:
+            raise InputError(f"cache_threshold: must be a number in (0, 1], got {shown(t)}")
+        if self.cache == "off":
+            raise InputError(f"cache_threshold: {t:g} given with cache off; choose a method in cache too")
 
     def replace(self, **overrides: Any) -> SamplingParams:
         """A validated copy; `None` values keep the current field."""
@@ -102,12 +121,29 @@ class ModeSpec:
     lora_configs: tuple[dict, ...] = ()
     default_size: tuple[int, int] = (1024, 1024)
     sizes: TrainedSizes = TrainedSizes()  # narrows the checkpoint's trained sizes (none: no narrowing)
+    cache_methods: tuple[str, ...] | None = None  # step caches offered (None: every one the layout supports)
 
     @property
     def world_size(self) -> int:
         return self.cfg_p_size * self.seq_p_size
 
+    @property
+    def step_caches(self) -> tuple[str, ...]:
+        """The step caches a request may ask for: none on Ulysses ranks (each would decide on its
+        own token shard, and the ranks must agree), else ``cache_methods`` or every method."""
+        if self.seq_p_size > 1:
+            return ()
+        return CACHE_METHODS[1:] if self.cache_methods is None else self.cache_methods
+
     def check(self) -> None:
+        if self.cache_methods:
+            unknown = [m for m in self.cache_methods if m not in CACHE_METHODS[1:]]
+            if unknown:
+                raise ConfigError(f"mode {self.name}: cache_methods: unknown method {unknown[0]!r}; "
+                                  f"expected some of {CACHE_METHODS[1:]}")
+            if self.seq_p_size > 1:
+                raise ConfigError(f"mode {self.name}: cache_methods: a step cache is not offered with Ulysses "
+                                  "(seq_p_size > 1): each rank would decide on its own token shard; list none")
         if self.version not in ("dense", "moe"):
             raise ConfigError(f"mode {self.name}: 'version' must be 'dense' or 'moe', got {self.version!r}")
         if self.cfg_p_size not in (1, 2):

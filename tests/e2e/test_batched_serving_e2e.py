@@ -38,7 +38,17 @@ def mixed_requests(model: str) -> list[dict]:
          "CFG_SCALE": np.array([1.0], F32), "INDEX_OFFSET_COND": np.array([11], I64)},  # another prefix
         {"SEED": np.array([6], I64), "IMAGE_KV": (image_kv, "BF16"), "INDEX_OFFSET_IMAGE": np.array([15], I64),
          "IMAGE_GUIDANCE_SCALE": np.array([image_scale], F32), "TASK": np.array([b"i2i"], np.object_)},  # editing
+        *cached_requests(model),
     ]
+
+
+def cached_requests(model: str) -> list[dict]:
+    """Requests with a step cache, on the models that offer one (not the 8-step or Ulysses ones): each
+    reuses on some steps (threshold 0.3 on the tiny weights) and decides from its own state alone."""
+    if model in ("neopp_dense_8steps", "neopp_dense_cfg_seq"):
+        return []
+    return [{"SEED": np.array([7], I64), "STEPS": np.array([12], I64), "CACHE": np.array([method], np.object_),
+             "CACHE_THRESHOLD": np.array([0.3], F32)} for method in (b"fbcache", b"taylorseer")]
 
 
 def image(result) -> bytes:

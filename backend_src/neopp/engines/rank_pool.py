@@ -25,7 +25,7 @@ from ..model.checkpoint import default_dtype
 from ..model.checkpoint_config import CheckpointConfig
 from ..parallel.rank_step import rank_request
 from ..request import GenerationRequest
-from ..sampling.plan import RequestRules
+from ..sampling.plan import RequestRules, check_cache
 from ..sampling.sampler import StepEvent
 from .engine import CancelledFn, EmitFn, EngineHooks, QueuedEngine, Ticket, closed_error, is_cancelled, send
 from .lifeline import silent_rank, start_processes
@@ -183,6 +183,7 @@ class RankPool(QueuedEngine):
     # ---- requests -----------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
         self.rules.validate(req)
+        check_cache(self.mode, req.sampling)
 
     def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
         ticket = self._ticket(req, emit, cancelled, preview_every)

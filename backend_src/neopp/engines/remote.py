@@ -110,6 +110,10 @@ def request_inputs(req: GenerationRequest) -> list[Any]:
     ]
     if s.image_guidance_scale != 1.0:
         inputs.append(_array("IMAGE_GUIDANCE_SCALE", np.array([s.image_guidance_scale], np.float32)))
+    if s.cache != "off":
+        inputs.append(_text("CACHE", s.cache))
+        if s.cache_threshold is not None:
+            inputs.append(_array("CACHE_THRESHOLD", np.array([s.cache_threshold], np.float32)))
     return inputs
 
 

@@ -75,14 +75,18 @@ class NeoPPTransformer:
             cond = cond + self.ns_embed(noise_scale / self.config.noise_scale_max_value, tokens.dtype)
         return tokens + cond
 
-    def run_layers(self, hid: torch.Tensor, branch: BranchContext, eager: bool = False) -> torch.Tensor:
+    def run_layers(self, hid: torch.Tensor, branch: BranchContext | BatchedBranches, layers: range | None = None,
+                   eager: bool = False) -> torch.Tensor:
+        """The decoder layers (``layers``: a contiguous part of them, as a step cache runs; ``eager``:
+        the plain layer functions, never compiled ones, as a step carrying adapters runs)."""
         heads = (self.config.num_heads, self.config.num_kv_heads, self.config.head_dim)
         eps = self.config.rms_norm_eps  # upstream ties every norm of the tower (q/k ones too) to it
         # Row-major like a batch's concatenation: a transposed view (the patch embedding's) would
         # reduce and multiply in another order than the same rows inside a batch.
         hid = hid.contiguous()
         before, after = (attention_inputs, layer_output) if eager else self.layer_parts
-        for i, layer in enumerate(self.layers):
+        for i in range(len(self.layers)) if layers is None else layers:
+            layer = self.layers[i]
             q, k, v = before(layer, hid, branch.rope, heads, eps)
             hid = after(layer, hid, branch.attend(i, q, k, v), eps)
         return hid

@@ -21,7 +21,9 @@ from ..model.embeddings import patchify, unpatchify
 from ..model.transformer import BatchedBranches, BranchContext
 from ..request import GenerationRequest
 from .pipeline import NeoPPPipeline, Prepared
+from .plan import check_cache
 from .sampler import StepEvent, to_pixels
+from .step_cache import RequestCache, Row, new_cache, run_tower, skipping_branches
 
 # Velocity of (request index in the batch, branch index in its step plan).
 BranchKey = tuple[int, int]
@@ -40,6 +42,7 @@ class Active:
     k: int = 0
     submitted: float = field(default_factory=time.monotonic)
     adapter: Adapter | None = None  # the request's LoRA, held while it runs (even once evicted)
+    cache: RequestCache | None = None  # its step cache (None: off)
 
     @property
     def total(self) -> int:
@@ -54,17 +57,20 @@ def start(pipe: NeoPPPipeline, job: int, req: GenerationRequest, preview_every: 
     """Prepare a request's branches and its starting state (as `NeoPPPipeline.sample` does)."""
     if not isinstance(preview_every, int) or preview_every < 0:
         raise InputError(f"preview_every: must be a non-negative integer, got {preview_every!r}")
+    check_cache(pipe.mode, req.sampling)
     adapter = pipe.adapter(req)
     prep = pipe.prepare(req)
     x = prep.sampler.start(req, pipe.device)
     z = patchify(x, prep.grid.token_size)
     return Active(job, req, prep, z, x, preview_every, 0, submitted if submitted is not None else time.monotonic(),
-                  adapter)
+                  adapter, new_cache(req.sampling))
 
 
 def step_cost(pipe: NeoPPPipeline, a: Active) -> int:
-    """Tokens the layers carry for this request at its next step: tokens x branches."""
-    return a.prep.grid.num_tokens * len(pipe.step_branches(a.prep, a.k))
+    """Tokens the layers carry for this request at its next step: tokens x branches that run them
+    (a branch that reuses its cached residual carries none)."""
+    branches = len(pipe.step_branches(a.prep, a.k)) - skipping_branches(pipe, a.cache, a.x, a.prep, a.k)
+    return a.prep.grid.num_tokens * branches
 
 
 def adapter_rows(batch: list[Active], owners: list[int], sizes: list[int]) -> tuple[RowGroup, ...]:
@@ -113,9 +119,15 @@ class StepBatcher:
         if owned:
             hids = {i: pipe.embed(batch[i].x, batch[i].prep, batch[i].k) for i in sorted({i for i, _, _ in owned})}
             inputs = [self.layer_input(hids[i], b) for i, _, b in owned]
-            groups = adapter_rows(batch, [i for i, _, _ in owned], [t.shape[0] for t in inputs])
-            hidden = pipe.run_layers(torch.cat(inputs), BatchedBranches([b for _, _, b in owned]), groups)
-            for (i, j, b), h in zip(owned, hidden.split([t.shape[0] for t in inputs])):
+            if any(batch[i].cache is not None for i, _, _ in owned):  # some rows may reuse (step_cache)
+                names = {i: pipe.step_branch_names(batch[i].prep, batch[i].k) for i, _, _ in owned}
+                hidden = run_tower(pipe, [Row(batch[i].cache, names[i][j], batch[i].k, h, b, batch[i].adapter,
+                                              batch[i].req.lora_scale) for (i, j, b), h in zip(owned, inputs)])
+            else:
+                groups = adapter_rows(batch, [i for i, _, _ in owned], [t.shape[0] for t in inputs])
+                hidden = pipe.run_layers(torch.cat(inputs), BatchedBranches([b for _, _, b in owned]), groups)
+                hidden = hidden.split([t.shape[0] for t in inputs])
+            for (i, j, b), h in zip(owned, hidden):
                 a = batch[i]
                 out[i, j] = pipe.head_velocity(self.layer_output(h, b), a.z, a.prep, a.k)
         return plans, self.exchange(batch, plans, out)

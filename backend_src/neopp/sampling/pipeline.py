@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError, GenerationCancelled
+from ..errors import ConfigError, GenerationCancelled, InputError
 from ..limits import Limits
 from ..model.adapter_store import DEFAULT_MAX_BYTES, AdapterDirectory, AdapterStore
 from ..model.adapters import Adapter, RowGroup, build_adapter, row_adapters, tower_linears
@@ -30,7 +30,7 @@ from ..model.transformer import BatchedBranches, BranchContext, LinearFactory, N
 from ..modes import TASKS, ModeSpec, SamplingParams
 from ..request import GenerationRequest
 from .guidance import COND, UNCOND, combine
-from .plan import RequestRules, StepPlan, step_plan
+from .plan import RequestRules, StepPlan, check_cache, step_plan
 from .sampler import FlowSampler, to_pixels
 from .schedule import initial_noise_scale
 
@@ -137,6 +137,7 @@ class NeoPPPipeline:
     def validate(self, req: GenerationRequest) -> None:
         """Every rule a request can break, checked before any heavy work (see RequestRules)."""
         self.rules.validate(req)
+        check_cache(self.mode, req.sampling)
 
     def close(self) -> None:
         """Drop the graphs (the worker pool stops its ranks here)."""
@@ -172,14 +173,17 @@ class NeoPPPipeline:
         return self.head_velocity(self.run_layers(hid, branch), z, prep, k)
 
     def run_layers(self, hid: torch.Tensor, branches: BranchContext | BatchedBranches,
-                   adapters: tuple[RowGroup, ...] = ()) -> torch.Tensor:
-        """The decoder layers, through a CUDA graph where the model has them; a step carrying
-        adapters runs eagerly (a graph or a compiled layer holds only the base computation)."""
+                   adapters: tuple[RowGroup, ...] = (), layers: range | None = None) -> torch.Tensor:
+        """The decoder layers (``layers``: a part of them, as a step cache runs), through a CUDA graph
+        where the model has them; a step carrying adapters runs eagerly (a graph or a compiled layer
+        holds only the base computation)."""
         if adapters:
             with row_adapters(adapters):
-                return self.transformer.run_layers(hid, branches, eager=True)
+                return self.transformer.run_layers(hid, branches, layers, eager=True)
         if ROW_ADAPTERS.get():  # a whole request under its adapter (``sample``)
-            return self.transformer.run_layers(hid, branches, eager=True)
+            return self.transformer.run_layers(hid, branches, layers, eager=True)
+        if layers is not None:
+            return self.transformer.run_layers(hid, branches, layers)
         graphs = self.layer_graphs
         return self.transformer.run_layers(hid, branches) if graphs is None else graphs(hid, branches)
 
@@ -240,6 +244,8 @@ class NeoPPPipeline:
     def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
                prep: Prepared | None = None) -> torch.Tensor:
         """Run every step; the state stays float32 whatever the run dtype."""
+        if req.sampling.cache != "off":  # the cache's state lives in the step batcher's requests
+            raise InputError(f"cache: {req.sampling.cache!r} runs only in a step-batching engine; send cache off")
         adapter = self.adapter(req)
         prep = prep or self.prepare(req)
         groups = () if adapter is None else (RowGroup(0, None, adapter, req.lora_scale),)

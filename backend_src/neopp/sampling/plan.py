@@ -18,7 +18,7 @@ from ..errors import InputError, shown
 from ..limits import Limits
 from ..model.checkpoint_config import CheckpointConfig
 from ..model.kv_cache import validate_kv
-from ..modes import TASKS, SamplingParams
+from ..modes import TASKS, ModeSpec, SamplingParams
 from ..request import COND, UNCOND, GenerationRequest, check_offset, check_side_bounds, check_steps
 from .guidance import guidance_plan, guided_branches
 from .schedule import shifted_timesteps
@@ -140,3 +140,21 @@ class RequestRules:
         if max(height, width) // self.config.patch_size > max_patches:
             raise InputError(f"{field}: {max(height, width)} pixels exceed the vision positions of the checkpoint "
                              f"({max_patches} patches of {self.config.patch_size})")
+
+
+CACHE_MIN_STEPS = 10  # a step cache on fewer steps (a distilled sampler): no step to spare
+
+
+def check_cache(mode: ModeSpec, sampling: SamplingParams) -> None:
+    """The cache a request asks for must be one this model offers, on enough steps."""
+    if sampling.cache == "off":
+        return
+    offered = mode.step_caches
+    if sampling.cache not in offered:
+        why = ("its Ulysses ranks would each decide on a shard of the tokens" if mode.seq_p_size > 1
+               else "its config parameter cache_methods does not list it")
+        raise InputError(f"cache: {sampling.cache!r} is not offered by this model (mode {mode.name}: {why}); "
+                         f"offered: {['off', *offered]}")
+    if sampling.infer_steps < CACHE_MIN_STEPS:
+        raise InputError(f"cache: needs at least {CACHE_MIN_STEPS} steps, got {sampling.infer_steps} "
+                         "(a few-step sampler has no step to spare); send cache off")

@@ -28,6 +28,9 @@ See :data:`PARAMETER_DEFAULTS`:
   a 400 naming them; ``true`` draws them anyway (they come out as noise, not a worse picture).
   Env ``NEOPP_ALLOW_UNTRAINED_SIZES`` replaces the default. ``max_steps`` is the one step limit:
   the server, ``/v1`` and the playground all hold it (at most 1000, the sampler's own bound);
+* ``cache_methods``: the step caches a request may ask for (``CACHE``), comma-separated:
+  ``auto`` (default: every method the layout supports, none with Ulysses ranks) or a list,
+  empty for none (``neopp_dense_8steps``: eight distilled steps have none to spare);
 * ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.engines.warmup`),
   so the first request is as fast as the next ones; ``false`` skips it.
 * step batching (docs/performance.md): ``token_budget``, the image tokens x branches one
@@ -55,6 +58,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -88,6 +92,7 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "max_queued": str(DEFAULT_MAX_QUEUED),
     "patience": str(DEFAULT_PATIENCE),
     "engine_model": "",
+    "cache_methods": "auto",
     # The server's environment may set these for every model whose config does not.
     "cuda_graphs": os.environ.get("NEOPP_CUDA_GRAPHS", "auto"),
     "attention_kernel": os.environ.get("NEOPP_ATTENTION_KERNEL", "auto"),
@@ -188,6 +193,7 @@ class TritonModelSettings:
     lora_max_bytes: int = 1 << 30
     speed_params: tuple[str, str, int, str] = ("auto", "auto", 8, "off")  # SpeedOptions' fields
     untrained_sizes: bool = False
+    cache_methods: tuple[str, ...] | None = None  # None: every method the mode supports
 
     @staticmethod
     def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
@@ -224,6 +230,7 @@ class TritonModelSettings:
             lora_max_bytes=int_param(params, "lora_max_bytes"),
             speed_params=(params["cuda_graphs"].strip().lower(), params["attention_kernel"].strip().lower(),
                           int_param(params, "max_graphs"), params["compile_layers"].strip().lower()),
+            cache_methods=_cache_methods(params["cache_methods"]),
         )
 
 
@@ -260,6 +267,12 @@ def _engine_model(value: str, own_name: str) -> str:
     return name
 
 
+def _cache_methods(value: str) -> tuple[str, ...] | None:
+    """``auto`` -> None; else the listed names (the mode checks them against what it supports)."""
+    text = value.strip().lower()
+    return None if text == "auto" else tuple(m.strip() for m in text.split(",") if m.strip())
+
+
 def _bool_param(params: Mapping[str, str], key: str) -> bool:
     value = params[key].strip().lower()
     if value not in ("true", "false", "1", "0"):
@@ -282,6 +295,8 @@ def load_model_mode(settings: TritonModelSettings) -> ModeSpec:
                 raise ConfigError(f"LoRA file {missing[0]} does not exist (lora_dir {settings.lora_dir}; "
                                   f"set parameter lora_dir or env {override} / NEOPP_LORA_DIR)")
             check_loras(generation_shapes(settings.checkpoint), mode.lora_configs)
+        mode = dc_replace(mode, cache_methods=settings.cache_methods)
+        mode.check()
         return CheckpointConfig.from_checkpoint(settings.checkpoint).fit(mode)
     except ConfigError as exc:
         raise ConfigError(f"model {settings.model_name}: {exc}") from exc

@@ -55,6 +55,8 @@ INPUT_SPECS: dict[str, TensorSpec] = {
     "INDEX_OFFSET_IMAGE": TensorSpec("TYPE_INT64", (1,)),
     "LORA": TensorSpec("TYPE_STRING", (1,)),
     "LORA_SCALE": TensorSpec("TYPE_FP32", (1,)),
+    "CACHE": TensorSpec("TYPE_STRING", (1,)),
+    "CACHE_THRESHOLD": TensorSpec("TYPE_FP32", (1,)),
 }
 OUTPUT_SPECS: dict[str, TensorSpec] = {
     "IMAGE": TensorSpec("TYPE_STRING", (1,)),
@@ -301,13 +303,13 @@ def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limit
         s["infer_steps"] = _int("STEPS", inputs["STEPS"])
         check_steps(s["infer_steps"], limits, "STEPS")
     for name, key in (("CFG_SCALE", "cfg_scale"), ("TIMESTEP_SHIFT", "timestep_shift"),
-                      ("IMAGE_GUIDANCE_SCALE", "image_guidance_scale")):
+                      ("IMAGE_GUIDANCE_SCALE", "image_guidance_scale"), ("CACHE_THRESHOLD", "cache_threshold")):
         if inputs.get(name) is not None:
             s[key] = float(_numeric(name, inputs[name], INPUT_SPECS[name])[0])
     if inputs.get("CFG_INTERVAL") is not None:
         s["cfg_interval"] = tuple(float(v) for v in _numeric("CFG_INTERVAL", inputs["CFG_INTERVAL"],
                                                              INPUT_SPECS["CFG_INTERVAL"]))
-    for name, key in (("CFG_NORM", "cfg_norm"), ("OUTPUT_FORMAT", "output_format")):
+    for name, key in (("CFG_NORM", "cfg_norm"), ("OUTPUT_FORMAT", "output_format"), ("CACHE", "cache")):
         if inputs.get(name) is not None:
             s[key] = _string(name, inputs[name], INPUT_SPECS[name]).lower()
     try:
@@ -320,7 +322,7 @@ def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limit
 SAMPLING_INPUT_NAMES = {
     "infer_steps": "STEPS", "cfg_scale": "CFG_SCALE", "timestep_shift": "TIMESTEP_SHIFT",
     "cfg_interval": "CFG_INTERVAL", "cfg_norm": "CFG_NORM", "output_format": "OUTPUT_FORMAT",
-    "image_guidance_scale": "IMAGE_GUIDANCE_SCALE",
+    "image_guidance_scale": "IMAGE_GUIDANCE_SCALE", "cache": "CACHE", "cache_threshold": "CACHE_THRESHOLD",
 }
 # GenerationRequest field -> input name: the core's errors name fields, clients know inputs.
 REQUEST_INPUT_NAMES = {

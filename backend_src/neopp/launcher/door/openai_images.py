@@ -3,7 +3,8 @@
 What every OpenAI SDK, LangChain or Open WebUI sends for an image is answered from the prompt
 model (``neopp_t2i``: the prompt encoder, then the generation model named by ``model``), so a
 client written for OpenAI draws with NeoPP unchanged. Our extensions ride in the same body:
-``seed``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``. Errors have OpenAI's
+``seed``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``cache`` and
+``cache_threshold`` (the step cache; the model checks the method it offers). Errors have OpenAI's
 shape (``{"error": {"message", "type", "param", "code"}}``) and name the parameter.
 """
 
@@ -39,9 +40,11 @@ EDITING = ("Image editing is not served over /v1/images: this server edits from 
            "task 'i2i') on the generation models' own routes; see docs/contract.md, 'Inputs of every "
            "generation model'")
 MAX_USER = 256
+MAX_CACHE_NAME = 32
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
               "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
-              "output_compression", "style", "lora", "lora_scale", *ACCEPTED_AND_IGNORED)
+              "output_compression", "style", "lora", "lora_scale", "cache",
+              "cache_threshold", *ACCEPTED_AND_IGNORED)
 MAX_LORA_NAME = 128  # the model checks the name's characters and that the adapter exists
 MAX_LORA_SCALE = 8.0
 ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # the stub's rule for an adapter name
@@ -79,6 +82,8 @@ class ImagesRequest:
     negative_prompt: str | None
     steps: int | None
     guidance_scale: float | None
+    cache: str | None = None
+    cache_threshold: float | None = None
     partial_images: int = 0
     progress: bool = False  # ours: a neopp.progress event after every step (with partial_images)
     lora: str | None = None  # ours: an adapter of the model's adapter directory, by name
@@ -147,6 +152,7 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
         raise OpenAIError(400, "'guidance_scale' must be a number from 0 to 100", "guidance_scale")
     seed = _int(doc, "seed", 0, 2**63 - MAX_IMAGES - 1, None)
     lora, lora_scale = _lora(doc)
+    cache, cache_threshold = _cache(doc)
     _ignored(doc)
     request = ImagesRequest(
         prompt=prompt, model=_text(doc, "model", DEFAULT_MODEL, 128) or DEFAULT_MODEL,
@@ -154,7 +160,7 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
         seed=secrets.randbelow(2**31) if seed is None else seed,
         negative_prompt=_text(doc, "negative_prompt", None), steps=_steps(doc.get("num_inference_steps")),
         guidance_scale=None if guidance is None else float(guidance), partial_images=partial, progress=progress,
-        lora=lora, lora_scale=lora_scale)
+        lora=lora, lora_scale=lora_scale, cache=cache, cache_threshold=cache_threshold)
     return request, stream
 
 
@@ -178,6 +184,16 @@ def _lora(doc: dict[str, Any]) -> tuple[str | None, float | None]:
     if lora is not None and not lora.strip():
         raise OpenAIError(400, "'lora' must name an adapter", "lora")
     return lora, None if scale is None else float(scale)
+
+
+def _cache(doc: dict[str, Any]) -> tuple[str | None, float | None]:
+    """``cache`` (a method name; which ones the model offers is the model's to say) and
+    ``cache_threshold`` (a number in (0, 1])."""
+    cache = _text(doc, "cache", None, MAX_CACHE_NAME)
+    threshold = doc.get("cache_threshold")
+    if threshold is not None and (type(threshold) not in (int, float) or not 0 < threshold <= 1):
+        raise OpenAIError(400, "'cache_threshold' must be a number in (0, 1]", "cache_threshold")
+    return cache, None if threshold is None else float(threshold)
 
 
 def _ignored(doc: dict[str, Any]) -> None:
@@ -244,6 +260,9 @@ def _sampling(wire: WireRequest, req: ImagesRequest, size: tuple[int, int] | Non
         _texts(wire, {"LORA": req.lora})
     if req.lora_scale is not None:
         _add(wire, "LORA_SCALE", "FP32", [1], np.array([req.lora_scale], "<f4").tobytes())
+    _texts(wire, {"CACHE": req.cache})
+    if req.cache_threshold is not None:
+        _add(wire, "CACHE_THRESHOLD", "FP32", [1], np.array([req.cache_threshold], "<f4").tobytes())
 
 
 def preview_plan(partial_images: int, steps: int | None) -> int:
@@ -270,7 +289,8 @@ def _add(wire: WireRequest, name: str, datatype: str, shape: list[int], raw: byt
 
 PARAMETER_OF_INPUT = {"PROMPT": "prompt", "NEGATIVE_PROMPT": "negative_prompt", "MODEL": "model", "SIZE": "size",
                       "STEPS": "num_inference_steps", "CFG_SCALE": "guidance_scale", "SEED": "seed",
-                      "OUTPUT_FORMAT": "output_format", "LORA": "lora", "LORA_SCALE": "lora_scale"}
+                      "OUTPUT_FORMAT": "output_format", "LORA": "lora", "LORA_SCALE": "lora_scale", "CACHE": "cache",
+                      "CACHE_THRESHOLD": "cache_threshold"}
 
 
 def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:
