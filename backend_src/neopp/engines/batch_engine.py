@@ -20,6 +20,7 @@ from ..sampling.batching import StepBatcher
 from ..sampling.pipeline import NeoPPPipeline
 from ..sampling.plan import RequestRules
 from ..sampling.sampler import StepEvent
+from ..sampling.step_cache import check_request
 from .engine import CancelledFn, EmitFn, EngineHooks, QueuedEngine, Ticket, closed_error, is_cancelled, send
 from .scheduler import Scheduler
 from .spec import DEFAULT_MAX_QUEUED, DEFAULT_TOKEN_BUDGET
@@ -68,6 +69,7 @@ class BatchingEngine(QueuedEngine):
 
     def validate(self, req: GenerationRequest) -> None:
         self.pipe.validate(req)
+        check_request(self.pipe.mode, req.sampling)
 
     def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
         ticket = self._ticket(req, emit, cancelled, preview_every)

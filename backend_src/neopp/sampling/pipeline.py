@@ -30,7 +30,6 @@ from .guidance import COND, UNCOND, combine
 from .plan import RequestRules, StepPlan, step_plan
 from .sampler import FlowSampler, to_pixels
 from .schedule import initial_noise_scale
-from .step_cache import check_request
 
 StopFn = Callable[[], bool]
 StepFn = Callable[[int, float], None]
@@ -118,7 +117,6 @@ class NeoPPPipeline:
     def validate(self, req: GenerationRequest) -> None:
         """Every rule a request can break, checked before any heavy work (see RequestRules)."""
         self.rules.validate(req)
-        check_request(self.mode, req.sampling)
 
     def close(self) -> None:
         """Drop the graphs (the worker pool stops its ranks here)."""
