@@ -29,6 +29,8 @@ SECTIONS = [
     ("modes", "modes_bench", lambda out: ["--out", out], "modes.md", "Modes: FP8 memory, step time, MoE dispatch"),
     ("lora", "lora_adapters", lambda out: ["--out", out], "lora_adapters.md",
      "LoRA per request: step cost of mixed adapters, adapter memory"),
+    ("step_cache", "step_cache", lambda out: ["--out", out], "step_cache.md",
+     "Step caches: quality and speed against full compute"),
     ("kv_ingest", "kv_ingest", lambda out: ["--out", str(Path(out) / "kv_ingest.md")], "kv_ingest.md",
      "KV ingest: gRPC vs system shared memory"),
     ("http_door", "http_door", lambda out: ["--out", str(Path(out) / "http_door.md")], "http_door.md",
