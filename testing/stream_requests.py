@@ -79,3 +79,25 @@ class Collector:
             self.cancel = True
         if ev.last:
             self.done.set()
+
+
+def run_step_batch(pipe: NeoPPPipeline, reqs: list[GenerationRequest],
+                   joins: dict[int, list[int]] | None = None) -> tuple[list[np.ndarray], list]:
+    """Every request through one StepBatcher, each joining at its step boundary in ``joins``
+    (default: all at once); their finals in order, and their running state (``Active``)."""
+    from neopp.sampling.batching import StepBatcher, start
+
+    joins = joins or {0: list(range(len(reqs)))}
+    batcher, active, finals, started, boundary = StepBatcher(pipe), [], {}, {}, 0
+    while active or any(b >= boundary for b in joins):
+        for i in joins.get(boundary, []):
+            started[i] = start(pipe, i, reqs[i])
+            active.append(started[i])
+        events = batcher.step(active)
+        for a, ev in zip(active, events):
+            assert ev.error is None, ev.error
+            if ev.final is not None:
+                finals[a.job] = ev.final
+        active = [a for a, ev in zip(active, events) if not ev.last]
+        boundary += 1
+    return [finals[i] for i in range(len(reqs))], [started[i] for i in range(len(reqs))]

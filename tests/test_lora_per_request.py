@@ -17,9 +17,8 @@ from neopp.model.adapters import RowGroup, build_adapter, row_adapters, tower_li
 from neopp.model.layers import Linear
 from neopp.model.quant import FP8Linear, dequantize_fp8, quantize_fp8
 from neopp.modes import ModeSpec
-from neopp.sampling.batching import StepBatcher, start
 from neopp.sampling.pipeline import NeoPPPipeline
-from testing.stream_requests import assert_pixels_match, make, tiny_setup
+from testing.stream_requests import assert_pixels_match, make, run_step_batch, tiny_setup
 from testing.tiny_lora import write_adapter
 
 ATTN = ("q_proj_mot_gen", "k_proj_mot_gen", "v_proj_mot_gen", "o_proj_mot_gen")
@@ -107,18 +106,7 @@ def test_tower_unmerged_equals_the_float64_merged_model(setup):
 # ---- step batches: mixed adapters equal solo bytes; absent equals today's bytes ---------
 
 def run_batch(pipe, reqs, joins=None):
-    joins = joins or {0: list(range(len(reqs)))}
-    batcher, active, finals, boundary = StepBatcher(pipe), [], {}, 0
-    while active or boundary in joins:
-        active += [start(pipe, i, reqs[i]) for i in joins.get(boundary, [])]
-        events = batcher.step(active)
-        for a, ev in zip(active, events):
-            assert ev.error is None, ev.error
-            if ev.final is not None:
-                finals[a.job] = ev.final
-        active = [a for a, ev in zip(active, events) if not ev.last]
-        boundary += 1
-    return [finals[i] for i in range(len(reqs))]
+    return run_step_batch(pipe, reqs, joins)[0]
 
 
 def lora_requests(kvs):

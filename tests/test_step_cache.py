@@ -21,7 +21,7 @@ from neopp.sampling.batching import StepBatcher, start, step_cost
 from neopp.sampling.plan import check_cache
 from neopp.sampling.sampler import to_pixels
 from neopp.sampling.step_cache import DEFAULT_THRESHOLDS, MAX_REUSE, new_cache
-from testing.stream_requests import assert_pixels_match, make, tiny_setup
+from testing.stream_requests import assert_pixels_match, make, run_step_batch, tiny_setup
 
 STEPS = 12
 
@@ -33,22 +33,9 @@ def setup(tmp_path_factory):
 
 
 def run_batch(pipe, reqs, joins=None):
-    """Every request through one StepBatcher, joining at the given boundaries; finals and caches."""
-    joins = joins or {0: list(range(len(reqs)))}
-    batcher, active, finals, caches, boundary = StepBatcher(pipe), [], {}, {}, 0
-    while active or any(b >= boundary for b in joins):
-        for i in joins.get(boundary, []):
-            a = start(pipe, i, reqs[i])
-            caches[i] = a.cache
-            active.append(a)
-        events = batcher.step(active)
-        for a, ev in zip(active, events):
-            assert ev.error is None, ev.error
-            if ev.final is not None:
-                finals[a.job] = ev.final
-        active = [a for a, ev in zip(active, events) if not ev.last]
-        boundary += 1
-    return finals, caches
+    """Finals in order and each request's cache (None: off)."""
+    finals, started = run_step_batch(pipe, reqs, joins)
+    return finals, [a.cache for a in started]
 
 
 def rel(new, old):
