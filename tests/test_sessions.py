@@ -24,19 +24,19 @@ def table(max_sessions: int = 4, idle: float = 10.0, clock: Clock | None = None)
 def test_first_turn_seeded_then_continues_then_restarts_on_seed() -> None:
     t = table()
     s = t.start(1, seed=200)
-    assert t.plan(s, None).seed == 200
+    assert t.next_turn(s, None).seed == 200
     assert t.commit(s, b"state-a", "neopp_dense") == 0
-    p = t.plan(t.get(1), None)
+    p = t.next_turn(t.get(1), None)
     assert (p.seed, p.rng_state) == (None, b"state-a")
     assert t.commit(s, b"state-b", "neopp_dense") == 1
-    assert t.plan(s, 201).seed == 201 and t.plan(s, 201).rng_state is None
+    assert t.next_turn(s, 201).seed == 201 and t.next_turn(s, 201).rng_state is None
 
 
 def test_first_turn_without_seed_uses_default_and_failed_turn_changes_nothing() -> None:
     t = table()
     s = t.start(5)
-    assert t.plan(s, None).seed == 7
-    assert t.plan(t.get(5), None).seed == 7  # nothing committed: the retry draws the same noise
+    assert t.next_turn(s, None).seed == 7
+    assert t.next_turn(t.get(5), None).seed == 7  # nothing committed: the retry draws the same noise
     assert s.turn == 0
 
 
@@ -119,7 +119,7 @@ def test_restarting_an_id_starts_over() -> None:
     s = t.start(3, seed=1)
     t.commit(s, b"x", "m")
     s2 = t.start(3, seed=2)
-    assert s2.turn == 0 and t.plan(s2, None).seed == 2 and len(t) == 1
+    assert s2.turn == 0 and t.next_turn(s2, None).seed == 2 and len(t) == 1
 
 
 def test_bad_bounds_are_configuration_errors() -> None:

@@ -293,7 +293,7 @@ class SessionTritonModel:
             if model not in self.allowed:
                 raise InputError(f"MODEL: {shown(model)} is not a generation model this server offers; "
                                  f"expected one of {list(self.allowed)}")
-            plan = self.table.plan(session, seed)
+            plan = self.table.next_turn(session, seed)
             result = self._generate(model, inputs, plan)
             if result.has_error():
                 self.logger.log_warn(f"{self.model_name}: session {session_id}: {model} refused the turn: "

@@ -209,7 +209,7 @@ class SessionTable:
     # ------------------------------------------------------------------ turns
 
     @staticmethod
-    def plan(session: Session, seed: int | None) -> TurnPlan:
+    def next_turn(session: Session, seed: int | None) -> TurnPlan:
         """A turn's SEED restarts the stream; without one the session's stream continues."""
         if seed is not None:
             return TurnPlan(seed=int(seed), rng_state=None)
