@@ -29,8 +29,8 @@ from ..shm_regions import PREFIX_HEAD
 from . import auth, generate, kserve_infer, parse_jobs, strict_json
 from .auth import ClientRegions
 from .body import BodyReader, ByteBudget, drainer
+from .door_error import DoorError, invalid
 from .door_metrics import DoorMetrics
-from .errors import DoorError, invalid
 from .health_poll import HealthCache
 from .limits import DoorLimits
 from .parse_jobs import Parser

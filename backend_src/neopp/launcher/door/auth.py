@@ -17,7 +17,7 @@ import secrets
 from typing import Any
 
 from ..admin import KEY_HEADER
-from .errors import DoorError
+from .door_error import DoorError
 
 KEY_FORMAT = re.compile(r"^[A-Za-z0-9_-]{16,256}$")
 RESTRICTED = f"This API is restricted, expecting header '{KEY_HEADER}'"  # Triton's own words

@@ -20,7 +20,7 @@ import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from .errors import DoorError
+from .door_error import DoorError
 from .limits import BYTE_COUNT, DoorLimits, KiB, MiB, RouteCap
 from .strict_json import ValueCounter
 

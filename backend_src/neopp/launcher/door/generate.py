@@ -15,7 +15,7 @@ from typing import Any
 from tritonclient.grpc import service_pb2 as pb
 
 from . import strict_json, tensors
-from .errors import invalid
+from .door_error import invalid
 from .kserve_infer import set_parameter
 from .wire import WireRequest
 

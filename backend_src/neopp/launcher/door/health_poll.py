@@ -11,7 +11,7 @@ import asyncio
 import time
 
 from . import strict_json
-from .errors import DoorError
+from .door_error import DoorError
 from .upstream import ControlResponse, Upstream
 
 PATHS = ("/v2/health/live", "/v2/health/ready")

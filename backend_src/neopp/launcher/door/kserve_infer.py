@@ -15,7 +15,7 @@ from typing import Any
 from tritonclient.grpc import service_pb2 as pb
 
 from . import strict_json, tensors
-from .errors import DoorError, invalid
+from .door_error import DoorError, invalid
 from .limits import BYTE_COUNT
 from .wire import WireRequest
 

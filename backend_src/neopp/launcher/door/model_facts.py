@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from . import triton_metrics
-from .errors import DoorError
+from .door_error import DoorError
 from .upstream import Upstream
 
 STREAM_SUFFIX = "_stream"

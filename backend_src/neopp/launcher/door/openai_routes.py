@@ -29,15 +29,15 @@ from starlette.responses import Response, StreamingResponse
 from . import auth, model_facts, parse_jobs, strict_json
 from . import openai_images as oa
 from .body import BodyReader
+from .door_error import DoorError
 from .door_metrics import DoorMetrics
-from .errors import DoorError
 from .model_facts import ModelFacts
 from .parse_jobs import Parser
 from .responses import error_answer
 from .upstream import Upstream
 
 
-class Door(Protocol):
+class ImagesDoor(Protocol):
     """What these routes use of the door that holds them (the door imports them, not the reverse)."""
 
     metrics: DoorMetrics
@@ -64,7 +64,7 @@ class Door(Protocol):
 class ImagesRoutes:
     """``POST /v1/images/generations`` and ``GET /v1/models`` for one door."""
 
-    def __init__(self, door: Door) -> None:
+    def __init__(self, door: ImagesDoor) -> None:
         self.door = door
         self.facts = ModelFacts(door.upstream, door.admin_key, door.metrics_address)
 

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from tritonclient.grpc import service_pb2 as pb
 
 from . import generate, kserve_infer, openai_images, strict_json
-from .errors import DoorError
+from .door_error import DoorError
 from .limits import KiB
 from .wire import WireRequest
 

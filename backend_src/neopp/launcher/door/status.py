@@ -15,7 +15,7 @@ import html
 from typing import Any
 
 from . import triton_metrics
-from .errors import DoorError
+from .door_error import DoorError
 from .upstream import Upstream
 
 WANTED = {"nv_inference_pending_request_count": "queued", "neopp_engine_requests": "in_flight",

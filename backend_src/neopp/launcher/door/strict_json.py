@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any
 
-from .errors import DoorError, invalid
+from .door_error import DoorError, invalid
 
 MAX_DEPTH = 32
 MAX_INT_DIGITS = 40  # UINT64's maximum has 20; Python refuses to read beyond 4300 digits

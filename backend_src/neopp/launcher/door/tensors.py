@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import invalid
+from .door_error import invalid
 
 NUMPY_TYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
                "UINT64": np.uint64, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,

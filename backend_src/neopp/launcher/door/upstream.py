@@ -22,7 +22,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from ..admin import FRONT_HEADER, GRPC_HEADER, KEY_HEADER, inference_metadata
-from .errors import DoorError
+from .door_error import DoorError
 from .wire import WireRequest
 
 MAX_MESSAGE = 1 << 30
