@@ -66,7 +66,7 @@ def test_the_openai_body_carries_cache_and_its_threshold():
 
 
 def test_cache_methods_parameter_and_what_a_mode_offers():
-    assert _cache_methods("auto") is None and _cache_methods("") == ()
+    assert _cache_methods("auto") is None and _cache_methods("") == () and _cache_methods("None") == ()
     assert _cache_methods(" FBCache, taylorseer ") == ("fbcache", "taylorseer")
     assert ModeSpec().step_caches == ("fbcache", "taylorseer")
     assert ModeSpec(cache_methods=("fbcache",)).step_caches == ("fbcache",)

@@ -132,7 +132,7 @@ def _limit_cases(triton):
     ]
 
 
-def test_limits_from_config_are_enforced(triton, own_server):
+def test_limits_from_config_are_enforced(triton, own_server, tmp_path):
     """Every limit is a config.pbtxt parameter: lowered ones are refused naming input and limit,
     values at the limits pass."""
     client = grpcclient.InferenceServerClient(own_server.grpc_url)
@@ -140,6 +140,10 @@ def test_limits_from_config_are_enforced(triton, own_server):
     try:
         config = client.get_model_config(MODEL, as_json=True)["config"]
         config["parameters"].update({k: {"string_value": str(v)} for k, v in LOW_LIMITS.items()})
+        # a mode whose default steps stay within the lowered max_steps (a model loads only then)
+        mode = json.loads((REPO_ROOT / "configs" / "neopp" / "neopp_dense.json").read_text())
+        (tmp_path / "mode.json").write_text(json.dumps({**mode, "infer_steps": LOW_LIMITS["max_steps"]}))
+        config["parameters"]["mode_file"] = {"string_value": str(tmp_path / "mode.json")}
         client.load_model(MODEL, config=json.dumps(config))
         at_limit = _valid(triton, SIZE=(np.array([32, 1536], np.int64), "INT64"),
                           STEPS=(np.array([6], np.int64), "INT64"),

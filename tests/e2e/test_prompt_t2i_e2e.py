@@ -243,10 +243,12 @@ def _cancelled(door_url: str) -> float:
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith("neopp_http_cancelled_total")))
 
 
-@pytest.mark.parametrize("body", [{"partial_images": 2, "num_inference_steps": 40}, {"n": 3}])
+@pytest.mark.parametrize("body", [{"partial_images": 2, "num_inference_steps": 40}])
 def test_a_v1_stream_whose_client_leaves_is_counted_as_cancelled(served: Served, openai_door: str, body):
-    """A client that leaves a stream after its first event: what it no longer waits for is
-    cancelled, and counted on the door's metrics."""
+    """A client that leaves a stream after its first event (a preview at about a third of the
+    steps): what it no longer waits for is cancelled, and counted on the door's metrics. (Not with
+    n > 1 alone: the n images run in one step batch and end together, so after the first one's
+    event there may be nothing left to cancel.)"""
     before = _cancelled(openai_door)
     host, port = openai_door.split("//")[1].split("/")[0].split(":")
     doc = {"prompt": PROMPT, "size": "64x64", "stream": True, "seed": 3, **body}

@@ -30,7 +30,7 @@ See :data:`PARAMETER_DEFAULTS`:
   the server, ``/v1`` and the playground all hold it (at most 1000, the sampler's own bound);
 * ``cache_methods``: the step caches a request may ask for (``CACHE``), comma-separated:
   ``auto`` (default: every method the layout supports, none with Ulysses ranks) or a list,
-  empty for none (``neopp_dense_8steps``: eight distilled steps have none to spare);
+  ``none`` for none (``neopp_dense_8steps``: eight distilled steps have none to spare);
 * ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.engines.warmup`),
   so the first request is as fast as the next ones; ``false`` skips it.
 * step batching (docs/performance.md): ``token_budget``, the image tokens x branches one
@@ -268,9 +268,12 @@ def _engine_model(value: str, own_name: str) -> str:
 
 
 def _cache_methods(value: str) -> tuple[str, ...] | None:
-    """``auto`` -> None; else the listed names (the mode checks them against what it supports)."""
+    """``auto`` -> None; ``none`` (or empty) -> no method; else the listed names (the mode checks them
+    against what it supports)."""
     text = value.strip().lower()
-    return None if text == "auto" else tuple(m.strip() for m in text.split(",") if m.strip())
+    if text == "auto":
+        return None
+    return () if text == "none" else tuple(m.strip() for m in text.split(",") if m.strip())
 
 
 def _bool_param(params: Mapping[str, str], key: str) -> bool:
