@@ -209,7 +209,8 @@ def test_triton_errors_keep_their_meaning_over_http() -> None:
     full = error(grpc.StatusCode.UNAVAILABLE, "[request id: <id_unknown>] Exceeds maximum queue size")
     assert full.status == 429 and full.headers == {"Retry-After": "1"}
     assert error(grpc.StatusCode.INVALID_ARGUMENT, "COND_KV: bad").status == 400
-    assert error(grpc.StatusCode.UNAVAILABLE, "model not ready").status == 503
+    gone = error(grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses")  # the server is restarting
+    assert gone.status == 503 and gone.headers == {"Retry-After": "2"}
     assert error(grpc.StatusCode.NOT_FOUND, "unknown session").status == 404
 
 

@@ -36,6 +36,7 @@ HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND:
 QUEUE_FULL = "Exceeds maximum queue size"
 SESSIONS_FULL = "session limit reached"  # neopp_session's refusal of a new session (it says when to retry)
 RETRY_AFTER = re.compile(r"retry after (\d{1,6}) s")
+RETRY_UNAVAILABLE_S = 2  # a stub is reloaded in seconds, a server restarted in tens of them
 
 
 def grpc_error(exc: grpc.aio.AioRpcError) -> DoorError:
@@ -45,6 +46,9 @@ def grpc_error(exc: grpc.aio.AioRpcError) -> DoorError:
         wait = RETRY_AFTER.search(message)
         return DoorError(429, message, reason="queue_full" if QUEUE_FULL in message else "sessions_full",
                          headers={"Retry-After": wait.group(1) if wait else "1"})
+    if exc.code() == grpc.StatusCode.UNAVAILABLE:  # gRPC's "try again": the server or its engine is
+        # going or coming back (a connection refused before the launcher has seen the exit, too)
+        return DoorError(503, message, reason="upstream", headers={"Retry-After": str(RETRY_UNAVAILABLE_S)})
     status = HTTP_STATUS.get(exc.code(), 400 if exc.code() == grpc.StatusCode.UNKNOWN else 500)
     return DoorError(status, message, reason="upstream")
 
