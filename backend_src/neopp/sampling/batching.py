@@ -73,6 +73,13 @@ def step_cost(pipe: NeoPPPipeline, a: Active) -> int:
     return a.prep.grid.num_tokens * branches
 
 
+def tower_input(pipe: NeoPPPipeline, a: Active) -> torch.Tensor:
+    """The request's tower input at its step (a cached request's cost check may have embedded it)."""
+    if a.cache is not None:
+        return a.cache.tower_input(pipe, a.x, a.prep, a.k)
+    return pipe.embed(a.x, a.prep, a.k)
+
+
 def adapter_rows(batch: list[Active], owners: list[int], sizes: list[int]) -> tuple[RowGroup, ...]:
     """The row groups of a step's concatenated inputs whose request carries an adapter."""
     groups, start_row = [], 0
@@ -117,7 +124,7 @@ class StepBatcher:
                                                        for j, b in enumerate(bs) if self.owns(j, b)]
         out: dict[BranchKey, torch.Tensor] = {}
         if owned:
-            hids = {i: pipe.embed(batch[i].x, batch[i].prep, batch[i].k) for i in sorted({i for i, _, _ in owned})}
+            hids = {i: tower_input(pipe, batch[i]) for i in sorted({i for i, _, _ in owned})}
             inputs = [self.layer_input(hids[i], b) for i, _, b in owned]
             if any(batch[i].cache is not None for i, _, _ in owned):  # some rows may reuse (step_cache)
                 names = {i: pipe.step_branch_names(batch[i].prep, batch[i].k) for i, _, _ in owned}

@@ -58,6 +58,14 @@ class RequestCache:
     branches: dict[str, BranchState] = field(default_factory=dict)
     computed: int = 0   # branch passes that ran the whole tower
     reused: int = 0     # branch passes answered from the cache
+    embedded: tuple[int, torch.Tensor] | None = None  # (step, tower input) the cost check embedded
+
+    def tower_input(self, pipe: NeoPPPipeline, x: torch.Tensor, prep: Prepared, k: int) -> torch.Tensor:
+        """Step k's tower input, embedded once per step (the scheduler's cost check and the step
+        both need it)."""
+        if self.embedded is None or self.embedded[0] != k:
+            self.embedded = (k, pipe.embed(x, prep, k))
+        return self.embedded[1]
 
     def state(self, name: str) -> BranchState:
         return self.branches.setdefault(name, BranchState())
@@ -141,7 +149,7 @@ def skipping_branches(pipe: NeoPPPipeline, cache: RequestCache | None, x: torch.
     without changing the state: the scheduler's cost of a request that reuses is nothing."""
     if cache is None or cache.method != "taylorseer":
         return 0
-    hid = pipe.embed(x, prep, k)
+    hid = cache.tower_input(pipe, x, prep, k)
     states = [cache.branches.get(name) for name in pipe.step_branch_names(prep, k)]
     return sum(st is not None and _taylor_skips(cache, st, hid, k) for st in states)
 
