@@ -228,10 +228,9 @@ class ImagesRoutes:
     async def _loras(self, name: str) -> list[str]:
         """The adapters a model offers: the files of its adapter directory (``NEOPP_LORA_DIR_<MODEL>``,
         else ``NEOPP_LORA_DIR``, else its config's absolute ``lora_dir``), listed off the event loop."""
-        answer = await self.door.upstream.control("GET", f"/v2/models/{name}/config", None, self.door.admin_key)
         try:
-            param = strict_json.loads(answer.body)["parameters"].get("lora_dir", {}).get("string_value", "")
-        except (DoorError, AttributeError, KeyError, TypeError, ValueError):
+            param = await self.door.upstream.config_parameter(name, "lora_dir", self.door.admin_key) or ""
+        except DoorError:  # unloaded since the index was read
             param = ""
         return await asyncio.to_thread(oa.adapter_names, oa.adapter_folder(name, os.environ, param))
 
