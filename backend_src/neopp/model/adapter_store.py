@@ -14,14 +14,14 @@ from __future__ import annotations
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..adapter_names import LISTED, MAX_NAME_CHARS, REFUSAL_LISTED, Listing, adapter_file, is_name, list_adapters
 from ..errors import ConfigError, InputError, shown
 from ..modes import SamplingParams
-from .safetensors_header import FileChanged, read_small, stamp_of, strict_json
+from .safetensors_header import FileChanged, check_size, read_small, stamp_of, strict_json
 
 METADATA_KEY = "neopp_sampling"  # safetensors metadata: a JSON object of recommended sampling values
 MAX_SIDECAR_BYTES = 64 << 10
@@ -86,10 +86,15 @@ class Remembered:
                 self._items.popitem(last=False)
         return value
 
-    def refuse(self, name: str, stamp: Any, exc: BaseException) -> InputError:
-        """The refusal of ``name``, remembered unless the file changed while it was read."""
+    def refuse(self, name: str, stamp: Any, exc: BaseException, now: Callable[[], Any]) -> InputError:
+        """The refusal of ``name``, remembered only while the file is still the one judged
+        (``now()``, its stamp again, equals ``stamp``): a file caught mid-rewrite is judged again."""
         error = refused(name, exc)
-        if not isinstance(exc, FileChanged):
+        try:
+            unchanged = not isinstance(exc, FileChanged) and now() == stamp
+        except OSError:
+            unchanged = False
+        if unchanged:
             self.put(name, stamp, error)
         return error
 
@@ -140,8 +145,12 @@ class AdapterDirectory:
         InputError naming LORA and the rule."""
         path = self.path(name)
         sidecar = adapter_file(self.folder, name, ".json")
+
+        def now() -> tuple[Any, Any]:
+            return stamp_of(path.stat()), None if sidecar is None else stamp_of(sidecar.stat())
+
         try:
-            stamp = (stamp_of(path.stat()), None if sidecar is None else stamp_of(sidecar.stat()))
+            stamp = now()
         except OSError as exc:
             raise refused(name, exc) from None
         known = self._judged.get(name, stamp)
@@ -150,7 +159,7 @@ class AdapterDirectory:
         try:
             return self._judged.put(name, stamp, self._recommended(path, sidecar))
         except (ConfigError, OSError) as exc:
-            raise self._judged.refuse(name, stamp, exc) from None
+            raise self._judged.refuse(name, stamp, exc, now) from None
 
     @staticmethod
     def _recommended(path: Path, sidecar: Path | None) -> dict[str, Any]:
@@ -217,6 +226,10 @@ class AdapterStore:
         held = self._held(name, stamp)
         if held is not None:
             return held
+        try:
+            check_size(stamp[2], self.max_bytes)  # its size alone: nothing of it is read
+        except ConfigError as exc:
+            raise refused(name, exc) from None
         with self._loading:
             return self._held(name, stamp) or self._read(name, path, stamp)
 
@@ -230,14 +243,18 @@ class AdapterStore:
 
     def _read(self, name: str, path: Path, stamp: Any) -> Any:
         recommended = self.directory.recommended(name)
+
+        def now() -> Any:
+            return stamp_of(path.stat())
+
         try:
             adapter = self._load(name, path, recommended, self.max_bytes)
         except (ConfigError, OSError) as exc:
-            raise self._refused.refuse(name, stamp, exc) from None
+            raise self._refused.refuse(name, stamp, exc, now) from None
         if adapter.nbytes > self.max_bytes:
             raise self._refused.refuse(name, stamp, ConfigError(
                 f"takes {adapter.nbytes} bytes, over this model's adapter memory bound of {self.max_bytes} "
-                "(parameter lora_max_bytes)"))
+                "(parameter lora_max_bytes)"), now)
         with self._lock:
             self._resident.pop(name, None)
             self._resident[name], self._stamps[name] = adapter, adapter.stamp or stamp

@@ -31,6 +31,7 @@ from .safetensors_header import (
     Header,
     Stamp,
     TensorEntry,
+    check_size,
     key_shown,
     open_regular,
     read_header,
@@ -177,14 +178,11 @@ def _judged(fd: int, header: Header) -> LoraHeader:
     return LoraHeader(plans, alphas, header.metadata, stamp_of(os.fstat(fd)))
 
 
-def judge_lora_file(path: Path, max_bytes: int | None = None) -> LoraHeader:
+def judge_lora_file(path: Path) -> LoraHeader:
     """A LoRA file judged from its header and its alphas alone; no factor byte is read."""
     fd = open_regular(path)
     try:
-        size = os.fstat(fd).st_size
-        if max_bytes is not None and size > max_bytes:
-            raise ConfigError(f"its file of {size} bytes is over the bound of {max_bytes} (parameter lora_max_bytes)")
-        return _judged(fd, read_header(fd, size))
+        return _judged(fd, read_header(fd, os.fstat(fd).st_size))
     finally:
         os.close(fd)
 
@@ -196,8 +194,7 @@ def read_lora_file(path: Path, judge: Callable[[LoraHeader], None] = lambda _: N
     fd = open_regular(path)
     try:
         size = os.fstat(fd).st_size
-        if max_bytes is not None and size > max_bytes:
-            raise ConfigError(f"its file of {size} bytes is over the bound of {max_bytes} (parameter lora_max_bytes)")
+        check_size(size, max_bytes)
         header = read_header(fd, size)
         judged = _judged(fd, header)
         judge(judged)

@@ -78,6 +78,12 @@ def stamp_of(info: os.stat_result) -> Stamp:
     return info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns
 
 
+def check_size(size: int, max_bytes: int | None) -> None:
+    """A file over ``max_bytes`` is refused from its size alone (the model's ``lora_max_bytes``)."""
+    if max_bytes is not None and size > max_bytes:
+        raise ConfigError(f"its file of {size} bytes is over the bound of {max_bytes} (parameter lora_max_bytes)")
+
+
 def open_regular(path: Path) -> int:
     """A read-only descriptor of a regular file (no FIFO waits, a link is not followed)."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
