@@ -77,7 +77,8 @@ def test_parallel_modes_apply_the_adapter_on_every_rank(triton: TritonHandle, mo
 
 
 @pytest.mark.parametrize("model, overrides, message", [
-    (MODEL, {"LORA": text("no_such_adapter")}, "LORA: no adapter named 'no_such_adapter' on this model; offered: ["),
+    (MODEL, {"LORA": text("no_such_adapter")},
+     "LORA: no adapter named 'no_such_adapter' on this model; offered: lora_B_A, "),
     (MODEL, {"LORA": text("../neopp_8steps_lora")}, "LORA: '../neopp_8steps_lora' is not an adapter name"),
     (MODEL, {"LORA_SCALE": np.array([0.5], np.float32)}, "LORA_SCALE: given without LORA"),
     (MODEL, {"LORA": text("lora_peft"), "LORA_SCALE": np.array([50.0], np.float32)}, "LORA_SCALE: must be"),
