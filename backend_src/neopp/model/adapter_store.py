@@ -15,6 +15,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,13 @@ def refused(name: str, exc: BaseException) -> InputError:
     return InputError(f"LORA: adapter {name!r} refused: {reason}")
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A remembered refusal's message."""
+
+    text: str
+
+
 class Remembered:
     """What was decided about each adapter's file (a value or a refusal), by file stamp: a bad
     file is judged once, not once per request; a file replaced in place is judged again."""
@@ -74,8 +82,8 @@ class Remembered:
             held = self._items.get(name)
         if held is None or held[0] != stamp:
             return None
-        if isinstance(held[1], InputError):
-            raise held[1]
+        if isinstance(held[1], Refusal):
+            raise InputError(held[1].text)  # a new one each time: a raised error collects its traceback
         return held[1]
 
     def put(self, name: str, stamp: Any, value: Any) -> Any:
@@ -95,7 +103,7 @@ class Remembered:
         except OSError:
             unchanged = False
         if unchanged:
-            self.put(name, stamp, error)
+            self.put(name, stamp, Refusal(str(error)))
         return error
 
 
