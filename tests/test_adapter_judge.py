@@ -249,3 +249,42 @@ def test_the_batching_engine_loads_an_adapter_on_its_loader_thread(tiny, tmp_pat
     finally:
         engine.close()
         pipe.use_adapter_dir(None)
+
+
+def test_requests_waiting_for_their_adapter_end_cancelled_when_the_engine_closes(tiny, tmp_path):
+    pipe, shapes, root = tiny
+    write_adapter(tmp_path, "a", shapes_as_weights(shapes), [k for k in shapes if k.endswith(bad.Q_SUFFIX)])
+    pipe.use_adapter_dir(tmp_path)
+    inner, entered, release, loads = pipe.adapters._load, threading.Event(), threading.Event(), []
+
+    def held_load(*args):
+        loads.append(args[0])
+        entered.set()
+        assert release.wait(30)
+        return inner(*args)
+
+    pipe.adapters._load = held_load
+    kv = write_sample_kv(root / "kv", "dense", cond_tokens=7, uncond_tokens=3, seed=1)
+    engine, ends = BatchingEngine(pipe), {}
+
+    def submit(job: str, cancelled=lambda: False) -> None:
+        req = make([kv], 0, 64, 64, 1, 1)
+        req.lora = "a"
+        engine.submit(req, lambda ev: ends.setdefault(job, ev) if ev.last else None, cancelled)
+
+    try:
+        submit("first")
+        assert entered.wait(30)  # the first load holds the loader
+        submit("cancelled", cancelled=lambda: True)
+        submit("behind")
+        closing = threading.Thread(target=engine.close)
+        closing.start()
+        time.sleep(0.2)  # most often close now waits on the held load; either way every request ends
+        release.set()
+        closing.join(30)
+        assert not closing.is_alive()
+    finally:
+        release.set()
+        pipe.use_adapter_dir(None)
+    assert loads == ["a"] and set(ends) == {"first", "cancelled", "behind"}
+    assert all(type(ev.error).__name__ == "GenerationCancelled" for ev in ends.values()), ends

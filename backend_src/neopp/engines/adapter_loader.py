@@ -54,11 +54,10 @@ class AdapterLoader:
 
     def _run(self) -> None:
         while (ticket := self._queue.get()) is not None:
-            self._load(ticket)
-        while not self._queue.empty():
-            left = self._queue.get()
-            if left is not None:
-                left.end(closed_error())
+            if self._closed:  # what waits behind a closing engine is not read
+                ticket.end(closed_error())
+            else:
+                self._load(ticket)
 
     def _load(self, ticket: Ticket) -> None:
         if is_cancelled(ticket):
