@@ -290,3 +290,14 @@ def test_requests_waiting_for_their_adapter_end_cancelled_when_the_engine_closes
     assert type(ends["cancelled"].error).__name__ == "GenerationCancelled"
     # the others end cancelled, or drew when they reached the batch before the engine closed
     assert all(ev.error is None or type(ev.error).__name__ == "GenerationCancelled" for ev in ends.values()), ends
+
+
+def test_an_unexpected_failure_while_reading_refuses_the_adapter_by_name(tiny, tmp_path):
+    pipe, shapes, _ = tiny
+    write_adapter(tmp_path, "odd", shapes_as_weights(shapes), [k for k in shapes if k.endswith(bad.Q_SUFFIX)])
+    pipe.use_adapter_dir(tmp_path)
+    pipe.adapters._load = lambda *args: 1 / 0
+    with pytest.raises(InputError, match=r"^LORA: adapter 'odd' refused: its file cannot be read "
+                                         r"\(ZeroDivisionError\)$"):
+        pipe.adapters.get("odd")
+    pipe.use_adapter_dir(None)

@@ -11,6 +11,7 @@ remember a refusal by the file's stamp, so a bad file costs one read, not one pe
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections import OrderedDict
@@ -31,6 +32,7 @@ SIDECAR_DEPTH = 3  # {"sampling": {"cfg_interval": [...]}}
 RECOMMENDABLE = ("infer_steps", "cfg_scale", "timestep_shift", "cfg_interval", "enable_cfg")
 DEFAULT_MAX_BYTES = 1 << 30
 LORA_SCALE_MAX_ABS = 8.0  # an adapter is trained at 1; far beyond, the image is noise
+log = logging.getLogger(__name__)
 REMEMBERED = 4096  # refusals and judged headers kept, by adapter name
 
 
@@ -56,7 +58,9 @@ def lora_inputs(name: str | None, scale: Any) -> tuple[str, float]:
 
 def refused(name: str, exc: BaseException) -> InputError:
     """The request's error for adapter ``name``: its name and the rule, never a path (a system
-    error says only its kind)."""
+    error says only its kind; an unexpected one is logged for the operator)."""
+    if not isinstance(exc, (ConfigError, OSError)):
+        log.error("adapter %r: unexpected %s while reading it", name, type(exc).__name__, exc_info=exc)
     reason = exc if isinstance(exc, ConfigError) else f"its file cannot be read ({type(exc).__name__})"
     return InputError(f"LORA: adapter {name!r} refused: {reason}")
 
@@ -166,7 +170,7 @@ class AdapterDirectory:
             return known
         try:
             return self._judged.put(name, stamp, self._recommended(path, sidecar))
-        except (ConfigError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a file does to the reader refuses it, by name
             raise self._judged.refuse(name, stamp, exc, now) from None
 
     @staticmethod
@@ -257,7 +261,7 @@ class AdapterStore:
 
         try:
             adapter = self._load(name, path, recommended, self.max_bytes)
-        except (ConfigError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever a file does to the reader refuses it, by name
             raise self._refused.refuse(name, stamp, exc, now) from None
         if adapter.nbytes > self.max_bytes:
             raise self._refused.refuse(name, stamp, ConfigError(
