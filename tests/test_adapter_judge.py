@@ -23,7 +23,7 @@ from neopp.launcher.door.openai_images import MAX_LORA_NAME
 from neopp.limits import MAX_TEXT_BYTES
 from neopp.model.adapter_store import AdapterDirectory
 from neopp.model.adapters import tower_linears
-from neopp.model.safetensors_header import json_depth, parse_header
+from neopp.model.safetensors_header import nests_within, parse_header
 from neopp.sampling.pipeline import NeoPPPipeline
 from testing import bad_adapters as bad
 from testing.stream_requests import make
@@ -87,7 +87,9 @@ def test_hostile_json_is_refused_without_recursion(raw, message):
 
 
 def test_nesting_is_counted_outside_strings():
-    assert json_depth(b'{"a": "[[[[{{{{", "b": [[1]]}') == 3 and json_depth(b'{"a\\"[[[": 1}') == 1
+    assert nests_within(b'{"a": "[[[[{{{{", "b": [[1]], "c": {"d": [2]}}', 3)
+    assert not nests_within(b'{"a": [[[1]]]}', 3) and not nests_within(b'{"a": [[1]}', 3)  # too deep; unbalanced
+    assert nests_within(b'{"a\\"[[[": 1}', 1)
 
 
 @pytest.mark.parametrize("content", [b"", b"\x01\x00", struct.pack("<Q", 1 << 40) + b"{}",

@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # torch is imported where a tensor is read: the request parsers judge names without it
@@ -37,6 +35,7 @@ DTYPES = {"F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "
           "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1)}  # name: (torch dtype, bytes)
 _STRINGS = re.compile(rb'"(?:[^"\\\n]|\\.)*"')
 _NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_INNERMOST = re.compile(rb"[\[{][\]}]")
 
 Stamp = tuple[int, int, int, int]  # (device, inode, size, mtime_ns): what tells a file replaced or rewritten
 
@@ -121,20 +120,20 @@ def read_small(path: Path, limit: int, what: str) -> bytes:
         os.close(fd)
 
 
-def json_depth(raw: bytes) -> int:
-    """The deepest nesting of brackets outside strings, without parsing (so without recursion)."""
+def nests_within(raw: bytes, max_depth: int) -> bool:
+    """Whether JSON text nests at most ``max_depth`` brackets deep (outside strings), found without
+    parsing it (so without recursion): each pass drops the innermost pairs, and after
+    ``max_depth`` passes nothing may be left (an unbalanced text is refused too)."""
     bare = _STRINGS.sub(b'""', raw).translate(None, _NOT_BRACKETS)
-    if not bare:
-        return 0
-    marks = np.frombuffer(bare, np.uint8)
-    steps = np.where((marks == ord("[")) | (marks == ord("{")), 1, -1)
-    return int(np.cumsum(steps).max())
+    for _ in range(max_depth):
+        bare = _INNERMOST.sub(b"", bare)
+    return not bare
 
 
 def strict_json(raw: bytes, max_depth: int, where: str = "its header") -> Any:
     """JSON text, nesting at most ``max_depth``, no duplicate key, no NaN or infinity literal;
     ConfigError starting with ``where``."""
-    if json_depth(raw) > max_depth:
+    if not nests_within(raw, max_depth):
         raise ConfigError(f"{where} nests deeper than {max_depth} levels")
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
