@@ -303,3 +303,31 @@ def test_an_unexpected_failure_while_reading_refuses_the_adapter_by_name(tiny, t
                                          r"\(ZeroDivisionError\)$"):
         pipe.adapters.get("odd")
     pipe.use_adapter_dir(None)
+
+
+def test_the_step_loop_serves_other_requests_while_an_adapter_loads(tiny, tmp_path):
+    """The load is held until the base request has drawn: were it on the step thread, the base
+    request could not finish (its generate would time out instead)."""
+    pipe, shapes, root = tiny
+    write_adapter(tmp_path, "slow", shapes_as_weights(shapes), [k for k in shapes if k.endswith(bad.Q_SUFFIX)])
+    pipe.use_adapter_dir(tmp_path)
+    inner, release = pipe.adapters._load, threading.Event()
+    pipe.adapters._load = lambda *args: release.wait(60) and inner(*args)
+    kv = write_sample_kv(root / "kv", "dense", cond_tokens=7, uncond_tokens=3, seed=1)
+    engine = BatchingEngine(pipe)
+    engine.wait_s = 60
+    try:
+        waiting = make([kv], 0, 64, 64, 2, 1)
+        waiting.lora = "slow"
+        ends = []
+        engine.submit(waiting, lambda ev: ends.append(ev) if ev.last else None, lambda: False)
+        assert np.asarray(engine.generate(make([kv], 0, 64, 64, 2, 2))).shape == (64, 64, 3) and not ends
+        release.set()
+        deadline = time.monotonic() + 60
+        while not ends and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ends and ends[0].error is None
+    finally:
+        release.set()
+        engine.close()
+        pipe.use_adapter_dir(None)
