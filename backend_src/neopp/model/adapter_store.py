@@ -25,6 +25,8 @@ from ..errors import ConfigError, InputError, shown
 from ..modes import SamplingParams
 from .safetensors_header import FileChanged, check_size, read_small, stamp_of, strict_json
 
+log = logging.getLogger(__name__)
+
 METADATA_KEY = "neopp_sampling"  # safetensors metadata: a JSON object of recommended sampling values
 MAX_SIDECAR_BYTES = 64 << 10
 SIDECAR_DEPTH = 3  # {"sampling": {"cfg_interval": [...]}}
@@ -32,7 +34,6 @@ SIDECAR_DEPTH = 3  # {"sampling": {"cfg_interval": [...]}}
 RECOMMENDABLE = ("infer_steps", "cfg_scale", "timestep_shift", "cfg_interval", "enable_cfg")
 DEFAULT_MAX_BYTES = 1 << 30
 LORA_SCALE_MAX_ABS = 8.0  # an adapter is trained at 1; far beyond, the image is noise
-log = logging.getLogger(__name__)
 REMEMBERED = 4096  # refusals and judged headers kept, by adapter name
 
 
