@@ -202,18 +202,31 @@ def test_a_refusal_is_remembered_until_the_file_changes(served, shapes):
 
 
 # Cuts the file to its first half and writes it whole again, as fast as it can, for the seconds given.
+# SIGTERM ends it after a whole rewrite, so the file it leaves is the adapter.
 REWRITER = """
 import os, signal, sys, time
 path, end = sys.argv[1], time.monotonic() + float(sys.argv[2])
-data, count = open(path, "rb").read(), 0
+data, count, asked = open(path, "rb").read(), 0, []
 fd = os.open(path, os.O_WRONLY)
-signal.signal(signal.SIGTERM, lambda *_: (print(count, flush=True), os._exit(0)))
-while time.monotonic() < end:
+signal.signal(signal.SIGTERM, lambda *_: asked.append(1))
+while not asked and time.monotonic() < end:
     os.ftruncate(fd, len(data) // 2)
     os.pwrite(fd, data, 0)
     count += 1
 print(count, flush=True)
 """
+
+
+def start_rewriter(path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", REWRITER, str(path), "600"], stdout=subprocess.PIPE, text=True)
+
+
+def stop_rewriter(writer: subprocess.Popen) -> int:
+    """Stops the writer this test started (after its current rewrite); how many rewrites it made."""
+    if writer.returncode is None:
+        writer.terminate()
+        return int(writer.communicate(timeout=30)[0] or 0)
+    return 0
 
 
 def test_rewriting_an_adapter_in_place_while_it_loads_costs_only_that_load(served, shapes):
@@ -226,7 +239,7 @@ def test_rewriting_an_adapter_in_place_while_it_loads_costs_only_that_load(serve
     rank = (6 << 20) // (4 * (out_f + in_f))
     path = bad.write_file(folder, "moving", bad.raw_safetensors(bad.pair(
         base, torch.randn(out_f, rank, generator=gen) * 1e-3, torch.randn(rank, in_f, generator=gen) * 1e-3)))
-    writer = subprocess.Popen([sys.executable, "-c", REWRITER, str(path), "600"], stdout=subprocess.PIPE, text=True)
+    writer = start_rewriter(path)
     drew = 0
     try:
         for _ in range(20):
@@ -235,8 +248,36 @@ def test_rewriting_an_adapter_in_place_while_it_loads_costs_only_that_load(serve
             except InferenceServerException as exc:
                 assert "INVALID_ARG" in str(exc.status()) and "LORA: adapter 'moving' refused: " in exc.message(), exc
     finally:
-        writer.terminate()
-        rewrites = int(writer.communicate(timeout=30)[0] or 0)
+        rewrites = stop_rewriter(writer)
     print(f"{rewrites} rewrites; {drew} of 20 requests drew")
     assert server.grpc.is_server_ready() and server.grpc.is_model_ready(MODEL)
     assert image(server, LORA=(text("moving"), "BYTES")) and image(server)
+
+
+def test_the_ranks_of_a_parallel_mode_agree_on_an_adapter_rewritten_while_they_read_it(triton, shapes):
+    """On the suite's server, neopp_dense_cfg_seq (4 ranks) under the same writer: every request ends
+    with an image or a refusal naming the adapter (never a collective timeout: the ranks that read
+    it agree), and the model serves it once the writer stops."""
+    from tests.e2e.conftest import ensure_8steps_lora
+    from tests.e2e.test_lora_e2e import infer as shared_infer
+
+    model, name = "neopp_dense_cfg_seq", "e2e_moving_ranks"
+    base, out_f, in_f = bad.q_target(shapes)
+    gen = torch.Generator().manual_seed(1)
+    rank = (6 << 20) // (4 * (out_f + in_f))
+    path = bad.write_file(ensure_8steps_lora().parent, name, bad.raw_safetensors(bad.pair(
+        base, torch.randn(out_f, rank, generator=gen) * 1e-3, torch.randn(rank, in_f, generator=gen) * 1e-3)))
+    writer = start_rewriter(path)
+    try:
+        for _ in range(10):
+            began = time.monotonic()
+            try:
+                shared_infer(triton, model, LORA=text(name))
+            except InferenceServerException as exc:
+                assert "INVALID_ARG" in str(exc.status()) and f"LORA: adapter '{name}' refused: " in exc.message(), exc
+            assert time.monotonic() - began < 60  # far below the collective timeout a disagreement would wait out
+        assert stop_rewriter(writer) > 0 and triton.grpc.is_model_ready(model)
+        assert triton.image(shared_infer(triton, model, LORA=text(name))).size == (64, 64)
+    finally:
+        stop_rewriter(writer)
+        path.unlink()
