@@ -217,6 +217,16 @@ print(count, flush=True)
 """
 
 
+def six_megabytes(folder: Path, shapes, name: str) -> Path:
+    """An adapter of the q target with a rank that makes its file 6 MB (long enough to read that a
+    rewrite lands inside a read)."""
+    base, out_f, in_f = bad.q_target(shapes)
+    gen = torch.Generator().manual_seed(0)
+    rank = (6 << 20) // (4 * (out_f + in_f))
+    return bad.write_file(folder, name, bad.raw_safetensors(bad.pair(
+        base, torch.randn(out_f, rank, generator=gen) * 1e-3, torch.randn(rank, in_f, generator=gen) * 1e-3)))
+
+
 def start_rewriter(path: Path) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", REWRITER, str(path), "600"], stdout=subprocess.PIPE, text=True)
 
@@ -234,11 +244,7 @@ def test_rewriting_an_adapter_in_place_while_it_loads_costs_only_that_load(serve
     load it: each request gets an image or a refusal naming the adapter; the engine lives, and
     serves the adapter once the writer stops."""
     server, folder, _ = served
-    base, out_f, in_f = bad.q_target(shapes)
-    gen = torch.Generator().manual_seed(0)
-    rank = (6 << 20) // (4 * (out_f + in_f))
-    path = bad.write_file(folder, "moving", bad.raw_safetensors(bad.pair(
-        base, torch.randn(out_f, rank, generator=gen) * 1e-3, torch.randn(rank, in_f, generator=gen) * 1e-3)))
+    path = six_megabytes(folder, shapes, "moving")
     writer = start_rewriter(path)
     drew = 0
     try:
@@ -262,11 +268,7 @@ def test_the_ranks_of_a_parallel_mode_agree_on_an_adapter_rewritten_while_they_r
     from tests.e2e.test_lora_e2e import infer as shared_infer
 
     model, name = "neopp_dense_cfg_seq", "e2e_moving_ranks"
-    base, out_f, in_f = bad.q_target(shapes)
-    gen = torch.Generator().manual_seed(1)
-    rank = (6 << 20) // (4 * (out_f + in_f))
-    path = bad.write_file(ensure_8steps_lora().parent, name, bad.raw_safetensors(bad.pair(
-        base, torch.randn(out_f, rank, generator=gen) * 1e-3, torch.randn(rank, in_f, generator=gen) * 1e-3)))
+    path = six_megabytes(ensure_8steps_lora().parent, shapes, name)
     writer = start_rewriter(path)
     try:
         for _ in range(10):
