@@ -9,7 +9,7 @@ the serving layer spells it as the client's input name.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,6 +43,8 @@ class GenerationRequest:
     index_offset_image: int | None = None
     lora: str | None = None  # an adapter's name in the model's adapter directory; None: the base model
     lora_scale: float = 1.0
+    # The adapter itself, when an engine loaded it on accepting the request (off its step thread)
+    adapter: Any = field(default=None, repr=False, compare=False)
 
     @property
     def image_editing(self) -> bool:

@@ -39,9 +39,10 @@ def write_repo(root: Path, session_params: dict[str, str], candidates: int) -> P
 class SmallServer:
     """The running server, a gRPC client, and a valid request of the tiny checkpoint."""
 
-    def __init__(self, repo: Path, checkpoint: Path, log_path: Path) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT_")}
+    def __init__(self, repo: Path, checkpoint: Path, log_path: Path, extra_env: dict[str, str] | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT_", "NEOPP_LORA_DIR_"))}
         env["NEOPP_CHECKPOINT"] = str(checkpoint)
+        env.update(extra_env or {})
         self.server = TritonServer(repo, env=env, log_path=log_path,
                                    extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
                                                "--load-model=neopp_dense", "--load-model=neopp_session"])

@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from tritonclient.utils import InferenceServerException
 
 from testing.stream_requests import assert_pixels_match, assert_pixels_near
+from testing.tiny_checkpoint import tiny_config, tiny_tensors
 from tests.e2e.conftest import MODEL, TritonHandle, ensure_8steps_lora
 
 TIMEOUT_S = 120
@@ -77,7 +78,8 @@ def test_parallel_modes_apply_the_adapter_on_every_rank(triton: TritonHandle, mo
 
 
 @pytest.mark.parametrize("model, overrides, message", [
-    (MODEL, {"LORA": text("no_such_adapter")}, "LORA: no adapter named 'no_such_adapter' on this model; offered: ["),
+    (MODEL, {"LORA": text("no_such_adapter")},
+     "LORA: no adapter named 'no_such_adapter' on this model; offered: lora_B_A, "),
     (MODEL, {"LORA": text("../neopp_8steps_lora")}, "LORA: '../neopp_8steps_lora' is not an adapter name"),
     (MODEL, {"LORA_SCALE": np.array([0.5], np.float32)}, "LORA_SCALE: given without LORA"),
     (MODEL, {"LORA": text("lora_peft"), "LORA_SCALE": np.array([50.0], np.float32)}, "LORA_SCALE: must be"),
@@ -104,6 +106,26 @@ def test_a_malformed_adapter_is_refused_naming_the_key_and_the_model_stays_up(tr
     finally:
         broken.unlink()
     assert TritonHandle.image(infer(triton, LORA=text("lora_up_down"))).size == (64, 64)
+
+
+@pytest.mark.parametrize("model", [MODEL, "neopp_dense_cfg", "neopp_dense_cfg_seq"])
+def test_an_adapter_that_misfits_the_tower_is_refused_on_every_rank_and_the_model_serves(triton: TritonHandle, model):
+    """Its header is sound, so only the engine, which knows the tower's shapes, can refuse it: on a
+    parallel mode every rank reads it, they agree, and rank 0 reports the refusal."""
+    weights = tiny_tensors(tiny_config("dense"), 0)
+    key = sorted(k for k in weights if k.endswith("q_proj_mot_gen.weight"))[0]
+    out_f, in_f = weights[key].shape
+    misfit = ensure_8steps_lora().parent / f"e2e_misfit_{model}.safetensors"
+    save_file({key[: -len(".weight")] + ".lora_up.weight": torch.zeros(out_f, 2),
+               key[: -len(".weight")] + ".lora_down.weight": torch.zeros(2, in_f + 1)}, str(misfit))
+    try:
+        with pytest.raises(InferenceServerException) as info:
+            infer(triton, model, LORA=text(misfit.stem))
+    finally:
+        misfit.unlink()
+    assert info.value.message().startswith(f"LORA: adapter '{misfit.stem}' refused: key ") and \
+        f"has {in_f + 1} columns" in info.value.message(), info.value.message()
+    assert TritonHandle.image(infer(triton, model, LORA=text("lora_up_down"))).size == (64, 64)
 
 
 def test_adapters_are_listed_in_v1_models(triton: TritonHandle, monkeypatch):

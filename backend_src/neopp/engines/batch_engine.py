@@ -20,6 +20,7 @@ from ..sampling.batching import StepBatcher
 from ..sampling.pipeline import NeoPPPipeline
 from ..sampling.plan import RequestRules
 from ..sampling.sampler import StepEvent
+from .adapter_loader import AdapterLoader
 from .engine import CancelledFn, EmitFn, EngineHooks, QueuedEngine, Ticket, closed_error, is_cancelled, send
 from .scheduler import Scheduler
 from .spec import DEFAULT_MAX_QUEUED, DEFAULT_TOKEN_BUDGET
@@ -42,6 +43,7 @@ class BatchingEngine(QueuedEngine):
         self._incoming: list[Ticket] = []
         self._tickets: dict[int, Ticket] = {}  # every request the loop holds, queued or running
         self._closed = False
+        self.loader = AdapterLoader(lambda: self.pipe.adapters, self._enqueue)
         self._thread = threading.Thread(target=self._run, name="neopp-batching", daemon=True)
         self._thread.start()
 
@@ -71,6 +73,15 @@ class BatchingEngine(QueuedEngine):
 
     def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
         ticket = self._ticket(req, emit, cancelled, preview_every)
+        if req.lora is not None and req.adapter is None:
+            with self._cv:
+                if self._refuse_if_full(ticket, len(self._incoming) + self.scheduler.waiting + self.loader.waiting):
+                    return
+            self.loader.submit(ticket)  # its adapter is read off the step thread, then it joins the queue
+            return
+        self._enqueue(ticket)
+
+    def _enqueue(self, ticket: Ticket) -> None:
         with self._cv:
             if self._closed:
                 ticket.end(closed_error())
@@ -81,6 +92,7 @@ class BatchingEngine(QueuedEngine):
             self._cv.notify()
 
     def close(self) -> None:
+        self.loader.close()
         with self._cv:
             self._closed = True
             self._cv.notify()

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import GenerationCancelled, InputError, NonFiniteState
+from ..errors import GenerationCancelled, InputError, NeoPPError, NonFiniteState
 from ..parallel.rank_step import ParallelStepBatcher
 from ..sampling.sampler import StepEvent
 from .lifeline import die_with_parent, start_heartbeat
@@ -113,6 +113,11 @@ class RankLoop:
             self._read(block=True)
         return self.received.pop(job)
 
+    def _peek(self, job: int) -> Entry:
+        while job not in self.received:
+            self._read(block=True)
+        return self.received[job]
+
     def _forget(self, job: int) -> Entry | None:
         if job in self.received:
             return self.received.pop(job)
@@ -135,6 +140,35 @@ class RankLoop:
         ids = tuple(int(v) for v in body.tolist())
         return Decision(bool(head[0]), ids[:n_admit], ids[n_admit:])
 
+    def _with_adapters(self, decision: Decision) -> Decision:
+        """Every rank reads the adapters of the requests joining now, and the ranks agree: a request
+        whose adapter failed on any rank, or was read in two versions of its file, is refused on
+        all of them, so they still step one batch. The rest join holding the adapter read here."""
+        joining = [(job, self._peek(job).req) for job in decision.admit]
+        joining = [(job, req) for job, req in joining if req.lora is not None and req.adapter is None]
+        if not joining:
+            return decision
+        facts = torch.zeros(len(joining), 5, dtype=torch.int64)  # [failed, the file's stamp]
+        errors: dict[int, Exception] = {}
+        for n, (job, req) in enumerate(joining):
+            try:
+                req.adapter = self.pipe.adapters.get(req.lora)
+                facts[n, 1:] = torch.tensor(req.adapter.stamp or (0, 0, 0, 0))
+            except NeoPPError as exc:
+                errors[job], facts[n, 0] = exc, 1
+        low, high = facts.clone().to(self.pipe.device), facts.clone().to(self.pipe.device)
+        with self.pipe.comm():
+            dist.all_reduce(low, dist.ReduceOp.MIN, group=self.pipe.mesh.world_group)
+            dist.all_reduce(high, dist.ReduceOp.MAX, group=self.pipe.mesh.world_group)
+        refused = {job: errors.get(job) or InputError(
+            f"LORA: adapter {req.lora!r} refused: another rank could not read it, or read another version of "
+            "its file (it changed while the ranks read it)")
+            for n, (job, req) in enumerate(joining) if bool(high[n, 0]) or not torch.equal(low[n, 1:], high[n, 1:])}
+        for job, exc in refused.items():
+            entry = self.received.pop(job)
+            self._report(job, StepEvent(0, entry.req.sampling.infer_steps, error=exc))
+        return Decision(decision.stop, tuple(j for j in decision.admit if j not in refused), decision.drop)
+
     def _report(self, job: int, event: StepEvent) -> bool:
         if self.lead:
             kind = None if event.error is None else error_kind(event.error)
@@ -148,7 +182,7 @@ class RankLoop:
             if decision.stop:
                 self.loop.stop(list(self.received.items()), "the engine closed")
                 break
-            waits = self.loop.apply(decision, self._fetch, self._forget)
+            waits = self.loop.apply(self._with_adapters(decision), self._fetch, self._forget)
             if not self.loop.active:
                 continue
             comm_before = self.pipe.comm.seconds

@@ -1,44 +1,47 @@
 """A server's adapter directory and the adapters resident in one model's process.
 
-``AdapterDirectory`` lists ``<name>.safetensors`` files of one folder and reads what an adapter
-recommends (sampling values) without loading its tensors; a request only ever names an
-adapter, and a name is a plain file stem, never a path. ``AdapterStore`` loads an adapter on
-first use, fitted to the model's own linears, and keeps the resident ones in an LRU bounded by
-bytes: an adapter that does not fit, or a malformed file, is refused with the key at fault and
-leaves the model as it was.
+``AdapterDirectory`` lists ``<name>.safetensors`` files of one folder (``neopp.adapter_names``)
+and reads what an adapter recommends (sampling values), judging its header on the way, without
+reading its factors; a request only ever names an adapter, and a name is a plain file stem,
+never a path. ``AdapterStore`` loads an adapter on first use, fitted to the model's own linears,
+and keeps the resident ones in an LRU bounded by bytes: an adapter that does not fit, or a
+malformed file, is refused by name with the rule it broke and leaves the model as it was. Both
+remember a refusal by the file's stamp, so a bad file costs one read, not one per request.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import math
-import re
-import struct
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..adapter_names import LISTED, MAX_NAME_CHARS, REFUSAL_LISTED, Listing, adapter_file, is_name, list_adapters
 from ..errors import ConfigError, InputError, shown
 from ..modes import SamplingParams
+from .safetensors_header import FileChanged, check_size, read_small, stamp_of, strict_json
 
-NAME_RULE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-SUFFIX = ".safetensors"
+log = logging.getLogger(__name__)
+
 METADATA_KEY = "neopp_sampling"  # safetensors metadata: a JSON object of recommended sampling values
-MAX_HEADER_BYTES = 64 << 20      # a safetensors header larger than this is refused unread
 MAX_SIDECAR_BYTES = 64 << 10
+SIDECAR_DEPTH = 3  # {"sampling": {"cfg_interval": [...]}}
 # Sampling values an adapter may recommend (an 8-step adapter: 8 steps, guidance off).
 RECOMMENDABLE = ("infer_steps", "cfg_scale", "timestep_shift", "cfg_interval", "enable_cfg")
 DEFAULT_MAX_BYTES = 1 << 30
 LORA_SCALE_MAX_ABS = 8.0  # an adapter is trained at 1; far beyond, the image is noise
+REMEMBERED = 4096  # refusals and judged headers kept, by adapter name
 
 
 def check_name(name: str) -> str:
-    """An adapter name: letters, digits, ``.``, ``_``, ``-``, at most 128, not starting with a dot."""
-    if not isinstance(name, str) or not NAME_RULE.fullmatch(name) or ".." in name:
+    """An adapter name (``neopp.adapter_names``: the rule the door and the listings share)."""
+    if not is_name(name):
         raise InputError(f"LORA: {shown(name)} is not an adapter name (letters, digits, '.', '_', '-'; "
-                         "at most 128, starting with a letter or digit)")
+                         f"at most {MAX_NAME_CHARS}, starting with a letter or digit)")
     return name
 
 
@@ -54,21 +57,59 @@ def lora_inputs(name: str | None, scale: Any) -> tuple[str, float]:
     return name, value
 
 
-def safetensors_metadata(path: Path) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file, read from its header alone (no tensor)."""
-    with path.open("rb") as handle:
-        head = handle.read(8)
-        if len(head) != 8:
-            raise ConfigError(f"LoRA {path}: not a safetensors file (shorter than its header length)")
-        (size,) = struct.unpack("<Q", head)
-        if size > MAX_HEADER_BYTES:
-            raise ConfigError(f"LoRA {path}: header of {size} bytes is over the limit of {MAX_HEADER_BYTES}")
+def refused(name: str, exc: BaseException) -> InputError:
+    """The request's error for adapter ``name``: its name and the rule, never a path (a system
+    error says only its kind; an unexpected one is logged for the operator)."""
+    if not isinstance(exc, (ConfigError, OSError)):
+        log.error("adapter %r: unexpected %s while reading it", name, type(exc).__name__, exc_info=exc)
+    reason = exc if isinstance(exc, ConfigError) else f"its file cannot be read ({type(exc).__name__})"
+    return InputError(f"LORA: adapter {name!r} refused: {reason}")
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A remembered refusal's message."""
+
+    text: str
+
+
+class Remembered:
+    """What was decided about each adapter's file (a value or a refusal), by file stamp: a bad
+    file is judged once, not once per request; a file replaced in place is judged again."""
+
+    def __init__(self, size: int = REMEMBERED) -> None:
+        self._items: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
+        self._size, self._lock = size, threading.Lock()
+
+    def get(self, name: str, stamp: Any) -> Any:
+        """The value remembered for ``name`` at ``stamp`` (a refusal is raised); None when none."""
+        with self._lock:
+            held = self._items.get(name)
+        if held is None or held[0] != stamp:
+            return None
+        if isinstance(held[1], Refusal):
+            raise InputError(held[1].text)  # a new one each time: a raised error collects its traceback
+        return held[1]
+
+    def put(self, name: str, stamp: Any, value: Any) -> Any:
+        with self._lock:
+            self._items.pop(name, None)
+            self._items[name] = (stamp, value)
+            while len(self._items) > self._size:
+                self._items.popitem(last=False)
+        return value
+
+    def refuse(self, name: str, stamp: Any, exc: BaseException, now: Callable[[], Any]) -> InputError:
+        """The refusal of ``name``, remembered only while the file is still the one judged
+        (``now()``, its stamp again, equals ``stamp``): a file caught mid-rewrite is judged again."""
+        error = refused(name, exc)
         try:
-            header = json.loads(handle.read(size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"LoRA {path}: header is not JSON ({exc})") from None
-    meta = header.get("__metadata__") if isinstance(header, dict) else None
-    return meta if isinstance(meta, dict) else {}
+            unchanged = not isinstance(exc, FileChanged) and now() == stamp
+        except OSError:
+            unchanged = False
+        if unchanged:
+            self.put(name, stamp, Refusal(str(error)))
+        return error
 
 
 def recommended_values(raw: Any, where: str) -> dict[str, Any]:
@@ -91,57 +132,69 @@ class AdapterDirectory:
 
     def __init__(self, folder: str | Path | None) -> None:
         self.folder = None if folder is None or str(folder) == "" else Path(folder)
+        self._judged = Remembered()
+
+    def listing(self, limit: int = LISTED) -> Listing:
+        """The adapters on offer: the first ``limit`` names, sorted, and the count."""
+        return list_adapters(self.folder, limit)
 
     def names(self) -> list[str]:
-        """The adapters on offer, sorted (files whose stem is a valid name)."""
-        if self.folder is None or not self.folder.is_dir():
-            return []
-        return sorted(p.name[: -len(SUFFIX)] for p in self.folder.glob("*" + SUFFIX)
-                      if NAME_RULE.fullmatch(p.name[: -len(SUFFIX)]) and ".." not in p.name and p.is_file())
+        """The first names on offer, sorted (``listing`` tells the count)."""
+        return list(self.listing().names)
 
     def path(self, name: str) -> Path:
         """The file of adapter ``name``; InputError naming LORA when there is none."""
         check_name(name)
-        path = None if self.folder is None else self.folder / (name + SUFFIX)
-        if path is None or not path.is_file():
-            offered = self.names()
-            raise InputError(f"LORA: no adapter named {shown(name)} on this model; "
-                             f"offered: {offered if offered else 'none (no adapter directory)'}")
+        path = adapter_file(self.folder, name)
+        if path is None:
+            offered = self.listing(REFUSAL_LISTED).text() if self.folder is not None else "none (no adapter directory)"
+            raise InputError(f"LORA: no adapter named {shown(name)} on this model; offered: {offered}")
         return path
 
     def recommended(self, name: str) -> dict[str, Any]:
         """Sampling values the adapter recommends: its sidecar ``<name>.json`` (key ``sampling``, or
-        the object itself), else its safetensors metadata ``neopp_sampling``; {} when neither."""
+        the object itself), else its safetensors metadata ``neopp_sampling``; {} when neither.
+        The file's header is judged on the way (``lora.judge_lora_file``), once per file stamp:
+        InputError naming LORA and the rule."""
         path = self.path(name)
-        sidecar = path.with_name(name + ".json")
-        if sidecar.is_file():
-            if sidecar.stat().st_size > MAX_SIDECAR_BYTES:
-                raise ConfigError(f"LoRA {sidecar}: over {MAX_SIDECAR_BYTES} bytes")
-            try:
-                raw = json.loads(sidecar.read_text())
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise ConfigError(f"LoRA {sidecar}: not JSON ({exc})") from None
+        sidecar = adapter_file(self.folder, name, ".json")
+
+        def now() -> tuple[Any, Any]:
+            return stamp_of(path.stat()), None if sidecar is None else stamp_of(sidecar.stat())
+
+        try:
+            stamp = now()
+        except OSError as exc:
+            raise refused(name, exc) from None
+        known = self._judged.get(name, stamp)
+        if known is not None:
+            return known
+        try:
+            return self._judged.put(name, stamp, self._recommended(path, sidecar))
+        except Exception as exc:  # noqa: BLE001 - whatever a file does to the reader refuses it, by name
+            raise self._judged.refuse(name, stamp, exc, now) from None
+
+    @staticmethod
+    def _recommended(path: Path, sidecar: Path | None) -> dict[str, Any]:
+        from .lora import judge_lora_file  # torch: only where an adapter is judged
+
+        metadata = judge_lora_file(path).metadata
+        if sidecar is not None:
+            raw = strict_json(read_small(sidecar, MAX_SIDECAR_BYTES, "its sidecar"), SIDECAR_DEPTH, "its sidecar")
             raw = raw.get("sampling", raw) if isinstance(raw, dict) else raw
-            return recommended_values(raw, f"LoRA {sidecar}")
-        text = safetensors_metadata(path).get(METADATA_KEY)
+            return recommended_values(raw, "its sidecar")
+        text = metadata.get(METADATA_KEY)
         if text is None:
             return {}
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"LoRA {path}: metadata key '{METADATA_KEY}' is not JSON ({exc})") from None
-        return recommended_values(raw, f"LoRA {path}: metadata key '{METADATA_KEY}'")
+        where = f"its metadata key '{METADATA_KEY}'"
+        return recommended_values(strict_json(text.encode(), SIDECAR_DEPTH, where), where)
 
 
 def adapter_sampling(directory: AdapterDirectory, name: str, defaults: SamplingParams,
                      overrides: Mapping[str, Any]) -> SamplingParams:
     """A request's sampling values under adapter ``name`` (``apply_recommended``); a sidecar or
     metadata that cannot be read refuses the request, naming LORA and the key."""
-    try:
-        recommended = directory.recommended(name)
-    except (ConfigError, OSError) as exc:
-        raise InputError(f"LORA: adapter {name!r} refused: {exc}") from None
-    return apply_recommended(defaults, overrides, recommended)
+    return apply_recommended(defaults, overrides, directory.recommended(name))
 
 
 def apply_recommended(defaults: SamplingParams, overrides: Mapping[str, Any],
@@ -154,18 +207,14 @@ def apply_recommended(defaults: SamplingParams, overrides: Mapping[str, Any],
     return defaults.replace(**taken, **overrides)
 
 
-def file_stamp(path: Path) -> tuple[int, int]:
-    """(modification time in ns, size): what tells a file replaced in place."""
-    info = path.stat()
-    return info.st_mtime_ns, info.st_size
-
-
 class AdapterStore:
     """Adapters resident in one model's process: loaded on first use, least recently used evicted
-    while their bytes exceed ``max_bytes`` (an adapter bigger than the bound alone is refused).
+    while their bytes exceed ``max_bytes`` (an adapter bigger than the bound alone is refused
+    from its header and file size, before its factors are read).
 
-    ``load`` is given the adapter's name and path and builds it (fitted to the tower); a request
-    that holds an adapter keeps it alive even once evicted.
+    ``load`` is given the adapter's name, file, recommended values and ``max_bytes`` and returns
+    the adapter fitted to the tower, stamped with the file it read; a request that holds an
+    adapter keeps it alive even once evicted. A refusal is remembered by file stamp.
     """
 
     def __init__(self, directory: AdapterDirectory, load: Any, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
@@ -173,39 +222,55 @@ class AdapterStore:
             raise ConfigError(f"parameter lora_max_bytes: must be positive, got {max_bytes}")
         self.directory, self._load, self.max_bytes = directory, load, max_bytes
         self._resident: OrderedDict[str, Any] = OrderedDict()
-        self._stamps: dict[str, tuple[int, int]] = {}  # each resident adapter's file when it loaded
+        self._stamps: dict[str, Any] = {}  # each resident adapter's file stamp when it was read
+        self._refused = Remembered()
         self._lock = threading.Lock()
+        self._loading = threading.Lock()  # one load at a time: two requests for one adapter read it once
 
     def get(self, name: str) -> Any:
         """The adapter ``name``, loaded if it is not resident or its file changed since (a file
         replaced in place is read again; a removed one is refused and dropped); InputError naming LORA."""
         try:
-            stamp = file_stamp(self.directory.path(name))
+            path = self.directory.path(name)
+            stamp = stamp_of(path.stat())
         except (InputError, OSError) as exc:
             self.unload(name)
-            if isinstance(exc, InputError):
-                raise
-            raise InputError(f"LORA: adapter {name!r} refused: {exc}") from None
+            raise exc if isinstance(exc, InputError) else refused(name, exc) from None
+        held = self._held(name, stamp)
+        if held is not None:
+            return held
+        try:
+            check_size(stamp[2], self.max_bytes)  # its size alone: nothing of it is read
+        except ConfigError as exc:
+            raise refused(name, exc) from None
+        with self._loading:
+            return self._held(name, stamp) or self._read(name, path, stamp)
+
+    def _held(self, name: str, stamp: Any) -> Any:
+        """The resident adapter of this file stamp, or None; a remembered refusal is raised."""
         with self._lock:
             if name in self._resident and self._stamps.get(name) == stamp:
                 self._resident.move_to_end(name)
                 return self._resident[name]
-        return self.reload(name)
+        return self._refused.get(name, stamp)
 
-    def reload(self, name: str) -> Any:
-        """Read ``name`` from its file again (replacing a resident copy only once it loaded)."""
-        path = self.directory.path(name)
+    def _read(self, name: str, path: Path, stamp: Any) -> Any:
+        recommended = self.directory.recommended(name)
+
+        def now() -> Any:
+            return stamp_of(path.stat())
+
         try:
-            stamp = file_stamp(path)
-            adapter = self._load(name, path, self.directory.recommended(name))
-        except (ConfigError, OSError) as exc:
-            raise InputError(f"LORA: adapter {name!r} refused: {exc}") from None
+            adapter = self._load(name, path, recommended, self.max_bytes)
+        except Exception as exc:  # noqa: BLE001 - whatever a file does to the reader refuses it, by name
+            raise self._refused.refuse(name, stamp, exc, now) from None
         if adapter.nbytes > self.max_bytes:
-            raise InputError(f"LORA: adapter {name!r} takes {adapter.nbytes} bytes, over this model's adapter "
-                             f"memory bound of {self.max_bytes} (parameter lora_max_bytes)")
+            raise self._refused.refuse(name, stamp, ConfigError(
+                f"takes {adapter.nbytes} bytes, over this model's adapter memory bound of {self.max_bytes} "
+                "(parameter lora_max_bytes)"), now)
         with self._lock:
             self._resident.pop(name, None)
-            self._resident[name], self._stamps[name] = adapter, stamp
+            self._resident[name], self._stamps[name] = adapter, adapter.stamp or stamp
             while sum(a.nbytes for a in self._resident.values()) > self.max_bytes:
                 self._stamps.pop(self._resident.popitem(last=False)[0], None)
         return adapter

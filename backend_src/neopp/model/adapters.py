@@ -16,12 +16,17 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..errors import ConfigError
 from .checkpoint import layer_prefix
 from .layers import ROW_ADAPTERS, Linear
+from .safetensors_header import Stamp, key_shown
+
+if TYPE_CHECKING:
+    from .lora import LoraHeader
 
 MLP_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # checkpoint name -> SwiGLU part
 
@@ -39,11 +44,12 @@ class Factors:
 @dataclass
 class Adapter:
     """A loaded adapter: its factors by target linear (the tower's own objects), the sampling
-    values it recommends, and the bytes it holds."""
+    values it recommends, the file it was read from, and the bytes it holds."""
 
     name: str
     factors: dict[Linear, Factors]
     recommended: dict[str, object] = field(default_factory=dict)
+    stamp: Stamp | None = None  # the file it was read from (device, inode, size, mtime_ns)
 
     @property
     def nbytes(self) -> int:
@@ -72,25 +78,34 @@ def tower_linears(tower: object) -> dict[str, Linear]:
 
 
 def build_adapter(name: str, path: Path, linears: Mapping[str, Linear], device: torch.device,
-                  dtype: torch.dtype, recommended: dict[str, object] | None = None) -> Adapter:
-    """Read ``path`` (any known key scheme) and fit it to ``linears``; ConfigError naming the key."""
-    from .lora import check_pair, read_lora_pairs  # lora imports quant, which imports this package's layers
+                  dtype: torch.dtype, recommended: dict[str, object] | None = None,
+                  max_bytes: int | None = None) -> Adapter:
+    """Read ``path`` (any known key scheme) fitted to ``linears``, stamped with the file it read.
 
-    weights = {key: lin.weight for key, lin in linears.items()}
-    factors: dict[Linear, Factors] = {}
-    for pair in read_lora_pairs(path).values():
-        target = check_pair(pair, weights, path)
-        if ".experts." in target:
-            raise ConfigError(f"LoRA {path}: key '{pair.up_key}' targets a routed expert; an adapter applied per "
-                              "request takes attention and dense MLP linears only (merge it in a mode file instead)")
-        if not torch.isfinite(pair.up).all() or not torch.isfinite(pair.down).all():
-            raise ConfigError(f"LoRA {path}: key '{pair.up_key}' or '{pair.down_key}' holds a NaN or an infinity")
-        factor = pair.alpha / pair.rank if pair.alpha is not None else 1.0
-        factors[linears[target]] = Factors(pair.down.to(device=device, dtype=dtype).contiguous(),
-                                           pair.up.to(device=device, dtype=dtype).contiguous(), factor)
-    if not factors:
-        raise ConfigError(f"LoRA {path}: holds no LoRA factors")
-    return Adapter(name, factors, dict(recommended or {}))
+    Judged from the header first: every target a dense or attention linear of the tower with
+    factors of its shape, and the file and its factors in the model's dtype within ``max_bytes``;
+    only then are the factors read. ConfigError naming the key."""
+    from .lora import check_fit, read_lora_file  # lora imports quant, which imports this package's layers
+
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+
+    def judge(header: LoraHeader) -> None:
+        for plan in header.plans.values():
+            if ".experts." in check_fit(plan, linears_shapes):
+                raise ConfigError(f"key {key_shown(plan.up.key)} targets a routed expert; an adapter applied per "
+                                  "request takes attention and dense MLP linears only (merge it in a mode file "
+                                  "instead)")
+        need = sum(p.numel for p in header.plans.values()) * itemsize
+        if max_bytes is not None and need > max_bytes:
+            raise ConfigError(f"takes {need} bytes in the model's dtype, over this model's adapter memory bound of "
+                              f"{max_bytes} (parameter lora_max_bytes)")
+
+    linears_shapes = {key: tuple(lin.weight.shape) for key, lin in linears.items()}
+    pairs, header = read_lora_file(path, judge, max_bytes)
+    factors = {linears[pair.base + ".weight"]: Factors(
+        pair.down.to(device=device, dtype=dtype).contiguous(), pair.up.to(device=device, dtype=dtype).contiguous(),
+        pair.alpha / pair.rank if pair.alpha is not None else 1.0) for pair in pairs.values()}
+    return Adapter(name, factors, dict(recommended or {}), header.stamp)
 
 
 @dataclass(frozen=True)

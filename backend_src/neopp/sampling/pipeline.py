@@ -122,16 +122,19 @@ class NeoPPPipeline:
         """Offer the adapters of ``folder`` (None: none), at most ``max_bytes`` of them resident."""
         linears = tower_linears(self.transformer)
 
-        def load(name: str, path: Path, recommended: dict) -> Adapter:
-            return build_adapter(name, path, linears, self.device, self.dtype, recommended)
+        def load(name: str, path: Path, recommended: dict, max_bytes: int) -> Adapter:
+            return build_adapter(name, path, linears, self.device, self.dtype, recommended, max_bytes)
 
         self.adapters = AdapterStore(AdapterDirectory(folder), load, max_bytes)
 
     def adapter(self, req: GenerationRequest) -> Adapter | None:
         """The adapter a request names, loaded if need be (None: the base model). Each rank of a
         parallel mode loads it from the same folder: its rows (a CFG rank's branches, a Ulysses
-        rank's token shard) take the same per-row delta as on one device."""
-        return None if req.lora is None else self.adapters.get(req.lora)
+        rank's token shard) take the same per-row delta as on one device. An adapter loaded when
+        the request was accepted (``req.adapter``, off the step thread) is the one it runs on."""
+        if req.lora is None:
+            return None
+        return req.adapter if req.adapter is not None else self.adapters.get(req.lora)
 
     # ---- validation -------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:

@@ -11,6 +11,7 @@ See :data:`PARAMETER_DEFAULTS`:
   checkpoint is refused at load, naming the model, the LoRA file and the first key that misfits.
   The same folder is the model's adapter directory: a request's ``LORA`` names one of its files;
 * ``lora_max_bytes``: the bytes of per-request adapters a model keeps resident (default 1 GiB);
+  an adapter whose file or factors exceed it alone is refused from its size and header, unread;
 * ``device``: ``auto`` (default) | ``cpu`` | ``cuda`` | ``cuda:N``. ``auto`` picks the
   instance's GPU for a KIND_GPU instance; otherwise, with CUDA present, GPU
   ``(instance index * world size) mod device count`` (so the KIND_CPU instances of a group

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
+from ...adapter_names import MAX_NAME_CHARS
 from . import strict_json
 from .tensors import deserialize_bytes, serialize_bytes
 from .wire import WireRequest
@@ -45,9 +46,8 @@ PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format"
               "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
               "output_compression", "style", "lora", "lora_scale", "cache",
               "cache_threshold", *ACCEPTED_AND_IGNORED)
-MAX_LORA_NAME = 128  # the model checks the name's characters and that the adapter exists
+MAX_LORA_NAME = MAX_NAME_CHARS  # the model checks the name's characters and that the adapter exists
 MAX_LORA_SCALE = 8.0
-ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # the stub's rule for an adapter name
 SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 
 
@@ -319,14 +319,6 @@ def adapter_folder(model: str, environ: Mapping[str, str], lora_dir_param: str =
         if environ.get(key):
             return Path(environ[key]).expanduser()
     return Path(lora_dir_param) if lora_dir_param and Path(lora_dir_param).is_absolute() else None
-
-
-def adapter_names(folder: Path | None) -> list[str]:
-    """The adapters of a folder (``<name>.safetensors``), sorted; a request may name any of them."""
-    if folder is None or not folder.is_dir():
-        return []
-    return sorted(p.name[: -len(".safetensors")] for p in folder.glob("*.safetensors")
-                  if ADAPTER_NAME.fullmatch(p.name[: -len(".safetensors")]) and ".." not in p.name)
 
 
 def extend(entry: dict[str, Any], key: str, value: Any) -> None:

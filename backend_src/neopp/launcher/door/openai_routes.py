@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ...adapter_names import Listing, list_adapters
 from . import auth, model_facts, parse_jobs, strict_json
 from . import openai_images as oa
 from .body import BodyReader
@@ -225,14 +226,15 @@ class ImagesRoutes:
                                  "ones that do", "model", code="model_not_found")
         return facts
 
-    async def _loras(self, name: str) -> list[str]:
+    async def _loras(self, name: str) -> Listing:
         """The adapters a model offers: the files of its adapter directory (``NEOPP_LORA_DIR_<MODEL>``,
-        else ``NEOPP_LORA_DIR``, else its config's absolute ``lora_dir``), listed off the event loop."""
+        else ``NEOPP_LORA_DIR``, else its config's absolute ``lora_dir``), listed off the event loop
+        (the first names and the count, as the model's refusal of an unknown name lists them)."""
         try:
             param = await self.door.upstream.config_parameter(name, "lora_dir", self.door.admin_key) or ""
         except DoorError:  # unloaded since the index was read
             param = ""
-        return await asyncio.to_thread(oa.adapter_names, oa.adapter_folder(name, os.environ, param))
+        return await asyncio.to_thread(list_adapters, oa.adapter_folder(name, os.environ, param))
 
     async def models(self, request: Request) -> Response:
         """The models that draw, each with what it advertises under ``neopp``."""
@@ -240,7 +242,9 @@ class ImagesRoutes:
         offered = [{"id": name, "object": "model", "created": 0, "owned_by": "neopp",
                     **({"neopp": dict(facts)} if facts else {})} for name, facts in drawing]
         for entry in offered:
-            oa.extend(entry, "loras", await self._loras(entry["id"]))
+            listing = await self._loras(entry["id"])
+            oa.extend(entry, "loras", list(listing.names))
+            oa.extend(entry, "loras_total", listing.total)
         return Response(strict_json.dumps({"object": "list", "data": offered}), media_type="application/json")
 
     async def editing(self, request: Request) -> Response:
