@@ -17,8 +17,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
@@ -26,6 +24,7 @@ from typing import IO
 from ..ports import LOOPBACK, free_ports
 from ..procs import process_group_members
 from .admin import FRONT_HEADER, KEY_HEADER, restriction_args
+from .inner_http import UNIX, call, clear_socket
 from .load_rescue import StuckLoadWatch
 from .model_deps import with_engine_models
 from .server_log import LogRelay, cpu_only_args, nvidia_driver_present
@@ -78,7 +77,9 @@ class TritonServer:
 
         ``admin_key`` restricts the administrative APIs (neopp.launcher.admin); ``front_key`` makes
         Triton's own HTTP port answer only requests relayed by the HTTP front, which binds the
-        public address while Triton's HTTP listens on ``http_address``. ``shm_sizes`` (first size,
+        public address while Triton's HTTP listens on ``http_address`` (``unix:<path>``: a socket,
+        which the launcher keeps in a private directory instead of using a front key;
+        neopp.launcher.inner_http). ``shm_sizes`` (first size,
         growth step) sizes the Python backend's regions; each server gets its own region prefix.
         ``malloc_env`` replaces MALLOC_ENV (``{}``: glibc's defaults, to compare). ``api_key`` (with
         ``admin_key``): gRPC inference needs it (neopp.launcher.admin).
@@ -112,12 +113,26 @@ class TritonServer:
         env, malloc_env = self._given
         return TritonServer(self.model_repository, self.http_port, self.grpc_port, self.metrics_port, self.host,
                             self.backend_dir, self.extra_args, env, self.log_path, self.admin_key, self.front_key,
-                            self.http_address, self.shm_sizes, malloc_env)
+                            self.http_address, self.shm_sizes, malloc_env, self.api_key)
 
     @property
     def client_host(self) -> str:
         """Address a local client dials (a wildcard bind is reached over loopback)."""
         return LOOPBACK if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_target(self) -> str:
+        """Where the launcher reaches Triton's own HTTP: ``host:port`` or ``unix:<path>``."""
+        if self.http_address.startswith(UNIX):
+            return self.http_address
+        host = LOOPBACK if self.http_address in ("0.0.0.0", "", "::") else self.http_address
+        return f"{host}:{self.http_port}"
+
+    def http_headers(self) -> dict[str, str]:
+        """What Triton's own HTTP wants of the launcher: the front key, the operator key."""
+        headers = {FRONT_HEADER: self.front_key} if self.front_key else {}
+        headers.update({KEY_HEADER: self.admin_key} if self.admin_key else {})
+        return headers
 
     @property
     def http_url(self) -> str:
@@ -154,6 +169,7 @@ class TritonServer:
         if self.process is not None:
             raise TritonLaunchError("server already started")
         remove_orphans((PREFIX_HEAD,))  # regions of servers whose owner was killed, and only those
+        clear_socket(self.http_address)  # the socket of the server this one replaces
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")
@@ -175,12 +191,9 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         """True when GET /v2/health/ready answers 200."""
-        url = f"http://{LOOPBACK if self.front_key else self.client_host}:{self.http_port}/v2/health/ready"
-        headers = {FRONT_HEADER: self.front_key} if self.front_key else {}
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
+            return call(self.http_target, "GET", "/v2/health/ready", self.http_headers(), timeout=2)[0] == 200
+        except OSError:
             return False
 
     def log_tail(self, chars: int = 6000) -> str:
@@ -214,18 +227,16 @@ class TritonServer:
         if self.load_watch is None or self._relay is None:
             return []
         models, self.load_watch.rescued = list(self.load_watch.rescued), []
-        headers = {FRONT_HEADER: self.front_key} if self.front_key else {}
-        headers.update({KEY_HEADER: self.admin_key} if self.admin_key else {})
         for model in models:
             self._relay.note(f"I neopp load rescue: loading {model} again")
-            url = f"http://{LOOPBACK if self.front_key else self.client_host}:{self.http_port}" \
-                  f"/v2/repository/models/{model}/load"
-            request = urllib.request.Request(url, data=b"", headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=timeout):
-                    pass
-            except (urllib.error.URLError, OSError) as exc:
-                self._relay.note(f"W neopp load rescue: loading {model} again failed: {exc}")
+                status, body = call(self.http_target, "POST", f"/v2/repository/models/{model}/load",
+                                    self.http_headers(), b"", timeout=timeout)
+            except OSError as exc:
+                status, body = 0, str(exc).encode()
+            if status != 200:
+                self._relay.note(f"W neopp load rescue: loading {model} again failed: "
+                                 f"{status or ''} {body[:200].decode('utf-8', 'replace')}")
         return models
 
     def stop(self, timeout: float = 30.0, drain_s: float | None = None) -> int | None:
