@@ -3,7 +3,8 @@ serve`` with an operator key and an API key):
 
 * no key is on the command line of the launcher, the door's parse workers or the Python stubs;
   tritonserver's holds the operator and API keys in its restriction flags and nothing else secret
-  (Triton 2.51 reads them nowhere else: docs/security.md says what that leaves);
+  (Triton 2.51 reads them nowhere else: docs/security.md says what that leaves); neither key is
+  in the environment of tritonserver or its stubs;
 * Triton's own HTTP is a Unix socket in a 0700 directory: tritonserver listens on TCP only for
   gRPC and metrics, the public ports;
 * a ``STEPS`` of shape [1000000000000], which aborts Triton's own HTTP parser, is a 400 naming
@@ -81,6 +82,9 @@ def test_no_key_on_a_command_line_but_tritonservers_restrictions(launched):
     holding = [a for a in args if KEY in a or API in a]
     assert holding and all(a.startswith(RESTRICTION_FLAGS) for a in holding), holding
     assert not any("front-key" in a for a in args), "a front key is no longer needed"
+    for pid in [server, *stubs]:  # nor in the environment its models see
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert KEY.encode() not in environ and API.encode() not in environ, f"a key in the environment of {pid}"
 
 
 def test_triton_http_is_a_private_socket(launched):

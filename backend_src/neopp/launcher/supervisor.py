@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..ports import LOOPBACK
-from .admin import GRPC_API_KEY_HEADER, KEY_HEADER, check_key, load_or_create_key
+from .admin import GRPC_API_KEY_HEADER, KEY_ENV, KEY_HEADER, check_key, load_or_create_key
 from .door.limits import DoorLimits, KiB, MiB
 from .health import ServerHealth, touch
 from .inner_http import private_address, remove_private
@@ -101,7 +101,7 @@ class Supervisor:
         return TritonServer(ns.model_repository, grpc_port=ns.grpc_port,
                             metrics_port=ns.metrics_port, host=ns.host, http_address=self.inner_http,
                             backend_dir=ns.backend_dir, extra_args=[*KEEP_GOING_ARGS, *self.extra], admin_key=self.key,
-                            shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES),
+                            shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES), env=without_keys(os.environ),
                             api_key=self.api_key)
 
     def _start_server(self) -> None:
@@ -250,6 +250,11 @@ def api_key_for(ns: argparse.Namespace, env: dict[str, str] | None = None) -> st
     log(f"inference API key (Authorization: Bearer; over gRPC the header {GRPC_API_KEY_HEADER}) from {where}: "
         "the server listens beyond loopback")
     return key
+
+
+def without_keys(env: dict[str, str]) -> dict[str, str]:
+    """The server's environment: ours without the key variables (its models need neither key)."""
+    return {k: v for k, v in env.items() if k not in (KEY_ENV, API_KEY_ENV)}
 
 
 def door_limits(ns: argparse.Namespace) -> DoorLimits:
