@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +26,7 @@ from ..ports import LOOPBACK, free_ports
 from ..procs import process_group_members
 from .admin import FRONT_HEADER, KEY_HEADER, restriction_args
 from .inner_http import UNIX, call, clear_socket
+from .key_shim import HiddenKeys, build, private_build_dir
 from .load_rescue import StuckLoadWatch
 from .model_deps import with_engine_models
 from .server_log import LogRelay, cpu_only_args, nvidia_driver_present
@@ -107,6 +109,7 @@ class TritonServer:
         self._log_file: IO[bytes] | None = None
         self._relay: LogRelay | None = None
         self.load_watch: StuckLoadWatch | None = None
+        self._shim_dir: Path | None = None
 
     def successor(self) -> TritonServer:
         """A server with the same settings on the same ports: this one started again, once stopped."""
@@ -146,15 +149,19 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
-    def command(self) -> list[str]:
-        """The full tritonserver argv (no pool of gRPC request objects unless ``extra_args`` sets one)."""
+    def command(self, hidden: HiddenKeys | None = None) -> list[str]:
+        """The full tritonserver argv (no pool of gRPC request objects unless ``extra_args`` sets one);
+        with ``hidden``, markers stand for the keys (neopp.launcher.key_shim)."""
+        keys = (self.admin_key, self.front_key, self.api_key)
+        if hidden is not None:
+            keys = tuple(hidden.mark(key) for key in keys)
         return [str(self.install.server_bin), f"--model-repository={self.model_repository}",
                 f"--backend-directory={self.backend_dir}",
                 f"--http-address={self.http_address}", f"--http-port={self.http_port}",
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                 *backend_args(self.shm_prefix, *(self.shm_sizes or ())),
-                *(restriction_args(self.admin_key, self.front_key, self.api_key) if self.admin_key else []),
+                *(restriction_args(*keys) if self.admin_key else []),
                 *([] if any(a.startswith(GRPC_POOL_ARG) for a in self.extra_args) else [f"{GRPC_POOL_ARG}=0"]),
                 *([] if self.gpu_host else cpu_only_args(self.extra_args)),
                 *with_engine_models(self.extra_args, self.model_repository)]
@@ -175,14 +182,37 @@ class TritonServer:
             self._log_file = open(self.log_path, "ab")
         else:
             self._log_file = _console()
-        self.process = subprocess.Popen(self.command(), env=self.env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True, preexec_fn=self._child_setup)
+        hidden = self._hidden_keys()
+        argv = self.command(hidden)  # the markers first, then the pipe that carries their keys
+        env = self.env if hidden is None else hidden.env(self.env)
+        try:
+            self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True, preexec_fn=self._child_setup,
+                                            pass_fds=() if hidden is None else hidden.pass_fds)
+        finally:
+            if hidden is not None:
+                hidden.started()
         self.load_watch = StuckLoadWatch(self.process.pid, log=lambda text: self._relay.note(text))
         self._relay = LogRelay(self.process.stdout, self._log_file, relabel_cpu_only=not self.gpu_host,
                                on_line=self.load_watch.feed)
         self.load_watch.start()
+        if self.admin_key and hidden is None:
+            self._relay.note("W neopp: no C compiler, so tritonserver's command line holds the keys of its "
+                             "restricted APIs (docs/security.md)")
         return self
+
+    def _hidden_keys(self) -> HiddenKeys | None:
+        """The keys' way past the command line, when there are keys and the library builds."""
+        if not self.admin_key:
+            return None
+        self._shim_dir = private_build_dir()
+        library = build(self._shim_dir)
+        if library is None:
+            shutil.rmtree(self._shim_dir, ignore_errors=True)
+            self._shim_dir = None
+            return None
+        return HiddenKeys(library)
 
     def _child_setup(self) -> None:
         """In the child before exec: SIGTERM with the launching thread, regions that stay 0600."""
@@ -266,6 +296,9 @@ class TritonServer:
                     proc.wait(timeout=10)
         self._reap_group(pgid, timeout=10.0)
         self.removed_regions = remove_regions(self.shm_prefix)  # a stub killed hard leaves its region
+        if self._shim_dir is not None:
+            shutil.rmtree(self._shim_dir, ignore_errors=True)
+            self._shim_dir = None
         if self.load_watch is not None:
             self.load_watch.close()
         if self._relay is not None:
