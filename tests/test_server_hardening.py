@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import http.server
 import os
+import shutil
 import socketserver
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import pytest
 
 from neopp.launcher.admin import FRONT_HEADER, KEY_ENV, KEY_HEADER, AdminKeyError, load_or_create_key, restriction_args
 from neopp.launcher.inner_http import call, clear_socket, private_address, remove_private, socket_path
+from neopp.launcher.key_shim import HiddenKeys, build, compiler, private_build_dir
 from neopp.launcher.shm_regions import backend_args, new_prefix, regions, remove_regions
 from neopp.launcher.supervisor import API_KEY_ENV, without_keys
 
@@ -116,3 +120,37 @@ def test_remove_private_touches_only_its_own_directories(tmp_path: Path) -> None
 def test_server_environment_drops_the_keys() -> None:
     env = without_keys({KEY_ENV: "a" * 20, API_KEY_ENV: "b" * 20, "PATH": "/bin"})
     assert env == {"PATH": "/bin"}
+
+
+ARGV_PROBE = "import os, sys; print(repr(sys.argv[1:])); print(open(f'/proc/{os.getpid()}/cmdline').read())"
+
+
+def _probe(hidden: HiddenKeys, args: list[str], keep_pipe: bool = True) -> subprocess.CompletedProcess:
+    env = hidden.env({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    try:
+        return subprocess.run([sys.executable, "-c", ARGV_PROBE, *args], env=env, capture_output=True, text=True,
+                              pass_fds=hidden.pass_fds if keep_pipe else (), timeout=60)
+    finally:
+        hidden.started()
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C compiler: the keys go on the command line (documented)")
+def test_keys_reach_argv_but_not_the_command_line() -> None:
+    directory = private_build_dir()
+    try:
+        hidden = HiddenKeys(build(directory))
+        admin, api = hidden.mark("k" * 20), hidden.mark("a" * 20)
+        done = _probe(hidden, [f"--x=apis:neopp-admin-key={admin}", f"--y=inference:authorization=Bearer {api}",
+                               f"--z={admin}"])
+        argv, shown = done.stdout.splitlines()[:2]
+        want = [f"--x=apis:neopp-admin-key={'k' * 20}", f"--y=inference:authorization=Bearer {'a' * 20}",
+                f"--z={'k' * 20}"]
+        assert done.returncode == 0 and argv == repr(want), done.stderr
+        assert "k" * 20 not in shown and "a" * 20 not in shown and admin in shown
+        lost = HiddenKeys(hidden.library)
+        assert _probe(lost, [f"--x={lost.mark('k' * 20)}"], keep_pipe=False).returncode == 70  # fails closed
+        stray = HiddenKeys(hidden.library)
+        stray.mark("k" * 20)
+        assert _probe(stray, ["--x=@NEOPP_KEY_0000000000000000@"]).returncode == 70  # a marker left: no start
+    finally:
+        shutil.rmtree(directory)
