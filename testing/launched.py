@@ -20,7 +20,7 @@ from neopp.ports import free_ports
 from neopp.procs import process_group_members
 from testing import REPO
 
-SERVER_LINE = re.compile(r"tritonserver pid (\d+), own HTTP on [\d.]+:(\d+) .*?prefix (\S+)")
+SERVER_LINE = re.compile(r"tritonserver pid (\d+), own HTTP on (\S+) .*?prefix (\S+)")
 
 
 @dataclass
@@ -36,9 +36,9 @@ class Launched:
     def text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def servers(self) -> list[tuple[int, int, str]]:
-        """(pid, Triton's own HTTP port, shm prefix) of every server this launcher started."""
-        return [(int(pid), int(port), prefix) for pid, port, prefix in SERVER_LINE.findall(self.text())]
+    def servers(self) -> list[tuple[int, str, str]]:
+        """(pid, Triton's own HTTP address, shm prefix) of every server this launcher started."""
+        return [(int(pid), address, prefix) for pid, address, prefix in SERVER_LINE.findall(self.text())]
 
     def server_pids(self) -> list[int]:
         return [pid for pid, _, _ in self.servers()]

@@ -1,16 +1,26 @@
-"""Launcher defaults without a server: the operator key file, Triton's restriction flags and the
-per-server shared-memory region names. The HTTP door's parsing: tests/test_front_parsing.py."""
+"""Launcher defaults without a server: the operator key file, Triton's restriction flags, the
+per-server shared-memory region names and the private socket of Triton's own HTTP. The HTTP
+door's parsing: tests/test_front_parsing.py."""
 
 from __future__ import annotations
 
+import http.server
 import os
+import shutil
+import socketserver
 import stat
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from neopp.launcher.admin import FRONT_HEADER, KEY_ENV, KEY_HEADER, AdminKeyError, load_or_create_key, restriction_args
+from neopp.launcher.inner_http import call, clear_socket, private_address, remove_private, socket_path
+from neopp.launcher.key_shim import HiddenKeys, build, compiler, private_build_dir
 from neopp.launcher.shm_regions import backend_args, new_prefix, regions, remove_regions
+from neopp.launcher.supervisor import API_KEY_ENV, without_keys
 
 
 def test_key_file_is_created_private_once(tmp_path: Path) -> None:
@@ -57,3 +67,90 @@ def test_regions_are_found_by_their_own_prefix_only(tmp_path: Path) -> None:
     assert left == sorted([f"{other}a", "triton_python_backend_shm_region_x"])
     assert regions("triton_python_backend_shm_region_", tmp_path) == []  # never a foreign prefix
     assert backend_args(mine)[0] == f"--backend-config=python,shm-region-prefix-name={mine}"
+
+
+class _Ready(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+        self.send_response(200 if self.path == "/v2/health/ready" else 404)
+        self.send_header("Content-Length", "2")
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+class _UnixHTTPServer(socketserver.UnixStreamServer):
+    def get_request(self):  # BaseHTTPRequestHandler wants a client address it can print
+        sock, _ = super().get_request()
+        return sock, ("local", 0)
+
+
+def test_inner_http_is_a_socket_in_a_private_directory() -> None:
+    address = private_address()
+    path = socket_path(address)
+    try:
+        assert address.startswith("unix:") and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        with _UnixHTTPServer(str(path), _Ready) as server:
+            thread = threading.Thread(target=server.serve_forever, daemon=True)
+            thread.start()
+            try:
+                assert call(address, "GET", "/v2/health/ready", timeout=5) == (200, b"ok")
+                assert call(address, "GET", "/elsewhere", timeout=5)[0] == 404
+            finally:
+                server.shutdown()
+                thread.join(timeout=5)
+        clear_socket(address)  # what a restart does before it binds again
+        assert not path.exists() and path.parent.exists()
+        with pytest.raises(OSError):
+            call(address, "GET", "/v2/health/ready", timeout=5)  # no server: an OSError, never a hang
+    finally:
+        remove_private(address)
+    assert not path.parent.exists()
+
+
+def test_remove_private_touches_only_its_own_directories(tmp_path: Path) -> None:
+    other = tmp_path / "http"
+    other.write_text("")
+    remove_private(f"unix:{other}")
+    remove_private("127.0.0.1:8000")
+    assert other.exists()
+
+
+def test_server_environment_drops_the_keys() -> None:
+    env = without_keys({KEY_ENV: "a" * 20, API_KEY_ENV: "b" * 20, "PATH": "/bin"})
+    assert env == {"PATH": "/bin"}
+
+
+ARGV_PROBE = "import os, sys; print(repr(sys.argv[1:])); print(open(f'/proc/{os.getpid()}/cmdline').read())"
+
+
+def _probe(hidden: HiddenKeys, args: list[str], keep_pipe: bool = True) -> subprocess.CompletedProcess:
+    env = hidden.env({k: v for k, v in os.environ.items() if k != "LD_PRELOAD"})
+    try:
+        return subprocess.run([sys.executable, "-c", ARGV_PROBE, *args], env=env, capture_output=True, text=True,
+                              pass_fds=hidden.pass_fds if keep_pipe else (), timeout=60)
+    finally:
+        hidden.started()
+
+
+@pytest.mark.skipif(compiler() is None, reason="no C compiler: the keys go on the command line (documented)")
+def test_keys_reach_argv_but_not_the_command_line() -> None:
+    directory = private_build_dir()
+    try:
+        hidden = HiddenKeys(build(directory))
+        admin, api = hidden.mark("k" * 20), hidden.mark("a" * 20)
+        done = _probe(hidden, [f"--x=apis:neopp-admin-key={admin}", f"--y=inference:authorization=Bearer {api}",
+                               f"--z={admin}"])
+        argv, shown = done.stdout.splitlines()[:2]
+        want = [f"--x=apis:neopp-admin-key={'k' * 20}", f"--y=inference:authorization=Bearer {'a' * 20}",
+                f"--z={'k' * 20}"]
+        assert done.returncode == 0 and argv == repr(want), done.stderr
+        assert "k" * 20 not in shown and "a" * 20 not in shown and admin in shown
+        lost = HiddenKeys(hidden.library)
+        assert _probe(lost, [f"--x={lost.mark('k' * 20)}"], keep_pipe=False).returncode == 70  # fails closed
+        stray = HiddenKeys(hidden.library)
+        stray.mark("k" * 20)
+        assert _probe(stray, ["--x=@NEOPP_KEY_0000000000000000@"]).returncode == 70  # a marker left: no start
+    finally:
+        shutil.rmtree(directory)

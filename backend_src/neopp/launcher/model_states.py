@@ -9,9 +9,10 @@ and why. The index belongs to the model-repository API, which needs the operator
 from __future__ import annotations
 
 import json
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+
+from .inner_http import call
 
 # Triton 2.51 ends the process when a --load-model fails unless told otherwise, and with strict
 # readiness /v2/health/ready stays false while any requested model is unavailable.
@@ -39,13 +40,13 @@ class ModelState:
         return self.reason.split("\n", 1)[0].strip()
 
 
-def repository_index(http_url: str, headers: Mapping[str, str], timeout: float = 10.0) -> list[ModelState]:
-    """``POST /v2/repository/index`` of the server at ``http_url`` (host:port)."""
-    req = urllib.request.Request(f"http://{http_url}/v2/repository/index", data=b"{}", method="POST",
-                                 headers={"Content-Type": "application/json", **headers})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        rows = json.loads(resp.read())
-    return [ModelState(r["name"], r.get("state", ""), r.get("reason", "")) for r in rows]
+def repository_index(http_target: str, headers: Mapping[str, str], timeout: float = 10.0) -> list[ModelState]:
+    """``POST /v2/repository/index`` of the server at ``http_target`` (``host:port`` or ``unix:<path>``)."""
+    status, body = call(http_target, "POST", "/v2/repository/index", {"Content-Type": "application/json", **headers},
+                        b"{}", timeout=timeout)
+    if status != 200:
+        raise OSError(f"the repository index answered {status}: {body[:200].decode('utf-8', 'replace')}")
+    return [ModelState(r["name"], r.get("state", ""), r.get("reason", "")) for r in json.loads(body)]
 
 
 def state_table(states: Sequence[ModelState]) -> str:

@@ -4,8 +4,8 @@
   operator key (``$NEOPP_ADMIN_KEY`` or a 0600 file created at first start); the stub watchdog
   sends it when it reloads a model.
 * The public HTTP port is the door (neopp.launcher.door): it parses every request itself and sends
-  inference to Triton over gRPC; Triton's own HTTP listens on a loopback port and answers only
-  requests carrying the door's per-run key.
+  inference to Triton over gRPC; Triton's own HTTP listens on a Unix socket in a directory only
+  the server's user can enter (neopp.launcher.inner_http), so no other local user reaches it.
 * A server that dies is restarted with backoff, at most ``--max-restarts`` times within
   ``--restart-window-s`` (a rate, not a lifetime budget); each restart is logged and counted on
   the door's ``/metrics``. So is one the stub watchdog asks for (a reload that did not finish
@@ -29,10 +29,11 @@ from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..ports import LOOPBACK, free_ports
-from .admin import FRONT_HEADER, GRPC_API_KEY_HEADER, KEY_HEADER, check_key, load_or_create_key, new_front_key
+from ..ports import LOOPBACK
+from .admin import GRPC_API_KEY_HEADER, KEY_ENV, KEY_HEADER, check_key, load_or_create_key
 from .door.limits import DoorLimits, KiB, MiB
 from .health import ServerHealth, touch
+from .inner_http import private_address, remove_private
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table
 from .poller import Poller
 from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
@@ -79,8 +80,7 @@ class Supervisor:
 
     def __init__(self, ns: argparse.Namespace, extra: Sequence[str], key: str) -> None:
         self.ns, self.extra, self.key = ns, server_args(ns, extra), key
-        self.front_key = new_front_key()
-        self.upstream_port = free_ports(1)[0]
+        self.inner_http = private_address()  # Triton's own HTTP, for the door and the launcher alone
         self.stop_requested = False
         self.restarts = RestartRate(ns.max_restarts, ns.restart_window_s)
         self.server: TritonServer | None = None
@@ -90,26 +90,26 @@ class Supervisor:
         from .door.server import DoorServer  # needs the serve extra (uvicorn, starlette, grpc)
 
         self.api_key = api_key_for(ns)
-        self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", (LOOPBACK, self.upstream_port),
-                                self.front_key, door_limits(ns), health=self.health, admin_key=key,
+        self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", self.inner_http, None,
+                                door_limits(ns), health=self.health, admin_key=key,
                                 api_key=self.api_key, metrics_address=(grpc_host, ns.metrics_port))
         self.alive = None if ns.alive_file is None else Poller(
             "neopp-alive", 5.0, lambda: self.front.answers(2.0) and touch(Path(ns.alive_file)), lambda exc: None)
 
     def _new_server(self) -> TritonServer:
         ns = self.ns
-        return TritonServer(ns.model_repository, http_port=self.upstream_port, grpc_port=ns.grpc_port,
-                            metrics_port=ns.metrics_port, host=ns.host, http_address=LOOPBACK,
+        return TritonServer(ns.model_repository, grpc_port=ns.grpc_port,
+                            metrics_port=ns.metrics_port, host=ns.host, http_address=self.inner_http,
                             backend_dir=ns.backend_dir, extra_args=[*KEEP_GOING_ARGS, *self.extra], admin_key=self.key,
-                            front_key=self.front_key, shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES),
+                            shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES), env=without_keys(os.environ),
                             api_key=self.api_key)
 
     def _start_server(self) -> None:
         self.health.server_down("tritonserver is starting")
         self.server = self._new_server().start()
         log(f"tritonserver {self.server.install.server_bin}")
-        log(f"tritonserver pid {self.server.process.pid}, own HTTP on {LOOPBACK}:{self.upstream_port} "
-            f"(behind the front), shm region prefix {self.server.shm_prefix}")
+        log(f"tritonserver pid {self.server.process.pid}, own HTTP on {self.inner_http} "
+            f"(the door's alone), shm region prefix {self.server.shm_prefix}")
 
     def _stop_server(self) -> None:
         """The watchdog acts no more, the server stops (a reload in progress ends with it), then the
@@ -144,9 +144,8 @@ class Supervisor:
 
     def _report_models(self) -> bool:
         """Print every model's state; True when at least one is READY (worth serving)."""
-        headers = {KEY_HEADER: self.key, FRONT_HEADER: self.front_key}
         try:
-            states = repository_index(f"{LOOPBACK}:{self.upstream_port}", headers)
+            states = repository_index(self.inner_http, {KEY_HEADER: self.key})
         except OSError as exc:
             log(f"could not read the model repository index: {exc}")
             return False
@@ -186,6 +185,7 @@ class Supervisor:
                 self.alive.stop(timeout_s=5)
             self._stop_server()
             self.front.stop()
+            remove_private(self.inner_http)
 
     def _loop(self) -> int:
         first = True
@@ -250,6 +250,11 @@ def api_key_for(ns: argparse.Namespace, env: dict[str, str] | None = None) -> st
     log(f"inference API key (Authorization: Bearer; over gRPC the header {GRPC_API_KEY_HEADER}) from {where}: "
         "the server listens beyond loopback")
     return key
+
+
+def without_keys(env: dict[str, str]) -> dict[str, str]:
+    """The server's environment: ours without the key variables (its models need neither key)."""
+    return {k: v for k, v in env.items() if k not in (KEY_ENV, API_KEY_ENV)}
 
 
 def door_limits(ns: argparse.Namespace) -> DoorLimits:

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
@@ -26,6 +25,8 @@ from typing import IO
 from ..ports import LOOPBACK, free_ports
 from ..procs import process_group_members
 from .admin import FRONT_HEADER, KEY_HEADER, restriction_args
+from .inner_http import UNIX, call, clear_socket
+from .key_shim import HiddenKeys, build, private_build_dir
 from .load_rescue import StuckLoadWatch
 from .model_deps import with_engine_models
 from .server_log import LogRelay, cpu_only_args, nvidia_driver_present
@@ -78,7 +79,9 @@ class TritonServer:
 
         ``admin_key`` restricts the administrative APIs (neopp.launcher.admin); ``front_key`` makes
         Triton's own HTTP port answer only requests relayed by the HTTP front, which binds the
-        public address while Triton's HTTP listens on ``http_address``. ``shm_sizes`` (first size,
+        public address while Triton's HTTP listens on ``http_address`` (``unix:<path>``: a socket,
+        which the launcher keeps in a private directory instead of using a front key;
+        neopp.launcher.inner_http). ``shm_sizes`` (first size,
         growth step) sizes the Python backend's regions; each server gets its own region prefix.
         ``malloc_env`` replaces MALLOC_ENV (``{}``: glibc's defaults, to compare). ``api_key`` (with
         ``admin_key``): gRPC inference needs it (neopp.launcher.admin).
@@ -106,18 +109,33 @@ class TritonServer:
         self._log_file: IO[bytes] | None = None
         self._relay: LogRelay | None = None
         self.load_watch: StuckLoadWatch | None = None
+        self._shim_dir: Path | None = None
 
     def successor(self) -> TritonServer:
         """A server with the same settings on the same ports: this one started again, once stopped."""
         env, malloc_env = self._given
         return TritonServer(self.model_repository, self.http_port, self.grpc_port, self.metrics_port, self.host,
                             self.backend_dir, self.extra_args, env, self.log_path, self.admin_key, self.front_key,
-                            self.http_address, self.shm_sizes, malloc_env)
+                            self.http_address, self.shm_sizes, malloc_env, self.api_key)
 
     @property
     def client_host(self) -> str:
         """Address a local client dials (a wildcard bind is reached over loopback)."""
         return LOOPBACK if self.host in ("0.0.0.0", "") else self.host
+
+    @property
+    def http_target(self) -> str:
+        """Where the launcher reaches Triton's own HTTP: ``host:port`` or ``unix:<path>``."""
+        if self.http_address.startswith(UNIX):
+            return self.http_address
+        host = LOOPBACK if self.http_address in ("0.0.0.0", "", "::") else self.http_address
+        return f"{host}:{self.http_port}"
+
+    def http_headers(self) -> dict[str, str]:
+        """What Triton's own HTTP wants of the launcher: the front key, the operator key."""
+        headers = {FRONT_HEADER: self.front_key} if self.front_key else {}
+        headers.update({KEY_HEADER: self.admin_key} if self.admin_key else {})
+        return headers
 
     @property
     def http_url(self) -> str:
@@ -131,15 +149,19 @@ class TritonServer:
     def metrics_url(self) -> str:
         return f"http://{self.client_host}:{self.metrics_port}/metrics"
 
-    def command(self) -> list[str]:
-        """The full tritonserver argv (no pool of gRPC request objects unless ``extra_args`` sets one)."""
+    def command(self, hidden: HiddenKeys | None = None) -> list[str]:
+        """The full tritonserver argv (no pool of gRPC request objects unless ``extra_args`` sets one);
+        with ``hidden``, markers stand for the keys (neopp.launcher.key_shim)."""
+        keys = (self.admin_key, self.front_key, self.api_key)
+        if hidden is not None:
+            keys = tuple(hidden.mark(key) for key in keys)
         return [str(self.install.server_bin), f"--model-repository={self.model_repository}",
                 f"--backend-directory={self.backend_dir}",
                 f"--http-address={self.http_address}", f"--http-port={self.http_port}",
                 f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                 *backend_args(self.shm_prefix, *(self.shm_sizes or ())),
-                *(restriction_args(self.admin_key, self.front_key, self.api_key) if self.admin_key else []),
+                *(restriction_args(*keys) if self.admin_key else []),
                 *([] if any(a.startswith(GRPC_POOL_ARG) for a in self.extra_args) else [f"{GRPC_POOL_ARG}=0"]),
                 *([] if self.gpu_host else cpu_only_args(self.extra_args)),
                 *with_engine_models(self.extra_args, self.model_repository)]
@@ -154,19 +176,43 @@ class TritonServer:
         if self.process is not None:
             raise TritonLaunchError("server already started")
         remove_orphans((PREFIX_HEAD,))  # regions of servers whose owner was killed, and only those
+        clear_socket(self.http_address)  # the socket of the server this one replaces
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")
         else:
             self._log_file = _console()
-        self.process = subprocess.Popen(self.command(), env=self.env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        start_new_session=True, preexec_fn=self._child_setup)
+        hidden = self._hidden_keys()
+        argv = self.command(hidden)  # the markers first, then the pipe that carries their keys
+        env = self.env if hidden is None else hidden.env(self.env)
+        try:
+            self.process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                            start_new_session=True, preexec_fn=self._child_setup,
+                                            pass_fds=() if hidden is None else hidden.pass_fds)
+        finally:
+            if hidden is not None:
+                hidden.started()
         self.load_watch = StuckLoadWatch(self.process.pid, log=lambda text: self._relay.note(text))
         self._relay = LogRelay(self.process.stdout, self._log_file, relabel_cpu_only=not self.gpu_host,
                                on_line=self.load_watch.feed)
         self.load_watch.start()
+        if self.admin_key and hidden is None:
+            self._relay.note("W neopp: no C compiler, so tritonserver's command line holds the keys of its "
+                             "restricted APIs (docs/security.md)")
         return self
+
+    def _hidden_keys(self) -> HiddenKeys | None:
+        """The keys' way past the command line, when there are keys and the library builds."""
+        if not self.admin_key:
+            return None
+        self._shim_dir = private_build_dir()
+        library = build(self._shim_dir)
+        if library is None:
+            shutil.rmtree(self._shim_dir, ignore_errors=True)
+            self._shim_dir = None
+            return None
+        return HiddenKeys(library)
 
     def _child_setup(self) -> None:
         """In the child before exec: SIGTERM with the launching thread, regions that stay 0600."""
@@ -175,12 +221,9 @@ class TritonServer:
 
     def is_ready(self) -> bool:
         """True when GET /v2/health/ready answers 200."""
-        url = f"http://{LOOPBACK if self.front_key else self.client_host}:{self.http_port}/v2/health/ready"
-        headers = {FRONT_HEADER: self.front_key} if self.front_key else {}
         try:
-            with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=2) as resp:
-                return resp.status == 200
-        except (urllib.error.URLError, OSError):
+            return call(self.http_target, "GET", "/v2/health/ready", self.http_headers(), timeout=2)[0] == 200
+        except OSError:
             return False
 
     def log_tail(self, chars: int = 6000) -> str:
@@ -214,18 +257,16 @@ class TritonServer:
         if self.load_watch is None or self._relay is None:
             return []
         models, self.load_watch.rescued = list(self.load_watch.rescued), []
-        headers = {FRONT_HEADER: self.front_key} if self.front_key else {}
-        headers.update({KEY_HEADER: self.admin_key} if self.admin_key else {})
         for model in models:
             self._relay.note(f"I neopp load rescue: loading {model} again")
-            url = f"http://{LOOPBACK if self.front_key else self.client_host}:{self.http_port}" \
-                  f"/v2/repository/models/{model}/load"
-            request = urllib.request.Request(url, data=b"", headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=timeout):
-                    pass
-            except (urllib.error.URLError, OSError) as exc:
-                self._relay.note(f"W neopp load rescue: loading {model} again failed: {exc}")
+                status, body = call(self.http_target, "POST", f"/v2/repository/models/{model}/load",
+                                    self.http_headers(), b"", timeout=timeout)
+            except OSError as exc:
+                status, body = 0, str(exc).encode()
+            if status != 200:
+                self._relay.note(f"W neopp load rescue: loading {model} again failed: "
+                                 f"{status or ''} {body[:200].decode('utf-8', 'replace')}")
         return models
 
     def stop(self, timeout: float = 30.0, drain_s: float | None = None) -> int | None:
@@ -255,6 +296,9 @@ class TritonServer:
                     proc.wait(timeout=10)
         self._reap_group(pgid, timeout=10.0)
         self.removed_regions = remove_regions(self.shm_prefix)  # a stub killed hard leaves its region
+        if self._shim_dir is not None:
+            shutil.rmtree(self._shim_dir, ignore_errors=True)
+            self._shim_dir = None
         if self.load_watch is not None:
             self.load_watch.close()
         if self._relay is not None:

@@ -2,6 +2,7 @@
 
 It parses every client byte once, strictly, and hands Triton only what it produced itself:
 inference goes to Triton over gRPC on loopback (so a client that hangs up cancels its request),
-the few control routes are re-serialised to Triton's own HTTP port, which answers only this door.
-It imports the rest of the package only for the operator-key names (``neopp.launcher.admin``).
+the few control routes are re-serialised to Triton's own HTTP, a socket only this door reaches.
+It imports the rest of the package only for the operator-key names (``neopp.launcher.admin``) and
+the form of Triton's socket address (``neopp.launcher.inner_http``).
 """

@@ -34,7 +34,8 @@ LOG = logging.getLogger("neopp.launcher.door")
 class DoorServer:
     """Listen on ``(host, port)``; send inference to ``grpc_target``, control to ``http_address``."""
 
-    def __init__(self, host: str, port: int, grpc_target: str, http_address: tuple[str, int], front_key: str,
+    def __init__(self, host: str, port: int, grpc_target: str, http_address: tuple[str, int] | str,
+                 front_key: str | None,
                  limits: DoorLimits | None = None, metrics: DoorMetrics | None = None,
                  health: Health | None = None, admin_key: str | None = None,
                  api_key: str | None = None, parse_workers: int = 2,

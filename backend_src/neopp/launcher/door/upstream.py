@@ -1,11 +1,12 @@
-"""The door's two ways into Triton, both on loopback.
+"""The door's two ways into Triton.
 
 * gRPC (``grpc.aio``) for inference and model metadata: a cancelled call cancels the request in
   Triton, which is how a client that hangs up over HTTP stops its generation. With an API key,
   inference calls carry it as Triton's restricted-protocol header wants it.
-* Triton's own HTTP port for the control routes (health, metadata, config, statistics, the
-  administrative APIs): it answers only requests carrying this run's front key, and the door
-  sends it only bodies it serialised itself. Each exchange runs on the event loop (h11 over an
+* Triton's own HTTP for the control routes (health, metadata, config, statistics, the
+  administrative APIs): under the launcher a Unix socket no other local user can open
+  (neopp.launcher.inner_http), else a loopback port that answers only requests carrying a front
+  key; the door sends it only bodies it serialised itself. Each exchange runs on the event loop (h11 over an
   asyncio connection), so no pool of threads can be used up and make a health check wait.
 """
 
@@ -22,6 +23,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from ..admin import FRONT_HEADER, GRPC_HEADER, KEY_HEADER, inference_metadata
+from ..inner_http import socket_path
 from .door_error import DoorError
 from .wire import WireRequest
 
@@ -61,9 +63,10 @@ class ControlResponse:
 
 
 class Upstream:
-    """One gRPC channel (made on the door's event loop) and the loopback HTTP address."""
+    """One gRPC channel (made on the door's event loop) and Triton's own HTTP: ``(host, port)`` or
+    ``unix:<path>``."""
 
-    def __init__(self, grpc_target: str, http_address: tuple[str, int], front_key: str,
+    def __init__(self, grpc_target: str, http_address: tuple[str, int] | str, front_key: str | None,
                  api_key: str | None = None) -> None:
         self.grpc_target, self.http_address, self.front_key = grpc_target, http_address, front_key
         self.inference_metadata = inference_metadata(api_key)
@@ -148,9 +151,11 @@ class Upstream:
         return self._stream_wire(one(), metadata=self.inference_metadata)
 
     async def control(self, method: str, path: str, body: bytes | None, admin_key: str | None) -> ControlResponse:
-        """One request to Triton's own HTTP port, with the front key (and the caller's admin key)."""
-        headers = [("Host", f"{self.http_address[0]}:{self.http_address[1]}"), (FRONT_HEADER, self.front_key),
-                   ("Content-Length", str(len(body or b""))), ("Connection", "close")]
+        """One request to Triton's own HTTP, with the front key if any (and the caller's admin key)."""
+        host = "localhost" if isinstance(self.http_address, str) else f"{self.http_address[0]}:{self.http_address[1]}"
+        headers = [("Host", host), ("Content-Length", str(len(body or b""))), ("Connection", "close")]
+        if self.front_key is not None:
+            headers.append((FRONT_HEADER, self.front_key))
         if admin_key is not None:
             headers.append((KEY_HEADER, admin_key))
         if body is not None:
@@ -163,7 +168,10 @@ class Upstream:
                             reason="upstream_down") from None
 
     async def _exchange(self, request: h11.Request, body: bytes) -> ControlResponse:
-        reader, writer = await asyncio.open_connection(*self.http_address)
+        if isinstance(self.http_address, str):
+            reader, writer = await asyncio.open_unix_connection(socket_path(self.http_address))
+        else:
+            reader, writer = await asyncio.open_connection(*self.http_address)
         conn, status, content_type, parts = h11.Connection(h11.CLIENT), 0, "application/json", []
         try:
             writer.write(conn.send(request) + conn.send(h11.Data(data=body)) + conn.send(h11.EndOfMessage()))

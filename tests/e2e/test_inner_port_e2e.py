@@ -1,0 +1,144 @@
+"""Triton's inner port stays private, against a launcher it started (``python -m neopp.launcher
+serve`` with an operator key and an API key):
+
+* no key is on the command line of the launcher, the door's parse workers or the Python stubs;
+  tritonserver's holds the operator and API keys in its restriction flags and nothing else secret
+  (Triton 2.51 reads them nowhere else: docs/security.md says what that leaves); neither key is
+  in the environment of tritonserver or its stubs;
+* Triton's own HTTP is a Unix socket in a 0700 directory: tritonserver listens on TCP only for
+  gRPC and metrics, the public ports;
+* a ``STEPS`` of shape [1000000000000], which aborts Triton's own HTTP parser, is a 400 naming
+  STEPS at the door (JSON and binary), an INVALID_ARG over gRPC, and the server stays up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from neopp.launcher.admin import GRPC_API_KEY_HEADER
+from neopp.launcher.inner_http import socket_path
+from neopp.launcher.key_shim import compiler
+from neopp.procs import cmdline, descendants, process_group_members
+from testing.door_attacks import post, request
+from testing.launched import launch
+
+MODEL = "neopp_dense"
+KEY = "inner-operator-key-0123456789abcdef"
+API = "inner-api-key-0123456789abcdef"
+GRPC_API = {GRPC_API_KEY_HEADER: f"Bearer {API}"}
+HUGE = 1_000_000_000_000
+RESTRICTION_FLAGS = ("--http-restricted-api=", "--grpc-restricted-protocol=")
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
+    log = tmp_path_factory.mktemp("inner") / "serve.log"
+    handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY, "NEOPP_API_KEY": API},
+                    (MODEL,), max_restarts=0)
+    try:
+        handle.wait_for("NeoPP Triton server ready")
+        yield handle
+    finally:
+        servers = handle.servers()
+        assert handle.stop() == 0, handle.text()[-4000:]
+        for pid, address, _ in servers:
+            assert process_group_members(pid) == [], f"server {pid} left processes"
+            assert not socket_path(address).parent.exists(), "the private directory was left behind"
+
+
+def _listening_tcp_ports(pid: int) -> set[int]:
+    """TCP ports ``pid`` listens on: its socket descriptors matched in /proc/net/tcp{,6}."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        target = os.readlink(fd)
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_no_key_on_a_command_line(launched):
+    server = launched.server_pid
+    door_side = [launched.proc.pid, *descendants(launched.proc.pid)]  # the launcher, its parse workers
+    stubs = [pid for pid in process_group_members(server) if pid != server]
+    assert stubs, "no Python stub found"
+    for pid in [p for p in door_side if p not in (server, *stubs)] + stubs:
+        line = " ".join(cmdline(pid))
+        assert KEY not in line and API not in line, f"a key on the command line of {pid}: {line[:200]}"
+    args = cmdline(server)
+    holding = [a for a in args if KEY in a or API in a]
+    if compiler() is not None:  # markers on the command line, the keys through a pipe (key_shim)
+        assert not holding, holding
+        assert sum("@NEOPP_KEY_" in a for a in args if a.startswith(RESTRICTION_FLAGS)) == 3, args
+    else:  # what remains without a compiler: the keys in the restriction flags alone
+        assert holding and all(a.startswith(RESTRICTION_FLAGS) for a in holding), holding
+    assert not any("front-key" in a for a in args), "a front key is no longer needed"
+    for pid in [server, *stubs]:  # nor in the environment its models see
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
+        assert KEY.encode() not in environ and API.encode() not in environ, f"a key in the environment of {pid}"
+
+
+def test_triton_http_is_a_private_socket(launched):
+    pid, address, _ = launched.servers()[-1]
+    path = socket_path(address)
+    assert path is not None and f"--http-address={address}" in cmdline(pid)
+    directory = path.parent.stat()
+    assert stat.S_IMODE(directory.st_mode) == 0o700 and directory.st_uid == os.getuid()
+    assert stat.S_ISSOCK(path.stat().st_mode)
+    assert _listening_tcp_ports(pid) == {launched.grpc_port, launched.metrics_port}
+
+
+def _steps(shape: list[int], raw: bytes) -> list[grpcclient.InferInput]:
+    tensor = grpcclient.InferInput("STEPS", shape, "INT64")
+    tensor._raw_content = raw  # the declared shape as an attacker sends it, not what numpy would build
+    return [tensor]
+
+
+def _generate(client: grpcclient.InferenceServerClient, kv: tuple[np.ndarray, np.ndarray]) -> bytes:
+    arrays = {"COND_KV": (kv[0], "BF16"), "INDEX_OFFSET_COND": (np.array([24], np.int64), "INT64"),
+              "SIZE": (np.array([32, 32], np.int64), "INT64"), "STEPS": (np.array([2], np.int64), "INT64"),
+              "SEED": (np.array([5], np.int64), "INT64"), "CFG_SCALE": (np.array([1.0], np.float32), "FP32")}
+    tensors = []
+    for name, (array, dtype) in arrays.items():
+        tensors.append(grpcclient.InferInput(name, list(array.shape), dtype).set_data_from_numpy(array))
+    return bytes(client.infer(MODEL, tensors, headers=GRPC_API).as_numpy("IMAGE")[0])
+
+
+def test_giant_steps_shape_is_refused_and_the_server_stays(launched, kv):
+    pid = launched.server_pid
+    auth = f"Authorization: Bearer {API}\r\n"
+    body = json.dumps({"inputs": [{"name": "STEPS", "datatype": "INT64", "shape": [HUGE], "data": [1]}]}).encode()
+    status, _, answer = post(launched.http_port, f"/v2/models/{MODEL}/infer", body, extra=auth)
+    assert status == 400 and "STEPS" in json.loads(answer)["error"], answer
+    header = json.dumps({"inputs": [{"name": "STEPS", "datatype": "INT64", "shape": [HUGE],
+                                     "parameters": {"binary_data_size": 8}}]}).encode()
+    status, _, answer = post(launched.http_port, f"/v2/models/{MODEL}/infer", header + bytes(8),
+                             extra=f"{auth}Inference-Header-Content-Length: {len(header)}\r\n")
+    assert status == 400 and "STEPS" in json.loads(answer)["error"], answer
+
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    try:
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer(MODEL, _steps([HUGE], np.array([1], np.int64).tobytes()), headers=GRPC_API)
+        assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and "STEPS" in refused.value.message()
+        time.sleep(1.0)
+        assert launched.server_pid == pid and process_group_members(pid), "the server died"
+        assert request(launched.http_port, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 200
+        assert client.is_server_ready() and client.is_model_ready(MODEL)
+        assert _generate(client, kv)
+    finally:
+        client.close()
