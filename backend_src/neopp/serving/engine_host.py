@@ -7,7 +7,10 @@ arrives as the client's tensors; here it is parsed and validated once (``parse_r
 ``parse_stream_request`` for a streamed twin), its noise is drawn from the mode's one instance
 stream, and it joins the running batch at the next step. Each event goes back on the request's
 connection from a writer thread, so the engine never waits for a socket. A connection that
-closes cancels its requests.
+closes cancels its requests. Every request gets its last message: an answer that cannot be sent
+(too large for the framing, or failing to encode) is replaced by an error, error texts are cut
+to fit. The host writes the engine's heartbeat (``neopp.engine_beat``); once its engine cannot
+serve, every request is refused at once with UNAVAILABLE while the launcher replaces the model.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..engine_beat import BEAT_S, beat_path, write_beat
 from ..engines.engine import Engine
-from ..errors import ConfigError, GenerationCancelled
+from ..errors import ConfigError, EngineDown, GenerationCancelled
 from ..model.adapter_store import AdapterDirectory, adapter_sampling
 from ..modes import ModeSpec
 from ..request import GenerationRequest
@@ -40,7 +44,7 @@ from .model_settings import TritonModelSettings
 from .request_log import request_summary
 from .request_parsing import REQUEST_INPUT_NAMES, ParsedRequest, check_noise, check_request_bytes, parse_request
 from .stream_parsing import StreamOptions, default_preview_size, parse_stream_request, refuse_input_like_parameters
-from .wire import WireError, declared_sizes, recv_message, send_message, unpack_tensors
+from .wire import WireError, declared_sizes, error_header, recv_message, send_message, unpack_tensors
 
 log = logging.getLogger(__name__)
 FRONT_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_")
@@ -79,7 +83,31 @@ class EngineHost:
         os.chmod(self.path, 0o600)
         self._inode = self.path.stat().st_ino  # a reload's new owner binds the same path before this one closes
         self._listener.listen(64)
+        self.beat_path, self._told_failure = beat_path(owner, os.getppid()), False
+        self._beat()
         threading.Thread(target=self._accept_loop, name="neopp-engine-accept", daemon=True).start()
+        threading.Thread(target=self._beat_loop, name="neopp-engine-beat", daemon=True).start()
+
+    def failure(self) -> str | None:
+        """Why the engine can serve no more, or None (an engine without a loop of its own cannot fail so)."""
+        return getattr(self.engine, "failure", None)
+
+    def _beat_loop(self) -> None:
+        while not self._closed.wait(BEAT_S):
+            self._beat()
+
+    def _beat(self) -> None:
+        """Publish whether the engine can serve, while the socket is still this host's (a reload's
+        new owner beats at the same path)."""
+        failure = self.failure()
+        if failure is not None and not self._told_failure:
+            self._told_failure = True
+            self.error_log(f"{self.owner}: engine out of service: {failure}; refusing requests until replaced")
+        try:
+            if self.path.stat().st_ino == self._inode:
+                write_beat(self.beat_path, failure)
+        except OSError:
+            pass
 
     def close(self) -> None:
         self._closed.set()
@@ -91,6 +119,7 @@ class EngineHost:
         try:
             if self.path.stat().st_ino == self._inode:  # still ours, not the socket of a reload's new owner
                 self.path.unlink()
+                self.beat_path.unlink(missing_ok=True)
         except OSError:
             pass
 
@@ -117,6 +146,8 @@ class EngineHost:
         try:
             if self.stopping.is_set():
                 raise GenerationCancelled("request cancelled before generation started")
+            if (failure := self.failure()) is not None:
+                raise EngineDown(failure)
             limits = self.settings.limits
             check_request_bytes(declared_sizes(header.get("tensors"), blobs), limits)  # named, as a refusal
             inputs = unpack_tensors(header.get("tensors"), blobs, fds, limits.max_request_bytes)
@@ -207,8 +238,7 @@ class EngineHost:
     def event_message(self, job: int, event: StepEvent, accepted: Accepted) -> tuple[dict[str, Any], list[bytes]]:
         """One engine event as the message its front gets (on the connection's writer thread)."""
         if event.error is not None:
-            status, reason, message = self.answer(event.error)
-            return {"type": "error", "job": job, "status": status, "reason": reason, "message": message}, []
+            return error_header(job, *self.answer(event.error)), []
         head = {"job": job, "step": event.step, "total": event.total, "seconds": event.seconds}
         if event.final is not None:
             pixels = np.ascontiguousarray(event.final)
@@ -250,7 +280,7 @@ class Connection:
         self._outbox.put((header, blobs or []))
 
     def refuse(self, job: int, status: str, reason: str, message: str) -> None:
-        self.send({"type": "error", "job": job, "status": status, "reason": reason, "message": message})
+        self.send(error_header(job, status, reason, message))
 
     def event(self, job: int, event: StepEvent, accepted: Accepted) -> None:
         """From the engine's thread: queued, turned into a message by the writer."""
@@ -294,19 +324,38 @@ class Connection:
 
     def _write(self) -> None:
         while (item := self._outbox.get()) is not None:
+            job = item[0] if len(item) == 3 else item[0].get("job")
             try:
-                if len(item) == 3:  # an engine event
-                    job, event, accepted = item  # type: ignore[misc]
-                    header, blobs = self.host.event_message(job, event, accepted)
-                    if header["type"] in ("final", "error"):
-                        self._cancelled.discard(job)
-                else:
-                    header, blobs = item  # type: ignore[misc]
+                header, blobs = self._message(item)
                 send_message(self.sock, header, blobs)
             except OSError:
                 self._close()
-            except Exception:  # noqa: BLE001 - one bad event never stops the others
-                log.exception("event not delivered")
+            except Exception as exc:  # noqa: BLE001 - one bad event never stops the others, nor leaves its request
+                self._undeliverable(job, item, exc)
+
+    def _message(self, item: tuple) -> tuple[dict[str, Any], list[bytes]]:
+        if len(item) == 3:  # an engine event
+            job, event, accepted = item
+            header, blobs = self.host.event_message(job, event, accepted)
+            if header["type"] in ("final", "error"):
+                self._cancelled.discard(job)
+            return header, blobs
+        return item
+
+    def _undeliverable(self, job: Any, item: tuple, exc: Exception) -> None:
+        """A message that could not be built or sent: its request ends with an internal error instead."""
+        log.error("the answer to request %s could not be sent: %s: %s", job, type(exc).__name__, exc)
+        if type(job) is not int or (len(item) == 2 and item[0].get("type") == "accepted"):
+            return  # the request's last message follows
+        last = len(item) == 2 or item[1].last
+        if not last:
+            return  # a step's event: the request's last one still comes
+        self._cancelled.discard(job)
+        try:
+            send_message(self.sock, error_header(job, INTERNAL.status, INTERNAL.reason, INTERNAL.message(
+                f"the answer could not be sent ({type(exc).__name__})")))
+        except OSError:
+            self._close()
 
     def _close(self) -> None:
         if self._closed.is_set():
