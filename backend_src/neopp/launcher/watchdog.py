@@ -17,6 +17,9 @@ error message, whose text a client can shape:
 * **stopped** (SIGSTOP, a debugger, a frozen cgroup) for ``stopped_s``: after a second without
   an answer Triton gives up on it, and it aborts the server if it runs again; it is killed
   (``stub_kill``: never while it holds a lock it shares with the server) and its model reloaded.
+* **engine down**: the stub that runs a model's engine says, in its heartbeat
+  (``neopp.engine_beat``), that its engine's loop stopped -> the model is not ready at once and
+  reloaded; the stub stays up meanwhile and answers every request with UNAVAILABLE.
 * **hung**: requests waited for its model for ``hung_s`` while the whole server made no
   progress (no request answered, no denoising step run) and the model's own stubs and rank
   workers used almost no CPU. A busy stub uses CPU; a session stub waiting on a busy model sees
@@ -44,6 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine_beat import beat_path, read_beat
 from ..procs import is_stopped, start_ticks
 from .admin import KEY_ENV, grpc_headers, http_headers
 from .health import ServerHealth
@@ -244,7 +248,10 @@ class StubWatchdog:
             dead = [name for name in expected_instances(config) if name not in stubs]
             if not dead:
                 self._missing_since.pop(model, None)
-                if model not in self._failures and model not in stopped:
+                down = self._engine_down(model)
+                if down is not None and now >= self._failures.get(model, (0, 0.0))[1]:
+                    done.append(self._reload(model, [], f"its engine is down ({down})"))
+                elif down is None and model not in self._failures and model not in stopped:
                     self.health.model_serving(model)
                 continue
             self.health.model_broken(model, f"no live stub for {dead}")
@@ -254,9 +261,18 @@ class StubWatchdog:
                 done.append(self._reload(model, dead))
         return done
 
-    def _reload(self, model: str, dead: list[str]) -> Recovery:
-        self.log(f"neopp watchdog: {model}: no live stub for {dead}; reloading the model")
-        self.health.model_broken(model, f"reloading (no live stub for {dead})")
+    def _engine_down(self, model: str) -> str | None:
+        """Why ``model``'s engine says it can serve no more (its heartbeat), else None; marks it broken."""
+        beat = read_beat(beat_path(model, self.server_pid))
+        if beat is None or beat.alive:
+            return None
+        self.health.model_broken(model, f"its engine is down ({beat.why})")
+        return beat.why
+
+    def _reload(self, model: str, dead: list[str], why: str = "") -> Recovery:
+        why = why or f"no live stub for {dead}"
+        self.log(f"neopp watchdog: {model}: {why}; reloading the model")
+        self.health.model_broken(model, f"reloading ({why})")
         started = self.clock()
         try:
             recovery = Recovery(model, dead, force_reload(self.client, model, self.admin_key, self.reload_timeout_s,
