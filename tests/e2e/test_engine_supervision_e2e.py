@@ -1,0 +1,145 @@
+"""The engine's loop under failures no rule foresaw, against the real launcher and tritonserver
+(``neopp_dense`` and its streamed twin, one engine): an adapter torch cannot apply ends its own
+request and the next is served; a refusal of any size is answered; a loop that dies anyway (the
+fault drill, ``neopp.engines.fault_point``) makes the model unready within 2 s, ends what it held
+with 503 / UNAVAILABLE (a stream with an error event) and the model is replaced."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from safetensors.torch import load_file, save_file
+from tritonclient.utils import InferenceServerException
+
+from neopp.engines.fault_point import FAULT_ENV
+from neopp.ports import LOOPBACK
+from testing.door_requests import MODEL, grpc_image, http_infer, ready, tensors
+from testing.launched import launch
+from testing.tiny_checkpoint import tiny_config, tiny_tensors
+from testing.tiny_lora import write_tiny_loras
+
+STREAM = "neopp_dense_stream"
+TIMEOUT_S = 120
+
+
+def _text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=object)
+
+
+def write_attack_adapters(folder: Path) -> None:
+    """Adapters that pass the file format but fail inside torch: float8 factors (``isfinite``
+    cannot take them) and rank-0 pairs with an ``alpha`` (a division by zero); and a large folder."""
+    files = write_tiny_loras(folder, tiny_tensors(tiny_config("dense"), 0))  # the tiny checkpoint's shapes
+    base = load_file(str(files["lora_up_down"]))
+    save_file({k: v if k.endswith(".alpha") else v.to(torch.float8_e4m3fn) for k, v in base.items()},
+              str(folder / "lora_fp8.safetensors"))
+    rank0 = {k: (v if k.endswith(".alpha") else v[:0] if "lora_down" in k else v[:, :0]) for k, v in base.items()}
+    save_file({k: v.contiguous() for k, v in rank0.items()}, str(folder / "lora_rank0.safetensors"))
+    for i in range(12000):  # names alone over the framing's 1 MiB
+        (folder / f"adapter_{i:05d}_{'x' * 90}.safetensors").touch()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("supervised")
+    (root / "lora").mkdir()
+    write_attack_adapters(root / "lora")
+    fault = root / "fault"
+    handle = launch(root / "serve.log", {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_LORA_DIR": str(root / "lora"),
+                                         FAULT_ENV: str(fault)}, (MODEL, STREAM))
+    try:
+        handle.wait_for("NeoPP Triton server ready")
+        yield handle, fault
+    finally:
+        fault.unlink(missing_ok=True)
+        assert handle.stop() == 0, handle.text()[-4000:]
+
+
+def grpc_infer(door, kv, **extra) -> grpcclient.InferResult:
+    client = grpcclient.InferenceServerClient(f"{LOOPBACK}:{door.grpc_port}")
+    try:
+        inputs = tensors(grpcclient, kv)
+        for name, value in extra.items():
+            tensor = grpcclient.InferInput(name, list(value.shape), "BYTES")
+            tensor.set_data_from_numpy(value)
+            inputs.append(tensor)
+        return client.infer(MODEL, inputs, client_timeout=TIMEOUT_S)
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("adapter", ["lora_fp8", "lora_rank0"])
+def test_an_adapter_torch_cannot_apply_ends_its_request_and_the_next_is_served(served, kv, adapter):
+    door, _ = served
+    with pytest.raises(InferenceServerException) as refused:
+        grpc_infer(door, kv, LORA=_text(adapter))
+    assert "Deadline" not in str(refused.value), "the request was left unanswered"
+    assert grpc_image(door, kv, seed=3)  # the loop lives: the next request is served
+    assert ready(door)
+
+
+def test_an_unknown_adapter_in_a_large_folder_is_refused_not_left(served, kv):
+    door, _ = served
+    with pytest.raises(InferenceServerException) as refused:
+        grpc_infer(door, kv, LORA=_text("no_such_adapter"))
+    assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and "LORA" in refused.value.message()
+    assert len(refused.value.message()) < 10_000
+    assert grpc_image(door, kv, seed=4)
+
+
+def _stream(door, kv, answers: queue.Queue) -> grpcclient.InferenceServerClient:
+    client = grpcclient.InferenceServerClient(f"{LOOPBACK}:{door.grpc_port}")
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    client.async_stream_infer(STREAM, tensors(grpcclient, kv, size=(256, 256), steps=200, seed=8))
+    return client
+
+
+def test_a_dead_loop_is_unready_within_2s_ends_what_it_held_and_is_replaced(served, kv):
+    door, fault = served
+    held: list = []
+    http = threading.Thread(target=lambda: held.append(http_infer(door, kv, 9, size=(256, 256), steps=200)),
+                            daemon=True)
+    answers: queue.Queue = queue.Queue()
+    client = _stream(door, kv, answers)
+    try:
+        result, error = answers.get(timeout=TIMEOUT_S)  # the stream runs: its first step came
+        assert error is None, error.message()
+        http.start()
+        time.sleep(1.0)  # the plain request joins the running batch
+        fault.touch()
+        killed = time.monotonic()
+        while ready(door):
+            assert time.monotonic() - killed < 2.0, "the model stayed ready with its loop dead"
+            time.sleep(0.05)
+        unready_s = time.monotonic() - killed
+        fault.unlink()  # the replacement's loop runs
+        while True:  # the stream ends with an error event, never silence
+            result, error = answers.get(timeout=TIMEOUT_S)
+            if error is not None:
+                break
+        assert error.message().startswith("engine unavailable") and "retry" in error.message(), error.message()
+        http.join(TIMEOUT_S)
+        status, headers, _ = held[0]
+        assert status == 503 and "retry-after" in headers, (status, headers)
+    finally:
+        client.stop_stream()
+        client.close()
+    while True:  # over gRPC while the engine is replaced: UNAVAILABLE, never INTERNAL
+        try:
+            image = grpc_image(door, kv, seed=6)
+            break
+        except InferenceServerException as exc:
+            assert exc.status() == "StatusCode.UNAVAILABLE", exc
+            assert time.monotonic() - killed < 180, "never replaced"
+            time.sleep(0.2)
+    assert image and ready(door)
+    door.wait_for(rf"neopp watchdog: {MODEL}: reload done")
+    print(f"unready {unready_s:.2f}s after the loop died; serving again after {time.monotonic() - killed:.1f}s")
+
