@@ -2,10 +2,13 @@
 (``neopp_dense`` and its streamed twin, one engine): an adapter torch cannot apply ends its own
 request and the next is served; a refusal of any size is answered; a loop that dies anyway (the
 fault drill, ``neopp.engines.fault_point``) makes the model unready within 2 s, ends what it held
-with 503 / UNAVAILABLE (a stream with an error event) and the model is replaced."""
+with 503 / UNAVAILABLE (a gRPC stream and the door's ``/v1`` stream with an error event) and the
+model is replaced."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import queue
 import threading
 import time
@@ -26,6 +29,7 @@ from testing.tiny_checkpoint import tiny_config, tiny_tensors
 from testing.tiny_lora import write_tiny_loras
 
 STREAM = "neopp_dense_stream"
+DEMO_DENSE = Path(__file__).resolve().parents[2] / "demo" / "checkpoints" / "dense"
 TIMEOUT_S = 120
 
 
@@ -143,3 +147,40 @@ def test_a_dead_loop_is_unready_within_2s_ends_what_it_held_and_is_replaced(serv
     door.wait_for(rf"neopp watchdog: {MODEL}: reload done")
     print(f"unready {unready_s:.2f}s after the loop died; serving again after {time.monotonic() - killed:.1f}s")
 
+
+
+@pytest.fixture(scope="module")
+def served_v1(tmp_path_factory: pytest.TempPathFactory):
+    """The launcher on the demo checkpoint (a prompt needs its language tower) with the encoder,
+    ``neopp_dense`` and its streamed twin: the door's ``/v1`` stream with previews."""
+    root = tmp_path_factory.mktemp("supervised_v1")
+    fault = root / "fault"
+    handle = launch(root / "serve.log", {"NEOPP_CHECKPOINT": str(DEMO_DENSE), FAULT_ENV: str(fault)},
+                    ("neopp_prompt_encoder", MODEL, STREAM))
+    try:
+        handle.wait_for("NeoPP Triton server ready")
+        yield handle, fault
+    finally:
+        fault.unlink(missing_ok=True)
+        assert handle.stop() == 0, handle.text()[-4000:]
+
+
+def test_a_v1_stream_cut_by_a_dead_loop_ends_with_an_error_event(served_v1):
+    door, fault = served_v1
+    doc = {"model": MODEL, "prompt": "a red circle on a blue background", "size": "256x256", "stream": True,
+           "partial_images": 3, "num_inference_steps": 200, "seed": 5}
+    conn = http.client.HTTPConnection(LOOPBACK, door.http_port, timeout=TIMEOUT_S)
+    try:
+        conn.request("POST", "/v1/images/generations", body=json.dumps(doc),
+                     headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"event: ")  # the stream runs: its first preview came
+        fault.touch()
+        events = [line.split(b":", 1)[1].strip() for line in response.read().splitlines()
+                  if line.startswith(b"event:")]
+    finally:
+        conn.close()
+        fault.unlink(missing_ok=True)
+    assert events and events[-1] == b"error", events
+    door.wait_for(rf"neopp watchdog: {MODEL}: reload done")
