@@ -10,6 +10,7 @@ from __future__ import annotations
 import http.client
 import json
 import queue
+import re
 import threading
 import time
 from pathlib import Path
@@ -24,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 from neopp.engines.fault_point import FAULT_ENV
 from neopp.ports import LOOPBACK
 from testing.door_requests import MODEL, grpc_image, http_infer, ready, tensors
+from testing.faults import kill_own_stub, stub_pid
 from testing.launched import launch
 from testing.tiny_checkpoint import tiny_config, tiny_tensors
 from testing.tiny_lora import write_tiny_loras
@@ -31,6 +33,7 @@ from testing.tiny_lora import write_tiny_loras
 STREAM = "neopp_dense_stream"
 DEMO_DENSE = Path(__file__).resolve().parents[2] / "demo" / "checkpoints" / "dense"
 TIMEOUT_S = 120
+RELOADED = rf"neopp watchdog: {MODEL}: reload done"
 
 
 def _text(value: str) -> np.ndarray:
@@ -98,11 +101,23 @@ def test_an_unknown_adapter_in_a_large_folder_is_refused_not_left(served, kv):
     assert grpc_image(door, kv, seed=4)
 
 
-def _stream(door, kv, answers: queue.Queue) -> grpcclient.InferenceServerClient:
-    client = grpcclient.InferenceServerClient(f"{LOOPBACK}:{door.grpc_port}")
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    client.async_stream_infer(STREAM, tensors(grpcclient, kv, size=(256, 256), steps=200, seed=8))
-    return client
+def _running_stream(door, kv) -> tuple[grpcclient.InferenceServerClient, queue.Queue]:
+    """A long stream whose first step came. Just after a replacement the twin may still reach the
+    old engine, which answers UNAVAILABLE or goes away as it is unloaded (both say retry): it is
+    started again then, for at most a minute."""
+    deadline = time.monotonic() + 60
+    while True:
+        answers: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(f"{LOOPBACK}:{door.grpc_port}")
+        client.start_stream(callback=lambda result, error, into=answers: into.put((result, error)))
+        client.async_stream_infer(STREAM, tensors(grpcclient, kv, size=(256, 256), steps=200, seed=8))
+        _, error = answers.get(timeout=TIMEOUT_S)
+        if error is None:
+            return client, answers
+        client.stop_stream()
+        client.close()
+        assert "retry" in error.message() and time.monotonic() < deadline, error.message()
+        time.sleep(0.2)
 
 
 def test_a_dead_loop_is_unready_within_2s_ends_what_it_held_and_is_replaced(served, kv):
@@ -110,11 +125,8 @@ def test_a_dead_loop_is_unready_within_2s_ends_what_it_held_and_is_replaced(serv
     held: list = []
     http = threading.Thread(target=lambda: held.append(http_infer(door, kv, 9, size=(256, 256), steps=200)),
                             daemon=True)
-    answers: queue.Queue = queue.Queue()
-    client = _stream(door, kv, answers)
+    client, answers = _running_stream(door, kv)
     try:
-        result, error = answers.get(timeout=TIMEOUT_S)  # the stream runs: its first step came
-        assert error is None, error.message()
         http.start()
         time.sleep(1.0)  # the plain request joins the running batch
         fault.touch()
@@ -144,9 +156,38 @@ def test_a_dead_loop_is_unready_within_2s_ends_what_it_held_and_is_replaced(serv
             assert time.monotonic() - killed < 180, "never replaced"
             time.sleep(0.2)
     assert image and ready(door)
-    door.wait_for(rf"neopp watchdog: {MODEL}: reload done")
+    door.wait_for(RELOADED)
     print(f"unready {unready_s:.2f}s after the loop died; serving again after {time.monotonic() - killed:.1f}s")
 
+
+
+def test_a_stream_whose_engine_stub_is_killed_ends_with_an_error_event(served, kv):
+    """The engine's process dies (its stub, SIGKILLed the launcher's safe way): the streamed twin,
+    another process, ends the stream with an error event at once; the model is then reloaded."""
+    door, _ = served
+    reloads = len(re.findall(RELOADED, door.text()))
+    client, answers = _running_stream(door, kv)
+    try:
+        kill_own_stub(door.server_pid, stub_pid(door.server_pid, MODEL))
+        killed = time.monotonic()
+        while True:
+            result, error = answers.get(timeout=30)
+            if error is not None:
+                break
+        assert "went away" in error.message() and "retry" in error.message(), error.message()
+        print(f"the stream's error event came {time.monotonic() - killed:.2f}s after the kill")
+    finally:
+        client.stop_stream()
+        client.close()
+    door.wait_for(RELOADED, count=reloads + 1)
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            assert grpc_image(door, kv, seed=7)
+            break
+        except InferenceServerException:
+            assert time.monotonic() < deadline, "never served again"
+            time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
@@ -183,4 +224,4 @@ def test_a_v1_stream_cut_by_a_dead_loop_ends_with_an_error_event(served_v1):
         conn.close()
         fault.unlink(missing_ok=True)
     assert events and events[-1] == b"error", events
-    door.wait_for(rf"neopp watchdog: {MODEL}: reload done")
+    door.wait_for(RELOADED)

@@ -6,18 +6,15 @@ owner's own included) and the model's streamed twin connect to it (``engine_link
 arrives as the client's tensors; here it is parsed and validated once (``parse_request``, or
 ``parse_stream_request`` for a streamed twin), its noise is drawn from the mode's one instance
 stream, and it joins the running batch at the next step. Each event goes back on the request's
-connection from a writer thread, so the engine never waits for a socket. A connection that
-closes cancels its requests. Every request gets its last message: an answer that cannot be sent
-(too large for the framing, or failing to encode) is replaced by an error, error texts are cut
-to fit. The host writes the engine's heartbeat (``neopp.engine_beat``); once its engine cannot
-serve, every request is refused at once with UNAVAILABLE while the launcher replaces the model.
+connection (``engine_connection``) from a writer thread, so the engine never waits for a socket.
+A connection that closes cancels its requests. The host writes the engine's heartbeat
+(``neopp.engine_beat``); once its engine cannot serve, every request is refused at once with
+UNAVAILABLE while the launcher replaces the model.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import queue
 import socket
 import threading
 import traceback
@@ -38,16 +35,14 @@ from ..request import GenerationRequest
 from ..sampling.rng import NoiseStream
 from ..sampling.sampler import StepEvent
 from .capabilities import Capabilities
+from .engine_connection import Connection, same_user
 from .engine_link import socket_path
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .model_settings import TritonModelSettings
 from .request_log import request_summary
 from .request_parsing import REQUEST_INPUT_NAMES, ParsedRequest, check_noise, check_request_bytes, parse_request
 from .stream_parsing import StreamOptions, default_preview_size, parse_stream_request, refuse_input_like_parameters
-from .wire import WireError, declared_sizes, error_header, recv_message, send_message, unpack_tensors
-
-log = logging.getLogger(__name__)
-FRONT_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_")
+from .wire import WireError, declared_sizes, error_header, unpack_tensors
 
 
 @dataclass
@@ -110,7 +105,13 @@ class EngineHost:
             pass
 
     def close(self) -> None:
+        """Stop listening. With its engine down, drop every connection too (it holds no request):
+        a linked stub then connects to the engine that replaces this one (a reload binds the same
+        path first) instead of being refused by this one until it exits."""
         self._closed.set()
+        if self.failure() is not None:
+            for conn in list(self._connections):
+                conn.close()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -129,7 +130,7 @@ class EngineHost:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            if not _same_user(sock):
+            if not same_user(sock):
                 sock.close()
                 continue
             conn = Connection(self, sock)
@@ -248,125 +249,6 @@ class EngineHost:
             preview = np.ascontiguousarray(event.preview)
             return {**head, "type": "step", "preview": list(preview.shape)}, [preview.tobytes()]
         return {**head, "type": "step", "preview": None}, []
-
-
-def _same_user(sock: socket.socket) -> bool:
-    """Only a process of this server's user may send requests (the folder is 0700 too)."""
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-    except OSError:
-        return False
-    return int.from_bytes(creds[4:8], "little") == os.getuid()
-
-
-class Connection:
-    """One stub's connection: a reader that submits and cancels, a writer that sends the events."""
-
-    def __init__(self, host: EngineHost, sock: socket.socket) -> None:
-        self.host, self.sock = host, sock
-        self.kind, self.front = "plain", ""
-        self._outbox: queue.Queue[tuple[dict[str, Any], list[bytes]] | None] = queue.Queue()
-        self._cancelled: set[int] = set()
-        self._closed = threading.Event()
-
-    def start(self) -> None:
-        threading.Thread(target=self._read, name="neopp-engine-read", daemon=True).start()
-        threading.Thread(target=self._write, name="neopp-engine-write", daemon=True).start()
-
-    def cancelled(self, job: int) -> bool:
-        return self._closed.is_set() or job in self._cancelled or self.host.stopping.is_set()
-
-    def send(self, header: dict[str, Any], blobs: list[bytes] | None = None) -> None:
-        self._outbox.put((header, blobs or []))
-
-    def refuse(self, job: int, status: str, reason: str, message: str) -> None:
-        self.send(error_header(job, status, reason, message))
-
-    def event(self, job: int, event: StepEvent, accepted: Accepted) -> None:
-        """From the engine's thread: queued, turned into a message by the writer."""
-        self._outbox.put((job, event, accepted))  # type: ignore[arg-type]
-
-    def _read(self) -> None:
-        try:
-            header, _, fds = recv_message(self.sock)
-            self._hello(header, fds)
-            while True:
-                header, blobs, fds = recv_message(self.sock)
-                try:
-                    self._handle(header, blobs, fds)
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-        except (WireError, OSError, ValueError):
-            pass
-        finally:
-            self._close()
-
-    def _hello(self, header: dict[str, Any], fds: list[int]) -> None:
-        for fd in fds:
-            os.close(fd)
-        front, kind = header.get("front"), header.get("kind")
-        if header.get("type") != "hello" or kind not in ("plain", "stream") or not isinstance(front, str) \
-                or not 0 < len(front) <= 64 or not set(front) <= FRONT_NAME_CHARS:
-            raise WireError("a connection starts with hello, naming its model and kind")
-        self.kind, self.front = kind, front
-
-    def _handle(self, header: dict[str, Any], blobs: list[bytes], fds: list[int]) -> None:
-        job = header.get("job")
-        if type(job) is not int:
-            raise WireError("a message names its job")
-        if header.get("type") == "cancel":
-            self._cancelled.add(job)
-        elif header.get("type") == "submit":
-            self.host.accept(self, job, header, blobs, fds)
-        else:
-            raise WireError(f"unknown message {str(header.get('type'))[:32]!r}")
-
-    def _write(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            job = item[0] if len(item) == 3 else item[0].get("job")
-            try:
-                header, blobs = self._message(item)
-                send_message(self.sock, header, blobs)
-            except OSError:
-                self._close()
-            except Exception as exc:  # noqa: BLE001 - one bad event never stops the others, nor leaves its request
-                self._undeliverable(job, item, exc)
-
-    def _message(self, item: tuple) -> tuple[dict[str, Any], list[bytes]]:
-        if len(item) == 3:  # an engine event
-            job, event, accepted = item
-            header, blobs = self.host.event_message(job, event, accepted)
-            if header["type"] in ("final", "error"):
-                self._cancelled.discard(job)
-            return header, blobs
-        return item
-
-    def _undeliverable(self, job: Any, item: tuple, exc: Exception) -> None:
-        """A message that could not be built or sent: its request ends with an internal error instead."""
-        log.error("the answer to request %s could not be sent: %s: %s", job, type(exc).__name__, exc)
-        if type(job) is not int or (len(item) == 2 and item[0].get("type") == "accepted"):
-            return  # the request's last message follows
-        last = len(item) == 2 or item[1].last
-        if not last:
-            return  # a step's event: the request's last one still comes
-        self._cancelled.discard(job)
-        try:
-            send_message(self.sock, error_header(job, INTERNAL.status, INTERNAL.reason, INTERNAL.message(
-                f"the answer could not be sent ({type(exc).__name__})")))
-        except OSError:
-            self._close()
-
-    def _close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()  # its requests are cancelled at their next step
-        self._outbox.put(None)
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        self.host.forget(self)
 
 
 # ---------------------------------------------------------------- the owner's start
