@@ -98,3 +98,12 @@ def test_a_beat_reads_back_and_junk_is_no_beat(tmp_path):
     assert not beat.alive and beat.why == "the engine's loop stopped"
     path.write_bytes(b"\x00" * 10000)
     assert read_beat(path) is None
+
+
+def test_a_twin_s_engine_is_its_plain_model_s():
+    from neopp.launcher.watchdog import engine_owner
+
+    twin = {"name": "neopp_dense_stream", "parameters": {"engine_model": {"string_value": "neopp_dense"}}}
+    assert engine_owner(twin) == "neopp_dense"
+    assert engine_owner({"name": "neopp_dense", "parameters": {"engine_model": {"string_value": ""}}}) == "neopp_dense"
+    assert engine_owner({"name": "neopp_moe"}) == "neopp_moe"

@@ -24,6 +24,7 @@ from tritonclient.utils import InferenceServerException
 
 from neopp.engines.fault_point import FAULT_ENV
 from neopp.ports import LOOPBACK
+from testing.door_attacks import request
 from testing.door_requests import MODEL, grpc_image, http_infer, ready, tensors
 from testing.faults import kill_own_stub, stub_pid
 from testing.launched import launch
@@ -101,6 +102,12 @@ def test_an_unknown_adapter_in_a_large_folder_is_refused_not_left(served, kv):
     assert grpc_image(door, kv, seed=4)
 
 
+def model_ready(door, model: str) -> bool:
+    status, _, _ = request(door.http_port, f"GET /v2/models/{model}/ready HTTP/1.1\r\nHost: x\r\n"
+                           "Connection: close\r\n\r\n".encode(), timeout=5)
+    return status == 200
+
+
 def _running_stream(door, kv) -> tuple[grpcclient.InferenceServerClient, queue.Queue]:
     """A long stream whose first step came. Just after a replacement the twin may still reach the
     old engine, which answers UNAVAILABLE or goes away as it is unloaded (both say retry): it is
@@ -131,8 +138,8 @@ def test_a_dead_loop_is_unready_within_2s_ends_what_it_held_and_is_replaced(serv
         time.sleep(1.0)  # the plain request joins the running batch
         fault.touch()
         killed = time.monotonic()
-        while ready(door):
-            assert time.monotonic() - killed < 2.0, "the model stayed ready with its loop dead"
+        while ready(door) or model_ready(door, STREAM):
+            assert time.monotonic() - killed < 2.0, "the model or its twin stayed ready with their loop dead"
             time.sleep(0.05)
         unready_s = time.monotonic() - killed
         fault.unlink()  # the replacement's loop runs
@@ -156,6 +163,10 @@ def test_a_dead_loop_is_unready_within_2s_ends_what_it_held_and_is_replaced(serv
             assert time.monotonic() - killed < 180, "never replaced"
             time.sleep(0.2)
     assert image and ready(door)
+    deadline = time.monotonic() + 60
+    while not model_ready(door, STREAM):  # the twin is ready again once its engine beats alive
+        assert time.monotonic() < deadline, "the twin stayed unready"
+        time.sleep(0.1)
     door.wait_for(RELOADED)
     print(f"unready {unready_s:.2f}s after the loop died; serving again after {time.monotonic() - killed:.1f}s")
 
