@@ -107,3 +107,14 @@ def test_a_twin_s_engine_is_its_plain_model_s():
     assert engine_owner(twin) == "neopp_dense"
     assert engine_owner({"name": "neopp_dense", "parameters": {"engine_model": {"string_value": ""}}}) == "neopp_dense"
     assert engine_owner({"name": "neopp_moe"}) == "neopp_moe"
+
+
+def test_a_rank_s_unforeseen_error_reaches_the_client_as_internal_not_retry():
+    from neopp.engines.rank_loop import ERRORS, error_kind, error_text
+    from neopp.errors import WorkerFailure
+    from neopp.serving.error_status import INTERNAL
+
+    exc = ZeroDivisionError("float division by zero")
+    rebuilt = ERRORS.get(error_kind(exc), WorkerFailure)(error_text(exc))
+    assert error_class(rebuilt) is INTERNAL and "ZeroDivisionError" in str(rebuilt)
+    assert error_kind(WorkerFailure("rank 1 died")) == "failure"
