@@ -134,8 +134,8 @@ class BatchingEngine(QueuedEngine):
             while self._take_incoming():
                 self._fault.check()
                 self._pass()
-        except Exception as exc:  # noqa: BLE001 - the loop itself failed: out of service, nothing left hanging
-            self._fail_loop(exc)
+        except BaseException as exc:  # noqa: BLE001 - the loop itself failed (even by SystemExit): out of
+            self._fail_loop(exc)  # service, and nothing it held is left waiting; the thread ends here
             return
         self._stop_all()
 
@@ -160,7 +160,7 @@ class BatchingEngine(QueuedEngine):
         queued = [(job, t.entry) for job, t in self._tickets.items() if job not in running]
         self.loop.stop(queued, "the engine closed before the request finished")
 
-    def _fail_loop(self, exc: Exception) -> None:
+    def _fail_loop(self, exc: BaseException) -> None:
         """Every request held or arriving ends with ``EngineDown``; the state is not trusted again."""
         log.error("the engine's loop failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
         with self._cv:
