@@ -118,3 +118,42 @@ def test_a_rank_s_unforeseen_error_reaches_the_client_as_internal_not_retry():
     rebuilt = ERRORS.get(error_kind(exc), WorkerFailure)(error_text(exc))
     assert error_class(rebuilt) is INTERNAL and "ZeroDivisionError" in str(rebuilt)
     assert error_kind(WorkerFailure("rank 1 died")) == "failure"
+
+
+def test_an_answer_that_cannot_be_built_is_replaced_by_an_error(tmp_path):
+    """The writer of a connection: a last event whose message fails (an image failing to encode, a
+    header over the framing) still ends its request, and the next request's answer follows."""
+    import threading
+
+    import numpy as np
+
+    from neopp.sampling.sampler import StepEvent
+    from neopp.serving.engine_connection import Connection
+
+    class Host:  # what a connection calls of its engine's host
+        stopping = threading.Event()
+
+        def event_message(self, job, event, accepted):
+            if job == 1:
+                raise ValueError("cannot encode")
+            if job == 2:
+                return {"type": "final", "job": 2, "huge": "x" * (MAX_HEADER + 1)}, []
+            return {"type": "final", "job": job}, []
+
+        def forget(self, conn):
+            pass
+
+    ours, theirs = socket.socketpair()
+    conn = Connection(Host(), ours)
+    threading.Thread(target=conn._write, daemon=True).start()
+    try:
+        for job in (1, 2, 3):
+            conn.event(job, StepEvent(2, 2, final=np.zeros((1, 1, 3), np.uint8)), None)
+        theirs.settimeout(TIMEOUT_S)
+        got = [recv_message(theirs)[0] for _ in range(3)]
+        assert [(m["job"], m["type"]) for m in got] == [(1, "error"), (2, "error"), (3, "final")], got
+        assert got[0]["status"] == "INTERNAL" and "could not be sent (ValueError)" in got[0]["message"]
+        assert "could not be sent (WireError)" in got[1]["message"]
+    finally:
+        conn.close()
+        theirs.close()
