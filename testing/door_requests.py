@@ -55,9 +55,10 @@ def ready(door) -> bool:
         return False
 
 
-def http_infer(door, kv, seed: int) -> tuple[int, dict[str, str], bytes | None]:
+def http_infer(door, kv, seed: int, **kwargs) -> tuple[int, dict[str, str], bytes | None]:
     """One binary HTTP infer through the door on a fresh connection: (status, headers, image or None)."""
-    body, json_size = httpclient.InferenceServerClient.generate_request_body(tensors(httpclient, kv, seed=seed))
+    body, json_size = httpclient.InferenceServerClient.generate_request_body(
+        tensors(httpclient, kv, seed=seed, **kwargs))
     head = (f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
             + (f"Inference-Header-Content-Length: {json_size}\r\n" if json_size else "") + "Connection: close\r\n\r\n")
     status, headers, answer = request(door.http_port, head.encode() + body)

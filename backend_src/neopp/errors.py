@@ -39,6 +39,10 @@ class WorkerFailure(NeoPPError):
     """A rank died, a collective failed or timed out; the pool is being rebuilt."""
 
 
+class EngineDown(NeoPPError):
+    """The engine's loop stopped; what it held ends with this, the model is replaced: retry."""
+
+
 class QueueFull(NeoPPError):
     """The engine already holds as many waiting requests as it may; the client retries later."""
 

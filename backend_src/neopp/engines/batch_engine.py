@@ -4,6 +4,11 @@ A loop thread owns the running batch. ``submit`` queues a request and returns; a
 boundary the thread polls cancellations, asks the scheduler what joins and what leaves, runs
 one batched step and reports every request's event. Everything of the loop but its thread is
 ``StepLoop``'s and ``Scheduler``'s, which a rank pool's rank 0 drives the same way.
+
+A request's own failure ends that request (``StepLoop``); a failure of the loop itself (a bug
+outside any one request) stops the loop: every request it held, and every later one, ends with
+``EngineDown`` (UNAVAILABLE, retry), and ``failure`` says why, which the engine's host publishes
+so the model is taken out of service and replaced.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import threading
 
 import torch
 
+from ..errors import EngineDown
 from ..model.checkpoint_config import CheckpointConfig
 from ..modes import ModeSpec
 from ..request import GenerationRequest
@@ -22,6 +28,7 @@ from ..sampling.plan import RequestRules
 from ..sampling.sampler import StepEvent
 from .adapter_loader import AdapterLoader
 from .engine import CancelledFn, EmitFn, EngineHooks, QueuedEngine, Ticket, closed_error, is_cancelled, send
+from .fault_point import FaultPoint
 from .scheduler import Scheduler
 from .spec import DEFAULT_MAX_QUEUED, DEFAULT_TOKEN_BUDGET
 from .step_loop import StepLoop
@@ -43,6 +50,8 @@ class BatchingEngine(QueuedEngine):
         self._incoming: list[Ticket] = []
         self._tickets: dict[int, Ticket] = {}  # every request the loop holds, queued or running
         self._closed = False
+        self._failure: str | None = None  # why the loop stopped, once it has
+        self._fault = FaultPoint()
         self.loader = AdapterLoader(lambda: self.pipe.adapters, self._enqueue)
         self._thread = threading.Thread(target=self._run, name="neopp-batching", daemon=True)
         self._thread.start()
@@ -71,6 +80,13 @@ class BatchingEngine(QueuedEngine):
     def validate(self, req: GenerationRequest) -> None:
         self.pipe.validate(req)
 
+    @property
+    def failure(self) -> str | None:
+        """Why this engine can serve no more (its loop failed or its thread is gone), else None."""
+        if self._failure is None and not self._thread.is_alive() and not self._closed:
+            return "the engine's loop thread ended"
+        return self._failure
+
     def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
         ticket = self._ticket(req, emit, cancelled, preview_every)
         if req.lora is not None and req.adapter is None:
@@ -85,6 +101,9 @@ class BatchingEngine(QueuedEngine):
         with self._cv:
             if self._closed:
                 ticket.end(closed_error())
+                return
+            if self._failure is not None:
+                ticket.end(EngineDown(self._failure))
                 return
             if self._refuse_if_full(ticket, len(self._incoming) + self.scheduler.waiting):
                 return
@@ -123,22 +142,52 @@ class BatchingEngine(QueuedEngine):
         return True
 
     def _run(self) -> None:
-        while self._take_incoming():
-            for job, ticket in list(self._tickets.items()):
-                if is_cancelled(ticket):
-                    self.scheduler.cancel(job)
-            entries = {job: t.entry for job, t in self._tickets.items()}
-            decision = self.loop.decide(self.scheduler, entries)
-            for wait in self.loop.apply(decision, entries.__getitem__, self._tickets.get):
-                self.hooks.call("queue_wait", wait)
-            if self.loop.active:
-                self._step()
+        try:
+            while self._take_incoming():
+                self._fault.check()
+                self._pass()
+        except BaseException as exc:  # noqa: BLE001 - the loop itself failed (even by SystemExit): out of
+            self._fail_loop(exc)  # service, and nothing it held is left waiting; the thread ends here
+            return
+        self._stop_all()
+
+    def _pass(self) -> None:
+        """One step boundary: cancellations, the scheduler's decision, one batched step."""
+        for job, ticket in list(self._tickets.items()):
+            if is_cancelled(ticket):
+                self.scheduler.cancel(job)
+        entries = {job: t.entry for job, t in self._tickets.items()}
+        decision = self.loop.decide(self.scheduler, entries)
+        for wait in self.loop.apply(decision, entries.__getitem__, self._tickets.get):
+            self.hooks.call("queue_wait", wait)
+        if self.loop.active:
+            self._step()
+
+    def _stop_all(self) -> None:
+        """Closed: what is queued or running ends with a cancellation."""
         with self._cv:
             incoming, self._incoming = self._incoming, []
         self._tickets.update((t.job, t) for t in incoming)
         running = set(self.loop.jobs)
         queued = [(job, t.entry) for job, t in self._tickets.items() if job not in running]
         self.loop.stop(queued, "the engine closed before the request finished")
+
+    def _fail_loop(self, exc: BaseException) -> None:
+        """Every request held or arriving ends with ``EngineDown``; the state is not trusted again."""
+        log.error("the engine's loop failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+        with self._cv:
+            self._failure = f"the engine's loop stopped ({type(exc).__name__}); retry the request"
+            incoming, self._incoming = self._incoming, []
+        held = {**self._tickets, **{t.job: t for t in incoming}}
+        self._tickets = {}
+        for ticket in held.values():
+            ticket.end(EngineDown(self._failure))
+        for a in self.loop.active:
+            try:
+                self.pipe.release(a.prep)
+            except Exception:  # noqa: BLE001 - what is left is freed with the process
+                log.exception("could not release request %d", a.job)
+        self.loop.active = []
 
     def _step(self) -> None:
         try:

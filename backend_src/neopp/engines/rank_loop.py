@@ -25,7 +25,8 @@ from .scheduler import Decision, Scheduler
 from .spec import EngineSpec
 from .step_loop import Entry, StepLoop
 
-ERRORS = {"cancelled": GenerationCancelled, "nonfinite": NonFiniteState, "input": InputError}
+# "internal": not an error of this package (an adapter torch cannot apply): the request's 500
+ERRORS = {"cancelled": GenerationCancelled, "nonfinite": NonFiniteState, "input": InputError, "internal": RuntimeError}
 
 
 def error_kind(exc: Exception) -> str:
@@ -33,7 +34,14 @@ def error_kind(exc: Exception) -> str:
     for kind, cls in ERRORS.items():
         if type(exc) is cls:
             return kind
-    return "input" if isinstance(exc, InputError) else "failure"
+    if isinstance(exc, InputError):
+        return "input"
+    return "failure" if isinstance(exc, NeoPPError) else "internal"
+
+
+def error_text(exc: Exception) -> str:
+    """The message the parent rebuilds the error with (an internal one keeps its type's name)."""
+    return str(exc) if isinstance(exc, NeoPPError) or type(exc) is RuntimeError else f"{type(exc).__name__}: {exc}"
 
 
 def load_rank(rank: int, spec: EngineSpec, port: Any, results: Any, parent: int, beats: Any) -> Any:
@@ -154,7 +162,7 @@ class RankLoop:
             try:
                 req.adapter = self.pipe.adapters.get(req.lora)
                 facts[n, 1:] = torch.tensor(req.adapter.stamp or (0, 0, 0, 0))
-            except NeoPPError as exc:
+            except Exception as exc:  # noqa: BLE001 - ours or not, it ends this request alone on every rank
                 errors[job], facts[n, 0] = exc, 1
         low, high = facts.clone().to(self.pipe.device), facts.clone().to(self.pipe.device)
         with self.pipe.comm():
@@ -173,7 +181,7 @@ class RankLoop:
         if self.lead:
             kind = None if event.error is None else error_kind(event.error)
             self.results.put(("event", job, (event.step, event.total, event.preview, event.final, kind,
-                                             None if event.error is None else str(event.error), event.seconds)))
+                                             None if event.error is None else error_text(event.error), event.seconds)))
         return True
 
     def run(self) -> None:

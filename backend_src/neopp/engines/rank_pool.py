@@ -11,6 +11,7 @@ reports into events and metrics. A dead, silent or failing rank fails every live
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import queue
 import threading
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as tmp
 
-from ..errors import ConfigError, GenerationCancelled, WorkerFailure
+from ..errors import ConfigError, EngineDown, GenerationCancelled, WorkerFailure
 from ..model.checkpoint import default_dtype
 from ..model.checkpoint_config import CheckpointConfig
 from ..parallel.rank_step import rank_request
@@ -35,6 +36,8 @@ from .spec import EngineSpec
 POLL_S = 0.02
 SILENCE_CHECK_S = 0.2
 CLOSE_WAIT_S = 10.0
+
+log = logging.getLogger(__name__)
 
 
 def _close_and_flush(q: Any) -> None:
@@ -247,7 +250,23 @@ class RankPool(QueuedEngine):
             if self._tasks:
                 self._tasks[0].put(("cancel", job))
 
+    @property
+    def failure(self) -> str | None:
+        """Why this pool can serve no more (its event thread ended while open), else None."""
+        if self._closing or self._pump_thread.is_alive():
+            return None
+        return "the rank pool's event thread stopped; retry the request"
+
     def _pump(self) -> None:
+        """The events of the ranks, until rank 0 closes; a failure of this thread itself ends what
+        the pool holds with ``EngineDown`` (``failure`` then says so, and the model is replaced)."""
+        try:
+            self._pump_events()
+        except Exception as exc:  # noqa: BLE001 - nothing held is left waiting
+            log.error("the rank pool's event thread failed: %s: %s", type(exc).__name__, exc, exc_info=exc)
+            self._fail_all(EngineDown("the rank pool's event thread stopped; retry the request"))
+
+    def _pump_events(self) -> None:
         next_check = time.monotonic() + SILENCE_CHECK_S
         while not self._rank0_closed.is_set():
             self._poll_cancels()

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import GenerationCancelled, NeoPPError
+from ..errors import GenerationCancelled
 from ..request import GenerationRequest
 from ..sampling.batching import Active, StepBatcher, start, step_cost
 from ..sampling.pipeline import NeoPPPipeline
@@ -83,7 +83,8 @@ class StepLoop:
             entry = fetch(job)
             try:
                 a = start(self.pipe, job, entry.req, entry.preview_every, entry.submitted)
-            except NeoPPError as exc:  # every rank meets the same error here; the request fails alone
+            except Exception as exc:  # noqa: BLE001 - ours or not (an adapter torch cannot apply): every rank
+                # meets the same error here, the request fails alone and its host logs an unexpected one once
                 self.report(job, StepEvent(0, entry.req.sampling.infer_steps, error=exc))
                 continue
             self.active.append(a)

@@ -17,6 +17,10 @@ error message, whose text a client can shape:
 * **stopped** (SIGSTOP, a debugger, a frozen cgroup) for ``stopped_s``: after a second without
   an answer Triton gives up on it, and it aborts the server if it runs again; it is killed
   (``stub_kill``: never while it holds a lock it shares with the server) and its model reloaded.
+* **engine down**: the stub that runs a model's engine says, in its heartbeat
+  (``neopp.engine_beat``), that its engine's loop stopped -> the model (and a streamed twin on
+  that engine) is not ready at once and the model is reloaded; the stub stays up meanwhile and
+  answers every request with UNAVAILABLE.
 * **hung**: requests waited for its model for ``hung_s`` while the whole server made no
   progress (no request answered, no denoising step run) and the model's own stubs and rank
   workers used almost no CPU. A busy stub uses CPU; a session stub waiting on a busy model sees
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine_beat import beat_path, read_beat
 from ..procs import is_stopped, start_ticks
 from .admin import KEY_ENV, grpc_headers, http_headers
 from .health import ServerHealth
@@ -65,6 +70,13 @@ def expected_instances(config: dict[str, Any]) -> list[str]:
         count = int(group.get("count", 1)) * max(1, len(group.get("gpus") or []))
         names += [f"{base}_{i}" for i in range(count)]
     return names
+
+
+def engine_owner(config: dict[str, Any]) -> str:
+    """The model whose stub runs ``config``'s engine: its ``engine_model`` parameter (a streamed
+    twin hands its requests to its plain model), else the model itself."""
+    value = ((config.get("parameters") or {}).get("engine_model") or {}).get("string_value")
+    return value if isinstance(value, str) and value else str(config.get("name", ""))
 
 
 def key_headers(client: Any, key: str | None) -> dict[str, str] | None:
@@ -228,35 +240,55 @@ class StubWatchdog:
         return out
 
     def check_once(self) -> list[Recovery]:
-        """One poll; returns the reloads it did."""
+        """One poll; returns the reloads it did (after every model's health is marked: a reload
+        takes seconds, and a twin whose engine is down must be unready meanwhile too)."""
         if self._halted or not self._server_alive():
             return []
         now = self.clock()
         stubs = server_stubs(self.server_pid)
         self._replace_stopped(stubs, now)
         self._replace_hung(stubs, now)
-        stubs = server_stubs(self.server_pid)
-        stopped = {model_of(name) for name, stub in stubs.items() if stub.stopped}
         done = []
-        for model, config in self._python_models():
+        for model, dead, why in self._verdicts(server_stubs(self.server_pid), now):
             if self._halted:
                 break
+            done.append(self._reload(model, dead, why))
+        return done
+
+    def _verdicts(self, stubs: dict[str, Stub], now: float) -> list[tuple[str, list[str], str]]:
+        """Mark each Python model serving or broken; (model, dead instances, why) of those to reload now."""
+        stopped = {model_of(name) for name, stub in stubs.items() if stub.stopped}
+        reloads: list[tuple[str, list[str], str]] = []
+        for model, config in self._python_models():
+            due = now >= self._failures.get(model, (0, 0.0))[1]
             dead = [name for name in expected_instances(config) if name not in stubs]
             if not dead:
                 self._missing_since.pop(model, None)
-                if model not in self._failures and model not in stopped:
+                owner = engine_owner(config)
+                down = self._engine_down(model, owner)
+                if down is not None and owner == model and due:
+                    reloads.append((model, [], f"its engine is down ({down})"))
+                elif down is None and model not in self._failures and model not in stopped:
                     self.health.model_serving(model)
                 continue
             self.health.model_broken(model, f"no live stub for {dead}")
-            if now - self._missing_since.setdefault(model, now) < self.grace_s:
-                continue
-            if now >= self._failures.get(model, (0, 0.0))[1]:
-                done.append(self._reload(model, dead))
-        return done
+            if now - self._missing_since.setdefault(model, now) >= self.grace_s and due:
+                reloads.append((model, dead, ""))
+        return reloads
 
-    def _reload(self, model: str, dead: list[str]) -> Recovery:
-        self.log(f"neopp watchdog: {model}: no live stub for {dead}; reloading the model")
-        self.health.model_broken(model, f"reloading (no live stub for {dead})")
+    def _engine_down(self, model: str, owner: str) -> str | None:
+        """Why the engine ``model`` runs on (``owner``'s) says it can serve no more (its heartbeat),
+        else None; marks ``model`` broken (a twin too: only the owner is reloaded)."""
+        beat = read_beat(beat_path(owner, self.server_pid))
+        if beat is None or beat.alive:
+            return None
+        self.health.model_broken(model, f"its engine is down ({beat.why})")
+        return beat.why
+
+    def _reload(self, model: str, dead: list[str], why: str = "") -> Recovery:
+        why = why or f"no live stub for {dead}"
+        self.log(f"neopp watchdog: {model}: {why}; reloading the model")
+        self.health.model_broken(model, f"reloading ({why})")
         started = self.clock()
         try:
             recovery = Recovery(model, dead, force_reload(self.client, model, self.admin_key, self.reload_timeout_s,

@@ -6,15 +6,15 @@ owner's own included) and the model's streamed twin connect to it (``engine_link
 arrives as the client's tensors; here it is parsed and validated once (``parse_request``, or
 ``parse_stream_request`` for a streamed twin), its noise is drawn from the mode's one instance
 stream, and it joins the running batch at the next step. Each event goes back on the request's
-connection from a writer thread, so the engine never waits for a socket. A connection that
-closes cancels its requests.
+connection (``engine_connection``) from a writer thread, so the engine never waits for a socket.
+A connection that closes cancels its requests. The host writes the engine's heartbeat
+(``neopp.engine_beat``); once its engine cannot serve, every request is refused at once with
+UNAVAILABLE while the launcher replaces the model.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import queue
 import socket
 import threading
 import traceback
@@ -26,24 +26,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..engine_beat import BEAT_S, beat_path, write_beat
 from ..engines.engine import Engine
-from ..errors import ConfigError, GenerationCancelled
+from ..errors import ConfigError, EngineDown, GenerationCancelled
 from ..model.adapter_store import AdapterDirectory, adapter_sampling
 from ..modes import ModeSpec
 from ..request import GenerationRequest
 from ..sampling.rng import NoiseStream
 from ..sampling.sampler import StepEvent
 from .capabilities import Capabilities
+from .engine_connection import Connection, same_user
 from .engine_link import socket_path
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
 from .model_settings import TritonModelSettings
 from .request_log import request_summary
 from .request_parsing import REQUEST_INPUT_NAMES, ParsedRequest, check_noise, check_request_bytes, parse_request
 from .stream_parsing import StreamOptions, default_preview_size, parse_stream_request, refuse_input_like_parameters
-from .wire import WireError, declared_sizes, recv_message, send_message, unpack_tensors
-
-log = logging.getLogger(__name__)
-FRONT_NAME_CHARS = set("abcdefghijklmnopqrstuvwxyz0123456789_")
+from .wire import WireError, declared_sizes, error_header, unpack_tensors
 
 
 @dataclass
@@ -79,10 +78,40 @@ class EngineHost:
         os.chmod(self.path, 0o600)
         self._inode = self.path.stat().st_ino  # a reload's new owner binds the same path before this one closes
         self._listener.listen(64)
+        self.beat_path, self._told_failure = beat_path(owner, os.getppid()), False
+        self._beat()
         threading.Thread(target=self._accept_loop, name="neopp-engine-accept", daemon=True).start()
+        threading.Thread(target=self._beat_loop, name="neopp-engine-beat", daemon=True).start()
+
+    def failure(self) -> str | None:
+        """Why the engine can serve no more, or None (an engine without a loop of its own cannot fail so)."""
+        return getattr(self.engine, "failure", None)
+
+    def _beat_loop(self) -> None:
+        while not self._closed.wait(BEAT_S):
+            self._beat()
+
+    def _beat(self) -> None:
+        """Publish whether the engine can serve, while the socket is still this host's (a reload's
+        new owner beats at the same path)."""
+        failure = self.failure()
+        if failure is not None and not self._told_failure:
+            self._told_failure = True
+            self.error_log(f"{self.owner}: engine out of service: {failure}; refusing requests until replaced")
+        try:
+            if self.path.stat().st_ino == self._inode:
+                write_beat(self.beat_path, failure)
+        except OSError:
+            pass
 
     def close(self) -> None:
+        """Stop listening. With its engine down, drop every connection too (it holds no request):
+        a linked stub then connects to the engine that replaces this one (a reload binds the same
+        path first) instead of being refused by this one until it exits."""
         self._closed.set()
+        if self.failure() is not None:
+            for conn in list(self._connections):
+                conn.close()
         try:
             self._listener.shutdown(socket.SHUT_RDWR)
         except OSError:
@@ -91,6 +120,7 @@ class EngineHost:
         try:
             if self.path.stat().st_ino == self._inode:  # still ours, not the socket of a reload's new owner
                 self.path.unlink()
+                self.beat_path.unlink(missing_ok=True)
         except OSError:
             pass
 
@@ -100,7 +130,7 @@ class EngineHost:
                 sock, _ = self._listener.accept()
             except OSError:
                 return
-            if not _same_user(sock):
+            if not same_user(sock):
                 sock.close()
                 continue
             conn = Connection(self, sock)
@@ -117,6 +147,8 @@ class EngineHost:
         try:
             if self.stopping.is_set():
                 raise GenerationCancelled("request cancelled before generation started")
+            if (failure := self.failure()) is not None:
+                raise EngineDown(failure)
             limits = self.settings.limits
             check_request_bytes(declared_sizes(header.get("tensors"), blobs), limits)  # named, as a refusal
             inputs = unpack_tensors(header.get("tensors"), blobs, fds, limits.max_request_bytes)
@@ -207,8 +239,7 @@ class EngineHost:
     def event_message(self, job: int, event: StepEvent, accepted: Accepted) -> tuple[dict[str, Any], list[bytes]]:
         """One engine event as the message its front gets (on the connection's writer thread)."""
         if event.error is not None:
-            status, reason, message = self.answer(event.error)
-            return {"type": "error", "job": job, "status": status, "reason": reason, "message": message}, []
+            return error_header(job, *self.answer(event.error)), []
         head = {"job": job, "step": event.step, "total": event.total, "seconds": event.seconds}
         if event.final is not None:
             pixels = np.ascontiguousarray(event.final)
@@ -218,106 +249,6 @@ class EngineHost:
             preview = np.ascontiguousarray(event.preview)
             return {**head, "type": "step", "preview": list(preview.shape)}, [preview.tobytes()]
         return {**head, "type": "step", "preview": None}, []
-
-
-def _same_user(sock: socket.socket) -> bool:
-    """Only a process of this server's user may send requests (the folder is 0700 too)."""
-    try:
-        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
-    except OSError:
-        return False
-    return int.from_bytes(creds[4:8], "little") == os.getuid()
-
-
-class Connection:
-    """One stub's connection: a reader that submits and cancels, a writer that sends the events."""
-
-    def __init__(self, host: EngineHost, sock: socket.socket) -> None:
-        self.host, self.sock = host, sock
-        self.kind, self.front = "plain", ""
-        self._outbox: queue.Queue[tuple[dict[str, Any], list[bytes]] | None] = queue.Queue()
-        self._cancelled: set[int] = set()
-        self._closed = threading.Event()
-
-    def start(self) -> None:
-        threading.Thread(target=self._read, name="neopp-engine-read", daemon=True).start()
-        threading.Thread(target=self._write, name="neopp-engine-write", daemon=True).start()
-
-    def cancelled(self, job: int) -> bool:
-        return self._closed.is_set() or job in self._cancelled or self.host.stopping.is_set()
-
-    def send(self, header: dict[str, Any], blobs: list[bytes] | None = None) -> None:
-        self._outbox.put((header, blobs or []))
-
-    def refuse(self, job: int, status: str, reason: str, message: str) -> None:
-        self.send({"type": "error", "job": job, "status": status, "reason": reason, "message": message})
-
-    def event(self, job: int, event: StepEvent, accepted: Accepted) -> None:
-        """From the engine's thread: queued, turned into a message by the writer."""
-        self._outbox.put((job, event, accepted))  # type: ignore[arg-type]
-
-    def _read(self) -> None:
-        try:
-            header, _, fds = recv_message(self.sock)
-            self._hello(header, fds)
-            while True:
-                header, blobs, fds = recv_message(self.sock)
-                try:
-                    self._handle(header, blobs, fds)
-                finally:
-                    for fd in fds:
-                        os.close(fd)
-        except (WireError, OSError, ValueError):
-            pass
-        finally:
-            self._close()
-
-    def _hello(self, header: dict[str, Any], fds: list[int]) -> None:
-        for fd in fds:
-            os.close(fd)
-        front, kind = header.get("front"), header.get("kind")
-        if header.get("type") != "hello" or kind not in ("plain", "stream") or not isinstance(front, str) \
-                or not 0 < len(front) <= 64 or not set(front) <= FRONT_NAME_CHARS:
-            raise WireError("a connection starts with hello, naming its model and kind")
-        self.kind, self.front = kind, front
-
-    def _handle(self, header: dict[str, Any], blobs: list[bytes], fds: list[int]) -> None:
-        job = header.get("job")
-        if type(job) is not int:
-            raise WireError("a message names its job")
-        if header.get("type") == "cancel":
-            self._cancelled.add(job)
-        elif header.get("type") == "submit":
-            self.host.accept(self, job, header, blobs, fds)
-        else:
-            raise WireError(f"unknown message {str(header.get('type'))[:32]!r}")
-
-    def _write(self) -> None:
-        while (item := self._outbox.get()) is not None:
-            try:
-                if len(item) == 3:  # an engine event
-                    job, event, accepted = item  # type: ignore[misc]
-                    header, blobs = self.host.event_message(job, event, accepted)
-                    if header["type"] in ("final", "error"):
-                        self._cancelled.discard(job)
-                else:
-                    header, blobs = item  # type: ignore[misc]
-                send_message(self.sock, header, blobs)
-            except OSError:
-                self._close()
-            except Exception:  # noqa: BLE001 - one bad event never stops the others
-                log.exception("event not delivered")
-
-    def _close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()  # its requests are cancelled at their next step
-        self._outbox.put(None)
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        self.host.forget(self)
 
 
 # ---------------------------------------------------------------- the owner's start

@@ -15,7 +15,6 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..engine_beat import engines_folder
 from .wire import WireError, pack_tensors, recv_message, send_message
 
 POLL_S = 0.05
@@ -33,8 +33,7 @@ DeliverFn = Callable[[dict[str, Any], list[bytes]], None]
 def socket_path(owner_model: str, server_pid: int | None = None) -> Path:
     """Where ``owner_model``'s engine listens: a folder of this user and this tritonserver (the stubs'
     parent), so two servers on one host never share an engine."""
-    server_pid = server_pid if server_pid is not None else os.getppid()
-    return Path(tempfile.gettempdir()) / f"neopp-engines-{os.getuid()}-{server_pid}" / f"{owner_model}.sock"
+    return engines_folder(server_pid if server_pid is not None else os.getppid()) / f"{owner_model}.sock"
 
 
 class EngineUnavailable(Exception):

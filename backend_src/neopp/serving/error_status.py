@@ -14,7 +14,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, GenerationCancelled, InputError, QueueFull, WorkerFailure
+from ..errors import ConfigError, EngineDown, GenerationCancelled, InputError, QueueFull, WorkerFailure
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,7 @@ class ErrorClass:
 INVALID_INPUT = ErrorClass("invalid_input", "INVALID_ARG", "")
 CANCELLED = ErrorClass("cancelled", "CANCELLED", "request cancelled")
 WORKERS_DOWN = ErrorClass("worker_failure", "UNAVAILABLE", "rank workers unavailable")
+ENGINE_DOWN = ErrorClass("worker_failure", "UNAVAILABLE", "engine unavailable")
 # Worded as Triton's own full queue, so every client (and the HTTP door: 429) reads it the same way.
 QUEUE_FULL = ErrorClass("queue_full", "UNAVAILABLE", "")
 MISCONFIGURED = ErrorClass("config", "INTERNAL", "model configuration error")
@@ -54,6 +55,8 @@ def error_class(exc: BaseException) -> ErrorClass:
         return CANCELLED
     if isinstance(exc, WorkerFailure):
         return WORKERS_DOWN
+    if isinstance(exc, EngineDown):
+        return ENGINE_DOWN
     if isinstance(exc, QueueFull):
         return QUEUE_FULL
     if isinstance(exc, ConfigError):
@@ -69,7 +72,7 @@ _GONE = re.compile(r"^Stub process '[\w.-]+' is not healthy\.?$|the engine of [\
 def status_of_message(message: str) -> str:
     """The status a generation model (or Triton itself) sent with ``message``."""
     text = re.sub(r"^\[request id: [^\]]*\] ", "", message.strip())
-    for cls in (CANCELLED, WORKERS_DOWN, MISCONFIGURED, INTERNAL, SESSIONS_FULL):
+    for cls in (CANCELLED, WORKERS_DOWN, ENGINE_DOWN, MISCONFIGURED, INTERNAL, SESSIONS_FULL):
         if text.startswith(cls.prefix):
             return cls.status
     if "unknown model" in text or " is not found" in text or ": unknown session" in text:

@@ -54,12 +54,7 @@ class NeoPPStreamModel(NeoPPTritonModel):
 
     def _deliver(self, call: Call, item: tuple[dict[str, Any], list[bytes], Call]) -> None:
         header, blobs, _ = item
-        try:
-            response = self._message(header, blobs, call)
-        except Exception as exc:  # noqa: BLE001 - the request ends with its error
-            response, header = self._error({"status": "INTERNAL", "reason": "internal",
-                                            "message": f"internal error: {type(exc).__name__}: {exc}"}, call), \
-                {"type": "error"}
+        response, header = self._answer_of(header, blobs, call)
         if response is not None:
             self._send(call.sender, response, final=header.get("type") in ("final", "error"))
 

@@ -194,9 +194,19 @@ class NeoPPTritonModel:
                 time.sleep(ENGINE_LOST_PAUSE_S)
                 self._submit(request, call, answers.put, final_only=True)
                 continue
-            response = self._message(header, blobs, call)
+            response, header = self._answer_of(header, blobs, call)
             if header.get("type") in ("final", "error"):
                 return response
+
+    def _answer_of(self, header: dict[str, Any], blobs: list[bytes], call: Call) -> tuple[Any, dict[str, Any]]:
+        """(response, header) of one message; one that cannot be answered (an image that fails to
+        encode) ends its request with an internal error instead, never left without its answer."""
+        try:
+            return self._message(header, blobs, call), header
+        except Exception as exc:  # noqa: BLE001 - the request ends with its error, the model goes on
+            failed = {"type": "error", "status": "INTERNAL", "reason": "internal",
+                      "message": f"internal error: {type(exc).__name__}: {exc}"}
+            return self._error(failed, call), failed
 
     def _message(self, header: dict[str, Any], blobs: list[bytes], call: Call) -> Any:
         """A message from the engine -> this model's response to it (None: nothing to send)."""

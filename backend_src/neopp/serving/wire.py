@@ -30,6 +30,9 @@ MAX_HEADER = 1 << 20
 MAX_BLOB = 1 << 31
 MAX_FDS = 16
 INLINE_BYTES = 1 << 16  # a tensor this big or bigger goes through a memory file
+# An error's text is cut to this many characters (a JSON character is at most 12 bytes, so any cut
+# text fits a header many times over, and a client reads a refusal, not a listing of megabytes).
+MAX_ERROR_TEXT = 8192
 PREFIX = struct.Struct("<I")
 
 # The data types the contract uses, and the numpy dtype of each that has one.
@@ -43,6 +46,18 @@ class WireError(Exception):
 
 
 # ---------------------------------------------------------------- messages
+
+def fit_text(text: str, limit: int = MAX_ERROR_TEXT) -> str:
+    """``text``, or its start with a note of how much was cut, so that every message can be sent."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... (cut: {len(text) - limit} more characters)"
+
+
+def error_header(job: int, status: str, reason: str, message: str) -> dict[str, Any]:
+    """The last message of a request that failed; its text cut to fit the framing."""
+    return {"type": "error", "job": job, "status": status, "reason": reason, "message": fit_text(message)}
+
 
 def send_message(sock: socket.socket, header: dict[str, Any], blobs: Sequence[bytes | memoryview] = (),
                  fds: Sequence[int] = ()) -> None:
