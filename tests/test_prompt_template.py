@@ -18,14 +18,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.trainers import BpeTrainer
 
 from neopp.errors import ConfigError, InputError
-from neopp.text.checkpoint_tokenizer import load_checkpoint_tokenizer
 from neopp.text.prompt_template import (
     GENERATION_SYSTEM_MESSAGE,
     MAX_PROMPT_CHARS,
-    SPECIAL_TOKENS,
     check_template,
     encode_conditional,
     encode_unconditional,
+    load_u1_tokenizer,
 )
 
 REAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<think>": 151667,
@@ -59,7 +58,7 @@ def ckpt_dir(tmp_path_factory, bare_bpe):
 
 @pytest.fixture(scope="module")
 def tokenizer(ckpt_dir):
-    return load_checkpoint_tokenizer(ckpt_dir, SPECIAL_TOKENS)
+    return load_u1_tokenizer(ckpt_dir)
 
 
 def expected_ids(bare: Tokenizer, pieces: list[str]) -> list[int]:
@@ -129,10 +128,10 @@ def test_too_long_prompt_is_refused_by_name(tokenizer, name, encode):
 def test_a_tokenizer_without_the_special_tokens_is_refused(tmp_path, bare_bpe):
     (tmp_path / "tokenizer.json").write_text(bare_bpe.to_str(), encoding="utf-8")
     with pytest.raises(ConfigError, match=r"special token '<\|im_start\|>' is missing"):
-        load_checkpoint_tokenizer(tmp_path, SPECIAL_TOKENS)
+        load_u1_tokenizer(tmp_path)
     (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
     with pytest.raises(ConfigError, match="not a Hugging Face tokenizer file"):
-        load_checkpoint_tokenizer(tmp_path, SPECIAL_TOKENS)
+        load_u1_tokenizer(tmp_path)
 
 
 def test_only_the_trained_layout_is_accepted():

@@ -16,9 +16,10 @@ token the tower was trained on, so the strings here are fixed, not configurable.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import ConfigError, InputError
-from .checkpoint_tokenizer import CheckpointTokenizer
+from .checkpoint_tokenizer import CheckpointTokenizer, load_checkpoint_tokenizer
 
 TEMPLATE_NAME = "neo1_0"
 IM_START, IM_END = "<|im_start|>", "<|im_end|>"
@@ -29,7 +30,7 @@ CLOSED_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
 MAX_PROMPT_CHARS = 8192
 
 __all__ = ["GENERATION_SYSTEM_MESSAGE", "PromptPrefix", "check_template", "conditional_query",
-           "encode_conditional", "encode_unconditional", "unconditional_query"]
+           "encode_conditional", "encode_unconditional", "load_u1_tokenizer", "unconditional_query"]
 
 GENERATION_SYSTEM_MESSAGE = (
     'You are an image generation and editing assistant that accurately understands and '
@@ -94,6 +95,11 @@ def conditional_query(prompt: str) -> str:
 def unconditional_query(negative_prompt: str = "") -> str:
     """The unconditional prefix's text; a negative prompt takes the empty user turn's place."""
     return _turns("", negative_prompt) + IMG_START
+
+
+def load_u1_tokenizer(folder: str | Path) -> CheckpointTokenizer:
+    """A U1 checkpoint's tokenizer, refused unless each of the template's special tokens is one id."""
+    return load_checkpoint_tokenizer(folder, SPECIAL_TOKENS)
 
 
 def check_template(name: object) -> None:
