@@ -1,7 +1,8 @@
 """The checkpoint's own tokenizer, read from its folder with Hugging Face ``tokenizers``.
 
 A SenseNova-U1 checkpoint ships a byte-level BPE ``tokenizer.json`` whose added tokens
-(``<|im_start|>``, ``<think>``, ``<img>`` ...) sit at fixed ids. The generation prompts are
+(``<|im_start|>``, ``<think>``, ``<img>`` ...) sit at fixed ids. Its ``tokenizer_config.json``
+adds no BOS or EOS to a text, so the file alone fixes the ids. The generation prompts are
 written as text holding those tokens, so the tokenizer must map each of them to its single id;
 :func:`load_checkpoint_tokenizer` checks that once, at load, instead of trusting the file.
 """
@@ -14,8 +15,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from ..errors import ConfigError
+from .tokenizer import TOKENIZER_FILE
 
-TOKENIZER_FILE = "tokenizer.json"
 MAX_TOKENIZER_BYTES = 64 << 20  # a real Qwen3 tokenizer.json is ~11 MB
 
 
