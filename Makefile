@@ -86,7 +86,7 @@ NEOPP_CHECKPOINT ?= $(abspath $(DEMO_DIR)/dense)
 NEOPP_MOE_CHECKPOINT ?= $(abspath $(DEMO_DIR)/moe)
 # The prompt encoder and neopp_t2i need a checkpoint with the demo's language tower (a word-level
 # tokenizer.json); on any other checkpoint (a real one: LightLLM sends its KV) they are left out.
-word_level = $(shell grep -qs '"kind": *"word-level"' $(1)/tokenizer.json && echo yes)
+word_level = $(shell grep -qs '"type": *"WordLevel"' $(1)/tokenizer.json && echo yes)
 NEOPP_PROMPT_CHECKPOINT ?= $(if $(call word_level,$(NEOPP_CHECKPOINT)),$(NEOPP_CHECKPOINT))
 SERVED_MODELS = $(if $(NEOPP_PROMPT_CHECKPOINT),$(SERVE_MODELS),$(filter-out neopp_prompt_encoder neopp_t2i,$(SERVE_MODELS)))
 NEOPP_LORA_DIR ?= $(if $(filter $(abspath $(DEMO_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(DEMO_DIR)/lora),\

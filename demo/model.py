@@ -25,7 +25,7 @@ from neopp.model.layers import rms_norm, split_head_norm
 from neopp.model.rope import Rope3D, apply_vision_rope, vision_rope_tables
 from neopp.model.transformer import NeoPPTransformer
 from neopp.text.language_tower import LanguageTower
-from neopp.text.tokenizer import BOS, PAD, TOKENIZER_FILE, UNK, WordTokenizer
+from neopp.text.tokenizer import BOS, PAD, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, UNK, WordTokenizer
 
 LLM = {"num_hidden_layers": 3, "hidden_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2,
        "head_dim": 48, "rope_theta": 10_000.0, "rope_theta_hw": 10_000.0, "rms_norm_eps": 1e-6}
@@ -97,10 +97,11 @@ def init_weights(cfg: dict, vocab: int, seed: int, pixel_conv1: int = PIXEL_CONV
 
 def save_checkpoint(out_dir: Path, cfg: dict, tokenizer: WordTokenizer, weights: dict[str, torch.Tensor],
                     dtype: torch.dtype = torch.bfloat16) -> Path:
-    """config.json, tokenizer.json and one safetensors file in ``dtype`` (bf16 halves the size)."""
+    """config.json, the tokenizer's two files and one safetensors file in ``dtype`` (bf16 halves the size)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     (out_dir / TOKENIZER_FILE).write_text(json.dumps(tokenizer.to_json(), indent=1) + "\n")
+    (out_dir / TOKENIZER_CONFIG_FILE).write_text(json.dumps(tokenizer.config_json(), indent=1) + "\n")
     save_file({k: v.detach().to("cpu", dtype).contiguous() for k, v in sorted(weights.items())},
               str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     return out_dir

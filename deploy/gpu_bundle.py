@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 SYSTEM_LIBS = re.compile(r"^(ld-linux.*|lib(c|m|dl|rt|pthread|resolv|gcc_s|stdc\+\+|z|ssl|crypto|python3\.\d+)\.so.*)$")
 # Installed at the versions this environment runs and tests (tritonclient's is pinned in requirements.txt).
 # numpy: the Python backend's stub of this server release reads arrays as numpy 1.x lays them out.
+# tokenizers: the prompt encoder reads a checkpoint's tokenizer.json with it (its hub client is not needed).
 SITE_PACKAGES = ("tritonclient", "grpcio", "protobuf", "python-rapidjson", "pillow", "safetensors", "numpy",
-                 "packaging")
+                 "packaging", "tokenizers")
 
 
 def needed(binary: Path) -> list[str]:

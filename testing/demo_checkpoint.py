@@ -17,7 +17,7 @@ DEMO_WORDS = ("a red green blue circle square triangle on the left right at top 
 
 
 def write_demo_checkpoint(out_dir: Path, seed: int = 0) -> Path:
-    """config.json, tokenizer.json and model.safetensors (bf16), deterministic for a seed."""
+    """config.json, the tokenizer files and model.safetensors (bf16), deterministic for a seed."""
     cfg, tokenizer = demo_config(), demo_tokenizer(DEMO_WORDS)
     return save_checkpoint(Path(out_dir), cfg, tokenizer, init_weights(cfg, len(tokenizer.vocab), seed))
 

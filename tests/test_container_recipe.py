@@ -19,7 +19,8 @@ def pins(text: str) -> dict[str, str]:
 
 def test_runtime_pins_equal_the_requirements() -> None:
     required, image = pins((REPO / "requirements.txt").read_text()), pins(DOCKERFILE)
-    assert set(image) == {"torch", "numpy", "safetensors", "pillow", "tritonclient", "starlette", "uvicorn", "h11"}
+    assert set(image) == {"torch", "numpy", "safetensors", "pillow", "tokenizers", "tritonclient", "starlette",
+                          "uvicorn", "h11"}
     assert all(image[name] == required[name] for name in image), (image, required)
 
 

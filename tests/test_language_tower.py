@@ -12,6 +12,7 @@ from neopp.errors import ConfigError, InputError
 from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.text.language_tower import LanguageTower
 from neopp.text.tokenizer import MAX_PROMPT_BYTES, WordTokenizer
+from testing import REPO
 from testing.demo_checkpoint import write_demo_checkpoint
 from tests.reference.language_reference import reference_prefix
 
@@ -77,7 +78,8 @@ def test_a_checkpoint_without_tokenizer_or_with_a_missing_key_is_refused(ckpt, t
     save_file(load_file(str(ckpt / "model.safetensors")), str(bare / "model.safetensors"))
     with pytest.raises(ConfigError, match="no tokenizer.json"):
         LanguageTower.from_pretrained(bare)
-    (bare / "tokenizer.json").write_text((ckpt / "tokenizer.json").read_text())
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).write_text((ckpt / name).read_text())
     tensors = load_file(str(ckpt / "model.safetensors"))
     key = "language_model.model.layers.1.self_attn.k_norm_hw.weight"
     save_file({k: v for k, v in tensors.items() if k != key}, str(bare / "model.safetensors"))
@@ -87,6 +89,27 @@ def test_a_checkpoint_without_tokenizer_or_with_a_missing_key_is_refused(ckpt, t
 
 def test_a_bad_tokenizer_file_is_refused(tmp_path):
     path = tmp_path / "tokenizer.json"
-    path.write_text(json.dumps({"kind": "word-level", "vocab": ["a", "b"], "max_tokens": 8}))
+    path.write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1}}}))
     with pytest.raises(ConfigError, match="must start with"):
         WordTokenizer.from_file(path)
+    path.write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"a": 0, "b": 2}}}))
+    with pytest.raises(ConfigError, match=r"ids must be 0\.\.1"):
+        WordTokenizer.from_file(path)
+    path.write_text(json.dumps({"kind": "word-level", "vocab": ["a", "b"], "max_tokens": 8}))
+    with pytest.raises(ConfigError, match="must be a WordLevel one"):
+        WordTokenizer.from_file(path)
+
+
+@pytest.mark.parametrize(("prompt", "ids"), [
+    ("a red circle on the left on a blue background", [1, 3, 17, 10, 14, 20, 13, 14, 3, 7, 5]),
+    ("An orange Triangle at the top, on white!", [1, 3, 15, 22, 4, 20, 21, 14, 23]),
+    ("", [1]),
+    ("the green square in the center on a black background", [1, 20, 11, 19, 12, 20, 9, 14, 3, 6, 5]),
+])
+@pytest.mark.parametrize("folder", ["dense", "moe"])
+def test_the_committed_demo_tokenizer_keeps_its_ids(prompt, ids, folder):
+    """The ids the demo's word-level file gave before it became a WordLevel tokenizer.json: the
+    committed weights were trained on them, so its pictures depend on them."""
+    tokenizer = WordTokenizer.from_file(REPO / "demo" / "checkpoints" / folder / "tokenizer.json")
+    assert tokenizer.encode(prompt) == ids
+    assert tokenizer.max_tokens == 32

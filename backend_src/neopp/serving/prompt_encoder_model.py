@@ -7,8 +7,8 @@ online layout and dtype (BF16), so ``neopp_t2i`` passes them on unchanged.
 
 Parameters (``config.pbtxt``): ``checkpoint`` (env ``NEOPP_CHECKPOINT_NEOPP_PROMPT_ENCODER`` or
 ``NEOPP_CHECKPOINT`` overrides it, as for the generation models; the folder must hold
-``tokenizer.json`` and the language tower), ``device`` (as the generation models' parameter),
-``num_threads`` (torch CPU threads; 0 keeps torch's default).
+``tokenizer.json`` with ``tokenizer_config.json`` and the language tower), ``device`` (as the
+generation models' parameter), ``num_threads`` (torch CPU threads; 0 keeps torch's default).
 """
 
 from __future__ import annotations

@@ -1,0 +1,133 @@
+"""The generation prompts of a SenseNova-U1 checkpoint, token for token.
+
+The checkpoint was trained on one chat layout (``neo1_0``: ChatML turns, no default system
+message). A text-to-image request holds two prefixes the generation tower attends to:
+
+* conditional: the generation system message, the user's prompt, an assistant turn whose think
+  block is already closed (non-think mode), then ``<img>``;
+* unconditional: no system turn, an empty user turn (or the negative prompt in its place), the
+  assistant turn, then ``<img>``.
+
+Text token ``i`` sits at position ``(t=i, h=0, w=0)``; the image's tokens all take ``t = len(ids)``,
+which is the index offset a prefix hands to the generation tower. Any other layout shifts every
+token the tower was trained on, so the strings here are fixed, not configurable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError, InputError
+from .checkpoint_tokenizer import CheckpointTokenizer, load_checkpoint_tokenizer
+
+TEMPLATE_NAME = "neo1_0"
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+IMG_START, IMG_END, IMG_CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
+SPECIAL_TOKENS = (IM_START, IM_END, THINK_OPEN, THINK_CLOSE, IMG_START, IMG_END, IMG_CONTEXT)
+CLOSED_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
+MAX_PROMPT_CHARS = 8192
+
+__all__ = ["GENERATION_SYSTEM_MESSAGE", "PromptPrefix", "check_template", "conditional_query",
+           "encode_conditional", "encode_unconditional", "load_u1_tokenizer", "unconditional_query"]
+
+GENERATION_SYSTEM_MESSAGE = (
+    'You are an image generation and editing assistant that accurately understands and '
+    'executes user intent.\n'
+    '\n'
+    'You support two modes:\n'
+    '\n'
+    '1. Think Mode:\n'
+    'If the task requires reasoning, you MUST start with a <think></think> block. Put all '
+    'reasoning inside the block using plain text. DO NOT include any image tags. Keep it '
+    'reasonable and directly useful for producing the final image.\n'
+    '\n'
+    '2. Non-Think Mode:\n'
+    'If no reasoning is needed, directly produce the final image.\n'
+    '\n'
+    'Task Types:\n'
+    '\n'
+    'A. Text-to-Image Generation:\n'
+    "- Generate a high-quality image based on the user's description.\n"
+    '- Ensure visual clarity, semantic consistency, and completeness.\n'
+    "- DO NOT introduce elements that contradict or override the user's intent.\n"
+    '\n'
+    'B. Image Editing:\n'
+    '- Use the provided image(s) as input or reference for modification or transformation.\n'
+    '- The result can be an edited image or a new image based on the reference(s).\n'
+    '- Preserve all unspecified attributes unless explicitly changed.\n'
+    '\n'
+    'General Rules:\n'
+    '- For any visible text in the image, follow the language specified for the rendered text '
+    "in the user's description, not the language of the prompt. If no language is specified, "
+    "use the user's input language."
+)
+
+
+@dataclass(frozen=True)
+class PromptPrefix:
+    """A prefix's token ids, their (t, h, w) positions and the image's index offset."""
+
+    ids: tuple[int, ...]
+
+    @property
+    def positions(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple((t, 0, 0) for t in range(len(self.ids)))
+
+    @property
+    def index_offset(self) -> int:
+        return len(self.ids)
+
+
+def _turns(system: str, user: str) -> str:
+    """The chat layout: a system turn only when there is a system message; an empty user turn
+    still closes with ``<|im_end|>``; the assistant turn is left open."""
+    head = f"{IM_START}system\n{system}{IM_END}\n" if system else ""
+    return f"{head}{IM_START}user\n{user}{IM_END}\n{IM_START}assistant\n"
+
+
+def conditional_query(prompt: str) -> str:
+    """The conditional prefix's text (non-think mode)."""
+    return _turns(GENERATION_SYSTEM_MESSAGE, prompt) + CLOSED_THINK + IMG_START
+
+
+def unconditional_query(negative_prompt: str = "") -> str:
+    """The unconditional prefix's text; a negative prompt takes the empty user turn's place."""
+    return _turns("", negative_prompt) + IMG_START
+
+
+def load_u1_tokenizer(folder: str | Path) -> CheckpointTokenizer:
+    """A U1 checkpoint's tokenizer, refused unless each of the template's special tokens is one id."""
+    return load_checkpoint_tokenizer(folder, SPECIAL_TOKENS)
+
+
+def check_template(name: object) -> None:
+    """A checkpoint names its chat layout in ``config.json``'s ``template``; only one is known."""
+    if name != TEMPLATE_NAME:
+        raise ConfigError(f"config.json: 'template' must be {TEMPLATE_NAME!r}, got {name!r}")
+
+
+def encode_conditional(tokenizer: CheckpointTokenizer, prompt: str, max_tokens: int) -> PromptPrefix:
+    """The conditional prefix of ``PROMPT``."""
+    return _encode(tokenizer, conditional_query(_bounded(prompt, "PROMPT")), "PROMPT", max_tokens)
+
+
+def encode_unconditional(tokenizer: CheckpointTokenizer, negative_prompt: str, max_tokens: int) -> PromptPrefix:
+    """The unconditional prefix; ``NEGATIVE_PROMPT`` empty gives the plain unconditional query."""
+    text = _bounded(negative_prompt, "NEGATIVE_PROMPT")
+    return _encode(tokenizer, unconditional_query(text), "NEGATIVE_PROMPT", max_tokens)
+
+
+def _bounded(text: str, name: str) -> str:
+    """Bounds the tokenizer's work before the token count is known."""
+    if len(text) > MAX_PROMPT_CHARS:
+        raise InputError(f"{name}: at most {MAX_PROMPT_CHARS} characters")
+    return text
+
+
+def _encode(tokenizer: CheckpointTokenizer, query: str, name: str, max_tokens: int) -> PromptPrefix:
+    ids = tokenizer.encode(query)
+    if len(ids) > max_tokens:
+        raise InputError(f"{name}: its prefix makes {len(ids)} tokens, at most {max_tokens}")
+    return PromptPrefix(tuple(ids))
