@@ -92,7 +92,7 @@ def request(port: int, raw: bytes, source: str | None = None, timeout: float = 6
 
 
 def post(port: int, target: str, body: bytes, extra: str = "", source: str | None = None) -> tuple[int, dict, bytes]:
-    head = (f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    head = (f"POST {target} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n")
     return request(port, head.encode() + body, source)
 
@@ -100,7 +100,7 @@ def post(port: int, target: str, body: bytes, extra: str = "", source: str | Non
 def trickle_start(port: int, target: str, declared: int, source: str | None = None) -> socket.socket:
     """An upload that declares ``declared`` bytes and sends one; the caller sends the rest slowly."""
     sock = connect(port, source)
-    sock.sendall(f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n"
+    sock.sendall(f"POST {target} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {declared}\r\n"
                  "Inference-Header-Content-Length: 2\r\n\r\n{".encode())
     return sock
 
@@ -133,7 +133,8 @@ class Probe:
         while not self._stop.is_set():
             began = time.monotonic()
             try:
-                status, _, _ = request(self.port, f"GET {self.path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+                status, _, _ = request(self.port, f"GET {self.path} HTTP/1.1\r\nHost: localhost\r\n"
+                                       "Connection: close\r\n\r\n"
                                        .encode(), self.source, timeout=30)
             except OSError as exc:
                 status = type(exc).__name__

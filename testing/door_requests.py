@@ -42,13 +42,14 @@ def grpc_image(door, kv, **kwargs) -> bytes:
 
 def alive(door, pid: int) -> None:
     assert door.server_pid == pid and process_group_members(pid), "tritonserver died"
-    status, _, _ = request(door.http_port, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    status, _, _ = request(door.http_port, b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\n"
+                                           b"Connection: close\r\n\r\n")
     assert status == 200
 
 
 def ready(door) -> bool:
     try:
-        status, _, _ = request(door.http_port, f"GET /v2/models/{MODEL}/ready HTTP/1.1\r\nHost: x\r\n"
+        status, _, _ = request(door.http_port, f"GET /v2/models/{MODEL}/ready HTTP/1.1\r\nHost: localhost\r\n"
                                "Connection: close\r\n\r\n".encode(), timeout=5)
         return status == 200
     except OSError:
@@ -59,7 +60,7 @@ def http_infer(door, kv, seed: int, **kwargs) -> tuple[int, dict[str, str], byte
     """One binary HTTP infer through the door on a fresh connection: (status, headers, image or None)."""
     body, json_size = httpclient.InferenceServerClient.generate_request_body(
         tensors(httpclient, kv, seed=seed, **kwargs))
-    head = (f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+    head = (f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n"
             + (f"Inference-Header-Content-Length: {json_size}\r\n" if json_size else "") + "Connection: close\r\n\r\n")
     status, headers, answer = request(door.http_port, head.encode() + body)
     if status != 200:

@@ -105,7 +105,7 @@ def test_an_unknown_adapter_in_a_large_folder_is_refused_not_left(served, kv):
 
 
 def model_ready(door, model: str) -> bool:
-    status, _, _ = request(door.http_port, f"GET /v2/models/{model}/ready HTTP/1.1\r\nHost: x\r\n"
+    status, _, _ = request(door.http_port, f"GET /v2/models/{model}/ready HTTP/1.1\r\nHost: localhost\r\n"
                            "Connection: close\r\n\r\n".encode(), timeout=5)
     return status == 200
 

@@ -34,7 +34,7 @@ from testing.loadgen import grpc_inputs, http_inputs, image_bytes, valid_inputs
 
 MODEL = "neopp_dense"
 KEY = SMALL_DOOR.key
-HEALTH = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+HEALTH = b"GET /v2/health/live HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
 
 
 def _inputs(kv, seed: int = 5):
@@ -50,7 +50,7 @@ def _grpc_image(door, kv, seed: int = 5) -> bytes:
 
 
 def _metric(door, name: str) -> float:
-    _, _, body = request(door.http_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    _, _, body = request(door.http_port, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
     match = re.search(rf"^{name} (\S+)$", body.decode(), re.M)
     return float(match.group(1)) if match else 0.0
 
@@ -104,7 +104,7 @@ def test_a_client_with_every_connection_busy_is_refused_while_others_are_served(
     busy = []
     for _ in range(SMALL_DOOR.per_client):
         sock = connect(port, source="127.0.0.8")
-        sock.sendall(f"POST {target} HTTP/1.1\r\nHost: x\r\nContent-Length: {512 << 10}\r\n\r\n{{".encode())
+        sock.sendall(f"POST {target} HTTP/1.1\r\nHost: localhost\r\nContent-Length: {512 << 10}\r\n\r\n{{".encode())
         busy.append(sock)
     try:  # each upload stays busy for SMALL_DOOR.read_timeout_s: the checks below come first
         assert wait_for(lambda: _metric(door, "neopp_http_connections") >= SMALL_DOOR.per_client, 30, poll=0.1)
@@ -118,7 +118,7 @@ def test_a_client_with_every_connection_busy_is_refused_while_others_are_served(
         status, headers, body = read_answer(connect(port, source="127.0.0.8"))
         assert status == 503 and headers.get("retry-after") == "1" and b"too many open connections" in body, body
         assert request(port, HEALTH, source="127.0.0.9")[0] == 200
-        assert request(port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")[0] == 200
+        assert request(port, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")[0] == 200
         answers = [read_answer(sock)[0] for sock in busy]  # each falls behind the minimum rate
         assert set(answers) <= {408, 503}, answers
     finally:
@@ -163,7 +163,7 @@ def test_large_json_is_refused_early_and_parsed_away_from_the_event_loop(door):
 def _register(port: int, name: str, key: str, size: int, source: str | None = None, with_key: bool = True) -> int:
     body = json.dumps({"key": key, "offset": 0, "byte_size": size}).encode()
     extra = "".join(f"{k}: {v}\r\n" for k, v in http_headers(KEY).items()) if with_key else ""
-    return request(port, f"POST /v2/systemsharedmemory/region/{name}/register HTTP/1.1\r\nHost: x\r\n"
+    return request(port, f"POST /v2/systemsharedmemory/region/{name}/register HTTP/1.1\r\nHost: localhost\r\n"
                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n{extra}Connection: close\r\n\r\n"
                    .encode() + body, source)[0]
 
@@ -213,7 +213,7 @@ def test_a_request_reaches_only_the_shared_memory_its_client_registered(door, kv
         private = [p for p in SHM_DIR.iterdir() if p.name.startswith((door_file, *(s[2] for s in door.servers())))]
         assert private and all(p.stat().st_mode & 0o777 == 0o600 for p in private), \
             [(p.name, oct(p.stat().st_mode)) for p in private]
-        status = request(port, b"POST /v2/systemsharedmemory/region/mine/unregister HTTP/1.1\r\nHost: x\r\n"
+        status = request(port, b"POST /v2/systemsharedmemory/region/mine/unregister HTTP/1.1\r\nHost: localhost\r\n"
                          b"Content-Length: 0\r\n" + "".join(f"{k}: {v}\r\n" for k, v in http_headers(KEY).items())
                          .encode() + b"Connection: close\r\n\r\n")[0]
         assert status == 200 and _infer_into(port, kv, "mine", http_headers(KEY))[0] == 403
@@ -266,7 +266,8 @@ def _deflated(data: bytes) -> bytes:
 def test_bad_input_is_a_4xx_naming_the_rule_however_it_arrives(door, name, target, body, extra, status, rule):
     path = target if target.startswith("/") else f"/v2/models/{MODEL}/{target}"
     extra = "".join(f"{k}: {v}\r\n" for k, v in http_headers(KEY).items()) if extra == "admin" else extra
-    head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    head = (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n"
             f"{extra}Connection: close\r\n\r\n").encode("latin-1")
     for send in (lambda raw: request(door.http_port, raw), lambda raw: _pieces(door.http_port, raw)):
         got, _, answer = send(head + body)
@@ -277,16 +278,17 @@ def test_bad_input_is_a_4xx_naming_the_rule_however_it_arrives(door, name, targe
 
 def test_request_heads_over_the_limit_are_431_in_one_read_or_many(door):
     pad = f"X-Pad: {'p' * (100 << 10)}\r\n"
-    status, _, answer = request(door.http_port, f"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n{pad}\r\n".encode())
+    head = f"GET /v2/health/live HTTP/1.1\r\nHost: localhost\r\n{pad}\r\n"
+    status, _, answer = request(door.http_port, head.encode())
     assert status == 431 and f"{HEADER_LIMIT} byte limit" in answer.decode(), answer[:300]
-    unfinished = f"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n{pad[:HEADER_LIMIT + 1024]}".encode()  # no end
+    unfinished = f"GET /v2/health/live HTTP/1.1\r\nHost: localhost\r\n{pad[:HEADER_LIMIT + 1024]}".encode()  # no end
     status, _, answer = _pieces(door.http_port, unfinished, 1024)
     assert status == 431 and f"{HEADER_LIMIT} byte limit" in answer.decode(), answer[:300]
-    assert request(door.http_port, b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Pad: "
+    assert request(door.http_port, b"GET /v2/health/live HTTP/1.1\r\nHost: localhost\r\nX-Pad: "
                    + b"p" * (HEADER_LIMIT - 200) + b"\r\nConnection: close\r\n\r\n")[0] == 200
     status, _, answer = request(door.http_port, b"GET /v2/health/live HTTP/1.1\r\nHost x\r\n\r\n")  # malformed
     assert status == 400 and b"malformed" in answer
-    chunked = (f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+    chunked = (f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
                "Connection: close\r\n\r\n2\r\n{}\r\n0\r\n\r\n").encode()
     assert request(door.http_port, chunked)[0] == 411
     assert "Invalid HTTP request" not in door.text()

@@ -93,13 +93,13 @@ BINARY = "Inference-Header-Content-Length: 2\r\n"  # a body of "{}" and a binary
 
 def _stalled_upload(port: int, declared: int, sent: int, source: str | None = None) -> socket.socket:
     sock = connect(port, source, timeout=60)
-    sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n"
+    sock.sendall(f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: localhost\r\nContent-Length: {declared}\r\n"
                  f"Inference-Header-Content-Length: 2\r\n\r\n".encode() + b"{}" + bytes(sent - 2))
     return sock
 
 
 def _metrics_text(door) -> str:
-    _, _, body = request(door.http_port, b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    _, _, body = request(door.http_port, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
     return body.decode()
 
 
@@ -115,7 +115,7 @@ def test_stalled_uploads_are_dropped_and_bodies_in_flight_are_bounded(door, kv):
     try:
         assert wait_for(lambda: _door_metric(door, "neopp_http_body_bytes_held") >= 24 << 20, 30, poll=0.1)
         # answered before a byte of the body is sent: at once, not queued (24 + 45 > 64 MiB)
-        status, headers, body = request(door.http_port, f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n"
+        status, headers, body = request(door.http_port, f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: localhost\r\n"
                                         f"Content-Length: {45 << 20}\r\n{BINARY}\r\n".encode(), source="127.0.0.3")
         assert status == 503 and headers.get("retry-after") == "1", body[:200]
         status, _, body = post(door.http_port, f"/v2/models/{MODEL}/infer", b"{}" + bytes((45 << 20) - 2), BINARY,
@@ -150,7 +150,7 @@ def test_trickled_uploads_lock_no_one_out_and_no_client_holds_more_than_its_shar
     try:
         assert wait_for(lambda: _door_metric(door, "neopp_http_body_bytes_held") >= CLIENT_MIB - 8 << 20, 30,
                         poll=0.1)
-        status, _, body = request(door.http_port, f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: x\r\n"
+        status, _, body = request(door.http_port, f"POST /v2/models/{MODEL}/infer HTTP/1.1\r\nHost: localhost\r\n"
                                   f"Content-Length: {10 << 20}\r\n{BINARY}\r\n".encode(), source="127.0.0.4")
         assert status == 503 and b"its share" in body, body[:300]
         assert _http_image(door, kv) == grpc_image(door, kv)  # another client, served meanwhile

@@ -137,7 +137,7 @@ def test_giant_steps_shape_is_refused_and_the_server_stays(launched, kv):
         assert refused.value.status() == "StatusCode.INVALID_ARGUMENT" and "STEPS" in refused.value.message()
         time.sleep(1.0)
         assert launched.server_pid == pid and process_group_members(pid), "the server died"
-        assert request(launched.http_port, b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")[0] == 200
+        assert request(launched.http_port, b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\n\r\n")[0] == 200
         assert client.is_server_ready() and client.is_model_ready(MODEL)
         assert _generate(client, kv)
     finally:

@@ -40,6 +40,7 @@ from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
 from .tritonserver import TritonServer
 
 API_KEY_ENV = "NEOPP_API_KEY"
+ALLOWED_HOSTS_ENV = "NEOPP_ALLOWED_HOSTS"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -264,7 +265,19 @@ def door_limits(ns: argparse.Namespace) -> DoorLimits:
                       read_timeout_s=ns.read_timeout_s, min_upload_rate=ns.min_upload_kib_s * KiB,
                       idle_timeout_s=ns.idle_timeout_s, max_connections=ns.max_connections,
                       max_client_connections=ns.max_client_connections, max_inference=ns.max_inference,
-                      region_min_bytes=int(ns.tensor_region_min_kib * KiB))
+                      region_min_bytes=int(ns.tensor_region_min_kib * KiB),
+                      allowed_hosts=allowed_hosts(ns))
+
+
+def allowed_hosts(ns: argparse.Namespace) -> frozenset[str] | None:
+    """The Host names the door answers: as given, else the loopback names on loopback (a web page
+    rebinding a name to 127.0.0.1 is refused), else any (beyond loopback the API key is required)."""
+    from .door.browser_guard import parse_hosts
+
+    given = ns.allowed_hosts or os.environ.get(ALLOWED_HOSTS_ENV, "")
+    if given:
+        return parse_hosts(given)
+    return parse_hosts("loopback") if ns.host in LOCAL_HOSTS else None
 
 
 def _start_watchdog(server: TritonServer, extra: Sequence[str], ns: argparse.Namespace, key: str,
@@ -346,5 +359,8 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--tensor-region-min-kib", type=float, default=1024.0,
                    help="binary HTTP inputs this large reach Triton through the door's shared-memory region "
                         "instead of inside the gRPC request (0: never)")
+    s.add_argument("--allowed-hosts", default=None,
+                   help=f"comma-separated Host names the HTTP port answers ('loopback' for every loopback name, "
+                        f"'*' for any); default ${ALLOWED_HOSTS_ENV}, else loopback when --host is loopback, else any")
     s.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra tritonserver arguments")
 

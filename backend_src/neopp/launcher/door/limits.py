@@ -44,6 +44,7 @@ class DoorLimits:
     region_min_bytes: int = MiB  # binary parts this large go through the tensor region; 0: never
     openai_body: int = 64 * KiB  # a /v1 body: a prompt and a few options
     control_body: int = 4 * MiB  # a control route's body (a config override, a model file)
+    allowed_hosts: frozenset[str] | None = frozenset({"loopback"})  # Host names answered; None: any
 
     def cap(self, route: str) -> RouteCap:
         """The bound of ``route``: "inference" (infer, generate), "openai" or "control"."""

@@ -20,6 +20,7 @@ import time
 import uvicorn
 
 from .app import Door, Health
+from .browser_guard import BrowserGuard
 from .connections import ConnectionTable, DoorProtocol, HeadLimit
 from .door_metrics import DoorMetrics
 from .limits import HEADER_LIMIT, DoorLimits
@@ -63,7 +64,8 @@ class DoorServer:
         self.sock.bind((host, port))
         self.server_address = self.sock.getsockname()[:2]
         protocol = functools.partial(DoorProtocol, table=ConnectionTable(self.limits, self.metrics))
-        config = uvicorn.Config(HeadLimit(build_app(self.door), self.metrics), loop="asyncio", http=protocol,
+        app = BrowserGuard(HeadLimit(build_app(self.door), self.metrics), self.limits.allowed_hosts)
+        config = uvicorn.Config(app, loop="asyncio", http=protocol,
                                 lifespan="off", access_log=False, log_level="warning", log_config=None,
                                 server_header=False, timeout_keep_alive=self.limits.idle_timeout_s,
                                 h11_max_incomplete_event_size=HEADER_LIMIT, timeout_graceful_shutdown=5)
