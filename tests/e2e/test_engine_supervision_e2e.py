@@ -88,9 +88,12 @@ def grpc_infer(door, kv, model: str = MODEL, **extra) -> grpcclient.InferResult:
 @pytest.mark.parametrize("adapter", ["lora_fp8", "lora_rank0"])
 def test_an_adapter_torch_cannot_apply_ends_its_request_and_the_next_is_served(served, kv, adapter, model):
     door, _ = served
-    with pytest.raises(InferenceServerException) as refused:
-        grpc_infer(door, kv, model, LORA=_text(adapter))
-    assert refused.value.status() in ("StatusCode.INTERNAL", "StatusCode.INVALID_ARGUMENT"), refused.value
+    if adapter == "lora_fp8":  # FP8 factors are upcast exactly when read: the request draws
+        assert grpc_infer(door, kv, model, LORA=_text(adapter)).as_numpy("IMAGE") is not None
+    else:
+        with pytest.raises(InferenceServerException) as refused:
+            grpc_infer(door, kv, model, LORA=_text(adapter))
+        assert refused.value.status() in ("StatusCode.INTERNAL", "StatusCode.INVALID_ARGUMENT"), refused.value
     assert grpc_infer(door, kv, model).as_numpy("IMAGE") is not None  # the loop lives: the next one is served
     assert ready(door) and model_ready(door, model)
 
