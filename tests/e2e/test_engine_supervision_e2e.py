@@ -60,9 +60,14 @@ def served(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("supervised")
     (root / "lora").mkdir()
     write_attack_adapters(root / "lora")
+    yield from _launched_with_fault(root, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_LORA_DIR": str(root / "lora")},
+                                    (MODEL, STREAM, PARALLEL))
+
+
+def _launched_with_fault(root: Path, env: dict[str, str], models: tuple[str, ...]):
+    """The launcher serving ``models`` with the loop's fault drill armed by the file ``root/fault``."""
     fault = root / "fault"
-    handle = launch(root / "serve.log", {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_LORA_DIR": str(root / "lora"),
-                                         FAULT_ENV: str(fault)}, (MODEL, STREAM, PARALLEL))
+    handle = launch(root / "serve.log", {**env, FAULT_ENV: str(fault)}, models)
     try:
         handle.wait_for("NeoPP Triton server ready")
         yield handle, fault
@@ -211,15 +216,8 @@ def served_v1(tmp_path_factory: pytest.TempPathFactory):
     """The launcher on the demo checkpoint (a prompt needs its language tower) with the encoder,
     ``neopp_dense`` and its streamed twin: the door's ``/v1`` stream with previews."""
     root = tmp_path_factory.mktemp("supervised_v1")
-    fault = root / "fault"
-    handle = launch(root / "serve.log", {"NEOPP_CHECKPOINT": str(DEMO_DENSE), FAULT_ENV: str(fault)},
-                    ("neopp_prompt_encoder", MODEL, STREAM))
-    try:
-        handle.wait_for("NeoPP Triton server ready")
-        yield handle, fault
-    finally:
-        fault.unlink(missing_ok=True)
-        assert handle.stop() == 0, handle.text()[-4000:]
+    yield from _launched_with_fault(root, {"NEOPP_CHECKPOINT": str(DEMO_DENSE)},
+                                    ("neopp_prompt_encoder", MODEL, STREAM))
 
 
 def test_a_v1_stream_cut_by_a_dead_loop_ends_with_an_error_event(served_v1):
