@@ -90,3 +90,36 @@ def test_close_stops_everything():
 def test_settings_are_checked(budget, patience):
     with pytest.raises(ValueError):
         Scheduler(budget, patience)
+
+
+# ---- turns between client lanes
+
+def test_a_client_with_nothing_running_goes_before_another_client_s_backlog():
+    s = Scheduler(budget=4)
+    for job in range(1, 9):
+        s.enqueue(job, "heavy")
+    s.enqueue(100, "light")  # arrives last
+    costs = {job: 2 for job in (*range(1, 9), 100)}
+    assert run(s, [], costs) == Decision(admit=(1, 100))  # one of each lane, in turn
+
+
+def test_lanes_take_turns_starting_after_the_lane_served_last():
+    s = Scheduler(budget=1, patience=100)  # one request a step: the order of turns is the order of starts
+    for job, lane in ((1, "a"), (2, "a"), (3, "a"), (4, "b"), (5, "b"), (6, "c")):
+        s.enqueue(job, lane)
+    costs = dict.fromkeys(range(1, 7), 1)
+    started = []
+    for _ in range(6):
+        decision = run(s, [], costs)
+        started += decision.admit
+    assert started == [1, 4, 6, 2, 5, 3]
+    assert s.lanes == {}  # no lane is remembered for a job that left
+
+
+def test_one_lane_keeps_arrival_order_and_cancelled_jobs_leave_their_lane():
+    s = Scheduler(budget=2)
+    for job in (1, 2, 3):
+        s.enqueue(job, "only")
+    s.cancel(2)
+    assert run(s, [], dict.fromkeys((1, 2, 3), 1)) == Decision(admit=(1, 3), drop=(2,))
+    assert s.lanes == {}

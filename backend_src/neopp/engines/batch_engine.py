@@ -138,7 +138,7 @@ class BatchingEngine(QueuedEngine):
             incoming, self._incoming = self._incoming, []
         for ticket in incoming:
             self._tickets[ticket.job] = ticket
-            self.scheduler.enqueue(ticket.job)
+            self.scheduler.enqueue(ticket.job, ticket.req.lane)
         return True
 
     def _run(self) -> None:

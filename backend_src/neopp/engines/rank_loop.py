@@ -103,7 +103,7 @@ class RankLoop:
         else:
             job, req, every, submitted = msg[1:]
             self.received[job] = Entry(req, every, submitted)
-            self.scheduler.enqueue(job)
+            self.scheduler.enqueue(job, req.lane)
         return True
 
     def _gather(self) -> bool:

@@ -5,10 +5,15 @@ thread, a rank pool from rank 0 (which then broadcasts the answer, so every rank
 same batch). It knows requests only by job number and asks the caller what a request costs.
 
 * **Budget.** A step carries at most ``budget`` image tokens x guidance branches. Requests join
-  in arrival order while the sum fits; a request bigger than the whole budget runs, but alone.
-* **No head-of-line blocking.** A queued request that does not fit lets later, smaller ones
-  join past it, so a small request arriving behind large ones starts at the next step. Once the
-  oldest request that does not fit has waited ``patience`` steps, nothing passes it any more:
+  while the sum fits; a request bigger than the whole budget runs, but alone.
+* **Turns between clients.** Each request waits in its client's lane (``neopp.client_lanes``).
+  Lanes take turns, starting after the lane served last, and each lane's requests keep their
+  arrival order: a request of a client with nothing running is among the first considered,
+  however many another client queued before it.
+* **No head-of-line blocking.** A queued request that does not fit lets the ones after it,
+  smaller, join past it, so a small request arriving behind large ones starts at the next step.
+  Once the first request considered that does not fit has waited ``patience`` steps, nothing
+  passes it any more:
   running requests leave one by one and it starts as soon as it fits, so no size starves.
 * **Cancellation** takes effect at the next step boundary, queued or running.
 * **Close** stops everything at the next boundary.
@@ -52,12 +57,15 @@ class Scheduler:
             raise ValueError(f"patience: must not be negative, got {patience}")
         self.budget, self.patience = budget, patience
         self.queue: list[int] = []  # waiting jobs, in arrival order
+        self.lanes: dict[int, str] = {}  # waiting job -> its client's lane
+        self._served: str | None = None  # the lane of the job admitted last
         self.cancelled: set[int] = set()
         self.closing = False
         self._blocked: tuple[int, int] | None = None  # (oldest job that did not fit, steps it has waited so)
 
-    def enqueue(self, job: int) -> None:
+    def enqueue(self, job: int, lane: str = "") -> None:
         self.queue.append(job)
+        self.lanes[job] = lane
 
     def cancel(self, job: int) -> None:
         self.cancelled.add(job)
@@ -78,7 +86,7 @@ class Scheduler:
         self.cancelled.clear()  # a cancellation of a job no longer here has nothing left to stop
         gone = set(drop)
         running = [job for job in active if job not in gone]
-        self.queue = [job for job in self.queue if job not in gone]
+        self._keep(lambda job: job not in gone)
         admit = self._admit(running, cost)
         return Decision(admit=admit, drop=drop)
 
@@ -86,7 +94,7 @@ class Scheduler:
         used = sum(cost(job) for job in running)
         admit: list[int] = []
         oldest_blocked: int | None = None
-        for job in self.queue:
+        for job in self.turns():
             c = cost(job)
             if fits(used, c, self.budget, alone=not running and not admit):
                 admit.append(job)
@@ -97,8 +105,30 @@ class Scheduler:
                     break
         self._note_blocked(oldest_blocked)
         chosen = set(admit)
-        self.queue = [job for job in self.queue if job not in chosen]
+        if admit:
+            self._served = self.lanes[admit[-1]]
+        self._keep(lambda job: job not in chosen)
         return tuple(admit)
+
+    def turns(self) -> list[int]:
+        """The waiting jobs in the order they are considered: lanes take turns (in the order their
+        first waiting job arrived, starting after the lane served last), one job of each per round."""
+        by_lane: dict[str, list[int]] = {}
+        for job in self.queue:
+            by_lane.setdefault(self.lanes[job], []).append(job)
+        names = list(by_lane)
+        if self._served in by_lane:
+            after = names.index(self._served) + 1
+            names = names[after:] + names[:after]
+        rounds = max((len(jobs) for jobs in by_lane.values()), default=0)
+        return [by_lane[name][i] for i in range(rounds) for name in names if i < len(by_lane[name])]
+
+    def _keep(self, wanted: Callable[[int], bool]) -> None:
+        """Keep the waiting jobs ``wanted`` says to keep (and forget the others' lanes)."""
+        for job in self.queue:
+            if not wanted(job):
+                self.lanes.pop(job, None)
+        self.queue = [job for job in self.queue if job in self.lanes]
 
     def _right_of_way(self, job: int) -> bool:
         waited = self._blocked[1] if self._blocked is not None and self._blocked[0] == job else 0

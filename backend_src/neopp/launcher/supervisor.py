@@ -265,6 +265,7 @@ def door_limits(ns: argparse.Namespace) -> DoorLimits:
                       read_timeout_s=ns.read_timeout_s, min_upload_rate=ns.min_upload_kib_s * KiB,
                       idle_timeout_s=ns.idle_timeout_s, max_connections=ns.max_connections,
                       max_client_connections=ns.max_client_connections, max_inference=ns.max_inference,
+                      client_inference=ns.client_inference,
                       region_min_bytes=int(ns.tensor_region_min_kib * KiB),
                       allowed_hosts=allowed_hosts(ns))
 
@@ -353,6 +354,9 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
                    help="open HTTP connections of one client address; at the cap as --max-connections")
     s.add_argument("--max-inference", type=int, default=768,
                    help="HTTP inference requests in flight (beyond: 503, Retry-After); health and metrics not counted")
+    s.add_argument("--client-inference", type=int, default=DoorLimits.client_inference,
+                   help="generations one client (address) may have running or queued over HTTP; past it 429 with "
+                        "Retry-After (0: no limit)")
     s.add_argument("--api-key-file", default=str(Path("build") / "api.key"),
                    help=f"the inference API key, created 0600 if missing, used when --host is beyond loopback "
                         f"(${API_KEY_ENV} wins, and applies on loopback too)")

@@ -14,6 +14,7 @@ UNAVAILABLE while the launcher replaces the model.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -38,6 +39,7 @@ from .capabilities import Capabilities
 from .engine_connection import Connection, same_user
 from .engine_link import socket_path
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
+from .lanes import request_lane
 from .model_settings import TritonModelSettings
 from .request_log import request_summary
 from .request_parsing import REQUEST_INPUT_NAMES, ParsedRequest, check_noise, check_request_bytes, parse_request
@@ -187,11 +189,13 @@ class EngineHost:
 
     def _parse(self, kind: str, inputs: dict[str, Any], parameters: Any) -> tuple[ParsedRequest, StreamOptions]:
         limits, defaults = self.settings.limits, self.mode.sampling
+        params = json.loads(parameters) if isinstance(parameters, str) and parameters else {}  # Triton's JSON
         if kind == "stream":
-            refuse_input_like_parameters(parameters if isinstance(parameters, str) and parameters else None)
+            refuse_input_like_parameters(params)
             parsed, options = parse_stream_request(inputs, limits, self.kv_dims, defaults)
         else:
             parsed, options = parse_request(inputs, limits, defaults), StreamOptions()
+        parsed.lane = request_lane(params if isinstance(params, dict) else None)
         if parsed.lora is not None:  # what the adapter recommends, for what the request left unset
             parsed.sampling_values = adapter_sampling(self.adapters, parsed.lora, defaults, parsed.sampling)
         return parsed, options
@@ -211,7 +215,8 @@ class EngineHost:
             cond_kv=parsed.cond_kv, index_offset_cond=parsed.index_offset_cond, height=height, width=width,
             sampling=parsed.sampling_values, uncond_kv=parsed.uncond_kv, index_offset_uncond=parsed.index_offset_uncond,
             image_kv=parsed.image_kv, index_offset_image=parsed.index_offset_image,
-            task=parsed.task or self.settings.default_task, lora=parsed.lora, lora_scale=parsed.lora_scale)
+            task=parsed.task or self.settings.default_task, lora=parsed.lora, lora_scale=parsed.lora_scale,
+            lane=parsed.lane)
         self.engine.validate(req)
         self.capabilities.check_size(height, width)  # after the limits and the token multiple: a size it can run
         if parsed.noise is not None:

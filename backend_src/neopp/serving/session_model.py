@@ -58,6 +58,7 @@ from ..errors import ConfigError, InputError, shown
 from ..limits import text_value
 from ..procs import own_server_grpc_url
 from .error_status import error_response, forwarded_error
+from .lanes import forwarded_lane
 from .parameters import model_allowlist, read_parameters
 from .sessions import (
     CONTINUE_ELSEWHERE,
@@ -293,8 +294,9 @@ class SessionTritonModel:
             if model not in self.allowed:
                 raise InputError(f"MODEL: {shown(model)} is not a generation model this server offers; "
                                  f"expected one of {list(self.allowed)}")
+            lane = forwarded_lane(request)  # refused before the turn is counted
             plan = self.table.next_turn(session, seed)
-            result = self._generate(model, inputs, plan)
+            result = self._generate(model, inputs, plan, lane)
             if result.has_error():
                 self.logger.log_warn(f"{self.model_name}: session {session_id}: {model} refused the turn: "
                                      f"{shown(result.error().message(), 300)}")
@@ -344,7 +346,7 @@ class SessionTritonModel:
             pb.Tensor(TOKEN_INPUT, np.array([b""], dtype=np.object_)),
         ])
 
-    def _generate(self, model: str, inputs: dict[str, Any], plan: TurnPlan) -> Any:
+    def _generate(self, model: str, inputs: dict[str, Any], plan: TurnPlan, parameters: dict[str, str]) -> Any:
         """One BLS call; the request's tensors are passed through without a copy here."""
         pb = self.pb
         forward = [tensor for name, tensor in inputs.items() if name not in NOT_FORWARDED]
@@ -354,6 +356,6 @@ class SessionTritonModel:
             forward.append(pb.Tensor("RNG_STATE", np.frombuffer(plan.rng_state, dtype=np.uint8).copy()))
         started = time.perf_counter()
         result = pb.InferenceRequest(model_name=model, inputs=forward,
-                                     requested_output_names=["IMAGE", "NEXT_RNG_STATE"]).exec()
+                                     requested_output_names=["IMAGE", "NEXT_RNG_STATE"], parameters=parameters).exec()
         self.logger.log_verbose(f"{self.model_name}: {model} answered in {time.perf_counter() - started:.2f}s")
         return result

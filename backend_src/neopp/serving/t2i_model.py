@@ -28,6 +28,7 @@ from ..limits import text_value
 from .contract import ENCODER_OUTPUTS
 from .contract import T2I_PASSED_INPUTS as PASSED_INPUTS
 from .error_status import MISCONFIGURED, error_response, forwarded_error
+from .lanes import forwarded_lane
 from .parameters import model_allowlist, read_parameters
 from .prompt_parsing import PROMPT_INPUTS, parse_prompts
 
@@ -91,6 +92,7 @@ class T2ITritonModel:
                                  self.allowed, self.default_model)
             # Checked here too, so an oversized prompt is refused before it is copied to the encoder.
             parse_prompts({n: inputs[n].as_numpy() for n in PROMPT_INPUTS if n in inputs})
+            lane = forwarded_lane(request)
             self._check_cancelled(request)
             encoded = self._call(self.encoder, [inputs[n] for n in PROMPT_INPUTS if n in inputs], ENCODER_OUTPUTS)
             if encoded.has_error():
@@ -100,7 +102,7 @@ class T2ITritonModel:
             if "SIZE" not in inputs and self.default_size is not None:
                 passed.append(pb.Tensor("SIZE", self.default_size))
             self._check_cancelled(request)
-            result = self._call(model, prefix + passed, ("IMAGE",))
+            result = self._call(model, prefix + passed, ("IMAGE",), lane)
             if result.has_error():
                 return self._forward_error(model, result.error())
             image = pb.get_output_tensor_by_name(result, "IMAGE").as_numpy()
@@ -108,9 +110,11 @@ class T2ITritonModel:
             return error_response(pb, exc, self.logger, self.model_name)
         return pb.InferenceResponse(output_tensors=[pb.Tensor("IMAGE", image)])
 
-    def _call(self, model: str, tensors: list[Any], outputs: tuple[str, ...]) -> Any:
+    def _call(self, model: str, tensors: list[Any], outputs: tuple[str, ...],
+              parameters: dict[str, str] | None = None) -> Any:
         """One BLS request; the tensors are passed on without a copy here."""
-        return self.pb.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=list(outputs)).exec()
+        return self.pb.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=list(outputs),
+                                        parameters=parameters or {}).exec()
 
     @staticmethod
     def _check_cancelled(request: Any) -> None:

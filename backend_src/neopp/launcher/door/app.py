@@ -29,6 +29,7 @@ from ..shm_regions import PREFIX_HEAD
 from . import auth, generate, kserve_infer, parse_jobs, strict_json
 from .auth import ClientRegions
 from .body import BodyReader, ByteBudget, drainer
+from .client_load import ClientLoad, Turn
 from .door_error import DoorError, invalid
 from .door_metrics import DoorMetrics
 from .health_poll import HealthCache
@@ -45,6 +46,7 @@ log = logging.getLogger("neopp.launcher.door")
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 VERSION = re.compile(r"^[0-9]{0,18}$")
 SLOT = "neopp.inference_slot"  # in a request's scope: it holds an inference slot
+HELD = "neopp.client_held"  # in a request's scope: [client, generations it counts for its client, priority]
 READER = "neopp.body_reader"  # in a request's scope: a reader took its body (and drains it if refused)
 SERVER_REGIONS = (PREFIX_HEAD, DOOR_REGION_PREFIX)  # shared memory of the server's own: never a client's key
 RETRY_AFTER_S = 2  # a stub is reloaded in seconds, a server restarted in tens of them
@@ -97,9 +99,10 @@ class Door:
         self.api_key, self.admin_key = api_key, admin_key
         self.client_regions = ClientRegions()
         self.inference_in_flight = 0
+        self.clients = ClientLoad(limits.client_inference)
         self.health_cache = HealthCache(upstream)
         self.metrics_address = metrics_address  # Triton's metrics port: /status and the models' facts
-        self.status = StatusBoard(upstream, admin_key, metrics_address, health)
+        self.status = StatusBoard(upstream, admin_key, metrics_address, health, self.clients)
 
     def serving(self, model: str | None = None, since: float | None = None) -> None:
         """Refuse (503) what the launcher knows cannot be served now: ``model``, or the server (now
@@ -137,9 +140,30 @@ class Door:
         if self.inference_in_flight >= self.limits.max_inference:
             raise DoorError(503, f"{self.inference_in_flight} inference requests are in flight, the most this server "
                             "takes at once; retry shortly", reason="inference_slots", headers={"Retry-After": "1"})
+        client = client_of(request)
+        request.scope[HELD] = [client, 1, self.clients.take(client)]
         self.inference_in_flight += 1
         request.scope[SLOT] = True
         return await endpoint(request)
+
+    def more_generations(self, request: Request, count: int) -> None:
+        """``count`` more generations for the request's client (an images request's ``n``), or a 429."""
+        held = request.scope[HELD]
+        self.clients.take(held[0], count)
+        held[1] += count
+
+    def inference_done(self, scope: dict[str, Any]) -> None:
+        """The request's slot and its client's count given back, once its whole answer is sent."""
+        if scope.pop(SLOT, False):
+            self.inference_in_flight -= 1
+        held = scope.pop(HELD, None)
+        if held is not None:
+            self.clients.give(held[0], held[1])
+
+    def turn(self, request: Request) -> Turn:
+        """Where the request waits: its client's lane and its priority (``Door.inference`` took it)."""
+        client, _, priority = request.scope[HELD]
+        return Turn(self.clients.lane(client), priority)
 
     async def infer(self, request: Request) -> Response:
         model, version = checked(request, "model"), checked(request, "version", VERSION)
@@ -174,12 +198,12 @@ class Door:
     async def _infer(self, request: Request, wire: WireRequest) -> Any:
         """The call; once more when Triton has restarted since the region was registered."""
         try:
-            return await self.until_disconnect(request, self.upstream.infer(wire))
+            return await self.until_disconnect(request, self.upstream.infer(wire, self.turn(request)))
         except DoorError as exc:
             if not self.region.lost(exc.message) or not await self.region.ensure():
                 raise self.region.scrubbed(exc) from None
         try:
-            return await self.until_disconnect(request, self.upstream.infer(wire))
+            return await self.until_disconnect(request, self.upstream.infer(wire, self.turn(request)))
         except DoorError as exc:
             raise self.region.scrubbed(exc) from None
 
@@ -196,7 +220,7 @@ class Door:
     async def generate(self, request: Request) -> Response:
         async with self.reader(request) as reader:
             wire = await self._generate_request(request, reader, stream=False)
-            response = await self.until_disconnect(request, self.upstream.infer(wire))
+            response = await self.until_disconnect(request, self.upstream.infer(wire, self.turn(request)))
         headers = {"Content-Type": "application/json"}
         return Response(_compress(request, strict_json.dumps(generate.generate_response(response)), headers),
                         200, headers)
@@ -204,7 +228,7 @@ class Door:
     async def generate_stream(self, request: Request) -> Response:
         async with self.reader(request) as reader:
             wire = await self._generate_request(request, reader, stream=True)
-        call = self.upstream.stream(wire)
+        call = self.upstream.stream(wire, self.turn(request))
         try:
             first = await self.next_event(call)
         except BaseException:

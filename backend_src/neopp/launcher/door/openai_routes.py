@@ -30,6 +30,7 @@ from ...adapter_names import Listing, list_adapters
 from . import auth, model_facts, parse_jobs, strict_json
 from . import openai_images as oa
 from .body import BodyReader
+from .client_load import Turn
 from .door_error import DoorError
 from .door_metrics import DoorMetrics
 from .model_facts import ModelFacts
@@ -61,6 +62,10 @@ class ImagesDoor(Protocol):
 
     def stream_closed(self, call: Any, finished: bool) -> None: ...
 
+    def more_generations(self, request: Request, count: int) -> None: ...
+
+    def turn(self, request: Request) -> Turn: ...
+
 
 class ImagesRoutes:
     """``POST /v1/images/generations`` and ``GET /v1/models`` for one door."""
@@ -91,21 +96,24 @@ class ImagesRoutes:
                                      values=self.door.json_values(request, "request body", route="openai"))
         req, stream = await self.door.parser.run(len(body), parse_jobs.images_request, bytes(body), reader.cap.values)
         req = await self._resolved(req)
+        if req.n > 1:  # each image counts against the client's share
+            self.door.more_generations(request, req.n - 1)
         if req.partial_images:
             return await self._streamed(request, req)
         if stream:
             return await self._completed_events(request, req)
-        images = await self.door.until_disconnect(request, asyncio.ensure_future(self._all(req)))
+        turn = self.door.turn(request)
+        images = await self.door.until_disconnect(request, asyncio.ensure_future(self._all(req, turn)))
         doc = {"created": int(time.time()), "data": [{"b64_json": _b64(image)} for image in images],
                "output_format": req.output_format, "size": req.size_text, "seed": req.seed}
         return Response(strict_json.dumps(doc), media_type="application/json")
 
-    def _calls(self, req: oa.ImagesRequest) -> list[Any]:
+    def _calls(self, req: oa.ImagesRequest, turn: Turn) -> list[Any]:
         """The ``n`` images' calls, all sent at once: each is a row of the model's running batch."""
-        return [self.door.upstream.infer(oa.prompt_model_request(req, index)) for index in range(req.n)]
+        return [self.door.upstream.infer(oa.prompt_model_request(req, index), turn) for index in range(req.n)]
 
-    async def _all(self, req: oa.ImagesRequest) -> list[bytes]:
-        calls = self._calls(req)
+    async def _all(self, req: oa.ImagesRequest, turn: Turn) -> list[bytes]:
+        calls = self._calls(req, turn)
         try:
             return [oa.image_bytes(response) for response in await asyncio.gather(*calls)]
         finally:
@@ -113,7 +121,7 @@ class ImagesRoutes:
                 call.cancel()
 
     async def _completed_events(self, request: Request, req: oa.ImagesRequest) -> Response:
-        images = [asyncio.ensure_future(self._image(call)) for call in self._calls(req)]
+        images = [asyncio.ensure_future(self._image(call)) for call in self._calls(req, self.door.turn(request))]
         try:
             first = await self.door.until_disconnect(request, images[0])  # a refusal is an error answer
         except BaseException:
@@ -154,9 +162,10 @@ class ImagesRoutes:
         if twin not in await self.door.upstream.ready_models(self.door.admin_key):
             raise oa.OpenAIError(400, f"'partial_images' needs {twin}, the streamed twin of {req.model}, which this "
                                  "server does not serve", "partial_images")
-        encoded = await self.door.until_disconnect(request, self.door.upstream.infer(oa.encoder_request(req)))
+        turn = self.door.turn(request)
+        encoded = await self.door.until_disconnect(request, self.door.upstream.infer(oa.encoder_request(req), turn))
         wire = oa.streamed_request(req, encoded, req.size, oa.preview_plan(req.partial_images, req.steps))
-        call = self.door.upstream.stream(wire)
+        call = self.door.upstream.stream(wire, turn)
         first = await self.door.next_event(call)
         if not isinstance(first, dict):
             call.cancel()

@@ -19,7 +19,7 @@ from starlette.routing import Route, request_response
 from starlette.types import Receive, Scope, Send
 
 from . import auth, openapi, strict_json
-from .app import SLOT, VERSION, Door, checked
+from .app import VERSION, Door, checked
 from .openai_routes import ImagesRoutes
 from .responses import json_response
 from .status import render_html
@@ -41,8 +41,7 @@ class Slotted:
         try:
             await self.app(scope, receive, send)
         finally:
-            if scope.pop(SLOT, False):
-                self.door.inference_in_flight -= 1
+            self.door.inference_done(scope)
 
 
 def _model_path(request: Request, suffix: str = "") -> str:

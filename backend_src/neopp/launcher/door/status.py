@@ -1,5 +1,6 @@
 """``GET /status``: per model, ready or not, requests in flight and queued, recent latency, errors
-and restarts, as JSON (``Accept: application/json`` or ``?format=json``) or as a small HTML page.
+and restarts; per client, its HTTP generations in flight (under a label that names no one); as
+JSON (``Accept: application/json`` or ``?format=json``) or as a small HTML page.
 
 Read at each call from what already counts them: the repository index (ready), Triton's metrics
 port (``nv_inference_pending_request_count``: queued; ``neopp_engine_requests``: held by the
@@ -15,6 +16,7 @@ import html
 from typing import Any
 
 from . import triton_metrics
+from .client_load import ClientLoad
 from .door_error import DoorError
 from .upstream import Upstream
 
@@ -27,23 +29,27 @@ class StatusBoard:
     """The status of every model, with the previous look kept for the recent latency."""
 
     def __init__(self, upstream: Upstream, admin_key: str | None, metrics_address: tuple[str, int] | None,
-                 health: Any = None) -> None:
+                 health: Any = None, clients: ClientLoad | None = None) -> None:
         self.upstream, self.admin_key, self.metrics_address = upstream, admin_key, metrics_address
-        self.health = health
+        self.health, self.clients = health, clients
         self._last: dict[str, tuple[float, float]] = {}  # model: (successes, duration_us)
 
     async def look(self, server_restarts: int) -> dict[str, Any]:
         try:
             states = await self.upstream.model_states(self.admin_key)
         except DoorError as exc:
-            return {"ready": False, "why": exc.message, "server_restarts": server_restarts, "models": []}
+            return {"ready": False, "why": exc.message, "server_restarts": server_restarts, "models": [],
+                    "clients": self._clients()}
         counts = triton_metrics.samples(await triton_metrics.fetch(self.metrics_address), WANTED)
         reloads = self.health.reloads() if self.health is not None and hasattr(self.health, "reloads") else {}
         why = self.health.not_ready() if self.health is not None else None
         models = [self._model(name, state, counts.get(name, {}), reloads.get(name, 0))
                   for name, state in sorted(states.items())]
         return {"ready": why is None and any(m["ready"] for m in models), "why": why,
-                "server_restarts": server_restarts, "models": models}
+                "server_restarts": server_restarts, "models": models, "clients": self._clients()}
+
+    def _clients(self) -> dict[str, Any] | None:
+        return self.clients.look() if self.clients is not None else None
 
     def _model(self, name: str, state: str, counts: dict[str, float], reloads: int) -> dict[str, Any]:
         done, spent = counts.get("successes"), counts.get("duration_us")
@@ -86,7 +92,16 @@ def render_html(doc: dict[str, Any]) -> str:
             f"<p id=\"verdict\">Server {html.escape(verdict)}; restarts of the server: {doc['server_restarts']}. "
             "<a href=\"/\">playground</a> &middot; <a href=\"/status?format=json\">JSON</a> &middot; "
             "<a href=\"/openapi.json\">API</a></p>"
-            f"<table id=\"models\"><tr>{head}</tr>{rows}</table></body></html>")
+            f"<table id=\"models\"><tr>{head}</tr>{rows}</table>{_clients_html(doc.get('clients'))}</body></html>")
+
+
+def _clients_html(clients: dict[str, Any] | None) -> str:
+    if not clients:
+        return ""
+    rows = "".join(f"<tr><td>{html.escape(c['client'])}</td><td>{c['in_flight']}</td></tr>" for c in clients["busiest"])
+    return (f"<p id=\"clients\">{clients['clients']} client(s) with {clients['in_flight']} HTTP generation(s) in "
+            f"flight; at most {_shown(clients['limit_per_client'])} per client.</p>"
+            f"<table><tr><th>client</th><th>in flight</th></tr>{rows}</table>")
 
 
 def _shown(value: Any) -> str:

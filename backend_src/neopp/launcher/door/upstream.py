@@ -22,8 +22,10 @@ import h11
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
+from ...client_lanes import PARAMETER as LANE_PARAMETER
 from ..admin import FRONT_HEADER, GRPC_HEADER, KEY_HEADER, inference_metadata
 from ..inner_http import socket_path
+from .client_load import Turn
 from .door_error import DoorError
 from .wire import WireRequest
 
@@ -53,6 +55,13 @@ def grpc_error(exc: grpc.aio.AioRpcError) -> DoorError:
         return DoorError(503, message, reason="upstream", headers={"Retry-After": str(RETRY_UNAVAILABLE_S)})
     status = HTTP_STATUS.get(exc.code(), 400 if exc.code() == grpc.StatusCode.UNKNOWN else 500)
     return DoorError(status, message, reason="upstream")
+
+
+def in_turn(wire: WireRequest, turn: Turn) -> WireRequest:
+    """The request with the lane and priority the door chose for its client (a client's own are replaced)."""
+    wire.message.parameters[LANE_PARAMETER].string_param = turn.lane
+    wire.message.parameters["priority"].uint64_param = turn.priority
+    return wire
 
 
 @dataclass
@@ -134,14 +143,14 @@ class Upstream:
         value = answer.config.parameters.get(key)
         return None if value is None else value.string_value
 
-    def infer(self, request: WireRequest) -> grpc.aio.UnaryUnaryCall:
-        """The call itself, so that the caller can cancel it."""
+    def infer(self, request: WireRequest, turn: Turn) -> grpc.aio.UnaryUnaryCall:
+        """The call itself, so that the caller can cancel it; it waits where ``turn`` says."""
         self._connect()
-        return self._infer_wire(request.serialize(), metadata=self.inference_metadata)
+        return self._infer_wire(in_turn(request, turn).serialize(), metadata=self.inference_metadata)
 
-    def stream(self, wire: WireRequest) -> grpc.aio.StreamStreamCall:
-        """A stream carrying this one request; its responses end with the final flag."""
-        request = wire.serialize()
+    def stream(self, wire: WireRequest, turn: Turn) -> grpc.aio.StreamStreamCall:
+        """A stream carrying this one request (waiting where ``turn`` says); its responses end with the final flag."""
+        request = in_turn(wire, turn).serialize()
 
         async def one() -> AsyncIterator[bytes]:
             yield request
