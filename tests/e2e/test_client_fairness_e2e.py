@@ -31,7 +31,7 @@ from tests.e2e.small_repo import SmallServer, write_repo
 
 MODEL = "neopp_dense"
 LIMIT = 8
-STEPS = 30  # each request of the order tests: long enough that answers cannot overtake each other
+STEPS = 60  # each request of the order tests: long enough that answers cannot overtake each other
 INSTANCES = 4  # neopp_dense's instances: requests past them wait in Triton's queue
 TIMEOUT_S = 120
 OTHER = "127.0.0.2"  # a second client address on loopback
@@ -162,7 +162,8 @@ def test_a_client_s_first_request_passes_another_client_s_backlog_in_the_engine(
 
 def test_a_client_s_first_request_passes_another_client_s_backlog_in_triton_s_queue(served):
     """A fills the instances and queues two more in Triton's queue, then B sends one: the door
-    gives B's first generation the first priority, so Triton hands it on before A's queued ones."""
+    gives B's first generation the first priority, so Triton hands it on before A's queued ones
+    (and the engine gives it the next turn)."""
     server, port, hold = served
     clients = Clients(server, port)
     hold.write_text("hold")
@@ -176,8 +177,9 @@ def test_a_client_s_first_request_passes_another_client_s_backlog_in_triton_s_qu
         hold.unlink()
     finished = clients.join()
     assert sorted(finished) == sorted(["B", *(f"A{n}" for n in range(1, INSTANCES + 3))]), finished
-    assert finished.index("B") < finished.index(f"A{INSTANCES + 1}"), finished
-    assert finished.index("B") < finished.index(f"A{INSTANCES + 2}"), finished
+    # B waits in Triton's queue until A1's instance is free, and is handed on first: it reaches
+    # the engine while A2 runs and has the next turn there. In arrival order it would be fifth.
+    assert finished.index("B") < min(finished.index(f"A{n}") for n in range(INSTANCES, INSTANCES + 3)), finished
 
 
 def test_a_grpc_client_may_name_its_lane_and_a_bad_lane_is_refused_by_name(served):
