@@ -35,6 +35,8 @@ from testing.door_requests import MODEL, alive, grpc_image, http_infer, tensors
 from testing.faults import wait_for
 from testing.stub_recovery import stub_death_under_traffic
 
+SIBLINGS_GONE_S = 30
+
 
 def test_a_stopped_stub_is_killed_and_its_model_reloaded(door, kv):
     pid = door.server_pid
@@ -130,12 +132,19 @@ def test_one_stub_death_under_traffic_is_one_recovery(door, kv):
     and the replica says it is not ready."""
     pid = door.server_pid
     expected = grpc_image(door, kv, seed=31)
+    before = set(model_stubs(pid, MODEL))
 
     def send() -> tuple[int, dict[str, str], bool]:
         status, headers, image = http_infer(door, kv, seed=31)
         return status, headers, image == expected
 
     death = stub_death_under_traffic(door, MODEL, send)
+    deadline = time.monotonic() + SIBLINGS_GONE_S  # the killed stub's siblings go with their generation
+    while (left := before & set(model_stubs(pid, MODEL))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    print(f"siblings of the killed stub still running after the reload: {sorted(left)}; "
+          f"ended by the watchdog: {door.text().count('of a replaced instance')}")
+    assert not left, f"stubs of the replaced instances still running: {sorted(left)}\n{door.text()[-3000:]}"
     print(f"stub SIGKILL under traffic: {death.summary(MODEL)}\n"
           + "\n".join(line for line in death.log.splitlines() if "watchdog" in line or "warm-up" in line))
     assert all(right or (status == 503 and retry) for _, status, retry, right in death.answers), death.answers

@@ -26,6 +26,10 @@ error message, whose text a client can shape:
   workers used almost no CPU. A busy stub uses CPU; a session stub waiting on a busy model sees
   that model step: neither is ever judged hung. Then it is killed and reloaded as above.
 
+* **left over**: a reload replaces every instance of the model, but Triton 2.51 leaves the
+  stubs of the old instances beside a dead one running for good. Stubs of the model that ran
+  before a reload and still run ``leftover_s`` after it are ended (``stub_kill``).
+
 A verdict is about one process (its pid and start time), so it never reaches the stub that
 replaced it. What the watchdog knows goes to ``health`` (the door's readiness and refusals).
 
@@ -49,7 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from ..engine_beat import beat_path, read_beat
-from ..procs import is_stopped, start_ticks
+from ..procs import is_stopped, model_stubs, start_ticks
 from .admin import KEY_ENV, grpc_headers, http_headers
 from .health import ServerHealth
 from .poller import Poller
@@ -60,6 +64,7 @@ RELOAD_PARAMETER = "neopp_reload"
 FAILED_RELOADS = 3  # in a row, before tritonserver is restarted
 IDLE_CPU = 0.05  # CPU seconds per second a model's stubs use idle (health threads, rank heartbeats): < 0.03
 TRAFFIC_EVERY_S = 2.0  # how often the hung rule reads the server's metrics
+LEFTOVER_S = 15.0  # after a reload, how long the old instances' stubs may take to leave
 
 
 def expected_instances(config: dict[str, Any]) -> list[str]:
@@ -156,6 +161,7 @@ class StubWatchdog:
     stopped_s: float = 1.0
     hung_s: float = 60.0
     reload_timeout_s: float = 300.0
+    leftover_s: float = LEFTOVER_S
     metrics_url: str | None = None
     clock: Callable[[], float] = time.monotonic
     recoveries: list[Recovery] = field(default_factory=list)
@@ -163,6 +169,8 @@ class StubWatchdog:
     _stopped_since: dict[tuple[int, int], float] = field(default_factory=dict)
     _failures: dict[str, tuple[int, float]] = field(default_factory=dict)  # model -> (failed reloads, retry at)
     _configs: dict[str, dict[str, Any]] = field(default_factory=dict)  # the last config read of each model
+    # (when, model, stubs as (pid, start)): stubs from before a reload that must be gone by then
+    _leftovers: list[tuple[float, str, list[tuple[int, int]]]] = field(default_factory=list)
     _gone: bool = False
     _halted: bool = False
     _next_traffic: float = 0.0
@@ -220,6 +228,19 @@ class StubWatchdog:
                 self._replace(stub, f"requests waited {self.hung_s:.0f}s while the server made no progress "
                                     "and this stub used no CPU: hung")
 
+    def _end_leftovers(self, now: float) -> None:
+        """End the stubs of replaced instances still running ``leftover_s`` after their reload."""
+        due = [entry for entry in self._leftovers if entry[0] <= now]
+        self._leftovers = [entry for entry in self._leftovers if entry[0] > now]
+        for _, model, stubs in due:
+            for pid, started in stubs:
+                if not alive(pid) or start_ticks(pid) != started:
+                    continue  # gone, as it should be (or its pid now another process's)
+                self.log(f"neopp watchdog: {model}: stub {pid} of a replaced instance still runs "
+                         f"{self.leftover_s:.0f}s after the reload; ending it")
+                if not kill_stub(pid, started, self.log):
+                    self._restart(f"a leftover stub of {model} could not be killed safely")
+
     def _python_models(self) -> list[tuple[str, dict[str, Any]]]:
         """(name, config) of every READY Python-backend model, and of every one whose reload by the
         watchdog failed (it may have left it unavailable: it is tried again)."""
@@ -248,6 +269,7 @@ class StubWatchdog:
         stubs = server_stubs(self.server_pid)
         self._replace_stopped(stubs, now)
         self._replace_hung(stubs, now)
+        self._end_leftovers(now)
         done = []
         for model, dead, why in self._verdicts(server_stubs(self.server_pid), now):
             if self._halted:
@@ -289,6 +311,7 @@ class StubWatchdog:
         why = why or f"no live stub for {dead}"
         self.log(f"neopp watchdog: {model}: {why}; reloading the model")
         self.health.model_broken(model, f"reloading ({why})")
+        old = [(pid, start) for pid in model_stubs(self.server_pid, model) if (start := start_ticks(pid))]
         started = self.clock()
         try:
             recovery = Recovery(model, dead, force_reload(self.client, model, self.admin_key, self.reload_timeout_s,
@@ -300,6 +323,7 @@ class StubWatchdog:
         if recovery.error is None:  # Triton has loaded every instance anew
             self._failures.pop(model, None)
             self.health.model_serving(model)
+            self._leftovers.append((self.clock() + self.leftover_s, model, old))
             self.log(f"neopp watchdog: {model}: reload done in {recovery.reload_s:.2f}s")
             return recovery
         failed = self._failures.get(model, (0, 0.0))[0] + 1
