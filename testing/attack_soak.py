@@ -12,8 +12,8 @@ runs from start to end (started and stopped by pid). Then:
 2. calibration: the rate at which 4 clients sending back to back get correct answers;
 3. baseline: jobs at twice that rate for ``--seconds`` (plain gRPC, streams, ``/v1``, 2-turn sessions);
 4. attack: the same jobs for ``--seconds`` while 256 idle connections, 3 trickled uploads, 3 large-JSON
-   posters, planted "not healthy" texts and a session flood run, and ``neopp_dense``'s stub is
-   SIGKILLed a third of the way in.
+   posters, planted "not healthy" texts, a session flood and another client's 40 parallel ``/v1``
+   requests of 4 images run, and ``neopp_dense``'s stub is SIGKILLed a third of the way in.
 
 Printed: each phase's outcomes by label and kind, the latency of correct answers (p50/p99, attack
 against baseline), the time from the SIGKILL to a correct ``neopp_dense`` answer, which stubs each
@@ -47,7 +47,7 @@ from neopp.model.kv_cache import load_kv_file
 from neopp.ports import LOOPBACK
 from neopp.procs import descendants, model_stubs, rss_bytes
 from testing import REPO
-from testing.attacks import IdleConnections, LargeJson, PlantedUnhealthy, SessionFlood, TrickledUploads
+from testing.attacks import ClientFlood, IdleConnections, LargeJson, PlantedUnhealthy, SessionFlood, TrickledUploads
 from testing.door_attacks import Probe
 from testing.faults import signal_own, stub_pid
 from testing.launched import Launched, launch
@@ -197,7 +197,8 @@ def start_attacks(launcher: Launched, workload: Workload) -> list[Any]:
 
     port = launcher.http_port
     return [IdleConnections(port).start(), TrickledUploads(port).start(), LargeJson(port).start(),
-            PlantedUnhealthy(port, PLANTED).start(), SessionFlood(open_session).start()]
+            PlantedUnhealthy(port, PLANTED).start(), SessionFlood(open_session).start(),
+            ClientFlood(port, PROMPT).start()]
 
 
 def small_session_table(launcher: Launched, key: str) -> None:

@@ -59,16 +59,20 @@ class Attack:
         self._close()
         return dict(self.counts)
 
-    def _post(self, port: int, path: str, body: bytes, timeout: float) -> None:
-        """One JSON POST on a fresh connection; its status (or the connection's failure) is counted."""
-        conn = http.client.HTTPConnection(LOOPBACK, port, timeout=timeout)
+    def _post(self, port: int, path: str, body: bytes, timeout: float, source: str | None = None) -> int | None:
+        """One JSON POST on a fresh connection (from address ``source``); its status (or the
+        connection's failure) is counted and returned."""
+        conn = http.client.HTTPConnection(LOOPBACK, port, timeout=timeout,
+                                          source_address=(source, 0) if source else None)
         try:
             conn.request("POST", path, body, {"Content-Type": "application/json"})
             answer = conn.getresponse()
             answer.read()
             self.count(f"answered {answer.status}")
+            return answer.status
         except OSError as exc:
             self.count(f"connection error: {type(exc).__name__}")
+            return None
         finally:
             conn.close()
 
@@ -236,3 +240,23 @@ def _refusal(exc: Exception) -> str:
     status = getattr(exc, "status", lambda: None)()
     message = getattr(exc, "message", lambda: str(exc))() or ""
     return f"{status} {message[:60]}"
+
+
+class ClientFlood(Attack):
+    """One client (address ``source``) with ``threads`` parallel ``/v1`` requests of ``n`` images
+    each, sent again as soon as answered: a burst that, without a per-client bound and turns
+    between clients, made another client wait most of a minute. A refusal waits ``pause_s``."""
+
+    name = "client-flood"
+    threads = 40
+
+    def __init__(self, port: int, prompt: str, source: str = "127.0.0.3", n: int = 4, size: str = "320x320",
+                 pause_s: float = 0.2) -> None:
+        super().__init__()
+        self.port, self.source, self.pause_s = port, source, pause_s
+        self.body = json.dumps({"prompt": prompt, "n": n, "size": size, "stream": True}).encode()
+
+    def _run(self, index: int) -> None:
+        while not self._stop.is_set():
+            if self._post(self.port, "/v1/images/generations", self.body, timeout=300, source=self.source) != 200:
+                self._stop.wait(self.pause_s)
