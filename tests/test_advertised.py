@@ -3,7 +3,11 @@ step limit, the refusal of untrained sizes, and the door's honest /v1 answers bu
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -186,3 +190,38 @@ def test_the_status_of_a_model_takes_its_recent_latency_from_what_finished_since
     page = render_html({"ready": False, "why": "tritonserver is starting <now>", "server_restarts": 1,
                         "models": [idle]})
     assert "not ready: tritonserver is starting &lt;now&gt;" in page and "<td>UNLOADED</td>" in page
+
+
+def _serve_once(answer: bytes, piece: int) -> tuple[tuple[str, int], threading.Thread]:
+    """A one-shot HTTP server on loopback that sends ``answer`` in pieces of ``piece`` bytes."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        with listener:
+            conn, _ = listener.accept()
+            with conn:
+                conn.recv(4096)
+                for at in range(0, len(answer), piece):
+                    conn.sendall(answer[at:at + piece])
+                    time.sleep(0.001)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return listener.getsockname()[:2], thread
+
+
+def test_a_metrics_answer_in_many_pieces_is_read_to_its_end():
+    body = "".join(f'neopp_model_capabilities{{model="m{i}",capabilities="{{}}"}} 1\n' for i in range(2000)).encode()
+    head = f"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    address, thread = _serve_once(head + body, 1500)
+    text = asyncio.run(triton_metrics.fetch(address))
+    thread.join(10)
+    assert len(triton_metrics.capabilities(text)) == 2000
+
+
+def test_a_cut_metrics_answer_is_not_used():
+    body = b'neopp_model_capabilities{model="m",capabilities="{}"} 1\n'
+    head = f"HTTP/1.0 200 OK\r\nContent-Length: {len(body) + 100}\r\n\r\n".encode()
+    address, thread = _serve_once(head + body, 10)
+    assert asyncio.run(triton_metrics.fetch(address)) == ""
+    thread.join(10)

@@ -33,7 +33,9 @@ class ModelFacts:
 
     async def _all(self) -> dict[str, str]:
         if time.monotonic() - self._read_at >= KEEP_S:
-            self._published = triton_metrics.capabilities(await triton_metrics.fetch(self.metrics_address))
+            text = await triton_metrics.fetch(self.metrics_address)
+            if text:  # no answer: the last complete facts stay
+                self._published = triton_metrics.capabilities(text)
             self._read_at = time.monotonic()
         return self._published
 

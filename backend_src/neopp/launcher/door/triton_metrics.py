@@ -1,5 +1,6 @@
 """Triton's metrics port, read by the door: the models' counters for ``/status`` and the facts
-each generation model publishes (``neopp_model_capabilities``) for ``/v1/models``."""
+each generation model publishes (``neopp_model_capabilities``) for ``/v1/models``. An answer is
+read to its end (it arrives in pieces: one read once gave a third of it) or not used at all."""
 
 from __future__ import annotations
 
@@ -24,13 +25,35 @@ async def fetch(address: tuple[str, int] | None) -> str:
         return ""
     try:
         writer.write(f"GET /metrics HTTP/1.0\r\nHost: {address[0]}\r\n\r\n".encode())
-        raw = await asyncio.wait_for(reader.read(MAX_METRICS), TIMEOUT_S)
+        raw = await asyncio.wait_for(read_to_end(reader), TIMEOUT_S)
     except (OSError, asyncio.TimeoutError):
         return ""
     finally:
         writer.close()
+    return complete_body(raw) if raw is not None else ""
+
+
+async def read_to_end(reader: asyncio.StreamReader) -> bytes | None:
+    """Everything until the server closes (HTTP/1.0): an answer comes in as many pieces as the
+    network makes of it. None past MAX_METRICS."""
+    parts, size = [], 0
+    while chunk := await reader.read(1 << 16):
+        size += len(chunk)
+        if size > MAX_METRICS:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def complete_body(raw: bytes) -> str:
+    """The body of a whole 200 answer; "" for any other answer, or one shorter than its Content-Length."""
     head, _, body = raw.partition(b"\r\n\r\n")
-    return body.decode("utf-8", "replace") if head.startswith(b"HTTP/1.") and b" 200 " in head[:16] else ""
+    if not (head.startswith(b"HTTP/1.") and b" 200 " in head[:16]):
+        return ""
+    length = re.search(rb"(?im)^content-length:[ \t]*([0-9]{1,12})[ \t]*$", head)
+    if length is not None and len(body) != int(length.group(1)):
+        return ""
+    return body.decode("utf-8", "replace")
 
 
 def samples(text: str, wanted: dict[str, str]) -> dict[str, dict[str, float]]:
