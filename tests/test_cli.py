@@ -4,6 +4,7 @@ tests/e2e/test_cli_e2e.py."""
 
 from __future__ import annotations
 
+import argparse
 import io
 from pathlib import Path
 
@@ -68,8 +69,17 @@ def test_the_size_is_width_x_height_or_auto(text, ok):
     if ok:
         assert check_size(text) == text
     else:
-        with pytest.raises(CliError, match="WIDTHxHEIGHT"):
+        with pytest.raises(argparse.ArgumentTypeError, match="WIDTHxHEIGHT"):
             check_size(text)
+
+
+def test_a_bad_size_is_argparse_s_one_line_usage_error_not_a_traceback(capsys):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", "a cat", "--size", "100"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err
+    assert err.splitlines()[-1] == ("neopp generate: error: argument --size: must be WIDTHxHEIGHT (e.g. 256x256) or "
+                                    "auto, got '100'")
 
 
 class Tty(io.StringIO):

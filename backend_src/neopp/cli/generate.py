@@ -7,6 +7,7 @@ picture instead. Files are named after ``-o``: ``out.png``, or ``out-1.png`` ...
 
 from __future__ import annotations
 
+import argparse
 import base64
 import json
 import re
@@ -60,8 +61,8 @@ def output_format(out: Path) -> str:
 
 def check_size(text: str) -> str:
     """``WIDTHxHEIGHT`` or ``auto``, as the server takes it (it checks the range itself)."""
-    if text != "auto" and not SIZE.match(text):
-        raise CliError(f"--size must be WIDTHxHEIGHT (e.g. 256x256) or auto, got {text!r}", 2)
+    if text != "auto" and not SIZE.match(text):  # argparse's own error: one usage line, exit 2
+        raise argparse.ArgumentTypeError(f"must be WIDTHxHEIGHT (e.g. 256x256) or auto, got {text!r}")
     return text
 
 
