@@ -38,6 +38,7 @@ from testing.loadgen import grpc_inputs, valid_inputs, with_token
 
 KINDS = ("grpc", "stream", "v1", "session")
 TIMEOUT_S = 120.0
+V1_USERS = 8  # the /v1 jobs come from this many client addresses (127.0.1.1 ...), as many people would
 RETRY_LATER = ("Exceeds maximum queue size", "session limit reached")
 CLIENT_FAULTS = ("INVALID_ARGUMENT", "NOT_FOUND", "PERMISSION_DENIED", "UNAUTHENTICATED", "OUT_OF_RANGE",
                  "FAILED_PRECONDITION", "ALREADY_EXISTS", "UNIMPLEMENTED", "RESOURCE_EXHAUSTED")
@@ -90,6 +91,7 @@ class Workload:
 
     def __post_init__(self) -> None:
         self._ids = itertools.count(700_000_000)
+        self._users = itertools.count()
         self._local = threading.local()
 
     def references(self) -> None:
@@ -163,7 +165,8 @@ class Workload:
     def _v1(self, seed: int) -> bytes:
         body = json.dumps({"model": "neopp_dense", "prompt": self.prompt, "size": f"{self.size}x{self.size}",
                            "seed": seed, "num_inference_steps": self.steps, "output_format": "png"}).encode()
-        conn = http.client.HTTPConnection(LOOPBACK, self.http_port, timeout=TIMEOUT_S)
+        user = f"127.0.1.{next(self._users) % V1_USERS + 1}"  # the door tells clients apart by address
+        conn = http.client.HTTPConnection(LOOPBACK, self.http_port, timeout=TIMEOUT_S, source_address=(user, 0))
         try:
             conn.request("POST", "/v1/images/generations", body, {"Content-Type": "application/json"})
             answer = conn.getresponse()

@@ -103,3 +103,5 @@ def test_a_client_s_kth_generation_in_flight_gets_priority_k_up_to_the_levels():
     assert load.take("b", 3) == 1  # an images request's n: the priority of its first
     load.give("a", 6)
     assert load.take("a") == 1
+    turn = Turn("door-x", 2)
+    assert [turn.nth(i).priority for i in range(4)] == [2, 3, 4, 4]  # an images request's n images

@@ -31,6 +31,11 @@ class Turn:
     lane: str
     priority: int
 
+    def nth(self, index: int) -> Turn:
+        """The turn of the request's ``index``-th generation (an images request's image): each
+        counts as one more the client has in flight."""
+        return Turn(self.lane, min(self.priority + index, PRIORITY_LEVELS))
+
 
 class ClientLoad:
     """Generations in flight per client, at most ``limit`` each (0: no limit)."""

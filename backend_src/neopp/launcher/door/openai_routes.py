@@ -110,7 +110,8 @@ class ImagesRoutes:
 
     def _calls(self, req: oa.ImagesRequest, turn: Turn) -> list[Any]:
         """The ``n`` images' calls, all sent at once: each is a row of the model's running batch."""
-        return [self.door.upstream.infer(oa.prompt_model_request(req, index), turn) for index in range(req.n)]
+        return [self.door.upstream.infer(oa.prompt_model_request(req, index), turn.nth(index))
+                for index in range(req.n)]
 
     async def _all(self, req: oa.ImagesRequest, turn: Turn) -> list[bytes]:
         calls = self._calls(req, turn)
