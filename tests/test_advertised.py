@@ -179,9 +179,9 @@ def test_the_status_of_a_model_takes_its_recent_latency_from_what_finished_since
     from neopp.launcher.door.status import StatusBoard, render_html
 
     board = StatusBoard(None, None, None)  # type: ignore[arg-type]  # _model reads no server
-    first = board._model("m", "READY", {"successes": 4, "duration_us": 4_000_000, "failed_in_model": 1}, 0)
+    first = board._model("m", "READY", {"successes": 4, "duration_us": 4_000_000, "failed_in_triton": 1}, 0)
     assert first["recent_latency_ms"] == 1000.0 and first["errors"] == 1 and first["ready"]
-    again = board._model("m", "READY", {"successes": 6, "duration_us": 4_600_000, "refused_by_triton": 3}, 2)
+    again = board._model("m", "READY", {"successes": 6, "duration_us": 4_600_000, "failed_in_triton": 3}, 2)
     assert again["recent_latency_ms"] == 300.0 and again["errors"] == 3 and again["restarts"] == 2
     restarted = board._model("m", "UNAVAILABLE", {"successes": 1, "duration_us": 50_000}, 2)
     assert restarted["recent_latency_ms"] == 50.0 and not restarted["ready"]  # counters began again
@@ -190,6 +190,31 @@ def test_the_status_of_a_model_takes_its_recent_latency_from_what_finished_since
     page = render_html({"ready": False, "why": "tritonserver is starting <now>", "server_restarts": 1,
                         "models": [idle]})
     assert "not ready: tritonserver is starting &lt;now&gt;" in page and "<td>UNLOADED</td>" in page
+
+
+def test_a_generation_model_s_status_keeps_refusals_apart_and_times_only_what_it_served() -> None:
+    """A generation model counts its own: refusals and cancellations are not errors, and latency is
+    its served requests' whole time (a stream's, whose Triton duration is only its first call)."""
+    from neopp.launcher.door.status import WANTED, StatusBoard
+
+    page = "\n".join([
+        'nv_inference_request_success{model="m",version="1"} 3',
+        'nv_inference_request_failure{model="m",version="1"} 9',
+        'nv_inference_request_duration_us{model="m",version="1"} 5400',  # 1.8 ms each: a stream's first call
+        'neopp_generations_total{model="m"} 3',
+        'neopp_generation_seconds_total{model="m"} 4.5',
+        'neopp_failures_total{model="m",reason="invalid_input"} 4',
+        'neopp_failures_total{model="m",reason="queue_full"} 1',
+        'neopp_failures_total{model="m",reason="cancelled"} 2',
+        'neopp_failures_total{model="m",reason="internal"} 1',
+        'neopp_failures_total{model="m",reason="config"} 0',
+    ])
+    counts = triton_metrics.samples(page, WANTED)["m"]
+    for reason, n in triton_metrics.by_label(page, "neopp_failures_total", "reason")["m"].items():
+        counts[f"failed:{reason}"] = n
+    row = StatusBoard(None, None, None)._model("m", "READY", counts, 0)  # type: ignore[arg-type]
+    assert row["recent_latency_ms"] == 1500.0 and row["successes"] == 3
+    assert (row["errors"], row["refused"], row["cancelled"]) == (1, 5 + 1, 2)  # one refused by Triton itself
 
 
 def _serve_once(answer: bytes, piece: int) -> tuple[tuple[str, int], threading.Thread]:

@@ -157,7 +157,8 @@ def test_the_status_page_shows_each_model_s_state_and_figures(served: Launched):
     models = {m["model"]: m for m in doc["models"]}
     dense = models["neopp_dense"]
     assert status == 200 and doc["ready"] is True and doc["server_restarts"] == 0, doc
-    assert dense["ready"] and dense["successes"] >= 1 and dense["errors"] >= 1  # the refused 512x512 above
+    assert dense["ready"] and dense["successes"] >= 1 and dense["refused"] >= 1  # the refused 512x512 above
+    assert dense["errors"] == 0 and dense["cancelled"] >= 0
     assert dense["queued"] == 0 and dense["in_flight"] == 0 and dense["restarts"] == 0
     assert dense["recent_latency_ms"] > 0 and models["neopp_t2i"]["ready"]
     assert models["neopp_moe"]["ready"] is False  # in the repository, not loaded

@@ -4,10 +4,13 @@ JSON (``Accept: application/json`` or ``?format=json``) or as a small HTML page.
 
 Read at each call from what already counts them: the repository index (ready), Triton's metrics
 port (``nv_inference_pending_request_count``: queued; ``neopp_engine_requests``: held by the
-engine; ``nv_inference_request_success``/``_duration_us``; ``neopp_failures_total`` and
-``nv_inference_request_failure``: errors), and the launcher's health (reloads of a model's stubs,
-restarts of the server). Recent latency is the mean over the requests that finished since the
-previous look (the mean since start on the first look).
+engine; a generation model's own ``neopp_generations_total``/``_seconds_total``: served requests
+and their whole time, a stream's included; ``neopp_failures_total`` by reason: errors of the
+server apart from refused and cancelled requests; for other models Triton's
+``nv_inference_request_success``/``_duration_us``/``_failure``), and the launcher's health
+(reloads of a model's stubs, restarts of the server). Recent latency is the mean over the
+requests served since the previous look (the mean since start on the first look): a refusal
+never enters it.
 """
 
 from __future__ import annotations
@@ -21,8 +24,12 @@ from .door_error import DoorError
 from .upstream import Upstream
 
 WANTED = {"nv_inference_pending_request_count": "queued", "neopp_engine_requests": "in_flight",
-          "nv_inference_request_success": "successes", "nv_inference_request_failure": "refused_by_triton",
-          "neopp_failures_total": "failed_in_model", "nv_inference_request_duration_us": "duration_us"}
+          "nv_inference_request_success": "successes", "nv_inference_request_failure": "failed_in_triton",
+          "nv_inference_request_duration_us": "duration_us", "neopp_generations_total": "generations",
+          "neopp_generation_seconds_total": "generation_s"}
+FAILURES = "neopp_failures_total"  # a generation model's failed requests, by reason
+SERVER_FAULTS = ("internal", "config", "worker_failure")  # the server's doing; the rest were refused or cancelled
+REFUSALS = ("invalid_input", "queue_full")
 
 
 class StatusBoard:
@@ -40,7 +47,10 @@ class StatusBoard:
         except DoorError as exc:
             return {"ready": False, "why": exc.message, "server_restarts": server_restarts, "models": [],
                     "clients": self._clients()}
-        counts = triton_metrics.samples(await triton_metrics.fetch(self.metrics_address), WANTED)
+        text = await triton_metrics.fetch(self.metrics_address)
+        counts = triton_metrics.samples(text, WANTED)
+        for model, reasons in triton_metrics.by_label(text, FAILURES, "reason").items():
+            counts.setdefault(model, {}).update({f"failed:{reason}": n for reason, n in reasons.items()})
         reloads = self.health.reloads() if self.health is not None and hasattr(self.health, "reloads") else {}
         why = self.health.not_ready() if self.health is not None else None
         models = [self._model(name, state, counts.get(name, {}), reloads.get(name, 0))
@@ -52,7 +62,11 @@ class StatusBoard:
         return self.clients.look() if self.clients is not None else None
 
     def _model(self, name: str, state: str, counts: dict[str, float], reloads: int) -> dict[str, Any]:
-        done, spent = counts.get("successes"), counts.get("duration_us")
+        """A generation model's figures are its own (served requests whole, a stream included, and
+        failures by reason); other models' are Triton's."""
+        own = "generations" in counts
+        done = counts.get("generations") if own else counts.get("successes")
+        spent = counts["generation_s"] * 1e6 if own and "generation_s" in counts else counts.get("duration_us")
         latency = None
         if done is not None and spent is not None:
             before_done, before_spent = self._last.get(name, (0.0, 0.0))
@@ -63,15 +77,22 @@ class StatusBoard:
                 self._last[name] = (done, spent)
         return {"model": name, "ready": state == "READY", "state": state or "UNLOADED",
                 "in_flight": _int(counts.get("in_flight")), "queued": _int(counts.get("queued")),
-                "recent_latency_ms": latency, "successes": _int(done), "errors": _errors(counts),
+                "recent_latency_ms": latency, "successes": _int(done), **_failures(counts, own),
                 "restarts": reloads}
 
 
-def _errors(counts: dict[str, float]) -> int | None:
-    """Failed requests: the model's own count (by reason, refusals of its inputs included), or
-    Triton's where it is higher (a request Triton itself refused never reached the model)."""
-    found = [counts[k] for k in ("failed_in_model", "refused_by_triton") if k in counts]
-    return int(max(found)) if found else None
+def _failures(counts: dict[str, float], own: bool) -> dict[str, int | None]:
+    """``errors``: requests that failed by the server's doing; ``refused``: requests refused for
+    what they asked (bad input, a full queue; Triton's own refusals, which never reach the model,
+    are the part of its failure count the model did not see); ``cancelled``: by their clients."""
+    triton = counts.get("failed_in_triton")
+    if not own:
+        return {"errors": _int(triton), "refused": None, "cancelled": None}
+    reasons = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("failed:")}
+    before_model = max(0.0, (triton or 0.0) - sum(reasons.values()))
+    return {"errors": int(sum(reasons.get(r, 0.0) for r in SERVER_FAULTS)),
+            "refused": int(sum(reasons.get(r, 0.0) for r in REFUSALS) + before_model),
+            "cancelled": int(reasons.get("cancelled", 0.0))}
 
 
 def _int(value: float | None) -> int | None:
@@ -80,7 +101,8 @@ def _int(value: float | None) -> int | None:
 
 def render_html(doc: dict[str, Any]) -> str:
     """The status as a page a person reads; the same figures as the JSON."""
-    columns = ("model", "state", "in_flight", "queued", "recent_latency_ms", "successes", "errors", "restarts")
+    columns = ("model", "state", "in_flight", "queued", "recent_latency_ms", "successes", "errors", "refused",
+               "cancelled", "restarts")
     rows = "".join("<tr>" + "".join(f"<td>{html.escape(_shown(m[c]))}</td>" for c in columns) + "</tr>"
                    for m in doc["models"])
     head = "".join(f"<th>{c.replace('_', ' ')}</th>" for c in columns)

@@ -68,6 +68,19 @@ def samples(text: str, wanted: dict[str, str]) -> dict[str, dict[str, float]]:
     return found
 
 
+def by_label(text: str, name: str, label: str) -> dict[str, dict[str, float]]:
+    """{model: {value of ``label``: value}} of the series ``name``."""
+    found: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if match and match.group(1) == name:
+            labels = dict(LABEL.findall(line[len(name) + 1:line.rindex("}")]))
+            if label in labels:
+                values = found.setdefault(match.group(2), {})
+                values[labels[label]] = values.get(labels[label], 0.0) + float(match.group(3))
+    return found
+
+
 def capabilities(text: str) -> dict[str, str]:
     """{model: the JSON text of its published facts}."""
     found = {}
