@@ -48,11 +48,11 @@ from neopp.ports import LOOPBACK
 from neopp.procs import descendants, model_stubs, rss_bytes
 from testing import REPO
 from testing.attacks import ClientFlood, IdleConnections, LargeJson, PlantedUnhealthy, SessionFlood, TrickledUploads
-from testing.door_attacks import Probe
 from testing.faults import signal_own, stub_pid
 from testing.launched import Launched, launch
 from testing.loadgen import grpc_inputs, valid_inputs
 from testing.mixed_traffic import KINDS, OpenLoop, Outcome, Workload, closed_loop_rate
+from testing.probe_process import ProcessProbe
 
 KILLED_MODEL = "neopp_dense"  # the model whose stub the drill SIGKILLs
 MODELS = ("neopp_dense", "neopp_dense_stream", "neopp_session", "neopp_prompt_encoder", "neopp_t2i")
@@ -211,7 +211,7 @@ def small_session_table(launcher: Launched, key: str) -> None:
 
 
 def phase(workload: Workload, rate: float, seconds: float, port: int, on_tick: Any = None) -> dict[str, Any]:
-    probe = Probe(port, interval_s=0.25).start()  # GET /v2/health/live on a fresh connection
+    probe = ProcessProbe(port, interval_s=0.25).start()  # GET /v2/health/live, fresh connections, own process
     load = OpenLoop(workload, rate)
     began = time.monotonic()
     load.run(seconds, on_tick)

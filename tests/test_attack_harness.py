@@ -66,3 +66,32 @@ def test_the_goals_read_the_report():
     report["stubs_during_attack"]["neopp_t2i"] = {"at_start": 4, "seen": 4, "lost": 0, "alive": 4}
     report["stub_kill"]["actions"] = watchdog_actions("neopp watchdog: x: y; killing its stub 7 (SIGKILL)")
     assert not goals(report)[2][1]  # the watchdog killed a stub of its own accord
+
+
+def test_the_process_probe_measures_from_its_own_process_until_stopped():
+    import http.server
+    import os
+
+    from testing.probe_process import ProcessProbe
+
+    class Live(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's name
+            self.send_response(200 if self.path == "/v2/health/live" else 404)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Live)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        probe = ProcessProbe(server.server_address[1], interval_s=0.05).start()
+        assert probe._proc is not None and probe._proc.pid != os.getpid()
+        wait_for(lambda: probe._proc.poll() is None, timeout=10)
+        threading.Event().wait(0.5)
+        probe.stop()
+    finally:
+        server.shutdown()
+    assert probe.statuses.get("200", 0) >= 2 and set(probe.statuses) == {"200"}
+    assert len(probe.latencies) == sum(probe.statuses.values()) and all(0 <= t < 30 for t in probe.latencies)
