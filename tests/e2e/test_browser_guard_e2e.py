@@ -47,8 +47,14 @@ def test_loopback_names_are_answered(door, host):
     assert status == 200 and _safe(headers), (host, status)
 
 
-@pytest.mark.parametrize("path", ["/", "/v2/health/live", "/v2/no/such/route", "/status"])
+@pytest.mark.parametrize("path", ["/", "/favicon.ico", "/v2/health/live", "/v2/no/such/route", "/status"])
 def test_every_answer_forbids_framing_and_sniffing(door, path):
     status, headers, _ = _get(door.http_port, path, "Host: localhost\r\n")
     assert status in (200, 401, 403, 404), (path, status)
     assert _safe(headers), (path, headers)
+
+
+def test_the_browser_s_icon_is_answered_not_a_404(door):
+    status, headers, body = _get(door.http_port, "/favicon.ico", "Host: localhost\r\n")
+    lower = {k.lower(): v for k, v in headers.items()}
+    assert status == 200 and lower["content-type"] == "image/svg+xml" and body.startswith(b"<svg")

@@ -13,7 +13,9 @@ from . import openai_images as oa
 
 SUMMARIES = {
     "/": "The playground: a prompt in, a picture out, in the browser",
-    "/status": "Per model: ready, in flight, queued, recent latency, errors, restarts (HTML, or JSON when asked)",
+    "/favicon.ico": "The playground's icon (SVG)",
+    "/status": "Per model: ready, in flight, queued, recent latency, errors apart from refusals, restarts; per "
+               "client, its share (HTML, or JSON when asked)",
     "/openapi.json": "The OpenAPI 3.1 document of these routes",
     "/v2/models/stats": "Every model's statistics",
     "/metrics": "The door's own counters (Prometheus text); the models' are on Triton's metrics port",

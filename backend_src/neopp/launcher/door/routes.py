@@ -25,6 +25,8 @@ from .responses import json_response
 from .status import render_html
 
 PLAYGROUND = (resources.files(__package__) / "playground.html").read_bytes()  # the page at /, no build step
+FAVICON = (b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16" height="16" rx="3" '
+           b'fill="#1d3557"/><circle cx="6" cy="8" r="3.5" fill="#e63946"/></svg>')  # the demo's red circle on blue
 MODEL = "/v2/models/{model}"
 VERSIONED = "/v2/models/{model}/versions/{version}"
 Endpoint = Callable[[Request], Awaitable[Response]]
@@ -98,6 +100,10 @@ def build_app(door: Door) -> Starlette:
     async def playground(request: Request) -> Response:
         return Response(PLAYGROUND, media_type="text/html; charset=utf-8")
 
+    async def favicon(request: Request) -> Response:
+        """The icon every browser asks for beside the playground: the page's own, not a 404."""
+        return Response(FAVICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
+
     async def status(request: Request) -> Response:
         doc = await door.status.look(door.metrics.restart_count())
         wants_json = "application/json" in request.headers.get("accept", "") or \
@@ -140,7 +146,7 @@ def build_app(door: Door) -> Starlette:
         Route("/v2/trace/setting", control(lambda r: "/v2/trace/setting", False, True), methods=["GET"]),
         Route("/v2/logging", control(lambda r: "/v2/logging", True, True), methods=["POST"]),
         Route("/v2/logging", control(lambda r: "/v2/logging", False, True), methods=["GET"]),
-        Route("/", playground, methods=["GET"]),
+        Route("/", playground, methods=["GET"]), Route("/favicon.ico", favicon, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/status", guarded(status), methods=["GET"]), Route("/openapi.json", api_document, methods=["GET"]),
         Route("/v1/images/generations", Slotted(door, guarded(generations)), methods=["POST"]),
