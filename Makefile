@@ -197,8 +197,9 @@ soak: setup
 # large JSON, planted "not healthy" texts, a session flood, a SIGKILLed stub); about 5 minutes plus twice
 # ATTACK_SECONDS. Prints the figures and PASS/FAIL per goal, writes them to build/attack_soak.json.
 ATTACK_SECONDS ?= 120
+SERVER_NICE ?= 0
 soak-attack: setup
-	$(PY) -m testing.attack_soak --seconds $(ATTACK_SECONDS) --json build/attack_soak.json
+	$(PY) -m testing.attack_soak --seconds $(ATTACK_SECONDS) --server-nice $(SERVER_NICE) --json build/attack_soak.json
 
 # ---- Replays of saved KV (docs/replay.md), no venv to activate. CASE: a case of `make replay-list`,
 # either a replay case (scripts/replay) or a LightX2V launcher name (scripts/lightx2v, `.sh` optional);

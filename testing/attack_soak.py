@@ -249,10 +249,11 @@ def run(ns: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     key_file = tmp / "admin.key"
     env = {"NEOPP_CHECKPOINT": str(DEMO), "NEOPP_CHECKPOINT_NEOPP_PROMPT_ENCODER": str(DEMO),
            "NEOPP_ALLOW_UNTRAINED_SIZES": "true"}  # small sizes keep the soak quick; the demo draws 128-320
-    launcher = launch(tmp / "launcher.log", env, MODELS, max_restarts=5, launcher_args=["--admin-key-file",
-                                                                                        str(key_file)])
+    launcher = launch(tmp / "launcher.log", env, MODELS, max_restarts=5,
+                      launcher_args=["--admin-key-file", str(key_file), "--server-nice", str(ns.server_nice)])
     burners = Burners() if ns.burn else None
-    report: dict[str, Any] = {"cores": os.cpu_count(), "burners": len(burners.procs) if burners else 0}
+    report: dict[str, Any] = {"cores": os.cpu_count(), "burners": len(burners.procs) if burners else 0,
+                              "server_nice": ns.server_nice}
     try:
         launcher.wait_for("NeoPP Triton server ready", timeout=900)
         small_session_table(launcher, key_file.read_text().strip())
@@ -304,6 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--calibrate", type=float, default=30.0, help="seconds of the closed-loop calibration")
     parser.add_argument("--no-burn", dest="burn", action="store_false", help="leave the cores to the server")
     parser.add_argument("--json", type=Path, help="also write the report here")
+    parser.add_argument("--server-nice", type=int, default=0, help="the launcher's --server-nice (default 0)")
     ns = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="neopp-attack-soak-") as tmp:
         try:

@@ -103,7 +103,7 @@ class Supervisor:
                             metrics_port=ns.metrics_port, host=ns.host, http_address=self.inner_http,
                             backend_dir=ns.backend_dir, extra_args=[*KEEP_GOING_ARGS, *self.extra], admin_key=self.key,
                             shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES), env=without_keys(os.environ),
-                            api_key=self.api_key)
+                            api_key=self.api_key, nice=ns.server_nice)
 
     def _start_server(self) -> None:
         self.health.server_down("tritonserver is starting")
@@ -357,6 +357,9 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--client-inference", type=int, default=DoorLimits.client_inference,
                    help="generations one client (address) may have running or queued over HTTP; past it 429 with "
                         "Retry-After (0: no limit)")
+    s.add_argument("--server-nice", type=int, default=0, choices=range(0, 20), metavar="0..19",
+                   help="run tritonserver and its stubs this much nicer than the launcher, so that the door "
+                        "answers health checks first when the CPUs are busy (default 0)")
     s.add_argument("--api-key-file", default=str(Path("build") / "api.key"),
                    help=f"the inference API key, created 0600 if missing, used when --host is beyond loopback "
                         f"(${API_KEY_ENV} wins, and applies on loopback too)")

@@ -74,7 +74,7 @@ class TritonServer:
                  env: dict[str, str] | None = None, log_path: Path | str | None = None,
                  admin_key: str | None = None, front_key: str | None = None,
                  http_address: str | None = None, shm_sizes: tuple[int, int] | None = None,
-                 malloc_env: dict[str, str] | None = None, api_key: str | None = None) -> None:
+                 malloc_env: dict[str, str] | None = None, api_key: str | None = None, nice: int = 0) -> None:
         """Ports left as None are picked free; ``env`` is the base environment (default: ours).
 
         ``admin_key`` restricts the administrative APIs (neopp.launcher.admin); ``front_key`` makes
@@ -84,7 +84,8 @@ class TritonServer:
         neopp.launcher.inner_http). ``shm_sizes`` (first size,
         growth step) sizes the Python backend's regions; each server gets its own region prefix.
         ``malloc_env`` replaces MALLOC_ENV (``{}``: glibc's defaults, to compare). ``api_key`` (with
-        ``admin_key``): gRPC inference needs it (neopp.launcher.admin).
+        ``admin_key``): gRPC inference needs it (neopp.launcher.admin). ``nice``: the server's (and
+        so its stubs') niceness above ours, so that the launcher's door answers first on a busy CPU.
         """
         self.model_repository = Path(model_repository).resolve()
         self._given = (env, malloc_env)
@@ -105,6 +106,7 @@ class TritonServer:
         self.shm_sizes = shm_sizes
         self.removed_regions: list[str] = []
         self.gpu_host = nvidia_driver_present()  # else: CPU-only options, and the log relabels one line
+        self.nice = nice
         self.process: subprocess.Popen | None = None
         self._log_file: IO[bytes] | None = None
         self._relay: LogRelay | None = None
@@ -116,7 +118,7 @@ class TritonServer:
         env, malloc_env = self._given
         return TritonServer(self.model_repository, self.http_port, self.grpc_port, self.metrics_port, self.host,
                             self.backend_dir, self.extra_args, env, self.log_path, self.admin_key, self.front_key,
-                            self.http_address, self.shm_sizes, malloc_env, self.api_key)
+                            self.http_address, self.shm_sizes, malloc_env, self.api_key, self.nice)
 
     @property
     def client_host(self) -> str:
@@ -215,9 +217,12 @@ class TritonServer:
         return HiddenKeys(library)
 
     def _child_setup(self) -> None:
-        """In the child before exec: SIGTERM with the launching thread, regions that stay 0600."""
+        """In the child before exec: SIGTERM with the launching thread, regions that stay 0600, and
+        its niceness (its stubs and ranks inherit it)."""
         _terminate_with_parent()
         self._private_regions()
+        if self.nice > 0:
+            os.nice(self.nice)
 
     def is_ready(self) -> bool:
         """True when GET /v2/health/ready answers 200."""
