@@ -6,6 +6,7 @@ path against the real server in tests/e2e/test_client_fairness_e2e.py."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 import pytest
 from tritonclient.grpc import service_pb2 as pb
@@ -105,3 +106,35 @@ def test_a_client_s_kth_generation_in_flight_gets_priority_k_up_to_the_levels():
     assert load.take("a") == 1
     turn = Turn("door-x", 2)
     assert [turn.nth(i).priority for i in range(4)] == [2, 3, 4, 4]  # an images request's n images
+
+
+def test_the_call_gate_lets_a_client_run_only_its_share_of_calls_at_once():
+    import asyncio
+
+    from neopp.launcher.door.client_load import CallGate
+
+    async def scenario() -> tuple[int, list[str], dict]:
+        gate, running, peak, order = CallGate(2), Counter(), Counter(), []
+
+        async def call(client: str, name: str, hold: asyncio.Event) -> None:
+            async with gate.slot(client):
+                running[client] += 1
+                peak[client] = max(peak[client], running[client])
+                order.append(name)
+                await hold.wait()
+                running[client] -= 1
+
+        hold_a, hold_b = asyncio.Event(), asyncio.Event()
+        tasks = [asyncio.ensure_future(call("a", f"a{i}", hold_a)) for i in range(5)]
+        await asyncio.sleep(0.01)
+        tasks.append(asyncio.ensure_future(call("b", "b0", hold_b)))
+        await asyncio.sleep(0.01)
+        started_before_release = list(order)
+        hold_a.set()
+        hold_b.set()
+        await asyncio.gather(*tasks)
+        return peak["a"], started_before_release, dict(gate._lines)
+
+    peak, started, left = asyncio.run(scenario())
+    assert peak == 2 and started == ["a0", "a1", "b0"]  # b is not behind a's line
+    assert left == {}  # a client with no call left holds nothing

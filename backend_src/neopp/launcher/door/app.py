@@ -29,7 +29,7 @@ from ..shm_regions import PREFIX_HEAD
 from . import auth, generate, kserve_infer, parse_jobs, strict_json
 from .auth import ClientRegions
 from .body import BodyReader, ByteBudget, drainer
-from .client_load import ClientLoad, Turn
+from .client_load import ClientLoad, Turn, client_of
 from .door_error import DoorError, invalid
 from .door_metrics import DoorMetrics
 from .health_poll import HealthCache
@@ -71,10 +71,6 @@ def checked(request: Request, key: str, pattern: re.Pattern[str] = NAME) -> str:
     if not pattern.match(value):
         raise invalid(f"'{value[:64]}' is not a valid {key} name")
     return value
-
-
-def client_of(request: Request) -> str:
-    return request.client.host if request.client else ""
 
 
 def _compress(request: Request, body: bytes, headers: dict[str, str]) -> bytes:

@@ -10,17 +10,28 @@ lane cannot be guessed from the label.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import secrets
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...client_lanes import PRIORITY_LEVELS
 from .door_error import DoorError
 
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
 RETRY_AFTER_S = 1  # a 320x320 demo image takes about a second; a real one longer
 SHOWN = 10  # clients /status lists, the busiest first
+
+
+def client_of(request: Request) -> str:
+    """The client a request counts for: the address the door sees."""
+    return request.client.host if request.client else ""
 
 
 @dataclass(frozen=True)
@@ -80,3 +91,26 @@ class ClientLoad:
 
     def _mac(self, purpose: str, client: str) -> str:
         return hmac.new(self._secret, f"{purpose}\0{client}".encode(), hashlib.sha256).hexdigest()
+
+
+class CallGate:
+    """At most ``per_client`` calls of one client at a time to a model whose instances each block
+    for a whole generation (``neopp_t2i``, four instances): a priority orders that model's queue
+    but cannot free an instance, so one client's burst could otherwise hold all of them while
+    others wait. A client's other calls wait here, in its own line (the door's event loop only)."""
+
+    def __init__(self, per_client: int) -> None:
+        self.per_client = per_client
+        self._lines: dict[str, tuple[asyncio.Semaphore, list[int]]] = {}  # client -> (slots, [users])
+
+    @asynccontextmanager
+    async def slot(self, client: str) -> AsyncIterator[None]:
+        slots, users = self._lines.setdefault(client, (asyncio.Semaphore(self.per_client), [0]))
+        users[0] += 1
+        try:
+            async with slots:
+                yield
+        finally:
+            users[0] -= 1
+            if users[0] == 0:
+                del self._lines[client]

@@ -42,6 +42,7 @@ class DoorLimits:
     max_client_connections: int = 512  # open connections of one client address
     max_inference: int = 768  # inference requests in flight; health and metrics are not counted
     client_inference: int = 32  # generations one client may have running or queued; 0: no limit
+    client_prompt_calls: int = 2  # of them, neopp_t2i calls (each holds one of its instances) running at once
     region_min_bytes: int = MiB  # binary parts this large go through the tensor region; 0: never
     openai_body: int = 64 * KiB  # a /v1 body: a prompt and a few options
     control_body: int = 4 * MiB  # a control route's body (a config override, a model file)

@@ -30,7 +30,7 @@ from ...adapter_names import Listing, list_adapters
 from . import auth, model_facts, parse_jobs, strict_json
 from . import openai_images as oa
 from .body import BodyReader
-from .client_load import Turn
+from .client_load import CallGate, Turn, client_of
 from .door_error import DoorError
 from .door_metrics import DoorMetrics
 from .model_facts import ModelFacts
@@ -70,8 +70,9 @@ class ImagesDoor(Protocol):
 class ImagesRoutes:
     """``POST /v1/images/generations`` and ``GET /v1/models`` for one door."""
 
-    def __init__(self, door: ImagesDoor) -> None:
+    def __init__(self, door: ImagesDoor, prompt_calls_per_client: int = 2) -> None:
         self.door = door
+        self.gate = CallGate(prompt_calls_per_client)
         self.facts = ModelFacts(door.upstream, door.admin_key, door.metrics_address)
 
     async def answer(self, request: Request, handler) -> Response:
@@ -102,27 +103,35 @@ class ImagesRoutes:
             return await self._streamed(request, req)
         if stream:
             return await self._completed_events(request, req)
-        turn = self.door.turn(request)
-        images = await self.door.until_disconnect(request, asyncio.ensure_future(self._all(req, turn)))
+        images = await self.door.until_disconnect(request, asyncio.ensure_future(self._all(request, req)))
         doc = {"created": int(time.time()), "data": [{"b64_json": _b64(image)} for image in images],
                "output_format": req.output_format, "size": req.size_text, "seed": req.seed}
         return Response(strict_json.dumps(doc), media_type="application/json")
 
-    def _calls(self, req: oa.ImagesRequest, turn: Turn) -> list[Any]:
-        """The ``n`` images' calls, all sent at once: each is a row of the model's running batch."""
-        return [self.door.upstream.infer(oa.prompt_model_request(req, index), turn.nth(index))
-                for index in range(req.n)]
+    def _images(self, request: Request, req: oa.ImagesRequest) -> list[asyncio.Task]:
+        """The ``n`` images, each a call of the prompt model (a row of the model's running batch);
+        at most the gate's share of the client's calls run at once."""
+        turn, client = self.door.turn(request), client_of(request)
+        return [asyncio.ensure_future(self._image(req, index, turn.nth(index), client)) for index in range(req.n)]
 
-    async def _all(self, req: oa.ImagesRequest, turn: Turn) -> list[bytes]:
-        calls = self._calls(req, turn)
+    async def _image(self, req: oa.ImagesRequest, index: int, turn: Turn, client: str) -> bytes:
+        async with self.gate.slot(client):
+            call = self.door.upstream.infer(oa.prompt_model_request(req, index), turn)
+            try:
+                return oa.image_bytes(await call)
+            finally:
+                call.cancel()  # a no-op once answered; stops the drawing when this image is given up
+
+    async def _all(self, request: Request, req: oa.ImagesRequest) -> list[bytes]:
+        images = self._images(request, req)
         try:
-            return [oa.image_bytes(response) for response in await asyncio.gather(*calls)]
+            return list(await asyncio.gather(*images))
         finally:
-            for call in calls:  # after one failed (or the client left), the others are not drawn
-                call.cancel()
+            for image in images:  # after one failed (or the client left), the others are not drawn
+                image.cancel()
 
     async def _completed_events(self, request: Request, req: oa.ImagesRequest) -> Response:
-        images = [asyncio.ensure_future(self._image(call)) for call in self._calls(req, self.door.turn(request))]
+        images = self._images(request, req)
         try:
             first = await self.door.until_disconnect(request, images[0])  # a refusal is an error answer
         except BaseException:
@@ -130,10 +139,6 @@ class ImagesRoutes:
                 image.cancel()
             raise
         return StreamingResponse(self._events(request, req, first, images), media_type="text/event-stream")
-
-    @staticmethod
-    async def _image(call: Any) -> bytes:
-        return oa.image_bytes(await call)
 
     async def _events(self, request: Request, req: oa.ImagesRequest, first: bytes,
                       images: list[asyncio.Future]) -> AsyncIterator[bytes]:

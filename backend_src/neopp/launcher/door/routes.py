@@ -55,7 +55,7 @@ def _model_path(request: Request, suffix: str = "") -> str:
 
 def build_app(door: Door) -> Starlette:
     """The routes of ``door`` (its API key guards inference, its operator key the administration)."""
-    images = ImagesRoutes(door)
+    images = ImagesRoutes(door, door.limits.client_prompt_calls)
 
     def guarded(endpoint: Endpoint) -> Endpoint:
         async def run(request: Request) -> Response:
