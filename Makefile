@@ -194,8 +194,9 @@ soak: setup
 
 # ---- Under attack (docs/reliability.md): legitimate mixed traffic at twice what the server completes, a CPU
 # burner per core, ATTACK_SECONDS alone and ATTACK_SECONDS under attack (idle connections, trickled uploads,
-# large JSON, planted "not healthy" texts, a session flood, a SIGKILLed stub); about 5 minutes plus twice
-# ATTACK_SECONDS. Prints the figures and PASS/FAIL per goal, writes them to build/attack_soak.json.
+# large JSON, planted "not healthy" texts, a session flood, another client's /v1 flood, a SIGKILLed stub); about
+# 5 minutes plus twice ATTACK_SECONDS. Prints the figures and PASS/FAIL per goal, writes them to
+# build/attack_soak.json. SERVER_NICE: the launcher's --server-nice.
 ATTACK_SECONDS ?= 120
 SERVER_NICE ?= 0
 soak-attack: setup
