@@ -196,6 +196,19 @@ def test_a_request_that_ran_while_the_server_recovered_is_told_so():
     assert health.not_ready(since=sent) == "it was recovering while this request ran"
 
 
+class ReloadingRepository:
+    """The model-repository API of a server whose one Python model reloads fine."""
+
+    def get_model_repository_index(self, **_):
+        return {"models": [{"name": "m", "state": "READY"}]}
+
+    def get_model_config(self, model, **_):
+        return {"config": {"name": model, "backend": "python"}}
+
+    def load_model(self, model, **_):
+        pass
+
+
 def test_stubs_of_replaced_instances_still_running_after_a_reload_are_ended():
     """Stubs that ran before a reload and still run ``leftover_s`` after it are ended (by pid and
     start time); one that left by itself, and any process started since, are not touched."""
@@ -205,22 +218,12 @@ def test_stubs_of_replaced_instances_still_running_after_a_reload_are_ended():
     from neopp.launcher.watchdog import StubWatchdog
     from neopp.procs import start_ticks
 
-    class Server:  # a repository whose one model reloads fine
-        def get_model_repository_index(self, **_):
-            return {"models": [{"name": "m", "state": "READY"}]}
-
-        def get_model_config(self, model, **_):
-            return {"config": {"name": model, "backend": "python"}}
-
-        def load_model(self, model, **_):
-            pass
-
     leftover = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()
     try:
         now, notes = [0.0], []
-        dog = StubWatchdog(Server(), leftover.pid, log=notes.append, clock=lambda: now[0], leftover_s=15.0)
+        dog = StubWatchdog(ReloadingRepository(), leftover.pid, log=notes.append, clock=lambda: now[0], leftover_s=15.0)
         dog._leftovers.append((15.0, "m", [(leftover.pid, start_ticks(leftover.pid)), (gone.pid, 1)]))
         now[0] = 14.0
         dog._end_leftovers(now[0])
@@ -240,17 +243,7 @@ def test_a_reload_remembers_the_model_s_stubs_from_before_it():
 
     from neopp.launcher.watchdog import StubWatchdog
 
-    class Server:
-        def get_model_repository_index(self, **_):
-            return {"models": [{"name": "m", "state": "READY"}]}
-
-        def get_model_config(self, model, **_):
-            return {"config": {"name": model, "backend": "python"}}
-
-        def load_model(self, model, **_):
-            pass
-
     now = [0.0]
-    dog = StubWatchdog(Server(), os.getpid(), log=lambda _: None, clock=lambda: now[0], leftover_s=15.0)
+    dog = StubWatchdog(ReloadingRepository(), os.getpid(), log=lambda _: None, clock=lambda: now[0], leftover_s=15.0)
     dog._reload("m", ["m_0_0"])
     assert dog._leftovers == [(15.0, "m", [])]  # no stub of m below this process
