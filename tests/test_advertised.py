@@ -27,13 +27,17 @@ from testing.tiny_checkpoint import tiny_config
 DEMO = REPO / "demo" / "checkpoints"
 
 
-def test_a_range_allows_both_sides_within_it_in_whole_tokens_and_offers_its_squares() -> None:
+def test_a_range_allows_both_sides_within_it_in_whole_tokens_and_offers_every_size_it_allows() -> None:
     sizes = TrainedSizes.from_raw({"image_size_range": [128, 320]}, "config.json")
     assert sizes.allows(128, 320) and sizes.allows(256, 256) and sizes.allows(192, 128)
     assert not sizes.allows(512, 512) and not sizes.allows(96, 128) and not sizes.allows(128, 336)
     assert not sizes.allows(144, 144)  # in range, but not whole 32-pixel tokens
-    assert sizes.listed() == [(s, s) for s in (128, 160, 192, 224, 256, 288, 320)]
+    sides = (128, 160, 192, 224, 256, 288, 320)
+    assert sizes.listed() == [(h, w) for h in sides for w in sides]  # 49: non-square ones too
+    assert all(sizes.allows(*size) for size in sizes.listed())
     assert sizes.describe() == "sides of 128 to 320 pixels, multiples of 32"
+    wide = TrainedSizes.from_raw({"image_size_range": [256, 2048]}, "config.json")
+    assert wide.listed() == [(s, s) for s in range(256, 2049, 32)]  # 57 sides: 3249 sizes, so its squares
 
 
 def test_a_mode_file_narrows_the_checkpoint_s_sizes_and_never_widens_them() -> None:
@@ -90,7 +94,9 @@ def test_an_untrained_size_is_refused_naming_the_range_unless_the_operator_allow
 
 def test_the_advertised_object_holds_the_sizes_the_default_and_the_one_step_limit() -> None:
     doc = _capabilities(max_steps=120).advertised()
-    assert doc["sizes"] == ["128x128", "160x160", "192x192", "224x224", "256x256", "288x288", "320x320"]
+    assert doc["sizes"][:8] == ["128x128", "160x128", "192x128", "224x128", "256x128", "288x128", "320x128",
+                                "128x160"]  # WxH, every height with every width
+    assert len(doc["sizes"]) == 49 and "256x256" in doc["sizes"] and "128x320" in doc["sizes"]
     assert doc["default_size"] == "256x256" and doc["default_steps"] == 30
     assert doc["steps"] == {"min": 1, "max": 120} and doc["untrained_sizes"] is False
     assert doc["size_range"] == {"min": 128, "max": 320, "multiple": 32}

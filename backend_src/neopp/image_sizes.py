@@ -23,6 +23,9 @@ def _side(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and 0 < value <= 1 << 16
 
 
+MAX_OFFERED = 64  # sizes a range offers one by one; past it, its squares
+
+
 @dataclass(frozen=True)
 class TrainedSizes:
     """Sizes in ``sizes`` (when listed) and with both sides in ``side_range`` (when given)."""
@@ -75,14 +78,18 @@ class TrainedSizes:
         return TrainedSizes(sizes, bounds, self.multiple)
 
     def listed(self) -> list[Size]:
-        """The sizes to offer: the listed ones in range, else the range's square sizes."""
+        """The sizes to offer: the listed ones in range, else every size of the range (non-square
+        ones too) while they are at most MAX_OFFERED, else its square sizes."""
         if self.sizes:
             return [s for s in self.sizes if self.allows(*s)]
         if self.side_range is None:
             return []
         low, high = self.side_range
         first = -(-low // self.multiple) * self.multiple
-        return [(side, side) for side in range(first, high + 1, self.multiple)]
+        sides = list(range(first, high + 1, self.multiple))
+        if len(sides) ** 2 <= MAX_OFFERED:
+            return [(h, w) for h in sides for w in sides]
+        return [(side, side) for side in sides]
 
     def describe(self) -> str:
         """The rule in words, for a refusal: the range and/or the listed sizes."""

@@ -30,7 +30,8 @@ DEMO = REPO / "demo" / "checkpoints" / "dense"
 MODELS = ("neopp_dense", "neopp_dense_stream", "neopp_prompt_encoder", "neopp_t2i", "neopp_session")
 KEY = "advertised-operator-key-0123456789"
 PROMPT = "a red circle on the left on a blue background"
-TRAINED = ["128x128", "160x160", "192x192", "224x224", "256x256", "288x288", "320x320"]
+SIDES = (128, 160, 192, 224, 256, 288, 320)
+TRAINED = [f"{w}x{h}" for h in SIDES for w in SIDES]  # every size of the range, non-square ones too
 
 
 @pytest.fixture(scope="module")
