@@ -56,6 +56,30 @@ def test_the_request_carries_what_was_asked_and_nothing_unset():
                                                         "stream": True}
 
 
+def test_lora_and_cache_take_a_name_and_an_optional_number():
+    ns = cli.parser().parse_args(["generate", "p", "--lora", "neopp_8steps_lora:0.5", "--cache", "taylorseer"])
+    ask = Ask("p", Path("x.png"), lora=ns.lora, cache=ns.cache)
+    assert ask.body(False) == {"prompt": "p", "n": 1, "output_format": "png", "stream": True,
+                               "lora": "neopp_8steps_lora", "lora_scale": 0.5, "cache": "taylorseer"}
+    ns = cli.parser().parse_args(["generate", "p", "--lora", "x", "--cache", "taylorseer:0.2"])
+    assert (ns.lora, ns.cache) == (("x", None), ("taylorseer", 0.2))
+
+
+@pytest.mark.parametrize("flag, text", [("--lora", ":1"), ("--lora", "x:"), ("--lora", "x:big"), ("--cache", "t:1:2")])
+def test_a_bad_lora_or_cache_is_a_one_line_usage_error(capsys, flag, text):
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["generate", "p", flag, text])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "Traceback" not in err and f"argument {flag}:" in err.splitlines()[-1]
+
+
+def test_a_model_line_names_its_adapters():
+    from neopp.cli.info import model_line
+
+    line = model_line({"id": "neopp_dense", "neopp": {"loras": ["a", "b"], "loras_total": 5}})
+    assert line == "neopp_dense  loras a,b (of 5)"
+
+
 def test_file_names_follow_o_and_number_several_pictures():
     assert paths(Path("out.png"), 1) == [Path("out.png")]
     assert paths(Path("d/out.webp"), 3) == [Path("d/out-1.webp"), Path("d/out-2.webp"), Path("d/out-3.webp")]

@@ -37,6 +37,8 @@ class Ask:
     guidance: float | None = None
     negative_prompt: str | None = None
     n: int = 1
+    lora: tuple[str, float | None] | None = None  # an adapter's name and its scale
+    cache: tuple[str, float | None] | None = None  # a step-cache method and its threshold
 
     def body(self, previews: bool) -> dict[str, Any]:
         """The streamed generations request (OpenAI's parameters plus NeoPP's ``seed``, steps,
@@ -45,6 +47,10 @@ class Ask:
                                "stream": True}
         optional = {"model": self.model, "size": self.size, "num_inference_steps": self.steps, "seed": self.seed,
                     "guidance_scale": self.guidance, "negative_prompt": self.negative_prompt}
+        if self.lora is not None:
+            optional.update(lora=self.lora[0], lora_scale=self.lora[1])
+        if self.cache is not None:
+            optional.update(cache=self.cache[0], cache_threshold=self.cache[1])
         doc.update({k: v for k, v in optional.items() if v is not None})
         if previews:
             doc.update(partial_images=1, progress=True)
@@ -64,6 +70,20 @@ def check_size(text: str) -> str:
     if text != "auto" and not SIZE.match(text):  # argparse's own error: one usage line, exit 2
         raise argparse.ArgumentTypeError(f"must be WIDTHxHEIGHT (e.g. 256x256) or auto, got {text!r}")
     return text
+
+
+def named_number(flag: str, number: str) -> Any:
+    """The type of ``--flag NAME[:NUMBER]``: (name, number or None); the server checks the name."""
+    def parse(text: str) -> tuple[str, float | None]:
+        name, colon, value = text.partition(":")
+        if not name or (colon and not value):
+            raise argparse.ArgumentTypeError(f"must be NAME or NAME:{number}, got {text!r}")
+        try:
+            return name, float(value) if colon else None
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{number} must be a number, got {value!r}") from None
+    parse.__name__ = flag  # argparse names the type in its messages
+    return parse
 
 
 def paths(out: Path, n: int) -> list[Path]:

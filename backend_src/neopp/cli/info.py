@@ -51,6 +51,11 @@ def model_line(entry: dict[str, Any]) -> str:
         parts.append(f"default steps {ext['default_steps']}")
     if ext.get("untrained_sizes"):
         parts.append("untrained sizes allowed")
+    loras = ext.get("loras")
+    if isinstance(loras, list) and loras:
+        total = ext.get("loras_total")
+        more = f" (of {total})" if isinstance(total, int) and total > len(loras) else ""
+        parts.append("loras " + ",".join(str(n) for n in loras) + more)
     return f"{name}  " + "; ".join(parts) if parts else f"{name}  (the neopp extension is empty)"
 
 

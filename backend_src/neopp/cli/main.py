@@ -9,7 +9,7 @@ from pathlib import Path
 
 from . import info
 from .client import DEFAULT_URL, CliError, Server
-from .generate import Ask, Bar, check_size, generate
+from .generate import Ask, Bar, check_size, generate, named_number
 
 EPILOG = (f"The server is --url, else NEOPP_URL, else {DEFAULT_URL} (what `make serve` prints; "
           "`make serve HTTP_PORT=9000` is http://127.0.0.1:9000). An API key is read from NEOPP_API_KEY.")
@@ -32,6 +32,10 @@ def parser() -> argparse.ArgumentParser:
     gen.add_argument("--negative-prompt", help="what the picture should not show")
     gen.add_argument("--model", help="the generation model (neopp models lists them; default neopp_dense)")
     gen.add_argument("-n", type=int, default=1, help="how many pictures (seeds seed, seed+1, ...)")
+    gen.add_argument("--lora", type=named_number("lora", "SCALE"), metavar="NAME[:SCALE]",
+                     help="an adapter the model offers (neopp models lists them), at SCALE (default its own)")
+    gen.add_argument("--cache", type=named_number("cache", "THRESHOLD"), metavar="METHOD[:THRESHOLD]",
+                     help="the step cache, e.g. taylorseer (default: none)")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     for name, what in (("models", "the models that draw, their sizes and step limits"),
                        ("status", "per model: ready, in flight, queued, latency, errors, restarts")):
@@ -46,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server = Server.from_url(ns.url, ns.timeout)
         if ns.command == "generate":
-            ask = Ask(ns.prompt, ns.out, ns.model, ns.size, ns.steps, ns.seed, ns.guidance, ns.negative_prompt, ns.n)
+            ask = Ask(ns.prompt, ns.out, ns.model, ns.size, ns.steps, ns.seed, ns.guidance, ns.negative_prompt, ns.n,
+                      ns.lora, ns.cache)
             generate(server, ask, Bar(None if ns.quiet else sys.stderr))
             return 0
         return getattr(info, ns.command)(server, as_json=ns.json)
