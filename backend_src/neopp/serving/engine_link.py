@@ -83,7 +83,7 @@ class EngineLink:
                 with self._send_lock:
                     send_message(sock, header, packed.blobs, packed.fds)
             except OSError as exc:
-                self._lost(sock, f"the engine of {self.owner} went away: {exc}")
+                self._lost(sock, f"the engine of {self.owner} went away ({exc}); retry the request")
             return job
         finally:
             packed.close()
