@@ -21,6 +21,7 @@ import select
 import socket
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,7 @@ from typing import Any
 from neopp.ports import LOOPBACK
 
 
-class Attack:
+class Attack(ABC):
     """Threads that run ``_run`` until stopped; ``counts`` says what happened (thread-safe)."""
 
     name = "attack"
@@ -82,11 +83,11 @@ class Attack:
         except Exception as exc:  # noqa: BLE001 - an attack that fails is reported, not raised
             self.count(f"crashed: {type(exc).__name__}")
 
+    @abstractmethod
     def _run(self, index: int) -> None:
         """What each of the attack's ``threads`` does until stopped: every attack defines it."""
-        raise NotImplementedError
 
-    def _close(self) -> None:
+    def _close(self) -> None:  # noqa: B027 - optional: only attacks that hold connections release them
         """Release what the threads left open (after they stopped)."""
 
 

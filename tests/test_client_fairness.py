@@ -11,19 +11,27 @@ from collections import Counter
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from neopp.client_lanes import PARAMETER, LaneError, lane_of, passed_on
+from neopp.client_lanes import PARAMETER, LaneError, lane_of
 from neopp.errors import InputError
 from neopp.launcher.door.client_load import ClientLoad, Turn
 from neopp.launcher.door.door_error import DoorError
 from neopp.launcher.door.upstream import in_turn
 from neopp.launcher.door.wire import WireRequest
-from neopp.serving.lanes import request_lane
+from neopp.serving.lanes import forwarded_lane, request_lane
 
 
 @pytest.mark.parametrize("value", ["a", "door-0123abcd", "tenant_7:user.3", "x" * 64])
 def test_a_lane_that_keeps_the_rule_is_taken(value):
     assert lane_of({PARAMETER: value}) == value
     assert passed_on(json.dumps({PARAMETER: value, "priority": 3})) == {PARAMETER: value}
+
+
+def passed_on(parameters: str | None) -> dict[str, str]:
+    """What a BLS model passes on for a request whose parameters Triton wrote as ``parameters``."""
+    class Request:
+        def parameters(self) -> str | None:
+            return parameters
+    return forwarded_lane(Request())
 
 
 @pytest.mark.parametrize("value", ["", "-a", "x" * 65, "a b", "é", 7, None, ["a"]])

@@ -10,7 +10,6 @@ not. Standard library only: the door's process and the models' stubs both read t
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -21,7 +20,6 @@ PARAMETER = "neopp_client"  # the request parameter that carries the lane
 # so a client's first request passes every other client's backlog there too. Requests that set none
 # (a gRPC client, a BLS model's calls) wait at the default level, 2.
 PRIORITY_LEVELS = 4
-DEFAULT_PRIORITY = 2
 MAX_CHARS = 64
 RULE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.:-]{{0,{MAX_CHARS - 1}}}")
 UNNAMED = ""  # the lane of requests that name none
@@ -41,10 +39,3 @@ def lane_of(parameters: Mapping[str, Any] | None) -> str:
                         "starting with a letter or digit")
     return value
 
-
-def passed_on(parameters: str | None) -> dict[str, str]:
-    """The lane of a request whose parameters are ``parameters`` (Triton's JSON of them), as the
-    parameters of a request a BLS model makes for it: the lane follows the request."""
-    params = json.loads(parameters) if parameters else {}
-    lane = lane_of(params if isinstance(params, dict) else None)
-    return {PARAMETER: lane} if lane else {}

@@ -14,7 +14,6 @@ UNAVAILABLE while the launcher replaces the model.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
@@ -39,7 +38,7 @@ from .capabilities import Capabilities
 from .engine_connection import Connection, same_user
 from .engine_link import socket_path
 from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
-from .lanes import request_lane
+from .lanes import request_lane, request_parameters
 from .model_settings import TritonModelSettings
 from .request_log import request_summary
 from .request_parsing import REQUEST_INPUT_NAMES, ParsedRequest, check_noise, check_request_bytes, parse_request
@@ -189,13 +188,13 @@ class EngineHost:
 
     def _parse(self, kind: str, inputs: dict[str, Any], parameters: Any) -> tuple[ParsedRequest, StreamOptions]:
         limits, defaults = self.settings.limits, self.mode.sampling
-        params = json.loads(parameters) if isinstance(parameters, str) and parameters else {}  # Triton's JSON
+        params = request_parameters(parameters)
         if kind == "stream":
             refuse_input_like_parameters(params)
             parsed, options = parse_stream_request(inputs, limits, self.kv_dims, defaults)
         else:
             parsed, options = parse_request(inputs, limits, defaults), StreamOptions()
-        parsed.lane = request_lane(params if isinstance(params, dict) else None)
+        parsed.lane = request_lane(params)
         if parsed.lora is not None:  # what the adapter recommends, for what the request left unset
             parsed.sampling_values = adapter_sampling(self.adapters, parsed.lora, defaults, parsed.sampling)
         return parsed, options

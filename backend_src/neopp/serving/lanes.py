@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..client_lanes import LaneError, lane_of, passed_on
+from ..client_lanes import PARAMETER, LaneError, lane_of
 from ..errors import InputError
+
+
+def request_parameters(text: Any) -> dict[str, Any]:
+    """A request's parameters from Triton's JSON of them ({} when it has none)."""
+    params = json.loads(text) if isinstance(text, str) and text else {}
+    return params if isinstance(params, dict) else {}
 
 
 def request_lane(parameters: Mapping[str, Any] | None) -> str:
@@ -18,8 +25,7 @@ def request_lane(parameters: Mapping[str, Any] | None) -> str:
 
 
 def forwarded_lane(request: Any) -> dict[str, str]:
-    """The parameters a BLS model's generation request carries for its client's ``request``: its lane."""
-    try:
-        return passed_on(request.parameters())
-    except LaneError as exc:
-        raise InputError(str(exc)) from None
+    """The parameters a BLS model's generation request carries for its client's ``request``: its
+    lane, which follows the request."""
+    lane = request_lane(request_parameters(request.parameters()))
+    return {PARAMETER: lane} if lane else {}
