@@ -16,18 +16,23 @@ from __future__ import annotations
 import logging
 import threading
 
-import torch
-
 from ..errors import EngineDown
-from ..model.checkpoint_config import CheckpointConfig
-from ..modes import ModeSpec
 from ..request import GenerationRequest
 from ..sampling.batching import StepBatcher
 from ..sampling.pipeline import NeoPPPipeline
-from ..sampling.plan import RequestRules
 from ..sampling.sampler import StepEvent
 from .adapter_loader import AdapterLoader
-from .engine import CancelledFn, EmitFn, EngineHooks, QueuedEngine, Ticket, closed_error, is_cancelled, send
+from .engine import (
+    CancelledFn,
+    EmitFn,
+    EngineHooks,
+    PipelineFacts,
+    QueuedEngine,
+    Ticket,
+    closed_error,
+    is_cancelled,
+    send,
+)
 from .fault_point import FaultPoint
 from .scheduler import Scheduler
 from .spec import DEFAULT_MAX_QUEUED, DEFAULT_TOKEN_BUDGET
@@ -36,7 +41,7 @@ from .step_loop import StepLoop
 log = logging.getLogger(__name__)
 
 
-class BatchingEngine(QueuedEngine):
+class BatchingEngine(PipelineFacts, QueuedEngine):
     """One pipeline, many requests: every running request advances one step per batched pass."""
 
     def __init__(self, pipe: NeoPPPipeline, token_budget: int = DEFAULT_TOKEN_BUDGET,
@@ -56,30 +61,7 @@ class BatchingEngine(QueuedEngine):
         self._thread = threading.Thread(target=self._run, name="neopp-batching", daemon=True)
         self._thread.start()
 
-    # ---- the Engine face -------------------------------------------------------------------
-    @property
-    def config(self) -> CheckpointConfig:
-        return self.pipe.config
-
-    @property
-    def mode(self) -> ModeSpec:
-        return self.pipe.mode
-
-    @property
-    def rules(self) -> RequestRules:
-        return self.pipe.rules
-
-    @property
-    def device(self) -> torch.device:
-        return self.pipe.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.pipe.dtype
-
-    def validate(self, req: GenerationRequest) -> None:
-        self.pipe.validate(req)
-
+    # ---- the Engine face (the pipeline's facts come from PipelineFacts) ----------------------
     @property
     def failure(self) -> str | None:
         """Why this engine can serve no more (its loop failed or its thread is gone), else None."""

@@ -28,7 +28,7 @@ from ..errors import GenerationCancelled, QueueFull, WorkerFailure
 from ..model.checkpoint_config import CheckpointConfig
 from ..modes import ModeSpec
 from ..request import GenerationRequest
-from ..sampling.pipeline import StepFn, StopFn
+from ..sampling.pipeline import NeoPPPipeline, StepFn, StopFn
 from ..sampling.plan import RequestRules
 from ..sampling.sampler import StepEvent
 from .step_loop import Entry
@@ -84,6 +84,36 @@ def submit_in_caller(generate: Callable[..., np.ndarray], req: GenerationRequest
         emit(StepEvent(0, total, error=exc))
         return
     emit(StepEvent(total, total, final=pixels, seconds=last[0]))
+
+
+class PipelineFacts:
+    """What an engine over one local pipeline answers from that pipeline: its checkpoint, mode,
+    rules, device and dtype, and the validation of a request."""
+
+    pipe: NeoPPPipeline
+
+    @property
+    def config(self) -> CheckpointConfig:
+        return self.pipe.config
+
+    @property
+    def mode(self) -> ModeSpec:
+        return self.pipe.mode
+
+    @property
+    def rules(self) -> RequestRules:
+        return self.pipe.rules
+
+    @property
+    def device(self) -> torch.device:
+        return self.pipe.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.pipe.dtype
+
+    def validate(self, req: GenerationRequest) -> None:
+        self.pipe.validate(req)
 
 
 @dataclass(eq=False)

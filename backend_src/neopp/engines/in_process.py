@@ -9,44 +9,17 @@ engines instead (``BatchingEngine``, ``RankPool``).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from ..model.checkpoint_config import CheckpointConfig
-from ..modes import ModeSpec
 from ..request import GenerationRequest
 from ..sampling.pipeline import NeoPPPipeline, StepFn, StopFn
-from ..sampling.plan import RequestRules
-from .engine import CancelledFn, EmitFn, submit_in_caller
+from .engine import CancelledFn, EmitFn, PipelineFacts, submit_in_caller
 
 
-class InProcessEngine:
+class InProcessEngine(PipelineFacts):
     """An `Engine` over one pipeline (a rank's, under torchrun, runs its collectives here too)."""
 
     def __init__(self, pipe: NeoPPPipeline) -> None:
         self.pipe = pipe
-
-    @property
-    def config(self) -> CheckpointConfig:
-        return self.pipe.config
-
-    @property
-    def mode(self) -> ModeSpec:
-        return self.pipe.mode
-
-    @property
-    def rules(self) -> RequestRules:
-        return self.pipe.rules
-
-    @property
-    def device(self) -> torch.device:
-        return self.pipe.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.pipe.dtype
-
-    def validate(self, req: GenerationRequest) -> None:
-        self.pipe.validate(req)
 
     def generate(self, req: GenerationRequest, should_stop: StopFn | None = None,
                  on_step: StepFn | None = None) -> np.ndarray:

@@ -308,6 +308,32 @@ def serve(ns: argparse.Namespace) -> int:
     return supervisor.run()
 
 
+# The door's bounds: (flag, type, default, help), each a field of DoorLimits or its budget.
+_DOOR_BOUNDS: tuple[tuple[str, type, float, str], ...] = (
+    ("--max-body-mib", float, 128.0,
+     "largest HTTP body accepted (after gzip)"),
+    ("--bodies-in-flight-mib", float, 384.0,
+     "HTTP request bodies held at once, all requests together (beyond: 503, Retry-After)"),
+    ("--client-bodies-mib", float, 128.0,
+     "of those, what one client address may hold (beyond: 503, Retry-After)"),
+    ("--min-upload-kib-s", float, 1024.0,
+     "the average rate an HTTP upload must keep up"),
+    ("--read-timeout-s", float, 10.0,
+     "how far an HTTP upload may fall behind --min-upload-kib-s before the door drops it (408)"),
+    ("--idle-timeout-s", float, 15.0,
+     "an HTTP connection's wait for a complete request head, after opening or its last answer"),
+    ("--max-connections", int, 1024,
+     "open HTTP connections; at the cap a new one replaces an idle one (none idle: 503)"),
+    ("--max-client-connections", int, 512,
+     "open HTTP connections of one client address; at the cap as --max-connections"),
+    ("--max-inference", int, 768,
+     "HTTP inference requests in flight (beyond: 503, Retry-After); health and metrics not counted"),
+    ("--client-inference", int, DoorLimits.client_inference,
+     "generations one client (address) may have running or queued over HTTP; past it 429 with "
+     "Retry-After (0: no limit)"),
+)
+
+
 def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: str,
                   backend_help: str) -> None:
     s.add_argument("--model-repository", default=default_repo)
@@ -337,26 +363,8 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--stop-timeout-s", type=float, default=None,
                    help="at a stop, how long running requests may finish before the stubs are told to stop "
                         "(also tritonserver's --exit-timeout-secs unless given); default: 10 s, killed at 30 s")
-    s.add_argument("--max-body-mib", type=float, default=128.0, help="largest HTTP body accepted (after gzip)")
-    s.add_argument("--bodies-in-flight-mib", type=float, default=384.0,
-                   help="HTTP request bodies held at once, all requests together (beyond: 503, Retry-After)")
-    s.add_argument("--client-bodies-mib", type=float, default=128.0,
-                   help="of those, what one client address may hold (beyond: 503, Retry-After)")
-    s.add_argument("--min-upload-kib-s", type=float, default=1024.0,
-                   help="the average rate an HTTP upload must keep up")
-    s.add_argument("--read-timeout-s", type=float, default=10.0,
-                   help="how far an HTTP upload may fall behind --min-upload-kib-s before the door drops it (408)")
-    s.add_argument("--idle-timeout-s", type=float, default=15.0,
-                   help="an HTTP connection's wait for a complete request head, after opening or its last answer")
-    s.add_argument("--max-connections", type=int, default=1024,
-                   help="open HTTP connections; at the cap a new one replaces an idle one (none idle: 503)")
-    s.add_argument("--max-client-connections", type=int, default=512,
-                   help="open HTTP connections of one client address; at the cap as --max-connections")
-    s.add_argument("--max-inference", type=int, default=768,
-                   help="HTTP inference requests in flight (beyond: 503, Retry-After); health and metrics not counted")
-    s.add_argument("--client-inference", type=int, default=DoorLimits.client_inference,
-                   help="generations one client (address) may have running or queued over HTTP; past it 429 with "
-                        "Retry-After (0: no limit)")
+    for flag, kind, default, text in _DOOR_BOUNDS:
+        s.add_argument(flag, type=kind, default=default, help=text)
     s.add_argument("--server-nice", type=int, default=0, choices=range(0, 20), metavar="0..19",
                    help="run tritonserver and its stubs this much nicer than the launcher, so that the door "
                         "answers health checks first when the CPUs are busy (default 0)")

@@ -43,24 +43,21 @@ _INPUT_NAMED = re.compile(r"^[A-Z][A-Z0-9_/]*: ")  # "COND_KV: ...": an input er
 _CORE_INPUT_ERRORS = ("for input '", "unexpected inference input", "expected input", "inference input")
 
 
+# the package's own errors, each with the class it is answered with
+_CLASS_OF_ERROR: tuple[tuple[type[Exception], ErrorClass], ...] = (
+    (InputError, INVALID_INPUT), (GenerationCancelled, CANCELLED), (WorkerFailure, WORKERS_DOWN),
+    (EngineDown, ENGINE_DOWN), (QueueFull, QUEUE_FULL), (ConfigError, MISCONFIGURED))
+
+
 def error_class(exc: BaseException) -> ErrorClass:
     """The class of an exception raised while serving one request (one that names its own class,
     ``error_class``, keeps it)."""
     declared = getattr(exc, "error_class", None)
     if isinstance(declared, ErrorClass):
         return declared
-    if isinstance(exc, InputError):
-        return INVALID_INPUT
-    if isinstance(exc, GenerationCancelled):
-        return CANCELLED
-    if isinstance(exc, WorkerFailure):
-        return WORKERS_DOWN
-    if isinstance(exc, EngineDown):
-        return ENGINE_DOWN
-    if isinstance(exc, QueueFull):
-        return QUEUE_FULL
-    if isinstance(exc, ConfigError):
-        return MISCONFIGURED
+    for kind, cls in _CLASS_OF_ERROR:
+        if isinstance(exc, kind):
+            return cls
     return INTERNAL
 
 
