@@ -1,7 +1,7 @@
 """Requests and event collectors shared by the streaming-engine tests.
 
 Pixels are compared byte for byte: on the CPU the layers' GEMMs run in fixed row tiles
-(`neopp.model.layers.ROW_TILE`), so a request's rows give the same float32 bytes whichever other
+(`NEOPP_ROW_TILE`, `neopp.model.kernel_choices`), so a request's rows give the same float32 bytes whichever other
 requests share the step.
 """
 

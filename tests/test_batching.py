@@ -2,7 +2,7 @@
 
 Each request's final pixels from a shared batched step must be the same bytes as its solo
 `NeoPPPipeline.generate` pixels. Batching changes only how many rows the layers' float32 GEMMs
-carry, and on the CPU those run in fixed row tiles (`neopp.model.layers.ROW_TILE`), so a row's sums
+carry, and on the CPU those run in fixed row tiles (`NEOPP_ROW_TILE`, `neopp.model.kernel_choices`), so a row's sums
 do not depend on its neighbours. A request that saw another one's tokens, a wrong t, grid or
 prefix differs by tens of levels almost everywhere (the negative control below).
 """

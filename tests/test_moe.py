@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from neopp.errors import ConfigError
 from neopp.model.layers import Linear, MoE, SwiGLU
 from neopp.modes import ModeSpec, SamplingParams
 from neopp.request import GenerationRequest
@@ -188,16 +189,17 @@ def test_grouped_experts_hold_their_weights_once_and_fp8_experts_keep_the_loop()
     odd = make_moe(2, True)
     odd.experts[0].gate = Scaled(odd.experts[0].gate.weight)
     assert MoE(odd.router, odd.experts, 2, True, dispatch="grouped").grouped is None
-    with pytest.raises(ValueError, match="NEOPP_MOE_DISPATCH"):
+    with pytest.raises(ConfigError, match="NEOPP_MOE_DISPATCH"):
         MoE(odd.router, odd.experts, 2, True, dispatch="fast")
 
 
 def test_a_moe_tower_draws_the_same_image_grouped(moe_ckpts, monkeypatch):
     import neopp.model.layers as layers
+    from neopp.model.kernel_choices import KernelChoices
 
     images = {}
     for dispatch in ("loop", "grouped"):
-        monkeypatch.setattr(layers, "MOE_DISPATCH", dispatch)
+        monkeypatch.setattr(layers, "kernel_choices", lambda d=dispatch: KernelChoices(moe_dispatch=d))
         pipe = NeoPPPipeline.from_pretrained(moe_ckpts[True], ModeSpec(version="moe"), "cpu", torch.float32)
         assert (pipe.transformer.layers[0].mlp.grouped is None) == (dispatch == "loop")
         cfg = tiny_config("moe")

@@ -1,7 +1,7 @@
 """The batched loop on CFG-parallel rank processes (real processes, gloo) against one process.
 
 Ranks run the same float32 layer code on their branches (or token shards, or head shards), the
-CFG sum adds exact zeros, and CPU GEMMs run in fixed row tiles (`neopp.model.layers.ROW_TILE`), so a
+CFG sum adds exact zeros, and CPU GEMMs run in fixed row tiles (`NEOPP_ROW_TILE`, `neopp.model.kernel_choices`), so a
 row's sums do not depend on which rows share its product: the pool's pixels are the same bytes
 as one process's.
 """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -13,6 +12,7 @@ import torch.nn.functional as F
 
 from ..errors import ConfigError
 from .checkpoint_config import DEFAULT_RMS_NORM_EPS
+from .kernel_choices import check_moe_dispatch, kernel_choices
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_RMS_NORM_EPS) -> torch.Tensor:
@@ -25,35 +25,38 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_RMS_NOR
     return normed.to(x.dtype) * weight
 
 
-# CPU GEMMs run over token rows in tiles of exactly this many rows (the last one zero-padded).
-# A CPU GEMM kernel blocks and threads a product by its row count, so one row's sums can come
-# out in another order when other requests' rows share the call; with one fixed tile shape a
-# row's result depends on that row alone, and a request batched with others gets the same bytes
-# as alone. Measured cost on 2 cores: a 4-layer width-1024 float32 tower generates 15% (256x256)
-# to 33% (512x512) slower. `NEOPP_ROW_TILE=0` in the server's environment runs whole products
-# instead (batched images then match solo ones within float reassociation only).
-ROW_TILE = int(os.environ.get("NEOPP_ROW_TILE", "128"))
+# CPU GEMMs run over token rows in tiles of exactly kernel_choices().row_tile rows (the last one
+# zero-padded): a row's result then depends on that row alone, and a request batched with others
+# gets the same bytes as alone. Measured cost on 2 cores: a 4-layer width-1024 float32 tower
+# generates 15% (256x256) to 33% (512x512) slower. `NEOPP_ROW_TILE=0` in the server's environment
+# runs whole products instead (batched images then match solo ones within float reassociation only).
+_tile_override: int | None = None  # row_tiles' choice for a block (training), over the environment's
+
+
+def row_tile() -> int:
+    return kernel_choices().row_tile if _tile_override is None else _tile_override
 
 
 @contextmanager
 def row_tiles(rows: int) -> Iterator[None]:
     """Run CPU products in tiles of `rows` (0: whole) inside the block; training, which needs no
     batch invariance, takes whole products (24% faster on the demo tower)."""
-    global ROW_TILE
-    before, ROW_TILE = ROW_TILE, rows
+    global _tile_override
+    before, _tile_override = _tile_override, rows
     try:
         yield
     finally:
-        ROW_TILE = before
+        _tile_override = before
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, batch-invariant per row on the CPU (see ROW_TILE); GPUs take one call."""
+    """`F.linear`, batch-invariant per row on the CPU (see row_tile); GPUs take one call."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or rows == 0 or ROW_TILE <= 0:
+    tile = row_tile() if x.device.type == "cpu" else 0
+    if rows == 0 or tile <= 0:
         return F.linear(x, weight, bias)
-    tiles = list(x.reshape(rows, x.shape[-1]).split(ROW_TILE))
-    pad = -rows % ROW_TILE
+    tiles = list(x.reshape(rows, x.shape[-1]).split(tile))
+    pad = -rows % tile
     if pad:  # only the last tile is copied to pad it
         tiles[-1] = torch.cat([tiles[-1], tiles[-1].new_zeros(pad, x.shape[-1])])
     out = torch.cat([F.linear(tile, weight, bias) for tile in tiles])
@@ -111,10 +114,10 @@ class SwiGLU:
         return [self.gate, self.up, self.down]
 
 
-# How the experts run: "loop" (one product per expert, the CPU default: its products are
-# batch-invariant row tiles, so step-batched requests equal solo ones), "grouped" (one grouped
-# product per projection over all experts, no host sync: the CUDA default), or "auto".
-MOE_DISPATCH = os.environ.get("NEOPP_MOE_DISPATCH", "auto")
+# How the experts run (kernel_choices().moe_dispatch): "loop" (one product per expert, the CPU
+# default: its products are batch-invariant row tiles, so step-batched requests equal solo ones),
+# "grouped" (one grouped product per projection over all experts, no host sync: the CUDA
+# default), or "auto".
 
 
 class GroupedExperts:
@@ -160,14 +163,12 @@ class GroupedExperts:
 
 class MoE:
     """Top-k routed SwiGLU experts; tokens are grouped so each expert runs one matmul (or all of
-    them one grouped product: ``MOE_DISPATCH``)."""
+    them one grouped product: ``NEOPP_MOE_DISPATCH``)."""
 
     def __init__(self, router: Linear, experts: list[SwiGLU], top_k: int, norm_topk_prob: bool,
                  dispatch: str | None = None) -> None:
         self.router, self.experts, self.top_k, self.norm_topk_prob = router, experts, top_k, norm_topk_prob
-        dispatch = dispatch or MOE_DISPATCH
-        if dispatch not in ("auto", "loop", "grouped"):
-            raise ValueError(f"NEOPP_MOE_DISPATCH: auto, loop or grouped, got {dispatch!r}")
+        dispatch = check_moe_dispatch(dispatch or kernel_choices().moe_dispatch)
         cuda = experts[0].gate.weight.is_cuda
         wanted = dispatch == "grouped" or (dispatch == "auto" and cuda)
         self.grouped = GroupedExperts(experts) if wanted and GroupedExperts.fits(experts) else None

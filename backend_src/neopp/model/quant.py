@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
 from ..errors import ConfigError
 from .checkpoint import FP8_DTYPE, LM
+from .kernel_choices import check_activation_quant, kernel_choices
 from .layers import Linear, adapters_active, add_adapter_rows, linear_rows
 from .transformer import LinearFactory
 
 log = logging.getLogger(__name__)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 KERNELS = ("auto", "scaled_mm", "dequant")
-# The activations' quantisation before each FP8 product: "compiled" (torch.compile fuses the
-# absmax, the scale and the cast into one kernel; the CUDA default), "eager" (separate kernels,
-# the CPU default: nothing to fuse for there), or "auto". Both give the same bytes (tests).
-FP8_ACTIVATION_QUANT = os.environ.get("NEOPP_FP8_ACTIVATION_QUANT", "auto")
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,9 +60,11 @@ def compiled_quantize_rows() -> CompiledOrEager:
 
 
 def activation_quantizer(device: torch.device, mode: str | None = None) -> object:
-    mode = mode or FP8_ACTIVATION_QUANT
-    if mode not in ("auto", "compiled", "eager"):
-        raise ConfigError(f"NEOPP_FP8_ACTIVATION_QUANT: auto, compiled or eager, got {mode!r}")
+    """The activations' quantisation before each FP8 product (kernel_choices().fp8_activation_quant):
+    "compiled" (torch.compile fuses the absmax, the scale and the cast into one kernel; the CUDA
+    default), "eager" (separate kernels, the CPU default: nothing to fuse for there), or "auto".
+    Both give the same bytes (tests)."""
+    mode = check_activation_quant(mode or kernel_choices().fp8_activation_quant)
     compiled = mode == "compiled" or (mode == "auto" and device.type == "cuda")
     return compiled_quantize_rows() if compiled else quantize_rows
 
