@@ -63,6 +63,7 @@ from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..contract.deployment import CHECKPOINT_ENV, LORA_DIR_ENV, env_override, model_env_var
 from ..engines.scheduler import DEFAULT_MAX_QUEUED, DEFAULT_PATIENCE, DEFAULT_TOKEN_BUDGET
 from ..errors import ConfigError
 from ..limits import Limits
@@ -88,21 +89,29 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "collective_timeout_s": "120",
     "default_task": "t2i",
     "warmup": "true",
-    "allow_untrained_sizes": os.environ.get("NEOPP_ALLOW_UNTRAINED_SIZES", "false"),
+    "allow_untrained_sizes": "false",
     "token_budget": str(DEFAULT_TOKEN_BUDGET),
     "max_queued": str(DEFAULT_MAX_QUEUED),
     "patience": str(DEFAULT_PATIENCE),
     "engine_model": "",
     "cache_methods": "auto",
-    # The server's environment may set these for every model whose config does not.
-    "cuda_graphs": os.environ.get("NEOPP_CUDA_GRAPHS", "auto"),
-    "attention_kernel": os.environ.get("NEOPP_ATTENTION_KERNEL", "auto"),
+    "cuda_graphs": "auto",
+    "attention_kernel": "auto",
     "max_graphs": "8",
-    "compile_layers": os.environ.get("NEOPP_COMPILE_LAYERS", "off"),
+    "compile_layers": "off",
     **{k: str(v) for k, v in Limits().__dict__.items()},
 }
+# What the server's environment may set for every model whose config does not: parameter -> variable.
+ENV_DEFAULTS = {"allow_untrained_sizes": "NEOPP_ALLOW_UNTRAINED_SIZES", "cuda_graphs": "NEOPP_CUDA_GRAPHS",
+                "attention_kernel": "NEOPP_ATTENTION_KERNEL", "compile_layers": "NEOPP_COMPILE_LAYERS"}
 _DTYPES = {"auto": None, "": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
            "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}  # -> the torch dtype's name
+
+
+def parameter_defaults(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The defaults of a model's parameters, the server's environment's among them (read at load)."""
+    env = os.environ if env is None else env
+    return {**PARAMETER_DEFAULTS, **{key: env[var] for key, var in ENV_DEFAULTS.items() if env.get(var)}}
 
 
 def project_root(model_dir: Path | str | None, env: Mapping[str, str] | None = None) -> Path:
@@ -116,19 +125,13 @@ def project_root(model_dir: Path | str | None, env: Mapping[str, str] | None = N
     return Path(model_dir).resolve().parent.parent
 
 
-def model_env_var(prefix: str, model_name: str) -> str:
-    """The per-model override of a setting: ``<prefix>_<MODEL NAME UPPER>``."""
-    return prefix + "_" + re.sub(r"[^A-Za-z0-9]", "_", model_name).upper()
-
-
 def resolve_deployment_path(params: Mapping[str, str], key: str, env_var: str, model_name: str, root: Path,
                             env: Mapping[str, str] | None = None) -> Path:
     """``<env_var>_<MODEL>``, then ``<env_var>``, then parameter ``key``: the weights a model
     serves are a deployment's choice, so the same repository serves tiny and real ones."""
-    env = os.environ if env is None else env
-    for var in (model_env_var(env_var, model_name), env_var):
-        if env.get(var):
-            return Path(env[var]).expanduser().resolve()
+    given = env_override(os.environ if env is None else env, env_var, model_name)
+    if given is not None:
+        return Path(given).expanduser().resolve()
     path = Path(params[key]).expanduser()
     return path if path.is_absolute() else root / path
 
@@ -136,13 +139,13 @@ def resolve_deployment_path(params: Mapping[str, str], key: str, env_var: str, m
 def resolve_checkpoint(params: Mapping[str, str], model_name: str, root: Path,
                        env: Mapping[str, str] | None = None) -> Path:
     """Per-model env override, then NEOPP_CHECKPOINT, then the ``checkpoint`` parameter."""
-    return resolve_deployment_path(params, "checkpoint", "NEOPP_CHECKPOINT", model_name, root, env)
+    return resolve_deployment_path(params, "checkpoint", CHECKPOINT_ENV, model_name, root, env)
 
 
 def resolve_lora_dir(params: Mapping[str, str], model_name: str, root: Path,
                      env: Mapping[str, str] | None = None) -> Path:
     """Per-model env override, then NEOPP_LORA_DIR, then the ``lora_dir`` parameter."""
-    return resolve_deployment_path(params, "lora_dir", "NEOPP_LORA_DIR", model_name, root, env)
+    return resolve_deployment_path(params, "lora_dir", LORA_DIR_ENV, model_name, root, env)
 
 
 def choose_device(param: str, instance_kind: str, device_id: int, instance_index: int,
@@ -198,7 +201,7 @@ class TritonModelSettings:
 
     @staticmethod
     def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
-        params = read_parameters(model_config, PARAMETER_DEFAULTS)
+        params = read_parameters(model_config, parameter_defaults())
         name = str(model_config.get("name", "neopp"))
         root = project_root(model_dir)
         mode_file = Path(params["mode_file"]).expanduser()
@@ -295,7 +298,7 @@ def load_model_mode(settings: TritonModelSettings) -> ModeSpec:
         if mode.lora_configs:
             missing = [e["path"] for e in mode.lora_configs if not Path(e["path"]).is_file()]
             if missing:
-                override = model_env_var("NEOPP_LORA_DIR", settings.model_name)
+                override = model_env_var(LORA_DIR_ENV, settings.model_name)
                 raise ConfigError(f"LoRA file {missing[0]} does not exist (lora_dir {settings.lora_dir}; "
                                   f"set parameter lora_dir or env {override} / NEOPP_LORA_DIR)")
             check_loras(generation_shapes(settings.checkpoint), mode.lora_configs)
