@@ -12,7 +12,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from neopp.ports import free_ports
 from neopp.procs import process_group_members
 from testing import REPO
 
+READY = "NeoPP Triton server ready"
 SERVER_LINE = re.compile(r"tritonserver pid (\d+), own HTTP on (\S+) .*?prefix (\S+)")
 
 
@@ -93,3 +95,19 @@ def run_launcher(cmd: Sequence[str], log: Path, env: dict[str, str], http_port: 
         proc = subprocess.Popen(list(cmd), env=full, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
                                 start_new_session=True)
     return Launched(proc, log, http_port, grpc_port, metrics_port)
+
+
+@contextmanager
+def serving(log: Path, env: dict[str, str], models: Sequence[str], max_restarts: int = 0,
+            launcher_args: Sequence[str] = (), no_traceback: bool = False) -> Iterator[Launched]:
+    """A launcher serving ``models`` for the block (as ``launch``); then stopped with exit code 0
+    and no process left in any of its servers' groups. ``no_traceback``: and no request printed one."""
+    handle = launch(log, env, models, max_restarts, launcher_args)
+    try:
+        handle.wait_for(READY)
+        yield handle
+        assert not no_traceback or "Traceback" not in handle.text(), \
+            "a request printed a traceback:\n" + handle.text()[-4000:]
+    finally:
+        assert handle.stop() == 0, handle.text()[-4000:]
+        assert not handle.leftovers(), f"the launcher left processes behind: {handle.leftovers()}"

@@ -67,12 +67,17 @@ def test_file_name_in_mode_file_resolves_in_lora_dir(tiny: Path, monkeypatch: py
     assert mode.sampling.infer_steps == 8
 
 
+def refusal(settings: TritonModelSettings) -> str:
+    """The ConfigError loading ``settings``' mode ends with."""
+    with pytest.raises(ConfigError) as err:
+        load_model_mode(settings)
+    return str(err.value)
+
+
 def test_missing_lora_names_model_file_and_setting(tiny: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     settings = settings_for(monkeypatch, tiny / "dense", tmp_path)
-    with pytest.raises(ConfigError) as err:
-        load_model_mode(settings)
-    message = str(err.value)
+    message = refusal(settings)
     for part in (MODEL, str(tmp_path / LORA), "NEOPP_LORA_DIR_NEOPP_DENSE_8STEPS", "lora_dir"):
         assert part in message
 
@@ -93,9 +98,7 @@ def first_misfit_base(lora: Path, checkpoint: Path) -> str:
 def test_lora_for_other_geometry_refused_naming_model_file_and_key(tiny: Path, wide_lora_dir: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     settings = settings_for(monkeypatch, tiny / "dense", wide_lora_dir)
-    with pytest.raises(ConfigError) as err:
-        load_model_mode(settings)
-    message = str(err.value)
+    message = refusal(settings)
     assert message.startswith(f"model {MODEL}: ") and str(wide_lora_dir / LORA) in message
     key = re.search(r"key '([^']+)'", message).group(1)
     assert split_key(key)[0] == first_misfit_base(wide_lora_dir / LORA, tiny / "dense")

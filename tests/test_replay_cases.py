@@ -24,13 +24,18 @@ def parsed(name: str, **env: str):
     return nproc, args, [replay_kv_multiturn.parse_turn(t) for t in args.turn]
 
 
-def test_each_launcher_runs_its_own_case_and_each_case_has_a_launcher():
-    named = {}
-    for script in LAUNCHERS.glob("*.sh"):
-        found = re.findall(r"-m neopp\.tools\.replay_cases (\w+) ", script.read_text())
+def scripts_by_name(folder: Path, module: str) -> set[str]:
+    """The scripts of ``folder``, each checked to run ``module`` on the case named as the script."""
+    named = set()
+    for script in folder.glob("*.sh"):
+        found = re.findall(rf"-m neopp\.tools\.{module} (\w+) ", script.read_text())
         assert found == [script.stem], script
-        named[script.stem] = script
-    assert set(named) == set(CASES)
+        named.add(script.stem)
+    return named
+
+
+def test_each_launcher_runs_its_own_case_and_each_case_has_a_launcher():
+    assert scripts_by_name(LAUNCHERS, "replay_cases") == set(CASES)
 
 
 def test_defaults_of_a_continued_chat_and_of_a_parallel_case():
@@ -118,12 +123,7 @@ def lx2v_parsed(name: str, **env: str):
 
 
 def test_each_lightx2v_script_runs_its_own_launcher_and_each_launcher_has_a_script():
-    named = {}
-    for script in LX2V.glob("*.sh"):
-        found = re.findall(r"-m neopp\.tools\.lightx2v_launchers (\w+) ", script.read_text())
-        assert found == [script.stem], script
-        named[script.stem] = script
-    assert set(named) == set(LIGHTX2V) == {
+    assert scripts_by_name(LX2V, "lightx2v_launchers") == set(LIGHTX2V) == {
         "run_neopp_dense_t2i_1k", "run_neopp_dense_i2i_1k", "run_neopp_dense_t2i_1k_cfg2",
         "run_neopp_moe_t2i_1k", "run_neopp_moe_t2i_1k_cfg2", "run_neopp_moe_t2i_512"}
 

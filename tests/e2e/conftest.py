@@ -37,7 +37,7 @@ from testing import REPO as REPO_ROOT
 from testing.door_attacks import SMALL_DOOR
 from testing.faults import wait_for
 from testing.kept_server import KeptServer
-from testing.launched import launch
+from testing.launched import serving
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 from testing.tiny_lora import write_tiny_loras
 
@@ -228,18 +228,11 @@ def door(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     (testing.door_attacks.SMALL_DOOR), shared by the door's e2e modules; no request may print a
     traceback, and the stop leaves no process."""
     log = tmp_path_factory.mktemp("door") / "serve.log"
-    handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": SMALL_DOOR.key}, (MODEL,),
-                    max_restarts=4, launcher_args=[*SMALL_DOOR.args(), "--hung-s", str(HUNG_S), "--stopped-s",
-                                                   str(STOPPED_S), "--alive-file", str(log.parent / "alive")])
-    try:
-        handle.wait_for("NeoPP Triton server ready")
+    with serving(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": SMALL_DOOR.key}, (MODEL,),
+                 max_restarts=4, no_traceback=True,
+                 launcher_args=[*SMALL_DOOR.args(), "--hung-s", str(HUNG_S), "--stopped-s", str(STOPPED_S),
+                                "--alive-file", str(log.parent / "alive")]) as handle:
         yield handle
-        assert "Traceback" not in handle.text(), "a request printed a traceback:\n" + handle.text()[-4000:]
-    finally:
-        servers = handle.servers()
-        assert handle.stop() == 0, handle.text()[-4000:]
-        for pid, _, _ in servers:
-            assert process_group_members(pid) == [], f"server {pid} left processes"
 
 
 @pytest.fixture(scope="session")

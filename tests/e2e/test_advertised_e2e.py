@@ -21,10 +21,9 @@ from tritonclient.utils import InferenceServerException
 
 from neopp.launcher.door import triton_metrics
 from neopp.ports import LOOPBACK
-from neopp.procs import process_group_members
 from testing import REPO
 from testing.browser import browser as open_browser
-from testing.launched import Launched, launch
+from testing.launched import Launched, serving
 
 DEMO = REPO / "demo" / "checkpoints" / "dense"
 MODELS = ("neopp_dense", "neopp_dense_stream", "neopp_prompt_encoder", "neopp_t2i", "neopp_session")
@@ -37,16 +36,8 @@ TRAINED = [f"{w}x{h}" for h in SIDES for w in SIDES]  # every size of the range,
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Launched:
     log = tmp_path_factory.mktemp("advertised") / "serve.log"
-    handle = launch(log, {"NEOPP_CHECKPOINT": str(DEMO), "NEOPP_ADMIN_KEY": KEY}, MODELS)
-    try:
-        handle.wait_for("NeoPP Triton server ready")
+    with serving(log, {"NEOPP_CHECKPOINT": str(DEMO), "NEOPP_ADMIN_KEY": KEY}, MODELS, no_traceback=True) as handle:
         yield handle
-        assert "Traceback" not in handle.text(), handle.text()[-4000:]
-    finally:
-        servers = handle.servers()
-        assert handle.stop() == 0, handle.text()[-4000:]
-        for pid, _, _ in servers:
-            assert process_group_members(pid) == [], f"server {pid} left processes"
 
 
 def call(served: Launched, method: str, path: str, body: Any = None,

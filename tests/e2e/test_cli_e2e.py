@@ -25,7 +25,7 @@ from neopp.launcher.admin import GRPC_API_KEY_HEADER
 from neopp.ports import free_ports
 from testing import REPO
 from testing.browser import browser as open_browser
-from testing.launched import Launched, launch
+from testing.launched import Launched, serving
 
 MODELS = ("neopp_dense", "neopp_dense_stream", "neopp_dense_8steps", "neopp_prompt_encoder", "neopp_t2i")
 DEMO = REPO / "demo" / "checkpoints"
@@ -38,13 +38,8 @@ KEY = "cli-e2e-api-key-0123456789"
 def served(tmp_path_factory: pytest.TempPathFactory) -> Launched:
     log = tmp_path_factory.mktemp("cli") / "serve.log"
     env = {"NEOPP_CHECKPOINT": str(DEMO / "dense"), "NEOPP_LORA_DIR": str(DEMO / "lora"), "NEOPP_API_KEY": KEY}
-    handle = launch(log, env, MODELS, launcher_args=["--admin-key-file", str(log.parent / "admin.key")])
-    try:
-        handle.wait_for("NeoPP Triton server ready")
+    with serving(log, env, MODELS, launcher_args=["--admin-key-file", str(log.parent / "admin.key")]) as handle:
         yield handle
-    finally:
-        assert handle.stop() == 0, handle.text()[-4000:]
-        assert not handle.leftovers(), "the launcher left processes behind"
 
 
 def neopp(served: Launched, *args: str, cwd: Path) -> subprocess.CompletedProcess:

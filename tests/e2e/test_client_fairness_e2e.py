@@ -21,7 +21,7 @@ import pytest
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.client_lanes import PARAMETER
+from neopp.contract.client_lanes import PARAMETER
 from neopp.engines.fault_point import FAULT_ENV
 from neopp.launcher.door.limits import DoorLimits
 from neopp.launcher.door.server import DoorServer

@@ -27,7 +27,7 @@ from neopp.ports import LOOPBACK
 from testing.door_attacks import request
 from testing.door_requests import MODEL, grpc_image, http_infer, ready, tensors
 from testing.faults import kill_own_stub, stub_pid
-from testing.launched import launch
+from testing.launched import serving
 from testing.tiny_checkpoint import tiny_config, tiny_tensors
 from testing.tiny_lora import write_tiny_loras
 
@@ -67,13 +67,11 @@ def served(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
 def _launched_with_fault(root: Path, env: dict[str, str], models: tuple[str, ...]):
     """The launcher serving ``models`` with the loop's fault drill armed by the file ``root/fault``."""
     fault = root / "fault"
-    handle = launch(root / "serve.log", {**env, FAULT_ENV: str(fault)}, models)
-    try:
-        handle.wait_for("NeoPP Triton server ready")
-        yield handle, fault
-    finally:
-        fault.unlink(missing_ok=True)
-        assert handle.stop() == 0, handle.text()[-4000:]
+    with serving(root / "serve.log", {**env, FAULT_ENV: str(fault)}, models) as handle:
+        try:
+            yield handle, fault
+        finally:
+            fault.unlink(missing_ok=True)
 
 
 def grpc_infer(door, kv, model: str = MODEL, **extra) -> grpcclient.InferResult:

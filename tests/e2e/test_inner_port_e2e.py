@@ -29,7 +29,7 @@ from neopp.launcher.inner_http import socket_path
 from neopp.launcher.key_shim import compiler
 from neopp.procs import cmdline, descendants, process_group_members
 from testing.door_attacks import post, request
-from testing.launched import launch
+from testing.launched import serving
 
 MODEL = "neopp_dense"
 KEY = "inner-operator-key-0123456789abcdef"
@@ -42,17 +42,11 @@ RESTRICTION_FLAGS = ("--http-restricted-api=", "--grpc-restricted-protocol=")
 @pytest.fixture(scope="module")
 def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("inner") / "serve.log"
-    handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY, "NEOPP_API_KEY": API},
-                    (MODEL,), max_restarts=0)
-    try:
-        handle.wait_for("NeoPP Triton server ready")
+    with serving(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY, "NEOPP_API_KEY": API},
+                 (MODEL,)) as handle:
         yield handle
-    finally:
-        servers = handle.servers()
-        assert handle.stop() == 0, handle.text()[-4000:]
-        for pid, address, _ in servers:
-            assert process_group_members(pid) == [], f"server {pid} left processes"
-            assert not socket_path(address).parent.exists(), "the private directory was left behind"
+    for _, address, _ in handle.servers():
+        assert not socket_path(address).parent.exists(), "the private directory was left behind"
 
 
 def _listening_tcp_ports(pid: int) -> set[int]:

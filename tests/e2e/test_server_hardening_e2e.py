@@ -44,7 +44,7 @@ from neopp.procs import (
 from testing import REPO as REPO_ROOT
 from testing.faults import kill_own_stub, wait_for
 from testing.grpc_memory import refused_burst
-from testing.launched import launch
+from testing.launched import serving
 
 MODEL = "neopp_dense"
 KEY = "test-operator-key-0123456789abcdef"
@@ -58,17 +58,11 @@ SHAPE_BOMB = {"inputs": [{"name": "INDEX_OFFSET_COND", "datatype": "INT64", "sha
 @pytest.fixture(scope="module")
 def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("launcher") / "serve.log"
-    handle = launch(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY, "NEOPP_API_KEY": API}, (MODEL,),
-                    max_restarts=2)
-    try:
-        handle.wait_for("NeoPP Triton server ready")
+    with serving(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY, "NEOPP_API_KEY": API}, (MODEL,),
+                 max_restarts=2) as handle:
         yield handle
-    finally:
-        servers = handle.servers()
-        assert handle.stop() == 0, handle.text()[-4000:]
-        for pid, _, prefix in servers:
-            assert process_group_members(pid) == [], f"server {pid} left processes"
-            assert regions(prefix) == [], f"server {pid} left shm regions {regions(prefix)}"
+    for pid, _, prefix in handle.servers():
+        assert regions(prefix) == [], f"server {pid} left shm regions {regions(prefix)}"
 
 
 def _generate(client, kv: tuple[np.ndarray, np.ndarray], seed: int = 5, with_key: bool = True) -> bytes:

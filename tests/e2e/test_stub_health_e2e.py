@@ -18,9 +18,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from neopp.ports import LOOPBACK
-from neopp.procs import model_stubs, process_group_members
+from neopp.procs import model_stubs
 from testing.faults import kill_own_stub, wait_for
-from testing.launched import launch
+from testing.launched import serving
 
 MODEL = "neopp_hold"
 RELOAD_TIMEOUT_S = 8
@@ -56,18 +56,13 @@ def held(tmp_path_factory: pytest.TempPathFactory):
     (root / "repo" / MODEL / "1").mkdir(parents=True)
     (root / "repo" / MODEL / "1" / "model.py").write_text(MODEL_PY)
     (root / "repo" / MODEL / "config.pbtxt").write_text(CONFIG.format(name=MODEL, hold=hold))
-    handle = launch(root / "serve.log", {}, (MODEL,), max_restarts=2,
-                    launcher_args=["--model-repository", str(root / "repo"),
-                                   "--reload-timeout-s", str(RELOAD_TIMEOUT_S)])
-    try:
-        handle.wait_for("NeoPP Triton server ready")
-        yield handle, hold
-    finally:
-        hold.unlink(missing_ok=True)
-        servers = handle.servers()
-        assert handle.stop() == 0, handle.text()[-4000:]
-        for pid, _, _ in servers:
-            assert process_group_members(pid) == [], f"server {pid} left processes"
+    with serving(root / "serve.log", {}, (MODEL,), max_restarts=2,
+                 launcher_args=["--model-repository", str(root / "repo"),
+                                "--reload-timeout-s", str(RELOAD_TIMEOUT_S)]) as handle:
+        try:
+            yield handle, hold
+        finally:
+            hold.unlink(missing_ok=True)
 
 
 def _echo(port: int) -> int:
