@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from neopp.adapter_names import SUFFIX
+from neopp.contract.adapter_names import SUFFIX
 
 Q_SUFFIX = "q_proj_mot_gen.weight"
 ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from neopp.adapter_names import MAX_NAME_CHARS, Listing, adapter_file, is_name, list_adapters
+from neopp.contract.adapter_names import MAX_NAME_CHARS, Listing, adapter_file, is_name, list_adapters
 from neopp.engines.batch_engine import BatchingEngine
 from neopp.errors import ConfigError, InputError
 from neopp.launcher.door.openai_images import MAX_LORA_NAME

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from neopp.client_lanes import PARAMETER, LaneError, lane_of
+from neopp.contract.client_lanes import PARAMETER, LaneError, lane_of
 from neopp.errors import InputError
 from neopp.launcher.door.client_load import ClientLoad, Turn
 from neopp.launcher.door.door_error import DoorError

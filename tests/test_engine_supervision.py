@@ -9,11 +9,12 @@ import socket
 import pytest
 
 import neopp.engines.step_loop as step_loop
+from neopp.contract.statuses import ENGINE_DOWN, status_of_message
 from neopp.engine_beat import read_beat, write_beat
 from neopp.engines.batch_engine import BatchingEngine
 from neopp.engines.fault_point import FAULT_ENV
 from neopp.errors import EngineDown
-from neopp.serving.error_status import ENGINE_DOWN, error_class, status_of_message
+from neopp.serving.error_status import error_class
 from neopp.serving.wire import MAX_ERROR_TEXT, MAX_HEADER, error_header, recv_message, send_message
 from testing.stream_requests import Collector, make, tiny_setup
 
@@ -110,9 +111,9 @@ def test_a_twin_s_engine_is_its_plain_model_s():
 
 
 def test_a_rank_s_unforeseen_error_reaches_the_client_as_internal_not_retry():
+    from neopp.contract.statuses import INTERNAL
     from neopp.engines.rank_loop import ERRORS, error_kind, error_text
     from neopp.errors import WorkerFailure
-    from neopp.serving.error_status import INTERNAL
 
     exc = ZeroDivisionError("float division by zero")
     rebuilt = ERRORS.get(error_kind(exc), WorkerFailure)(error_text(exc))

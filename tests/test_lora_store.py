@@ -200,7 +200,7 @@ def test_the_openai_body_takes_lora_and_lora_scale():
 
 
 def test_the_door_lists_the_adapter_directory_as_the_stub_resolves_it(tiny, tmp_path):
-    from neopp.adapter_names import list_adapters
+    from neopp.contract.adapter_names import list_adapters
     from neopp.launcher.door.openai_images import adapter_folder
 
     _, weights, _ = tiny

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from neopp.contract.statuses import SESSIONS_FULL, status_of_message
 from neopp.errors import ConfigError
-from neopp.serving.error_status import SESSIONS_FULL, error_class, refusal_text, status_of_message
+from neopp.serving.error_status import error_class, refusal_text
 from neopp.serving.sessions import SessionsFull, SessionTable, UnknownSession
 
 
@@ -157,8 +158,9 @@ def test_a_first_turn_is_held_only_once_it_delivers() -> None:
 
 
 def test_error_classes_give_each_refusal_its_status_and_prefix() -> None:
+    from neopp.contract.statuses import CANCELLED, INTERNAL, INVALID_INPUT, MISCONFIGURED, NOT_FOUND
     from neopp.errors import ConfigError, GenerationCancelled, InputError
-    from neopp.serving.error_status import CANCELLED, INTERNAL, INVALID_INPUT, MISCONFIGURED, NOT_FOUND, refusal_text
+    from neopp.serving.error_status import refusal_text
 
     cases = [(InputError("PROMPT: too long"), INVALID_INPUT, "PROMPT: too long"),
              (UnknownSession("sequence_id 3: unknown session"), NOT_FOUND, "sequence_id 3: unknown session"),

@@ -43,7 +43,7 @@ class GenerationRequest:
     index_offset_image: int | None = None
     lora: str | None = None  # an adapter's name in the model's adapter directory; None: the base model
     lora_scale: float = 1.0
-    lane: str = ""  # the client lane it waits in (neopp.client_lanes): the scheduler takes turns between lanes
+    lane: str = ""  # the client lane it waits in (neopp.contract.client_lanes): the scheduler takes turns between lanes
     # The adapter itself, when an engine loaded it on accepting the request (off its step thread)
     adapter: Any = field(default=None, repr=False, compare=False)
 

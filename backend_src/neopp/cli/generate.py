@@ -10,18 +10,17 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from ..contract.image_formats import FORMAT_OF_SUFFIX
+from ..contract.sizes import is_openai_size
 from .client import CliError, Server, checked, error_message, events
 
 PATH = "/v1/images/generations"
-FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 MAX_ERROR = 1 << 20  # an error answer is a short JSON document
-SIZE = re.compile(r"^[0-9]{1,5}x[0-9]{1,5}$")
 
 
 @dataclass(frozen=True)
@@ -59,15 +58,15 @@ class Ask:
 
 def output_format(out: Path) -> str:
     """The image format the file name asks for; a name without one we write is a usage error."""
-    fmt = FORMATS.get(out.suffix.lower())
+    fmt = FORMAT_OF_SUFFIX.get(out.suffix.lower())
     if fmt is None:
-        raise CliError(f"-o {out}: the file must end in one of {', '.join(sorted(FORMATS))}", 2)
+        raise CliError(f"-o {out}: the file must end in one of {', '.join(sorted(FORMAT_OF_SUFFIX))}", 2)
     return fmt
 
 
 def check_size(text: str) -> str:
     """``WIDTHxHEIGHT`` or ``auto``, as the server takes it (it checks the range itself)."""
-    if text != "auto" and not SIZE.match(text):  # argparse's own error: one usage line, exit 2
+    if text != "auto" and not is_openai_size(text):  # argparse's own error: one usage line, exit 2
         raise argparse.ArgumentTypeError(f"must be WIDTHxHEIGHT (e.g. 256x256) or auto, got {text!r}")
     return text
 

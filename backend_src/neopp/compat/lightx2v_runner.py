@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..contract.image_formats import FORMAT_OF_SUFFIX
 from ..engines.engine import Engine
 from ..errors import GenerationCancelled, InputError
 from ..image_io import encode_image
@@ -34,7 +35,6 @@ from .lightx2v_config import LockedConfig
 from .lightx2v_rng import draw_start
 
 log = logging.getLogger("neopp.compat.lightx2v")
-SAVE_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
 
 @dataclass
@@ -155,9 +155,10 @@ class NeoppRunner:
     def process_images_after_vae_decoder_for_debug(self) -> Image.Image:
         """``save_result_for_debug``: write the image to ``save_result_path`` and return it."""
         path = Path(self.input_info.save_result_path)
-        fmt = SAVE_FORMATS.get(path.suffix.lower())
+        fmt = FORMAT_OF_SUFFIX.get(path.suffix.lower())
         if fmt is None:
-            raise InputError(f"save_result_path: extension must be one of {sorted(SAVE_FORMATS)}, got {path.name!r}")
+            raise InputError(f"save_result_path: extension must be one of {sorted(FORMAT_OF_SUFFIX)}, "
+                             f"got {path.name!r}")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(self._encoded(fmt))
         return Image.open(path)

@@ -24,6 +24,7 @@ NAME_RULE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9._-]{{0,{MAX_NAME_CHARS - 1}}}")
 SUFFIX = ".safetensors"
 LISTED = 100  # names a listing carries; past it, the count says how many more there are
 REFUSAL_LISTED = 10  # names an unknown name's refusal quotes
+SCALE_MAX_ABS = 8.0  # LORA_SCALE / lora_scale: an adapter is trained at 1; far beyond, the image is noise
 
 
 def is_name(name: object) -> bool:

@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..contract.statuses import QUEUE_FULL_TEXT
 from ..errors import GenerationCancelled, QueueFull, WorkerFailure
 from ..model.checkpoint_config import CheckpointConfig
 from ..modes import ModeSpec
@@ -186,7 +187,7 @@ class QueuedEngine:
     def _refuse_if_full(self, ticket: Ticket, waiting: int) -> bool:
         """End ``ticket`` with ``QueueFull`` when ``waiting`` requests already wait to start."""
         if self.max_queued and waiting >= self.max_queued:
-            ticket.end(QueueFull(f"Exceeds maximum queue size: {waiting} requests already wait for this engine "
+            ticket.end(QueueFull(f"{QUEUE_FULL_TEXT}: {waiting} requests already wait for this engine "
                                  f"(max_queued {self.max_queued}); retry later"))
             return True
         return False

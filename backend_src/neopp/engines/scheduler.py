@@ -6,7 +6,7 @@ same batch). It knows requests only by job number and asks the caller what a req
 
 * **Budget.** A step carries at most ``budget`` image tokens x guidance branches. Requests join
   while the sum fits; a request bigger than the whole budget runs, but alone.
-* **Turns between clients.** Each request waits in its client's lane (``neopp.client_lanes``).
+* **Turns between clients.** Each request waits in its client's lane (``neopp.contract.client_lanes``).
   Lanes take turns, starting after the lane served last, and each lane's requests keep their
   arrival order: a request of a client with nothing running is among the first considered,
   however many another client queued before it.

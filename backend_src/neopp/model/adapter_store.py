@@ -1,6 +1,6 @@
 """A server's adapter directory and the adapters resident in one model's process.
 
-``AdapterDirectory`` lists ``<name>.safetensors`` files of one folder (``neopp.adapter_names``)
+``AdapterDirectory`` lists ``<name>.safetensors`` files of one folder (``neopp.contract.adapter_names``)
 and reads what an adapter recommends (sampling values), judging its header on the way, without
 reading its factors; a request only ever names an adapter, and a name is a plain file stem,
 never a path. ``AdapterStore`` loads an adapter on first use, fitted to the model's own linears,
@@ -20,7 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..adapter_names import LISTED, MAX_NAME_CHARS, REFUSAL_LISTED, Listing, adapter_file, is_name, list_adapters
+from ..contract.adapter_names import (
+    LISTED,
+    MAX_NAME_CHARS,
+    REFUSAL_LISTED,
+    SCALE_MAX_ABS,
+    Listing,
+    adapter_file,
+    is_name,
+    list_adapters,
+)
 from ..errors import ConfigError, InputError, shown
 from ..modes import SamplingParams
 from .safetensors_header import FileChanged, check_size, read_small, stamp_of, strict_json
@@ -33,12 +42,11 @@ SIDECAR_DEPTH = 3  # {"sampling": {"cfg_interval": [...]}}
 # Sampling values an adapter may recommend (an 8-step adapter: 8 steps, guidance off).
 RECOMMENDABLE = ("infer_steps", "cfg_scale", "timestep_shift", "cfg_interval", "enable_cfg")
 DEFAULT_MAX_BYTES = 1 << 30
-LORA_SCALE_MAX_ABS = 8.0  # an adapter is trained at 1; far beyond, the image is noise
 REMEMBERED = 4096  # refusals and judged headers kept, by adapter name
 
 
 def check_name(name: str) -> str:
-    """An adapter name (``neopp.adapter_names``: the rule the door and the listings share)."""
+    """An adapter name (``neopp.contract.adapter_names``: the rule the door and the listings share)."""
     if not is_name(name):
         raise InputError(f"LORA: {shown(name)} is not an adapter name (letters, digits, '.', '_', '-'; "
                          f"at most {MAX_NAME_CHARS}, starting with a letter or digit)")
@@ -51,8 +59,8 @@ def lora_inputs(name: str | None, scale: Any) -> tuple[str, float]:
         raise InputError("LORA_SCALE: given without LORA (name the adapter it scales)")
     check_name(name)
     value = 1.0 if scale is None else float(getattr(scale, "reshape", lambda _: [scale])(-1)[0])
-    if not math.isfinite(value) or abs(value) > LORA_SCALE_MAX_ABS:
-        raise InputError(f"LORA_SCALE: must be a finite number within -{LORA_SCALE_MAX_ABS:g}..{LORA_SCALE_MAX_ABS:g}, "
+    if not math.isfinite(value) or abs(value) > SCALE_MAX_ABS:
+        raise InputError(f"LORA_SCALE: must be a finite number within -{SCALE_MAX_ABS:g}..{SCALE_MAX_ABS:g}, "
                          f"got {shown(value)}")
     return name, value
 

@@ -13,8 +13,8 @@ import socket
 import threading
 from typing import Any, Protocol
 
+from ..contract.statuses import INTERNAL
 from ..sampling.sampler import StepEvent
-from .error_status import INTERNAL
 from .wire import WireError, error_header, recv_message, send_message
 
 log = logging.getLogger(__name__)

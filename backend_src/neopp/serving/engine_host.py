@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..contract.statuses import CANCELLED, INTERNAL, INVALID_INPUT
 from ..engine_beat import BEAT_S, beat_path, write_beat
 from ..engines.engine import Engine
 from ..errors import ConfigError, EngineDown, GenerationCancelled
@@ -37,7 +38,7 @@ from ..sampling.sampler import StepEvent
 from .capabilities import Capabilities
 from .engine_connection import Connection, same_user
 from .engine_link import socket_path
-from .error_status import CANCELLED, INTERNAL, INVALID_INPUT, error_class
+from .error_status import error_class
 from .lanes import request_lane, request_parameters
 from .model_settings import TritonModelSettings
 from .request_log import request_summary

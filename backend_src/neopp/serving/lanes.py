@@ -1,4 +1,4 @@
-"""A request's client lane, read where a model receives it (the rule is ``neopp.client_lanes``)."""
+"""A request's client lane, read where a model receives it (the rule is ``neopp.contract.client_lanes``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from ..client_lanes import PARAMETER, LaneError, lane_of
+from ..contract.client_lanes import PARAMETER, LaneError, lane_of
 from ..errors import InputError
 
 

@@ -21,10 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..contract.statuses import INVALID_INPUT
 from ..errors import ConfigError
 from ..model.checkpoint_config import CheckpointConfig
 from ..text.language_tower import LanguageTower
-from .error_status import INVALID_INPUT, error_class, error_response
+from .error_status import error_class, error_response
 from .model_settings import choose_device, int_param, project_root, resolve_checkpoint
 from .parameters import narrow_kv_dims, read_parameters
 from .prompt_parsing import PromptRequest, parse_prompts

@@ -91,7 +91,7 @@ class ParsedRequest:
     sampling_values: SamplingParams = field(default_factory=SamplingParams)  # the defaults with them, checked
     lora: str | None = None  # an adapter's name (checked as a name; the model checks it exists)
     lora_scale: float = 1.0
-    lane: str = ""  # the client lane (a request parameter, neopp.client_lanes)
+    lane: str = ""  # the client lane (a request parameter, neopp.contract.client_lanes)
 
     @property
     def uses_instance_stream(self) -> bool:

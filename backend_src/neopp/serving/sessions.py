@@ -32,8 +32,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Container, Hashable
 from dataclasses import dataclass, field
 
+from ..contract.statuses import NOT_FOUND, SESSIONS_FULL
 from ..errors import ConfigError, InputError, NeoPPError
-from .error_status import NOT_FOUND, SESSIONS_FULL
 
 SessionId = Hashable
 REMEMBERED_DROPPED = 4096  # ids of dropped sessions kept (id and reason only) to explain a refusal

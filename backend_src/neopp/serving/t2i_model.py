@@ -23,11 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.sizes import height_width
+from ..contract.statuses import MISCONFIGURED
 from ..errors import ConfigError, GenerationCancelled, InputError, shown
 from ..limits import text_value
 from .contract import ENCODER_OUTPUTS
 from .contract import T2I_PASSED_INPUTS as PASSED_INPUTS
-from .error_status import MISCONFIGURED, error_response, forwarded_error
+from .error_status import error_response, forwarded_error
 from .lanes import forwarded_lane
 from .parameters import model_allowlist, read_parameters
 from .prompt_parsing import PROMPT_INPUTS, parse_prompts
@@ -41,9 +43,9 @@ def default_size(text: str) -> np.ndarray | None:
     if not text.strip():
         return None
     try:
-        height, width = (int(v) for v in text.lower().split("x"))
+        height, width = height_width(text)
     except ValueError as exc:
-        raise ConfigError(f"parameter default_size: {text!r} is not HxW, e.g. 256x256") from exc
+        raise ConfigError(f"parameter default_size: {exc}: it must be HxW, e.g. 256x256") from exc
     if height <= 0 or width <= 0 or height % 32 or width % 32:
         raise ConfigError(f"parameter default_size: {text!r} must be positive multiples of 32")
     return np.array([height, width], dtype=np.int64)

@@ -26,12 +26,12 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.statuses import WORKERS_DOWN
 from ..errors import ConfigError
 from ..image_io import encode_image
 from ..model.checkpoint_config import CheckpointConfig
 from .capabilities import model_capabilities, publish
 from .engine_link import EngineLink, EngineUnavailable
-from .error_status import WORKERS_DOWN
 from .metrics import GenerationMetrics
 from .model_settings import TritonModelSettings
 from .parameters import narrow_kv_dims

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..contract.image_formats import FORMAT_OF_SUFFIX
 from ..errors import ConfigError, InputError
 from ..model.kv_cache import load_kv_file
 from ..modes import CFG_NORMS, TASKS, ModeSpec, load_mode
@@ -26,7 +27,6 @@ from ..runner import InProcessRunner
 from ..sampling.rng import NoiseStream
 from ..serving.request_log import request_line
 
-FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -89,9 +89,9 @@ def overrides(args: argparse.Namespace) -> dict:
 
 
 def output_format(path: Path) -> str:
-    fmt = FORMATS.get(path.suffix.lower())
+    fmt = FORMAT_OF_SUFFIX.get(path.suffix.lower())
     if fmt is None:
-        raise InputError(f"output {path}: extension must be one of {sorted(FORMATS)}")
+        raise InputError(f"output {path}: extension must be one of {sorted(FORMAT_OF_SUFFIX)}")
     return fmt
 
 

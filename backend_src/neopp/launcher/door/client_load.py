@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ...client_lanes import PRIORITY_LEVELS
+from ...contract.client_lanes import PRIORITY_LEVELS
 from .door_error import DoorError
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ class ClientLoad:
             self.held.pop(client, None)
 
     def lane(self, client: str) -> str:
-        """The lane the door names for ``client``'s requests (``neopp.client_lanes``)."""
+        """The lane the door names for ``client``'s requests (``neopp.contract.client_lanes``)."""
         return "door-" + self._mac("lane", client)[:20]
 
     def label(self, client: str) -> str:

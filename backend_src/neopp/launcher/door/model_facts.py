@@ -14,6 +14,7 @@ import json
 import time
 from typing import Any
 
+from ...contract.sizes import openai_size
 from . import triton_metrics
 from .door_error import DoorError
 from .upstream import Upstream
@@ -80,9 +81,7 @@ def max_steps(facts: dict[str, Any]) -> int | None:
 
 def default_size(facts: dict[str, Any]) -> tuple[int, int] | None:
     """The model's default size as (height, width): its ``default_size`` is ``WxH``, as OpenAI's."""
-    text = facts.get("default_size")
     try:
-        width, height = (int(v) for v in str(text).lower().split("x"))
+        return openai_size(str(facts.get("default_size")))
     except ValueError:
         return None
-    return height, width

@@ -20,7 +20,9 @@ from typing import Any
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from ...adapter_names import MAX_NAME_CHARS
+from ...contract.adapter_names import MAX_NAME_CHARS, SCALE_MAX_ABS
+from ...contract.deployment import LORA_DIR_ENV, env_override
+from ...contract.sizes import is_openai_size, openai_size, openai_text
 from . import strict_json
 from .tensors import deserialize_bytes, serialize_bytes
 from .wire import WireRequest
@@ -47,8 +49,6 @@ PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format"
               "output_compression", "style", "lora", "lora_scale", "cache",
               "cache_threshold", *ACCEPTED_AND_IGNORED)
 MAX_LORA_NAME = MAX_NAME_CHARS  # the model checks the name's characters and that the adapter exists
-MAX_LORA_SCALE = 8.0
-SIZE = re.compile(r"^([0-9]{1,5})x([0-9]{1,5})$")
 
 
 class OpenAIError(Exception):
@@ -92,7 +92,7 @@ class ImagesRequest:
     @property
     def size_text(self) -> str:
         """OpenAI's ``WIDTHxHEIGHT`` of the size drawn ("auto" only before the door resolved it)."""
-        return "auto" if self.size is None else f"{self.size[1]}x{self.size[0]}"
+        return "auto" if self.size is None else openai_text(self.size)
 
 
 def _int(doc: dict[str, Any], key: str, low: int, high: int, default: int | None) -> int | None:
@@ -114,12 +114,10 @@ def _text(doc: dict[str, Any], key: str, default: str | None, limit: int = MAX_P
 def _size(value: Any) -> tuple[int, int] | None:
     if value in (None, "auto"):
         return None
-    match = SIZE.match(value) if isinstance(value, str) else None
-    if match is None:
+    if not isinstance(value, str) or not is_openai_size(value):
         raise OpenAIError(400, f"'size' must be 'auto' or 'WIDTHxHEIGHT' (e.g. '256x256'), got {str(value)[:32]!r}",
                           "size")
-    width, height = int(match.group(1)), int(match.group(2))
-    return height, width
+    return openai_size(value)
 
 
 def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
@@ -173,11 +171,11 @@ def _steps(value: Any) -> int | None:
 
 
 def _lora(doc: dict[str, Any]) -> tuple[str | None, float | None]:
-    """``lora`` (a name, at most 128 characters) and ``lora_scale`` (only with ``lora``)."""
+    """``lora`` (a name, at most MAX_NAME_CHARS characters) and ``lora_scale`` (only with ``lora``)."""
     lora = _text(doc, "lora", None, MAX_LORA_NAME)
     scale = doc.get("lora_scale")
-    if scale is not None and (type(scale) not in (int, float) or not abs(scale) <= MAX_LORA_SCALE):
-        raise OpenAIError(400, f"'lora_scale' must be a number from -{MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}",
+    if scale is not None and (type(scale) not in (int, float) or not abs(scale) <= SCALE_MAX_ABS):
+        raise OpenAIError(400, f"'lora_scale' must be a number from -{SCALE_MAX_ABS:g} to {SCALE_MAX_ABS:g}",
                           "lora_scale")
     if scale is not None and lora is None:
         raise OpenAIError(400, "'lora_scale' needs 'lora': the adapter it scales", "lora_scale")
@@ -276,12 +274,6 @@ def wanted_preview(step: int, total: int, sent: int, partial_images: int) -> boo
     return sent < partial_images and step < total and step * (partial_images + 1) >= (sent + 1) * total
 
 
-def size_of(text: str) -> tuple[int, int]:
-    """``HxW`` (neopp_t2i's ``default_size``) as (height, width)."""
-    height, width = (int(v) for v in text.lower().split("x"))
-    return height, width
-
-
 def _add(wire: WireRequest, name: str, datatype: str, shape: list[int], raw: bytes) -> None:
     wire.message.inputs.add(name=name, datatype=datatype, shape=shape)
     wire.raws.append(raw)
@@ -315,9 +307,9 @@ def image_bytes(response: pb.ModelInferResponse) -> bytes:
 def adapter_folder(model: str, environ: Mapping[str, str], lora_dir_param: str = "") -> Path | None:
     """A model's adapter directory as its stub resolves it: the per-model variable, the server-wide
     one, else an absolute ``lora_dir`` parameter (a relative one is the stub's to resolve: None)."""
-    for key in (f"NEOPP_LORA_DIR_{model.upper()}", "NEOPP_LORA_DIR"):
-        if environ.get(key):
-            return Path(environ[key]).expanduser()
+    given = env_override(environ, LORA_DIR_ENV, model)
+    if given is not None:
+        return Path(given).expanduser()
     return Path(lora_dir_param) if lora_dir_param and Path(lora_dir_param).is_absolute() else None
 
 

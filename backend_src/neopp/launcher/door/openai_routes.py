@@ -26,7 +26,8 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ...adapter_names import Listing, list_adapters
+from ...contract.adapter_names import Listing, list_adapters
+from ...contract.sizes import height_width
 from . import auth, model_facts, parse_jobs, strict_json
 from . import openai_images as oa
 from .body import BodyReader
@@ -210,7 +211,7 @@ class ImagesRoutes:
                                                   self.door.admin_key)
         try:
             text = strict_json.loads(answer.body)["parameters"].get("default_size", {}).get("string_value", "")
-            return oa.size_of(text) if text.strip() else None
+            return height_width(text) if text.strip() else None
         except (DoorError, AttributeError, KeyError, TypeError, ValueError):
             raise oa.OpenAIError(500, f"{oa.PROMPT_MODEL}'s default size is not readable ({answer.status})",
                                  kind="server_error") from None

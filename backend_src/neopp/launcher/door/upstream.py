@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -22,7 +21,8 @@ import h11
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from ...client_lanes import PARAMETER as LANE_PARAMETER
+from ...contract.client_lanes import PARAMETER as LANE_PARAMETER
+from ...contract.statuses import RETRY_AFTER, http_status, is_full
 from ..admin import FRONT_HEADER, GRPC_HEADER, KEY_HEADER, inference_metadata
 from ..inner_http import socket_path
 from .client_load import Turn
@@ -31,30 +31,20 @@ from .wire import WireRequest
 
 MAX_MESSAGE = 1 << 30
 CONTROL_TIMEOUT_S = 600.0  # a model load answers when it is done
-# gRPC status -> HTTP status, as Triton's HTTP endpoint answers for the same error.
-HTTP_STATUS = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404,
-               grpc.StatusCode.ALREADY_EXISTS: 409, grpc.StatusCode.UNAVAILABLE: 503,
-               grpc.StatusCode.UNIMPLEMENTED: 501, grpc.StatusCode.UNAUTHENTICATED: 401,
-               grpc.StatusCode.PERMISSION_DENIED: 403, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-               grpc.StatusCode.CANCELLED: 499, grpc.StatusCode.RESOURCE_EXHAUSTED: 429}
-QUEUE_FULL = "Exceeds maximum queue size"
-SESSIONS_FULL = "session limit reached"  # neopp_session's refusal of a new session (it says when to retry)
-RETRY_AFTER = re.compile(r"retry after (\d{1,6}) s")
 RETRY_UNAVAILABLE_S = 2  # a stub is reloaded in seconds, a server restarted in tens of them
 
 
 def grpc_error(exc: grpc.aio.AioRpcError) -> DoorError:
     """A Triton error as the door's answer; a full model queue or session table is 429 with Retry-After."""
     message = exc.details() or exc.code().name
-    if exc.code() == grpc.StatusCode.UNAVAILABLE and (QUEUE_FULL in message or SESSIONS_FULL in message):
+    full = is_full(message) if exc.code() == grpc.StatusCode.UNAVAILABLE else None
+    if full is not None:
         wait = RETRY_AFTER.search(message)
-        return DoorError(429, message, reason="queue_full" if QUEUE_FULL in message else "sessions_full",
-                         headers={"Retry-After": wait.group(1) if wait else "1"})
+        return DoorError(429, message, reason=full, headers={"Retry-After": wait.group(1) if wait else "1"})
     if exc.code() == grpc.StatusCode.UNAVAILABLE:  # gRPC's "try again": the server or its engine is
         # going or coming back (a connection refused before the launcher has seen the exit, too)
         return DoorError(503, message, reason="upstream", headers={"Retry-After": str(RETRY_UNAVAILABLE_S)})
-    status = HTTP_STATUS.get(exc.code(), 400 if exc.code() == grpc.StatusCode.UNKNOWN else 500)
-    return DoorError(status, message, reason="upstream")
+    return DoorError(http_status(exc.code().name), message, reason="upstream")
 
 
 def in_turn(wire: WireRequest, turn: Turn) -> WireRequest:
