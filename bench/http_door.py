@@ -110,7 +110,7 @@ def start_fronts(tmp: Path, server: TritonServer, rev: str) -> tuple[list[subpro
     wait = "import sys; sys.stdin.read()"
 
     def door(port: int, region_min_bytes: int) -> str:
-        return ("from neopp.launcher.door.limits import DoorLimits; "
+        return ("from neopp.launcher.door.bounds import DoorLimits; "
                 "from neopp.launcher.door.server import DoorServer; "
                 f"door = DoorServer({LOOPBACK!r}, {port}, {server.grpc_url!r}, ({LOOPBACK!r}, {server.http_port}), "
                 f"{FRONT_KEY!r}, DoorLimits(region_min_bytes={region_min_bytes}), admin_key={ADMIN_KEY!r}).start(); "

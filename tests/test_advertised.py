@@ -182,7 +182,7 @@ def test_the_docs_page_of_the_routes_is_the_one_the_route_table_writes() -> None
 
 
 def test_the_status_of_a_model_takes_its_recent_latency_from_what_finished_since_the_last_look() -> None:
-    from neopp.launcher.door.status import StatusBoard, render_html
+    from neopp.launcher.door.status_page import StatusBoard, render_html
 
     board = StatusBoard(None, None, None)  # type: ignore[arg-type]  # _model reads no server
     first = board._model("m", "READY", {"successes": 4, "duration_us": 4_000_000, "failed_in_triton": 1}, 0)
@@ -201,7 +201,7 @@ def test_the_status_of_a_model_takes_its_recent_latency_from_what_finished_since
 def test_a_generation_model_s_status_keeps_refusals_apart_and_times_only_what_it_served() -> None:
     """A generation model counts its own: refusals and cancellations are not errors, and latency is
     its served requests' whole time (a stream's, whose Triton duration is only its first call)."""
-    from neopp.launcher.door.status import WANTED, StatusBoard
+    from neopp.launcher.door.status_page import WANTED, StatusBoard
 
     page = "\n".join([
         'nv_inference_request_success{model="m",version="1"} 3',

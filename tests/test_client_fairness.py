@@ -15,8 +15,8 @@ from neopp.contract.client_lanes import PARAMETER, LaneError, lane_of
 from neopp.errors import InputError
 from neopp.launcher.door.client_load import ClientLoad, Turn
 from neopp.launcher.door.door_error import DoorError
+from neopp.launcher.door.spliced_request import WireRequest
 from neopp.launcher.door.upstream import in_turn
-from neopp.launcher.door.wire import WireRequest
 from neopp.serving.lanes import forwarded_lane, request_lane
 
 

@@ -1,4 +1,4 @@
-"""Every shipped config.pbtxt agrees with the contract's one table (request_parsing.INPUT_SPECS).
+"""Every shipped config.pbtxt agrees with the contract's one table (neopp.contract.inputs).
 
 The configs are parsed with Triton's own ModelConfig protobuf, so a field Triton would read
 differently (a typo, a missing ``optional``) fails here, not at a user's first request.
@@ -13,11 +13,10 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from neopp.contract.inputs import INPUT_SPECS, OUTPUT_SPECS, STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS, TensorSpec
 from neopp.modes import load_mode
-from neopp.serving.contract import ENCODER_OUTPUTS, generation_models
-from neopp.serving.contract import T2I_PASSED_INPUTS as T2I_PASSED
-from neopp.serving.request_parsing import INPUT_SPECS, OUTPUT_SPECS, TensorSpec
-from neopp.serving.stream_parsing import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
+from neopp.serving.model_io import ENCODER_OUTPUTS, generation_models
+from neopp.serving.model_io import T2I_PASSED_INPUTS as T2I_PASSED
 from neopp.tools import contract_configs
 
 ROOT = Path(__file__).resolve().parents[1]

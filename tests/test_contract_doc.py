@@ -13,11 +13,10 @@ from pathlib import Path
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from neopp.contract.inputs import INPUT_SPECS, OUTPUT_SPECS, STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS, TensorSpec
 from neopp.limits import Limits
 from neopp.modes import load_mode
-from neopp.serving.contract import generation_models
-from neopp.serving.request_parsing import INPUT_SPECS, OUTPUT_SPECS, TensorSpec
-from neopp.serving.stream_parsing import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
+from neopp.serving.model_io import generation_models
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = (ROOT / "docs" / "contract.md").read_text()

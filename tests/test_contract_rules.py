@@ -118,3 +118,23 @@ def test_the_contract_imports_only_the_standard_library_and_itself():
                 continue
             foreign = [top for top in tops if top != "__future__" and top not in sys.stdlib_module_names]
             assert not foreign, f"contract/{path} imports {foreign}: the contract is standard library only"
+
+
+def test_admission_carries_every_request_field_it_does_not_decide():
+    """A request field the parser fills reaches the engine by its name: a new input needs its
+    table row, its parse, the request's field and the rule that uses it, and no edit here."""
+    import dataclasses
+
+    from neopp.request import GenerationRequest
+    from neopp.serving.admission import DECIDED_HERE, carried_fields
+    from neopp.serving.request_parsing import ParsedRequest
+
+    parsed_names = {f.name for f in dataclasses.fields(ParsedRequest)}
+    for f in dataclasses.fields(GenerationRequest):
+        assert f.name in DECIDED_HERE or f.name in parsed_names or f.default is not dataclasses.MISSING or \
+            f.default_factory is not dataclasses.MISSING, f"{f.name}: neither parsed nor decided by admission"
+    parsed = ParsedRequest(cond_kv="cond", index_offset_cond=7, lora="a", lora_scale=0.5, lane="l", image_kv="img")
+    carried = carried_fields(parsed)
+    assert {k: carried[k] for k in ("cond_kv", "index_offset_cond", "lora", "lora_scale", "lane", "image_kv")} == \
+        {"cond_kv": "cond", "index_offset_cond": 7, "lora": "a", "lora_scale": 0.5, "lane": "l", "image_kv": "img"}
+    assert not DECIDED_HERE & set(carried)

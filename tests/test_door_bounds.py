@@ -20,8 +20,8 @@ from neopp.launcher.door import kserve_infer, parse_jobs, strict_json, tensors
 from neopp.launcher.door import openai_images as oa
 from neopp.launcher.door.auth import ClientRegions
 from neopp.launcher.door.body import BodyReader, ByteBudget
+from neopp.launcher.door.bounds import DoorLimits
 from neopp.launcher.door.door_error import DoorError
-from neopp.launcher.door.limits import DoorLimits
 from neopp.launcher.door.parse_jobs import Parser
 from neopp.launcher.shm_regions import owner_tag, private_regions, remove_orphans
 

@@ -179,7 +179,7 @@ def test_a_request_over_its_byte_limit_is_refused_naming_input_and_limit(host):
     served, _, kvs = host
     req = make(kvs, 0, 64, 64, 2, 1)
     tensors, cond_bytes = request_tensors(req, 1), req.cond_kv.numel() * 2  # sent as BF16
-    served.settings = replace(served.settings, limits=Limits(max_request_bytes=cond_bytes))
+    served.admission.settings = replace(served.admission.settings, limits=Limits(max_request_bytes=cond_bytes))
     link = EngineLink(served.owner, "link_test", "plain")
     (header, _), = run(link, tensors)
     assert header["status"] == "INVALID_ARG", header

@@ -21,8 +21,8 @@ from tritonclient.grpc import service_pb2 as pb
 from neopp.launcher.door import generate, kserve_infer, strict_json, tensors
 from neopp.launcher.door import openai_images as oa
 from neopp.launcher.door.body import BodyReader, ByteBudget
+from neopp.launcher.door.bounds import DoorLimits
 from neopp.launcher.door.door_error import DoorError
-from neopp.launcher.door.limits import DoorLimits
 from neopp.launcher.door.shm_arena import ShmArena, TensorRegion
 from neopp.launcher.door.upstream import grpc_error
 from neopp.launcher.shm_regions import owner_tag

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from deploy.router import MAX_GRPC_MESSAGE, MAX_REPLICAS, NAMESPACE, STATS_PAGE, STATS_PORT, render_kubernetes
-from neopp.serving.contract import generation_models
+from neopp.serving.model_io import generation_models
 
 ROOT = Path(__file__).resolve().parents[1]
 KUBE = ROOT / "deploy" / "kubernetes"

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from neopp.contract.inputs import INPUT_SPECS
 from neopp.errors import ConfigError, InputError
 from neopp.launcher.triton_install import (
     SYSTEM_LIB_DIRS,
@@ -23,7 +24,7 @@ from neopp.limits import Limits
 from neopp.ports import ephemeral_range, free_ports
 from neopp.serving.model_settings import PARAMETER_DEFAULTS, choose_device, resolve_checkpoint
 from neopp.serving.parameters import read_parameters
-from neopp.serving.request_parsing import INPUT_SPECS, parse_request
+from neopp.serving.request_parsing import parse_request
 
 
 def test_backend_dir_holds_the_stub_for_this_python(tmp_path):

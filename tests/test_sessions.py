@@ -6,7 +6,7 @@ import pytest
 
 from neopp.contract.statuses import SESSIONS_FULL, status_of_message
 from neopp.errors import ConfigError
-from neopp.serving.error_status import error_class, refusal_text
+from neopp.serving.error_status import error_class, refusal
 from neopp.serving.sessions import SessionsFull, SessionTable, UnknownSession
 
 
@@ -17,6 +17,11 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
+
+
+def said(exc: BaseException) -> str:
+    """The message a client reads for ``exc``."""
+    return refusal(exc, lambda _: None, "m")[2]
 
 def table(max_sessions: int = 4, idle: float = 10.0, clock: Clock | None = None) -> SessionTable:
     return SessionTable(max_sessions, idle, default_seed=7, clock=clock or Clock())
@@ -76,7 +81,7 @@ def test_a_full_table_refuses_new_sessions_and_never_drops_a_held_one() -> None:
         with pytest.raises(SessionsFull, match=r"^all max_sessions=3 .* retry after 7 s") as info:
             t.open(sid)
         assert info.value.retry_after_s == 7 and error_class(info.value) is SESSIONS_FULL
-        assert refusal_text(info.value, SESSIONS_FULL).startswith("session limit reached: all max_sessions=3 ")
+        assert said(info.value).startswith("session limit reached: all max_sessions=3 ")
     assert t.refused_total == 47 and len(t) == 3
     assert all(t.get(sid).session_id == sid for sid in range(3))  # every held session is still served
 
@@ -108,7 +113,7 @@ def test_the_door_answers_a_full_table_with_429_and_its_retry_after() -> None:
     t.start(1)
     with pytest.raises(SessionsFull) as info:
         t.open(2)
-    message = f"[request id: <id_unknown>] {refusal_text(info.value, SESSIONS_FULL)}"  # as Triton sends it
+    message = f"[request id: <id_unknown>] {said(info.value)}"  # as Triton sends it
     assert status_of_message(message) == "UNAVAILABLE"  # what gRPC clients see
     answer = grpc_error(grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                              details=message))
@@ -160,7 +165,6 @@ def test_a_first_turn_is_held_only_once_it_delivers() -> None:
 def test_error_classes_give_each_refusal_its_status_and_prefix() -> None:
     from neopp.contract.statuses import CANCELLED, INTERNAL, INVALID_INPUT, MISCONFIGURED, NOT_FOUND
     from neopp.errors import ConfigError, GenerationCancelled, InputError
-    from neopp.serving.error_status import refusal_text
 
     cases = [(InputError("PROMPT: too long"), INVALID_INPUT, "PROMPT: too long"),
              (UnknownSession("sequence_id 3: unknown session"), NOT_FOUND, "sequence_id 3: unknown session"),
@@ -168,8 +172,10 @@ def test_error_classes_give_each_refusal_its_status_and_prefix() -> None:
              (ConfigError("mode x"), MISCONFIGURED, "model configuration error: mode x"),
              (RuntimeError("boom"), INTERNAL, "internal error: RuntimeError: boom")]
     for exc, cls, text in cases:
-        assert error_class(exc) is cls and refusal_text(exc, cls) == text
+        logged: list[str] = []
+        assert error_class(exc) is cls and refusal(exc, logged.append, "m") == (cls.status, cls.reason, text)
         assert status_of_message(text) == cls.status
+        assert (logged != []) == (cls is INTERNAL)  # an internal error's traceback goes to the log
 
 
 def test_slots_release_dropped_sequences_only_under_pressure() -> None:

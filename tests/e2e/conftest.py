@@ -26,7 +26,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from PIL import Image
 
-from neopp.launcher.door.limits import DoorLimits
+from neopp.launcher.door.bounds import DoorLimits
 from neopp.launcher.door.server import DoorServer
 from neopp.launcher.model_states import KEEP_GOING_ARGS
 from neopp.launcher.tritonserver import TritonServer

@@ -22,7 +22,7 @@ import pytest
 import torch
 from tritonclient.utils import InferenceServerException
 
-from neopp.launcher.door.limits import DoorLimits
+from neopp.launcher.door.bounds import DoorLimits
 from neopp.launcher.door.server import DoorServer
 from neopp.model.checkpoint import load_checkpoint
 from neopp.ports import LOOPBACK

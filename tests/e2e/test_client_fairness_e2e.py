@@ -23,7 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from neopp.contract.client_lanes import PARAMETER
 from neopp.engines.fault_point import FAULT_ENV
-from neopp.launcher.door.limits import DoorLimits
+from neopp.launcher.door.bounds import DoorLimits
 from neopp.launcher.door.server import DoorServer
 from neopp.ports import LOOPBACK
 from testing.door_attacks import request, trickle_start

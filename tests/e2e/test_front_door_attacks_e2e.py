@@ -24,7 +24,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from neopp.launcher.admin import grpc_headers, http_headers
-from neopp.launcher.door.limits import HEADER_LIMIT
+from neopp.launcher.door.bounds import HEADER_LIMIT
 from neopp.launcher.door.shm_arena import PREFIX as DOOR_REGION
 from neopp.launcher.shm_regions import SHM_DIR, owner_tag
 from neopp.ports import LOOPBACK

@@ -26,7 +26,7 @@ import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
-from neopp.launcher.door.limits import DoorLimits
+from neopp.launcher.door.bounds import DoorLimits
 from neopp.launcher.stub_kill import holds_robust_lock
 from neopp.ports import LOOPBACK
 from neopp.procs import model_stubs

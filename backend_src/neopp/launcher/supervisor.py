@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..ports import LOOPBACK
 from .admin import GRPC_API_KEY_HEADER, KEY_ENV, KEY_HEADER, check_key, load_or_create_key
-from .door.limits import DoorLimits, KiB, MiB
+from .door.bounds import DoorLimits, KiB, MiB
 from .health import ServerHealth, touch
 from .inner_http import private_address, remove_private
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table

@@ -10,6 +10,7 @@ back from the prefixes written here.
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..contract.statuses import (
@@ -43,18 +44,29 @@ def error_class(exc: BaseException) -> ErrorClass:
     return INTERNAL
 
 
-def refusal_text(exc: BaseException, cls: ErrorClass) -> str:
-    """What the client reads: the class's prefix, then the error (an internal one names its type)."""
-    return cls.message(f"{type(exc).__name__}: {exc}" if cls is INTERNAL else str(exc))
+def refusal(exc: BaseException, log_error: Callable[[str], None], model_name: str,
+            input_names: Mapping[str, str] | None = None, shutting_down: bool = False) -> tuple[str, str, str]:
+    """(Triton status, metric reason, message) of a request's error: the class's prefix, then the
+    error, an input named as clients know it (``input_names``); an internal error names its type
+    and its traceback goes to ``log_error``."""
+    cls = error_class(exc)
+    if cls is INVALID_INPUT and input_names is not None and isinstance(exc, InputError):
+        text = exc.named(input_names)
+    elif cls is CANCELLED and shutting_down:
+        text = f"{exc} (server shutting down)"
+    elif cls is INTERNAL:
+        log_error(f"{model_name}: internal error\n"
+                  f"{''.join(traceback.format_exception(type(exc), exc, exc.__traceback__))}")
+        text = f"{type(exc).__name__}: {exc}"
+    else:
+        text = str(exc)
+    return cls.status, cls.reason, cls.message(text)
 
 
 def error_response(pb: Any, exc: BaseException, logger: Any, model_name: str) -> Any:
-    """The response refusing a request with ``exc`` (``pb``: triton_python_backend_utils); an
-    internal error's traceback goes to the log, the model stays usable."""
-    cls = error_class(exc)
-    if cls is INTERNAL:
-        logger.log_error(f"{model_name}: internal error\n{traceback.format_exc()}")
-    return pb.InferenceResponse(error=pb.TritonError(refusal_text(exc, cls), getattr(pb.TritonError, cls.status)))
+    """The response refusing a request with ``exc`` (``pb``: triton_python_backend_utils); the model stays usable."""
+    status, _, message = refusal(exc, logger.log_error, model_name)
+    return pb.InferenceResponse(error=pb.TritonError(message, getattr(pb.TritonError, status)))
 
 
 def forwarded_error(pb: Any, message: str, status: str | None = None) -> Any:

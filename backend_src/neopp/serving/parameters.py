@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from .contract import generation_models
+from .model_io import generation_models
 
 
 def read_parameters(model_config: Mapping[str, Any], defaults: Mapping[str, str]) -> dict[str, str]:

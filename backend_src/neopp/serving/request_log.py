@@ -8,7 +8,7 @@ One line per delivered image, space-separated fields a script can grep, e.g. (on
 The fields that describe the request (``request_summary``) are known where it runs, in the
 engine's stub; the line is written where the image is delivered, which may be another stub: so
 the summary is plain strings. The parallel fields come from
-:func:`neopp.parallel.status.parallel_status`; the wording is written once here so the server's
+:func:`neopp.parallel.split_status.parallel_status`; the wording is written once here so the server's
 log and the replay output read the same.
 """
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..modes import ModeSpec
-from ..parallel.status import parallel_status
+from ..parallel.split_status import parallel_status
 
 if TYPE_CHECKING:  # a forwarding stub writes lines without torch
     from ..request import GenerationRequest

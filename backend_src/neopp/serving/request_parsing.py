@@ -1,4 +1,4 @@
-"""The contract's input table and the checks a request passes before any heavy work.
+"""The checks a request passes against the input table (``neopp.contract.inputs``) before any heavy work.
 
 Pure Python/torch (no Triton import) so the rules are testable without a server and
 identical for every generation model. Every failure is an ``InputError`` whose message
@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..contract.inputs import INPUT_SPECS, TensorSpec
 from ..errors import SHOWN_CHARS, InputError, shown
 from ..limits import Limits, text_value
 from ..model.adapter_store import lora_inputs
@@ -23,46 +24,6 @@ if TYPE_CHECKING:  # torch is imported where a tensor is handled: the session mo
     import torch
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One row of the contract's input or output table."""
-
-    data_type: str  # Triton config spelling, e.g. "TYPE_INT64"
-    dims: tuple[int, ...]
-    optional: bool = True
-
-
-# The contract (docs/contract.md, "Inputs of every generation model"); auto-complete adds any missing row.
-INPUT_SPECS: dict[str, TensorSpec] = {
-    "COND_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1), optional=False),
-    "UNCOND_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
-    "INDEX_OFFSET_COND": TensorSpec("TYPE_INT64", (1,), optional=False),
-    "INDEX_OFFSET_UNCOND": TensorSpec("TYPE_INT64", (1,)),
-    "SIZE": TensorSpec("TYPE_INT64", (2,)),
-    "SEED": TensorSpec("TYPE_INT64", (1,)),
-    "RNG_STATE": TensorSpec("TYPE_UINT8", (-1,)),
-    "NOISE": TensorSpec("TYPE_FP32", (1, 3, -1, -1)),
-    "TASK": TensorSpec("TYPE_STRING", (1,)),
-    "CFG_SCALE": TensorSpec("TYPE_FP32", (1,)),
-    "CFG_INTERVAL": TensorSpec("TYPE_FP32", (2,)),
-    "CFG_NORM": TensorSpec("TYPE_STRING", (1,)),
-    "TIMESTEP_SHIFT": TensorSpec("TYPE_FP32", (1,)),
-    "STEPS": TensorSpec("TYPE_INT64", (1,)),
-    "OUTPUT_FORMAT": TensorSpec("TYPE_STRING", (1,)),
-    "RESIZE": TensorSpec("TYPE_INT64", (2,)),
-    "IMAGE_GUIDANCE_SCALE": TensorSpec("TYPE_FP32", (1,)),
-    "IMAGE_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
-    "INDEX_OFFSET_IMAGE": TensorSpec("TYPE_INT64", (1,)),
-    "LORA": TensorSpec("TYPE_STRING", (1,)),
-    "LORA_SCALE": TensorSpec("TYPE_FP32", (1,)),
-    "CACHE": TensorSpec("TYPE_STRING", (1,)),
-    "CACHE_THRESHOLD": TensorSpec("TYPE_FP32", (1,)),
-}
-OUTPUT_SPECS: dict[str, TensorSpec] = {
-    "IMAGE": TensorSpec("TYPE_STRING", (1,)),
-    "NEXT_RNG_STATE": TensorSpec("TYPE_UINT8", (-1,)),
-}
-KV_INPUTS = ("COND_KV", "UNCOND_KV", "IMAGE_KV")
 TOKEN_PIXELS = 32  # an image token's side in every NeoPP checkpoint; RequestRules checks the real one
 # NOISE bound: the noise scale is capped at 8 in every NeoPP checkpoint, and a standard normal
 # draw of even 4096x4096x3 values stays far below 20, so a legitimate start is under 200.

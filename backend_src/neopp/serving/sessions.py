@@ -149,7 +149,7 @@ class SessionTable:
         oldest = next(iter(self._sessions.values()))
         retry = max(1, math.floor(oldest.last_used + self.idle_timeout_s - now) + 1)  # strictly past the timeout
         self.refused_total += 1
-        raise SessionsFull(  # the client reads it after SESSIONS_FULL's prefix (error_status.refusal_text)
+        raise SessionsFull(  # the client reads it after SESSIONS_FULL's prefix (error_status.refusal)
             f"all max_sessions={self.max_sessions} sessions of this server are in use and none has been idle for "
             f"session_idle_timeout_s={self.idle_timeout_s:g} s; retry after {retry} s, or keep the chat's stream "
             "yourself (stateless turns: SEED, then NEXT_RNG_STATE as RNG_STATE, to a generation model)", retry)

@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.inputs import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
 from ..image_io import encode_image
 from .stream_delivery import Delivery
-from .stream_parsing import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
 from .triton_model import Call, NeoPPTritonModel
 
 PREVIEW_QUALITY = 85

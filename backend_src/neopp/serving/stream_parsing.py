@@ -32,24 +32,9 @@ from ..modes import SamplingParams
 if TYPE_CHECKING:  # only the engine's stub decodes a prefix
     import torch
 
-from .request_parsing import INPUT_SPECS, OUTPUT_SPECS, ParsedRequest, TensorSpec, _check_request_bytes, parse_request
+from ..contract.inputs import B64_INPUTS, STREAM_INPUT_SPECS, STREAM_ONLY
+from .request_parsing import ParsedRequest, _check_request_bytes, parse_request
 
-STREAM_INPUT_SPECS: dict[str, TensorSpec] = {
-    **{name: TensorSpec(spec.data_type, spec.dims, optional=True) if name == "COND_KV" else spec
-       for name, spec in INPUT_SPECS.items()},
-    "PREVIEW_EVERY": TensorSpec("TYPE_INT64", (1,)),
-    "PREVIEW_SIZE": TensorSpec("TYPE_INT64", (2,)),
-    **{name: TensorSpec("TYPE_STRING", (1,)) for name in ("COND_KV_B64", "UNCOND_KV_B64", "IMAGE_KV_B64")},
-    "BASE64_OUTPUT": TensorSpec("TYPE_INT64", (1,)),
-}
-STREAM_OUTPUT_SPECS: dict[str, TensorSpec] = {
-    **OUTPUT_SPECS,
-    "STEP": TensorSpec("TYPE_INT64", (1,)),
-    "TOTAL_STEPS": TensorSpec("TYPE_INT64", (1,)),
-    "PREVIEW": TensorSpec("TYPE_STRING", (1,)),
-}
-B64_INPUTS = {"COND_KV_B64": "COND_KV", "UNCOND_KV_B64": "UNCOND_KV", "IMAGE_KV_B64": "IMAGE_KV"}
-STREAM_ONLY = ("PREVIEW_EVERY", "PREVIEW_SIZE", "BASE64_OUTPUT", *B64_INPUTS)
 DEFAULT_PREVIEW_SIDE = 256  # the longer side of a default preview (never larger than the image)
 PREVIEW_MAX_SIDE = 1024  # and never over the model's max_side
 

@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.inputs import INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, TensorSpec
 from ..contract.statuses import WORKERS_DOWN
 from ..errors import ConfigError
 from ..image_io import encode_image
@@ -36,7 +37,6 @@ from .metrics import GenerationMetrics
 from .model_settings import TritonModelSettings
 from .parameters import narrow_kv_dims
 from .request_log import summary_line
-from .request_parsing import INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, TensorSpec
 
 
 def stop_on_sigterm(logger: Any, model_name: str) -> threading.Event:
@@ -140,7 +140,7 @@ class NeoPPTritonModel:
             if first_instance(args) else None
         owner = self.settings.engine_model or self.model_name
         if not self.settings.engine_model and first_instance(args):
-            from .engine_host import start_host
+            from .engine_start import start_host
 
             self.host = start_host(pb_utils, self.model_name, self.settings, model_config, model_dir, args,
                                    self._stopping)

@@ -6,7 +6,7 @@
 (``--repository`` names another model repository; default: ``model_repository`` here.)
 
 Each model folder's kind comes from the class its ``model.py`` serves; its tables from
-``neopp.serving.contract``. Only the text between the two marker lines is written, so the rest
+``neopp.serving.model_io``. Only the text between the two marker lines is written, so the rest
 of a file (comments, instance groups, parameters, the per-layout files under ``configs/``) stays
 as its author wrote it.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ..serving.contract import IO, tables_of
-from ..serving.request_parsing import TensorSpec
+from ..contract.inputs import TensorSpec
+from ..serving.model_io import IO, tables_of
 
 REPOSITORY = Path("model_repository")
 BEGIN = "# ---- inputs and outputs: written from the code's tables by `make contract-configs`; do not edit ----"

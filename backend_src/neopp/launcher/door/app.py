@@ -26,21 +26,21 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..shm_regions import PREFIX_HEAD
-from . import auth, generate, kserve_infer, parse_jobs, strict_json
+from . import auth, generate_json, kserve_infer, parse_jobs, strict_json
 from .auth import ClientRegions
 from .body import BodyReader, ByteBudget, drainer
+from .bounds import DoorLimits
 from .client_load import ClientLoad, Turn, client_of
 from .door_error import DoorError, invalid
 from .door_metrics import DoorMetrics
 from .health_poll import HealthCache
-from .limits import DoorLimits
 from .parse_jobs import Parser
 from .responses import error_answer, json_response
 from .shm_arena import PREFIX as DOOR_REGION_PREFIX
 from .shm_arena import TensorRegion
-from .status import StatusBoard
+from .spliced_request import WireRequest
+from .status_page import StatusBoard
 from .upstream import Upstream, grpc_error
-from .wire import WireRequest
 
 log = logging.getLogger("neopp.launcher.door")
 NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
@@ -218,7 +218,7 @@ class Door:
             wire = await self._generate_request(request, reader, stream=False)
             response = await self.until_disconnect(request, self.upstream.infer(wire, self.turn(request)))
         headers = {"Content-Type": "application/json"}
-        return Response(_compress(request, strict_json.dumps(generate.generate_response(response)), headers),
+        return Response(_compress(request, strict_json.dumps(generate_json.generate_response(response)), headers),
                         200, headers)
 
     async def generate_stream(self, request: Request) -> Response:
@@ -252,8 +252,8 @@ class Door:
                 return DoorError(400, message.error_message, reason="upstream")
             response = message.infer_response
             if response.outputs:
-                return {**generate.generate_response(response), "_final": generate.is_final(response)}
-            if generate.is_final(response):
+                return {**generate_json.generate_response(response), "_final": generate_json.is_final(response)}
+            if generate_json.is_final(response):
                 return None
 
     async def _events(self, call: Any, first: dict[str, Any]) -> AsyncIterator[bytes]:

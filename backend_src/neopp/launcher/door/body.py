@@ -20,8 +20,8 @@ import zlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .bounds import BYTE_COUNT, DoorLimits, KiB, MiB, RouteCap
 from .door_error import DoorError
-from .limits import BYTE_COUNT, DoorLimits, KiB, MiB, RouteCap
 from .strict_json import ValueCounter
 
 DRAIN_LIMIT = 1 << 30  # a refused body up to this size is read and dropped; a larger one is cut off

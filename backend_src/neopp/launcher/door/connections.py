@@ -27,8 +27,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from . import strict_json
+from .bounds import HEADER_LIMIT, DoorLimits
 from .door_metrics import DoorMetrics
-from .limits import HEADER_LIMIT, DoorLimits
 from .responses import json_response
 
 EVICT_AFTER_S = 1.0

@@ -15,9 +15,9 @@ from typing import Any
 from tritonclient.grpc import service_pb2 as pb
 
 from . import strict_json, tensors
+from .bounds import BYTE_COUNT
 from .door_error import DoorError, invalid
-from .limits import BYTE_COUNT
-from .wire import WireRequest
+from .spliced_request import WireRequest
 
 REQUEST_KEYS = {"id", "parameters", "inputs", "outputs"}
 INPUT_KEYS = {"name", "shape", "datatype", "parameters", "data"}

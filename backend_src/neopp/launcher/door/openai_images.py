@@ -24,8 +24,8 @@ from ...contract.adapter_names import MAX_NAME_CHARS, SCALE_MAX_ABS
 from ...contract.deployment import LORA_DIR_ENV, env_override
 from ...contract.sizes import is_openai_size, openai_size, openai_text
 from . import strict_json
+from .spliced_request import WireRequest
 from .tensors import deserialize_bytes, serialize_bytes
-from .wire import WireRequest
 
 PROMPT_MODEL = "neopp_t2i"
 ENCODER_MODEL = "neopp_prompt_encoder"

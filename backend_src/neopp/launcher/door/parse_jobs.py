@@ -22,10 +22,10 @@ from typing import Any, TypeVar
 
 from tritonclient.grpc import service_pb2 as pb
 
-from . import generate, kserve_infer, openai_images, strict_json
+from . import generate_json, kserve_infer, openai_images, strict_json
+from .bounds import KiB
 from .door_error import DoorError
-from .limits import KiB
-from .wire import WireRequest
+from .spliced_request import WireRequest
 
 INLINE_BYTES = 64 * KiB
 T = TypeVar("T")
@@ -37,7 +37,7 @@ def infer_header(header: bytes, model: str, version: str, max_values: int) -> ks
 
 def generate_request(body: bytes, model: str, version: str, metadata: bytes, stream: bool,
                      max_values: int) -> WireRequest:
-    return generate.parse_generate(body, model, version, pb.ModelMetadataResponse.FromString(metadata), stream,
+    return generate_json.parse_generate(body, model, version, pb.ModelMetadataResponse.FromString(metadata), stream,
                                    max_values)
 
 

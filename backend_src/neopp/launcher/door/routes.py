@@ -22,7 +22,7 @@ from . import auth, openapi, strict_json
 from .app import VERSION, Door, checked
 from .openai_routes import ImagesRoutes
 from .responses import json_response
-from .status import render_html
+from .status_page import render_html
 
 PLAYGROUND = (resources.files(__package__) / "playground.html").read_bytes()  # the page at /, no build step
 FAVICON = (b'<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 16 16"><rect width="16" height="16" rx="3" '

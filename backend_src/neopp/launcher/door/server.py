@@ -20,10 +20,10 @@ import time
 import uvicorn
 
 from .app import Door, Health
+from .bounds import HEADER_LIMIT, DoorLimits
 from .browser_guard import BrowserGuard
 from .connections import ConnectionTable, DoorProtocol, HeadLimit
 from .door_metrics import DoorMetrics
-from .limits import HEADER_LIMIT, DoorLimits
 from .parse_jobs import Parser
 from .routes import build_app
 from .shm_arena import ShmArena, TensorRegion

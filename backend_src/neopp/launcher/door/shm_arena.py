@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from ..shm_regions import SHM_DIR, owner_tag, remove_orphans
+from .bounds import BYTE_COUNT
 from .door_error import DoorError
-from .limits import BYTE_COUNT
 
 PREFIX = "neopp_door_"  # then the owner and 64 random bits
 ALIGN = 64

@@ -27,7 +27,7 @@ from ..admin import FRONT_HEADER, GRPC_HEADER, KEY_HEADER, inference_metadata
 from ..inner_http import socket_path
 from .client_load import Turn
 from .door_error import DoorError
-from .wire import WireRequest
+from .spliced_request import WireRequest
 
 MAX_MESSAGE = 1 << 30
 CONTROL_TIMEOUT_S = 600.0  # a model load answers when it is done

@@ -17,7 +17,7 @@ from tritonclient.grpc import service_pb2 as pb
 from . import strict_json, tensors
 from .door_error import invalid
 from .kserve_infer import set_parameter
-from .wire import WireRequest
+from .spliced_request import WireRequest
 
 IMAGE_OUTPUTS = ("IMAGE", "PREVIEW")
 # Inputs that asked the model for base64 images: through generate they always are, so the

@@ -13,10 +13,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..contract.inputs import INPUT_SPECS, OUTPUT_SPECS, STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS, TensorSpec
 from .prompt_parsing import PROMPT_INPUTS
-from .request_parsing import INPUT_SPECS, OUTPUT_SPECS, TensorSpec
 from .sessions import TOKEN_INPUT
-from .stream_parsing import STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS
 
 IO = tuple[dict[str, TensorSpec], dict[str, TensorSpec]]
 

@@ -1,0 +1,71 @@
+"""Every generation model's inputs and outputs: names, Triton types, dims, which are optional.
+
+The parsers check a request against these rows (``serving.request_parsing``,
+``serving.stream_parsing``), the ``config.pbtxt`` blocks are written from them (``make
+contract-configs``) and ``docs/contract.md`` is tested against them; the session, prompt-to-image
+and prompt-encoder tables are derived from them (``serving.model_io``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One row of the contract's input or output table."""
+
+    data_type: str  # Triton config spelling, e.g. "TYPE_INT64"
+    dims: tuple[int, ...]
+    optional: bool = True
+
+
+# docs/contract.md, "Inputs of every generation model"; Triton's auto-complete adds any missing row.
+INPUT_SPECS: dict[str, TensorSpec] = {
+    "COND_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1), optional=False),
+    "UNCOND_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
+    "INDEX_OFFSET_COND": TensorSpec("TYPE_INT64", (1,), optional=False),
+    "INDEX_OFFSET_UNCOND": TensorSpec("TYPE_INT64", (1,)),
+    "SIZE": TensorSpec("TYPE_INT64", (2,)),
+    "SEED": TensorSpec("TYPE_INT64", (1,)),
+    "RNG_STATE": TensorSpec("TYPE_UINT8", (-1,)),
+    "NOISE": TensorSpec("TYPE_FP32", (1, 3, -1, -1)),
+    "TASK": TensorSpec("TYPE_STRING", (1,)),
+    "CFG_SCALE": TensorSpec("TYPE_FP32", (1,)),
+    "CFG_INTERVAL": TensorSpec("TYPE_FP32", (2,)),
+    "CFG_NORM": TensorSpec("TYPE_STRING", (1,)),
+    "TIMESTEP_SHIFT": TensorSpec("TYPE_FP32", (1,)),
+    "STEPS": TensorSpec("TYPE_INT64", (1,)),
+    "OUTPUT_FORMAT": TensorSpec("TYPE_STRING", (1,)),
+    "RESIZE": TensorSpec("TYPE_INT64", (2,)),
+    "IMAGE_GUIDANCE_SCALE": TensorSpec("TYPE_FP32", (1,)),
+    "IMAGE_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1)),
+    "INDEX_OFFSET_IMAGE": TensorSpec("TYPE_INT64", (1,)),
+    "LORA": TensorSpec("TYPE_STRING", (1,)),
+    "LORA_SCALE": TensorSpec("TYPE_FP32", (1,)),
+    "CACHE": TensorSpec("TYPE_STRING", (1,)),
+    "CACHE_THRESHOLD": TensorSpec("TYPE_FP32", (1,)),
+}
+OUTPUT_SPECS: dict[str, TensorSpec] = {
+    "IMAGE": TensorSpec("TYPE_STRING", (1,)),
+    "NEXT_RNG_STATE": TensorSpec("TYPE_UINT8", (-1,)),
+}
+KV_INPUTS = ("COND_KV", "UNCOND_KV", "IMAGE_KV")
+
+# A streamed twin takes the plain inputs (COND_KV may come as base64 instead) and answers every step.
+STREAM_INPUT_SPECS: dict[str, TensorSpec] = {
+    **{name: TensorSpec(spec.data_type, spec.dims, optional=True) if name == "COND_KV" else spec
+       for name, spec in INPUT_SPECS.items()},
+    "PREVIEW_EVERY": TensorSpec("TYPE_INT64", (1,)),
+    "PREVIEW_SIZE": TensorSpec("TYPE_INT64", (2,)),
+    **{name: TensorSpec("TYPE_STRING", (1,)) for name in ("COND_KV_B64", "UNCOND_KV_B64", "IMAGE_KV_B64")},
+    "BASE64_OUTPUT": TensorSpec("TYPE_INT64", (1,)),
+}
+STREAM_OUTPUT_SPECS: dict[str, TensorSpec] = {
+    **OUTPUT_SPECS,
+    "STEP": TensorSpec("TYPE_INT64", (1,)),
+    "TOTAL_STEPS": TensorSpec("TYPE_INT64", (1,)),
+    "PREVIEW": TensorSpec("TYPE_STRING", (1,)),
+}
+B64_INPUTS = {"COND_KV_B64": "COND_KV", "UNCOND_KV_B64": "UNCOND_KV", "IMAGE_KV_B64": "IMAGE_KV"}
+STREAM_ONLY = ("PREVIEW_EVERY", "PREVIEW_SIZE", "BASE64_OUTPUT", *B64_INPUTS)
