@@ -138,3 +138,26 @@ def test_admission_carries_every_request_field_it_does_not_decide():
     assert {k: carried[k] for k in ("cond_kv", "index_offset_cond", "lora", "lora_scale", "lane", "image_kv")} == \
         {"cond_kv": "cond", "index_offset_cond": 7, "lora": "a", "lora_scale": 0.5, "lane": "l", "image_kv": "img"}
     assert not DECIDED_HERE & set(carried)
+
+
+def import_time_env_reads(trees: dict[str, ast.Module]) -> list[str]:
+    """The files whose module-level code (outside any function or class body) reads the environment."""
+    found = set()
+    for path, tree in trees.items():
+        for statement in tree.body:
+            if isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                continue
+            for node in ast.walk(statement):
+                if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv") and \
+                        isinstance(node.value, ast.Name) and node.value.id == "os":
+                    found.add(path)
+    return sorted(found)
+
+
+def test_no_module_reads_the_environment_when_imported():
+    """Settings are read when a model loads (or a kernel first runs), from the environment of
+    that moment: a module constant read at import would hide a later setting and a test's."""
+    planted = ast.parse("import os\nTILE = int(os.environ.get('NEOPP_ROW_TILE', '128'))\n"
+                        "def later():\n    return os.environ.get('X')\n")
+    assert import_time_env_reads({"copy.py": planted}) == ["copy.py"]
+    assert import_time_env_reads(sources()) == []

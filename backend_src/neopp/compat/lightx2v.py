@@ -20,7 +20,6 @@ import torch
 
 from ..engines.engine import Engine
 from ..engines.factory import build_engine
-from ..engines.in_process import InProcessEngine
 from ..engines.spec import EngineSpec
 from ..errors import ConfigError, InputError
 from ..model.checkpoint import default_dtype
@@ -93,10 +92,9 @@ class LightX2VPipeline:
                 torch.device(device or "cpu")
         dev = torch.device(device or (f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"))
         run_dtype = DTYPES[dtype] if isinstance(dtype, str) else (dtype or default_dtype(dev))
-        if mode.world_size > 1 and "WORLD_SIZE" in os.environ:
-            from ..parallel.torchrun import rank_pipeline
-
-            return InProcessEngine(rank_pipeline(self.model_path, mode, dev, run_dtype)), dev
+        if mode.world_size > 1 and "WORLD_SIZE" in os.environ:  # one rank of a torchrun launch
+            spec = EngineSpec(self.model_path, mode, (str(dev),), dtype=run_dtype, torchrun_rank=True)
+            return build_engine(spec), dev
         return build_engine(EngineSpec.local(self.model_path, mode, str(dev), dtype=run_dtype)), dev
 
     def modify_config(self, config_modify: dict[str, Any]) -> None:

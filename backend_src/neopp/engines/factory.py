@@ -1,7 +1,9 @@
 """The one factory of engines: which `Engine` a mode runs on, chosen at load.
 
 A one-process mode runs in this process (`BatchingEngine` over one pipeline); a mode with
-several ranks runs on rank processes (`RankPool`). Both batch requests step by step.
+several ranks runs on rank processes (`RankPool`). Both batch requests step by step. A rank of a
+torchrun launch (the LightX2V facade's way) runs its own rank in the caller's thread
+(`InProcessEngine`): torchrun, not the engine, starts the other ranks.
 """
 
 from __future__ import annotations
@@ -12,12 +14,17 @@ from ..sampling.pipeline import NeoPPPipeline, set_threads
 from ..sampling.plan import RequestRules
 from .batch_engine import BatchingEngine
 from .engine import Engine, EngineHooks
+from .in_process import InProcessEngine
 from .rank_pool import RankPool
 from .spec import EngineSpec
 
 
 def build_engine(spec: EngineSpec, hooks: EngineHooks | None = None) -> Engine:
     """The engine of ``spec.mode`` on ``spec.checkpoint``, one device per rank (``spec.devices``)."""
+    if spec.torchrun_rank:
+        from ..parallel.torchrun import rank_pipeline
+
+        return InProcessEngine(rank_pipeline(spec.checkpoint, spec.mode, spec.devices[0], spec.dtype))
     set_threads(spec.threads)
     if spec.mode.world_size == 1:
         pipe = NeoPPPipeline.from_pretrained(spec.checkpoint, spec.mode, spec.devices[0], spec.dtype, spec.limits,

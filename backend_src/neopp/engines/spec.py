@@ -37,6 +37,7 @@ class EngineSpec:
     patience: int = DEFAULT_PATIENCE
     lora_dir: str | None = None          # the adapters a request may name (LORA); None: none
     lora_max_bytes: int = 1 << 30        # resident adapters' bytes, least recently used evicted past it
+    torchrun_rank: bool = False          # this process is one rank of a torchrun launch (LightX2V's way)
 
     @classmethod
     def local(cls, checkpoint: str | Path, mode: ModeSpec, device: str | None = None, **options: Any) -> EngineSpec:
