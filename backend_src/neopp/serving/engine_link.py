@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..contract.statuses import ENGINE_DOWN
 from ..engine_beat import engines_folder
-from .wire import WireError, pack_tensors, recv_message, send_message
+from .wire import WireError, failure_header, pack_tensors, recv_message, send_message
 
 POLL_S = 0.05
 CONNECT_WAIT_S = 30.0  # an engine's stub that is still loading gets this long to open its socket
@@ -161,8 +162,7 @@ class EngineLink:
         sock.close()
         for entry in jobs.values():
             _finish(entry)
-            entry.deliver({"type": "error", "status": "UNAVAILABLE", "reason": "worker_failure",
-                           "message": message}, [])
+            entry.deliver(failure_header(ENGINE_DOWN, message), [])
 
     def _watch(self) -> None:
         while not self._closed.wait(POLL_S):

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..contract.inputs import INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, TensorSpec
-from ..contract.statuses import WORKERS_DOWN
+from ..contract.statuses import INTERNAL, WORKERS_DOWN
 from ..errors import ConfigError
 from ..image_io import encode_image
 from ..model.checkpoint_config import CheckpointConfig
@@ -37,6 +37,7 @@ from .metrics import GenerationMetrics
 from .model_settings import TritonModelSettings
 from .parameters import narrow_kv_dims
 from .request_log import summary_line
+from .wire import failure_header
 
 
 def stop_on_sigterm(logger: Any, model_name: str) -> threading.Event:
@@ -178,8 +179,7 @@ class NeoPPTritonModel:
             self.link.submit(request.inputs(), request.parameters(), lambda h, b: deliver((h, b, call)), cancelled,
                              final_only)
         except EngineUnavailable as exc:
-            deliver(({"type": "error", "status": WORKERS_DOWN.status, "reason": WORKERS_DOWN.reason,
-                      "message": str(exc)}, [], call))
+            deliver((failure_header(WORKERS_DOWN, str(exc)), [], call))
 
     def _answer(self, request: Any, answers: queue.Queue) -> Any:
         """The request's one response. A request whose engine went away (its stub died) is sent again
@@ -204,8 +204,7 @@ class NeoPPTritonModel:
         try:
             return self._message(header, blobs, call), header
         except Exception as exc:  # noqa: BLE001 - the request ends with its error, the model goes on
-            failed = {"type": "error", "status": "INTERNAL", "reason": "internal",
-                      "message": f"internal error: {type(exc).__name__}: {exc}"}
+            failed = failure_header(INTERNAL, INTERNAL.message(f"{type(exc).__name__}: {exc}"))
             return self._error(failed, call), failed
 
     def _message(self, header: dict[str, Any], blobs: list[bytes], call: Call) -> Any:

@@ -26,6 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.statuses import ErrorClass
+
 MAX_HEADER = 1 << 20
 MAX_BLOB = 1 << 31
 MAX_FDS = 16
@@ -57,6 +59,11 @@ def fit_text(text: str, limit: int = MAX_ERROR_TEXT) -> str:
 def error_header(job: int, status: str, reason: str, message: str) -> dict[str, Any]:
     """The last message of a request that failed; its text cut to fit the framing."""
     return {"type": "error", "job": job, "status": status, "reason": reason, "message": fit_text(message)}
+
+
+def failure_header(cls: ErrorClass, message: str) -> dict[str, Any]:
+    """The last message of a request that failed on this side of the socket (its entry knows the job)."""
+    return {"type": "error", "status": cls.status, "reason": cls.reason, "message": fit_text(message)}
 
 
 def send_message(sock: socket.socket, header: dict[str, Any], blobs: Sequence[bytes | memoryview] = (),
