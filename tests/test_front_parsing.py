@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from neopp.launcher.door import generate, kserve_infer, strict_json, tensors
+from neopp.launcher.door import generate_json, kserve_infer, strict_json, tensors
 from neopp.launcher.door import openai_images as oa
 from neopp.launcher.door.body import BodyReader, ByteBudget
 from neopp.launcher.door.bounds import DoorLimits
@@ -126,7 +126,7 @@ def test_responses_are_json_unless_binary_is_asked_or_needed() -> None:
     assert header["outputs"][0]["parameters"]["binary_data_size"] == 4 + len(image)  # not UTF-8: binary
     assert header["outputs"][1]["data"] == [1, 2, 3]
     assert body[split:] == tensors.serialize_bytes([image])
-    doc = generate.generate_response(response)
+    doc = generate_json.generate_response(response)
     assert base64.b64decode(doc["IMAGE"]) == image and doc["NEXT"] == [1, 2, 3]  # base64, valid JSON
 
 
@@ -137,14 +137,14 @@ def test_generate_maps_fields_to_declared_inputs() -> None:
     metadata.inputs.add(name="KV", datatype="BF16", shape=[-1, 2])
     metadata.inputs.add(name="BASE64_OUTPUT", datatype="INT64", shape=[1])
     body = json.dumps({"SIZE": [64, 32], "SEED": 3, "BASE64_OUTPUT": 1, "MISSPELT": 2}).encode()
-    request = generate.parse_generate(body, "m", "", metadata, stream=True).to_message()
+    request = generate_json.parse_generate(body, "m", "", metadata, stream=True).to_message()
     assert [(t.name, list(t.shape)) for t in request.inputs] == [("SIZE", [2]), ("SEED", [1])]
     assert request.parameters["MISSPELT"].int64_param == 2  # as Triton: the model decides
     assert request.parameters["triton_enable_empty_final_response"].bool_param
     with _refused("input 'KV': BF16 has no JSON form"):
-        generate.parse_generate(b'{"KV": [[1.0, 2.0]]}', "m", "", metadata, stream=False)
+        generate_json.parse_generate(b'{"KV": [[1.0, 2.0]]}', "m", "", metadata, stream=False)
     with _refused("'nested'"):
-        generate.parse_generate(b'{"nested": {"a": 1}}', "m", "", metadata, stream=False)
+        generate_json.parse_generate(b'{"nested": {"a": 1}}', "m", "", metadata, stream=False)
 
 
 def _receive(chunks: list[bytes], stall: bool = False):

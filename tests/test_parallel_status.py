@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from neopp.modes import load_mode
-from neopp.parallel import status as ps
+from neopp.parallel import split_status as ps
 from neopp.request import GenerationRequest
 from neopp.sampling.plan import StepPlan
 from neopp.serving.request_log import request_line
