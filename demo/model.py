@@ -25,6 +25,7 @@ from neopp.model.layers import rms_norm, split_head_norm
 from neopp.model.rope import Rope3D, apply_vision_rope, vision_rope_tables
 from neopp.model.transformer import NeoPPTransformer
 from neopp.text.language_tower import LanguageTower
+from neopp.text.prompt_ids import DemoPromptIds
 from neopp.text.tokenizer import BOS, PAD, TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, UNK, WordTokenizer
 
 LLM = {"num_hidden_layers": 3, "hidden_size": 192, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -194,7 +195,7 @@ def towers(config: CheckpointConfig, params: dict[str, torch.Tensor], tokenizer:
            ) -> tuple[LanguageTower, GenerationBatch]:
     """The runtime's towers over ``params`` (trainable tensors stay the same objects, on their device)."""
     dev, dtype = next(iter(params.values())).device, torch.float32
-    language = LanguageTower.from_tensors(config, params, tokenizer, dev, dtype)
+    language = LanguageTower.from_tensors(config, params, DemoPromptIds(tokenizer), dev, dtype)
     gen = {k: v for k, v in params.items() if k.startswith(FM) or "mot_gen" in k}
     return language, GenerationBatch(config, NeoPPTransformer.from_tensors(config, gen, dev, dtype))
 

@@ -27,8 +27,8 @@ def main(argv: list[str] | None = None) -> None:
     tower = LanguageTower.from_pretrained(args.checkpoint)
     out = args.checkpoint / "sample_kv"
     out.mkdir(exist_ok=True)
-    cond, off_c = tower.encode(args.prompt)
-    uncond, off_u = tower.encode("")
+    cond, off_c = tower.conditional(args.prompt)
+    uncond, off_u = tower.unconditional("")
     for name, kv in (("cond", cond), ("uncond", uncond)):
         save_kv_file(kv.to(torch.bfloat16), out / f"{name}_kv.pt")
         save_kv_file(kv.to(torch.bfloat16), out / f"{name}_kv.online.safetensors", ONLINE)

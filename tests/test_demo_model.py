@@ -53,7 +53,7 @@ def served_predictions(ckpt, x, t, scale):
     out = []
     with torch.no_grad():
         for b, prompt in enumerate(PROMPTS):
-            kv, offset = language.encode(prompt)
+            kv, offset = language.conditional(prompt)
             branch = BranchContext(kv, offset, grid, pipe.config, pipe.device, torch.float32)
             hid = pipe.transformer.run_layers(pipe.transformer.embed(x[b:b + 1], float(t[b]), scale, grid), branch)
             out.append(pipe.transformer.predict(hid, grid))

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from neopp.errors import ConfigError, InputError
 from neopp.model.checkpoint_config import CheckpointConfig
 from neopp.text.language_tower import LanguageTower
-from neopp.text.tokenizer import MAX_PROMPT_BYTES, WordTokenizer
+from neopp.text.tokenizer import DEMO_PROMPT_BYTES, WordTokenizer
 from testing import REPO
 from testing.demo_checkpoint import write_demo_checkpoint
 from tests.reference.language_reference import reference_prefix
@@ -31,8 +31,8 @@ def tower(ckpt):
 
 @pytest.mark.parametrize("prompt", [PROMPT, "", "green square at the top on a red background"])
 def test_prefix_matches_the_float64_reference(ckpt, tower, prompt):
-    kv, offset = tower.encode(prompt)
-    ids = tower.tokenizer.encode(prompt)
+    kv, offset = tower.conditional(prompt)
+    ids = tower.prompt_ids.tokenizer.encode(prompt)
     ref = reference_prefix(ckpt, ids)
     cfg = CheckpointConfig.from_checkpoint(ckpt)
     assert kv.shape == (cfg.num_layers, 2, len(ids), cfg.num_kv_heads, cfg.head_dim)
@@ -43,15 +43,15 @@ def test_prefix_matches_the_float64_reference(ckpt, tower, prompt):
 
 def test_a_padded_batch_row_equals_the_prompt_alone(tower):
     """Causal: padding after a prompt never reaches its keys and values (training pads rows)."""
-    short, long = tower.tokenizer.encode(""), tower.tokenizer.encode(PROMPT)
+    short, long = tower.prompt_ids.tokenizer.encode(""), tower.prompt_ids.tokenizer.encode(PROMPT)
     ids = torch.tensor([short + [0] * (len(long) - 1), long])
     batch = tower.prefix_kv(ids)
-    alone, _ = tower.encode("")
+    alone, _ = tower.unconditional("")
     torch.testing.assert_close(batch[0, :, :, :1], alone, rtol=1e-5, atol=1e-5)  # GEMM shapes differ: last bits
 
 
 def test_tokenizer_rules(tower):
-    tok = tower.tokenizer
+    tok = tower.prompt_ids.tokenizer
     assert tok.encode("") == [tok.ids["<bos>"]]
     assert tok.encode("A  RED, circle!") == tok.encode("a red circle")
     assert tok.encode("an red circle") == tok.encode("a red circle")  # both articles are known
@@ -67,8 +67,8 @@ def test_tokenizer_rules(tower):
     assert tok.encode("a zebra", known_only=False)[-1] == tok.ids["<unk>"]  # training on a larger corpus
     with pytest.raises(InputError, match="PROMPT: .*at most"):
         tok.encode("red " * tok.max_tokens)
-    with pytest.raises(InputError, match=f"NEGATIVE_PROMPT: at most {MAX_PROMPT_BYTES} bytes"):
-        tok.encode("x" * (MAX_PROMPT_BYTES + 1), "NEGATIVE_PROMPT")
+    with pytest.raises(InputError, match=f"NEGATIVE_PROMPT: at most {DEMO_PROMPT_BYTES} bytes"):
+        tok.encode("x" * (DEMO_PROMPT_BYTES + 1), "NEGATIVE_PROMPT")
 
 
 def test_a_checkpoint_without_tokenizer_or_with_a_missing_key_is_refused(ckpt, tmp_path):

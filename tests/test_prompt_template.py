@@ -10,75 +10,40 @@ tokens).
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from tokenizers.trainers import BpeTrainer
+from tokenizers import Tokenizer
 
+from neopp.contract.inputs import MAX_PROMPT_CHARS
 from neopp.errors import ConfigError, InputError
 from neopp.text.prompt_template import (
     GENERATION_SYSTEM_MESSAGE,
-    MAX_PROMPT_CHARS,
     check_template,
     encode_conditional,
     encode_unconditional,
     load_u1_tokenizer,
 )
+from testing import tiny_u1
+from tests.reference.u1_prompts import cond_pieces, expected_ids, uncond_pieces
 
-REAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<think>": 151667,
-            "</think>": 151668, "<IMG_CONTEXT>": 151669, "<img>": 151670, "</img>": 151671}
 # The generation system message is 1175 characters; its digest pins it byte for byte.
 SYSTEM_SHA256 = "97bc0d73e6f61b20689dd81ad2bcf9eb795a65de5d07dd2e2c01d16503f44492"
-CORPUS = ["a red cat on the mat, a blue dog!", "Ünïcödé: 猫と犬 — café", "You are an image generation assistant."]
 MAX_TOKENS = 4096
 
 
 @pytest.fixture(scope="module")
 def bare_bpe() -> Tokenizer:
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    trainer = BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
-    return tok
+    return tiny_u1.bare_bpe()
 
 
 @pytest.fixture(scope="module")
 def ckpt_dir(tmp_path_factory, bare_bpe):
-    raw = json.loads(bare_bpe.to_str())
-    raw["model"]["vocab"].update(REAL_IDS)
-    raw["added_tokens"] = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
-                            "normalized": False, "special": True} for t, i in REAL_IDS.items()]
-    folder = tmp_path_factory.mktemp("u1")
-    (folder / "tokenizer.json").write_text(json.dumps(raw), encoding="utf-8")
-    return folder
+    return tiny_u1.write_u1_tokenizer(tmp_path_factory.mktemp("u1"), bare_bpe)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(ckpt_dir):
     return load_u1_tokenizer(ckpt_dir)
-
-
-def expected_ids(bare: Tokenizer, pieces: list[str]) -> list[int]:
-    """Special tokens by their real id wherever they occur (the system message itself names
-    ``<think></think>``), every plain run through the bare BPE model."""
-    split = re.compile("(" + "|".join(re.escape(t) for t in REAL_IDS) + ")")
-    ids: list[int] = []
-    for part in split.split("".join(pieces)):
-        ids += [REAL_IDS[part]] if part in REAL_IDS else bare.encode(part, add_special_tokens=False).ids
-    return ids
-
-
-def cond_pieces(prompt: str) -> list[str]:
-    return ["<|im_start|>", "system\n" + GENERATION_SYSTEM_MESSAGE, "<|im_end|>", "\n",
-            "<|im_start|>", "user\n" + prompt, "<|im_end|>", "\n", "<|im_start|>", "assistant\n",
-            "<think>", "\n\n", "</think>", "\n\n", "<img>"]
-
-
-def uncond_pieces(negative: str) -> list[str]:
-    return ["<|im_start|>", "user\n" + negative, "<|im_end|>", "\n", "<|im_start|>", "assistant\n", "<img>"]
 
 
 def test_system_message_is_the_official_one():

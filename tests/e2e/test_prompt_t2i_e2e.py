@@ -102,8 +102,8 @@ def test_encoder_outputs_have_neopp_dense_s_geometry_and_equal_the_tower_s(serve
     out = served.infer("neopp_prompt_encoder", ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND"),
                        PROMPT=text(PROMPT))
     tower = LanguageTower.from_pretrained(served.checkpoint)
-    cond, offset = tower.encode(PROMPT)
-    uncond, _ = tower.encode("")
+    cond, offset = tower.conditional(PROMPT)
+    uncond, _ = tower.unconditional("")
     assert torch.equal(torch.from_numpy(out["COND_KV"]), cond.to(torch.bfloat16).float())
     assert torch.equal(torch.from_numpy(out["UNCOND_KV"]), uncond.to(torch.bfloat16).float())
     assert out["INDEX_OFFSET_COND"].tolist() == [offset] == [11] and out["INDEX_OFFSET_UNCOND"].tolist() == [1]

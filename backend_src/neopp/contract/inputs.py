@@ -10,6 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# A prompt (PROMPT, NEGATIVE_PROMPT; /v1's prompt): at most this many characters, and at the
+# boundary, before it is decoded, at most 4 UTF-8 bytes each. A checkpoint's tokenizer may bound
+# it further (the demo's words; a U1 prefix's tokens).
+MAX_PROMPT_CHARS = 8192
+MAX_PROMPT_BYTES = 4 * MAX_PROMPT_CHARS
 
 @dataclass(frozen=True)
 class TensorSpec:

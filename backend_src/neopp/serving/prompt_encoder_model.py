@@ -43,8 +43,8 @@ def encoder_checkpoint(model_config: dict[str, Any], model_dir: Path | None) -> 
 
 def encode_prompts(tower: LanguageTower, req: PromptRequest) -> dict[str, torch.Tensor | np.ndarray]:
     """The four outputs: BF16 prefixes (online layout) and INT64 [1] offsets."""
-    cond, cond_offset = tower.encode(req.prompt, "PROMPT")
-    uncond, uncond_offset = tower.encode(req.negative_prompt, "NEGATIVE_PROMPT")
+    cond, cond_offset = tower.conditional(req.prompt)
+    uncond, uncond_offset = tower.unconditional(req.negative_prompt)
     return {"COND_KV": cond.to(device="cpu", dtype=torch.bfloat16).contiguous(),
             "UNCOND_KV": uncond.to(device="cpu", dtype=torch.bfloat16).contiguous(),
             "INDEX_OFFSET_COND": np.array([cond_offset], dtype=np.int64),
@@ -91,7 +91,8 @@ class PromptEncoderTritonModel:
         except (ConfigError, OSError) as exc:
             raise ConfigError(f"model {self.model_name}: checkpoint {ckpt}: {exc}") from exc
         self.logger.log_info(f"{self.model_name}: loaded {ckpt} device={device} kv_dims={self.tower.config.kv_dims} "
-                             f"vocabulary={len(self.tower.tokenizer.vocab)} words")
+                             f"prompts={self.tower.prompt_ids.kind} "
+                             f"vocabulary={self.tower.prompt_ids.vocabulary_size()}")
 
     def execute(self, requests: list[Any]) -> list[Any]:
         """One response per request; a refused request never affects the next one."""

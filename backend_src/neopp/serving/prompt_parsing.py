@@ -1,8 +1,9 @@
 """The prompt encoder's request: ``PROMPT`` and optional ``NEGATIVE_PROMPT``, checked before any
 tensor is computed. Pure Python (no Triton import), so the rules are testable without a server.
 
-Prompts have their own bound (the tokenizer's ``MAX_PROMPT_BYTES``), not the 64 bytes of the
-generation models' enum-like strings: a prompt is free text.
+Prompts have their own bound (``neopp.contract.inputs.MAX_PROMPT_BYTES``), not the 64 bytes of
+the generation models' enum-like strings: a prompt is free text, passed on as written (a U1
+template holds it byte for byte; the checkpoint's tokenizer applies its own bounds).
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.inputs import MAX_PROMPT_BYTES
 from ..errors import SHOWN_CHARS, InputError, shown
-from ..text.tokenizer import MAX_PROMPT_BYTES
 
 PROMPT_INPUTS = ("PROMPT", "NEGATIVE_PROMPT")
 
@@ -40,7 +41,7 @@ def prompt_text(name: str, value: Any) -> str:
     if len(item) > MAX_PROMPT_BYTES:
         raise InputError(f"{name}: at most {MAX_PROMPT_BYTES} bytes, got {len(item)} ({shown(bytes(item))})")
     try:
-        return bytes(item).decode("utf-8").strip()
+        return bytes(item).decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"{name}: must be UTF-8 text, got {shown(bytes(item))}") from None
 

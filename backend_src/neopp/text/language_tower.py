@@ -1,6 +1,7 @@
 """The understanding tower of the checkpoint, run over a prompt to produce its KV prefix.
 
-Its weights carry the real key names without ``_mot_gen``. Each layer's keys are stored after
+Its weights carry the real key names without ``_mot_gen``; which ids a prompt becomes is the
+checkpoint's own rule (:mod:`.prompt_ids`: U1's template, or the demo's words). Each layer's keys are stored after
 the split q/k norm and the 3-D RoPE with text positions (temporal index = token position,
 both spatial indices 0), and its values as projected: exactly what the generation tower
 expects to find in a prefix, in the online layout ``[NL, 2, S, NKV, HD]``.
@@ -18,7 +19,7 @@ from ..model.checkpoint import LM, layer_prefix, read_generation_tensors
 from ..model.checkpoint_config import CheckpointConfig
 from ..model.layers import DecoderLayer, Linear, SwiGLU, rms_norm, split_head_norm
 from ..model.rope import Rope3D
-from .tokenizer import TOKENIZER_FILE, WordTokenizer
+from .prompt_ids import PromptIds, load_prompt_ids
 
 EMBED = LM + "embed_tokens.weight"
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -45,23 +46,24 @@ class LanguageTower:
     serving run the same code."""
 
     def __init__(self, config: CheckpointConfig, embed: torch.Tensor, layers: list[DecoderLayer],
-                 tokenizer: WordTokenizer) -> None:
-        self.config, self.embed, self.layers, self.tokenizer = config, embed, layers, tokenizer
+                 prompt_ids: PromptIds) -> None:
+        self.config, self.embed, self.layers, self.prompt_ids = config, embed, layers, prompt_ids
 
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32) -> LanguageTower:
         ckpt_dir = Path(ckpt_dir)
-        if not (ckpt_dir / TOKENIZER_FILE).is_file():
-            raise ConfigError(f"checkpoint {ckpt_dir}: no {TOKENIZER_FILE}; this checkpoint has no prompt encoder")
+        try:
+            prompt_ids = load_prompt_ids(ckpt_dir)
+        except ConfigError as exc:
+            raise ConfigError(f"checkpoint {ckpt_dir}: {exc}") from exc
         config = CheckpointConfig.from_checkpoint(ckpt_dir)
-        tokenizer = WordTokenizer.from_file(ckpt_dir / TOKENIZER_FILE)
         tensors = read_generation_tensors(ckpt_dir, is_language_key)
-        check_language_shapes(config, tensors, len(tokenizer.vocab))
-        return cls.from_tensors(config, tensors, tokenizer, torch.device(device), dtype)
+        check_language_shapes(config, tensors, prompt_ids.vocabulary_size())
+        return cls.from_tensors(config, tensors, prompt_ids, torch.device(device), dtype)
 
     @classmethod
-    def from_tensors(cls, config: CheckpointConfig, tensors: dict[str, torch.Tensor], tokenizer: WordTokenizer,
+    def from_tensors(cls, config: CheckpointConfig, tensors: dict[str, torch.Tensor], prompt_ids: PromptIds,
                      device: torch.device, dtype: torch.dtype) -> LanguageTower:
         """Tensors already on ``device`` in ``dtype`` (trainable parameters) are used as they are."""
 
@@ -77,7 +79,7 @@ class LanguageTower:
                 input_norm=t(p + "input_layernorm.weight"), post_norm=t(p + "post_attention_layernorm.weight"),
                 q_norm=torch.stack([t(a + "q_norm.weight"), t(a + "q_norm_hw.weight")]),
                 k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]), mlp=mlp, **lin))
-        return cls(config, t(EMBED), layers, tokenizer)
+        return cls(config, t(EMBED), layers, prompt_ids)
 
     def prefix_kv(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, S] -> [B, NL, 2, S, NKV, HD]. Causal, so a right-padded row's first tokens
@@ -101,17 +103,30 @@ class LanguageTower:
         return torch.stack(kvs, dim=1)
 
     @torch.inference_mode()
-    def encode(self, prompt: str, name: str = "PROMPT") -> tuple[torch.Tensor, int]:
-        """One prompt's prefix [NL, 2, S, NKV, HD] and its index offset (the position after it)."""
-        ids = torch.tensor([self.tokenizer.encode(prompt, name)], device=self.embed.device)
-        return self.prefix_kv(ids)[0], ids.shape[1]
+    def encode_ids(self, ids: list[int]) -> tuple[torch.Tensor, int]:
+        """One prefix [NL, 2, S, NKV, HD] and its index offset (the position after it)."""
+        batch = torch.tensor([ids], device=self.embed.device)
+        return self.prefix_kv(batch)[0], len(ids)
+
+    def conditional(self, prompt: str) -> tuple[torch.Tensor, int]:
+        """``PROMPT``'s prefix and index offset."""
+        return self.encode_ids(self.prompt_ids.conditional(prompt))
+
+    def unconditional(self, negative_prompt: str = "") -> tuple[torch.Tensor, int]:
+        """The unconditional prefix (``NEGATIVE_PROMPT`` in its text's place) and its index offset."""
+        return self.encode_ids(self.prompt_ids.unconditional(negative_prompt))
 
 
 def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor], vocab: int) -> None:
-    """Every key present, with the geometry of the generation tower it feeds."""
+    """Every key present, with the geometry of the generation tower it feeds; an embedding row for
+    every id the tokenizer makes (a real checkpoint pads its table past the tokenizer's ids)."""
     d, hd = config.hidden_size, config.head_dim
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
-    want = {EMBED: (vocab, d)}
+    rows = tensors[EMBED].shape[0] if EMBED in tensors and tensors[EMBED].dim() == 2 else 0
+    want = {EMBED: (max(vocab, rows), d)}
+    if _has_expert_mlp(config, tensors):
+        raise ConfigError("checkpoint: the understanding tower's MLP is a mixture of experts, which this prompt "
+                          "encoder does not run; use a dense checkpoint's prompt encoder, or send KV from LightLLM")
     for i in range(config.num_layers):
         p, a = layer_prefix(i), layer_prefix(i) + "self_attn."
         want.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
@@ -126,3 +141,9 @@ def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Ten
             raise ConfigError(f"checkpoint: language-tower tensor '{key}' is missing")
         if key in want and tuple(tensors[key].shape) != want[key]:
             raise ConfigError(f"checkpoint: '{key}' has shape {tuple(tensors[key].shape)}, expected {want[key]}")
+
+
+def _has_expert_mlp(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) -> bool:
+    """The first layer's understanding MLP is routed experts (``mlp.experts.*``), not one SwiGLU."""
+    prefix = layer_prefix(0) + "mlp.experts."
+    return config.num_layers > 0 and any(key.startswith(prefix) for key in tensors)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..contract.inputs import MAX_PROMPT_CHARS
 from ..errors import ConfigError, InputError
 from .checkpoint_tokenizer import CheckpointTokenizer, load_checkpoint_tokenizer
 
@@ -27,7 +28,6 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 IMG_START, IMG_END, IMG_CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
 SPECIAL_TOKENS = (IM_START, IM_END, THINK_OPEN, THINK_CLOSE, IMG_START, IMG_END, IMG_CONTEXT)
 CLOSED_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
-MAX_PROMPT_CHARS = 8192
 
 __all__ = ["GENERATION_SYSTEM_MESSAGE", "PromptPrefix", "check_template", "conditional_query",
            "encode_conditional", "encode_unconditional", "load_u1_tokenizer", "unconditional_query"]

@@ -26,7 +26,7 @@ from ..json_file import read_json_object
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 PAD, BOS, UNK = "<pad>", "<bos>", "<unk>"
-MAX_PROMPT_BYTES = 2048
+DEMO_PROMPT_BYTES = 2048  # the demo's prompts are a few words
 _WORD = re.compile(r"[a-z0-9]+")
 ALIASES = {"an": "a"}  # a word the vocabulary spells another way
 
@@ -79,8 +79,8 @@ class WordTokenizer:
         branch). ``name`` is the input the prompt came from, for the error message.
         ``known_only=False`` (training on a corpus larger than a small test vocabulary) maps an
         unknown word to ``<unk>`` instead of refusing the prompt."""
-        if len(prompt.encode("utf-8")) > MAX_PROMPT_BYTES:
-            raise InputError(f"{name}: at most {MAX_PROMPT_BYTES} bytes")
+        if len(prompt.encode("utf-8")) > DEMO_PROMPT_BYTES:
+            raise InputError(f"{name}: at most {DEMO_PROMPT_BYTES} bytes")
         ids = self.ids
         words = [w if w in ids else ALIASES.get(w, w) for w in self.words(prompt)]
         unknown = list(dict.fromkeys(w for w in words if w not in ids))  # a word is [a-z0-9]+: never <unk>

@@ -22,6 +22,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ...contract.adapter_names import MAX_NAME_CHARS, SCALE_MAX_ABS
 from ...contract.deployment import LORA_DIR_ENV, env_override
+from ...contract.inputs import MAX_PROMPT_CHARS
 from ...contract.sizes import is_openai_size, openai_size, openai_text
 from . import strict_json
 from .spliced_request import WireRequest
@@ -32,7 +33,7 @@ ENCODER_MODEL = "neopp_prompt_encoder"
 STREAM_SUFFIX = "_stream"  # the streamed twin of a generation model
 DEFAULT_MODEL = "neopp_dense"
 FORMATS = ("png", "jpeg", "webp")
-MAX_IMAGES, MAX_PROMPT = 4, 4000
+MAX_IMAGES, MAX_PROMPT = 4, MAX_PROMPT_CHARS
 # OpenAI's parameters whose only values here are what this server does anyway: any other value
 # would be a promise the answer does not keep, so it is refused by name
 ACCEPTED_AND_IGNORED = {"quality": ("auto",), "background": ("auto", "opaque"), "moderation": ("auto", "low")}

@@ -1,0 +1,85 @@
+"""A tiny SenseNova-U1 checkpoint with its prompt side: the real architecture, real key names.
+
+Beside the generation tower of ``testing.tiny_checkpoint``, it holds the understanding tower
+(``language_model.model.*`` without ``_mot_gen``: token embedding, split q/k norms, SwiGLU MLPs),
+``template: neo1_0`` in ``config.json``, and a byte-level BPE ``tokenizer.json`` trained here on a
+few sentences, carrying the Qwen3 / U1 special tokens at their real ids. So the embedding has a
+row for id 151671 (``</img>``): the table is 151,672 rows of a narrow width, stored in bf16 as a
+real checkpoint is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.trainers import BpeTrainer
+
+from neopp.model.checkpoint import LM, layer_prefix
+from testing.tiny_checkpoint import write_tiny_checkpoint
+
+REAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<think>": 151667,
+            "</think>": 151668, "<IMG_CONTEXT>": 151669, "<img>": 151670, "</img>": 151671}
+CORPUS = ["a red cat on the mat, a blue dog!", "Ünïcödé: 猫と犬 — café", "You are an image generation assistant."]
+# Narrower than the generation tests' tower: the embedding has 151,672 rows.
+U1_LLM = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+U1_MLP = 128
+
+
+def bare_bpe() -> Tokenizer:
+    """A byte-level BPE model trained on ``CORPUS``, without the special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 20, trainer=trainer)
+    return tok
+
+
+def write_u1_tokenizer(folder: Path, bare: Tokenizer) -> Path:
+    """``tokenizer.json``: ``bare`` with the special tokens added at their real ids."""
+    raw = json.loads(bare.to_str())
+    raw["model"]["vocab"].update(REAL_IDS)
+    raw["added_tokens"] = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False,
+                            "normalized": False, "special": True} for t, i in REAL_IDS.items()]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(raw), encoding="utf-8")
+    (folder / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 131072}), encoding="utf-8")
+    return folder
+
+
+def understanding_tensors(llm: dict, rows: int, seed: int) -> dict[str, torch.Tensor]:
+    """The understanding tower's weights: linears ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2)."""
+    g = torch.Generator().manual_seed(seed)
+    d, hd, nh, nkv = llm["hidden_size"], llm["head_dim"], llm["num_attention_heads"], llm["num_key_value_heads"]
+
+    def linear(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) / in_f ** 0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    w = {LM + "embed_tokens.weight": torch.randn(rows, d, generator=g).to(torch.bfloat16)}
+    for i in range(llm["num_hidden_layers"]):
+        p, a = layer_prefix(i), layer_prefix(i) + "self_attn."
+        w.update({p + "input_layernorm.weight": norm(d), p + "post_attention_layernorm.weight": norm(d),
+                  a + "q_proj.weight": linear(nh * hd, d), a + "k_proj.weight": linear(nkv * hd, d),
+                  a + "v_proj.weight": linear(nkv * hd, d), a + "o_proj.weight": linear(d, nh * hd),
+                  p + "mlp.gate_proj.weight": linear(U1_MLP, d), p + "mlp.up_proj.weight": linear(U1_MLP, d),
+                  p + "mlp.down_proj.weight": linear(d, U1_MLP)})
+        w.update({f"{a}{n}.weight": norm(hd // 2) for n in ("q_norm", "k_norm", "q_norm_hw", "k_norm_hw")})
+    return w
+
+
+def write_tiny_u1_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
+    """A dense tiny checkpoint that draws and encodes its own prompts."""
+    out = write_tiny_checkpoint(out_dir, "dense", seed, overrides={"template": "neo1_0", "llm_config": U1_LLM})
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors.update(understanding_tensors(config["llm_config"], max(REAL_IDS.values()) + 1, seed + 1))
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    write_u1_tokenizer(out, bare_bpe())
+    return out

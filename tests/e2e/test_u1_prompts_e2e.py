@@ -1,0 +1,109 @@
+"""Prompt in, picture out on a SenseNova-U1 checkpoint, through a real tritonserver.
+
+The checkpoint is tiny but real in form (``testing.tiny_u1``: the understanding tower, a
+byte-level BPE tokenizer with the special tokens at their real ids, ``template: neo1_0``).
+``neopp_prompt_encoder`` must answer the official template's prefixes (ids written out plainly
+in ``tests.reference.u1_prompts``), ``neopp_t2i`` the picture ``neopp_dense`` draws on them, and a
+prompt over the token bound is refused by name while the model keeps serving.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import numpy as np
+import pytest
+import torch
+import tritonclient.grpc as grpcclient
+from PIL import Image
+from tritonclient.utils import InferenceServerException
+
+from neopp.launcher.tritonserver import TritonServer
+from neopp.procs import process_group_members
+from neopp.text.language_tower import LanguageTower
+from testing import REPO, tiny_u1
+from tests.reference.u1_prompts import cond_pieces, expected_ids, uncond_pieces
+
+MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i")
+PROMPT, NEGATIVE = "Ünïcödé: a red cat on the mat — 猫!", "blurry, a dog"
+PREFIXES = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")
+SMALL = {"SIZE": np.array([64, 96], np.int64), "STEPS": np.array([2], np.int64), "SEED": np.array([7], np.int64),
+         "OUTPUT_FORMAT": np.array([b"png"], np.object_)}
+
+
+def text(value: str) -> np.ndarray:
+    return np.array([value.encode()], dtype=np.object_)
+
+
+class Client:
+    def __init__(self, url: str) -> None:
+        self.grpc = grpcclient.InferenceServerClient(url)
+
+    def infer(self, model: str, outputs: tuple[str, ...], **inputs: np.ndarray | tuple) -> dict[str, np.ndarray]:
+        tensors = []
+        for name, value in inputs.items():
+            arr, dtype = value if isinstance(value, tuple) else \
+                (value, {"i": "INT64", "O": "BYTES"}[value.dtype.kind])
+            tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
+            tensor.set_data_from_numpy(arr)
+            tensors.append(tensor)
+        result = self.grpc.infer(model, tensors, outputs=[grpcclient.InferRequestedOutput(n) for n in outputs],
+                                 client_timeout=120)
+        return {name: result.as_numpy(name) for name in outputs}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_u1.write_tiny_u1_checkpoint(tmp_path_factory.mktemp("u1") / "dense", seed=4)
+
+
+@pytest.fixture(scope="module")
+def client(ckpt, tmp_path_factory):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT", "NEOPP_LORA_DIR"))}
+    env.update(NEOPP_CHECKPOINT=str(ckpt))
+    server = TritonServer(REPO / "model_repository", env=env, log_path=tmp_path_factory.mktemp("log") / "triton.log",
+                          extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
+                                      *(f"--load-model={m}" for m in MODELS)])
+    server.start()
+    pgid = server.process.pid
+    try:
+        server.wait_ready(timeout=300)
+        handle = Client(server.grpc_url)
+        yield handle
+        handle.grpc.close()
+    finally:
+        server.stop(timeout=30)
+        assert not process_group_members(pgid), "tritonserver left processes behind"
+
+
+def test_the_encoder_answers_the_official_prefixes(client, ckpt):
+    out = client.infer("neopp_prompt_encoder", PREFIXES, PROMPT=text(PROMPT), NEGATIVE_PROMPT=text(NEGATIVE))
+    bare = tiny_u1.bare_bpe()
+    cond_ids, uncond_ids = expected_ids(bare, cond_pieces(PROMPT)), expected_ids(bare, uncond_pieces(NEGATIVE))
+    assert out["INDEX_OFFSET_COND"].tolist() == [len(cond_ids)]
+    assert out["INDEX_OFFSET_UNCOND"].tolist() == [len(uncond_ids)]
+    tower = LanguageTower.from_pretrained(ckpt)  # its float32 prefixes against the float64 ones: test_u1_prompt_encoder
+    assert torch.equal(torch.from_numpy(out["COND_KV"]), tower.encode_ids(cond_ids)[0].to(torch.bfloat16).float())
+    assert torch.equal(torch.from_numpy(out["UNCOND_KV"]), tower.encode_ids(uncond_ids)[0].to(torch.bfloat16).float())
+
+
+def test_t2i_draws_what_neopp_dense_draws_on_those_prefixes(client):
+    image = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), NEGATIVE_PROMPT=text(NEGATIVE),
+                         **SMALL)["IMAGE"][0]
+    assert image[:4] == b"\x89PNG" and Image.open(io.BytesIO(image)).size == (96, 64)
+    enc = client.infer("neopp_prompt_encoder", PREFIXES, PROMPT=text(PROMPT), NEGATIVE_PROMPT=text(NEGATIVE))
+    direct = client.infer("neopp_dense", ("IMAGE",), COND_KV=(enc["COND_KV"], "BF16"),
+                          UNCOND_KV=(enc["UNCOND_KV"], "BF16"), INDEX_OFFSET_COND=enc["INDEX_OFFSET_COND"],
+                          INDEX_OFFSET_UNCOND=enc["INDEX_OFFSET_UNCOND"], **SMALL)["IMAGE"][0]
+    assert direct == image
+
+
+def test_a_prompt_over_the_token_bound_is_refused_and_the_next_is_served(client):
+    for model in ("neopp_prompt_encoder", "neopp_t2i"):
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(model, ("IMAGE",) if model == "neopp_t2i" else PREFIXES, PROMPT=text("猫" * 4000))
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT", info.value
+        assert "PROMPT: its prefix makes" in info.value.message() and "at most 4096" in info.value.message()
+    out = client.infer("neopp_prompt_encoder", ("INDEX_OFFSET_COND",), PROMPT=text("a cat"))
+    assert out["INDEX_OFFSET_COND"][0] > 0
