@@ -19,6 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.trainers import BpeTrainer
 
 from neopp.model.checkpoint import LM, layer_prefix
+from neopp.text.language_tower import LM_HEAD
 from testing.tiny_checkpoint import write_tiny_checkpoint
 
 REAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<think>": 151667,
@@ -62,7 +63,8 @@ def understanding_tensors(llm: dict, rows: int, seed: int) -> dict[str, torch.Te
     def norm(n: int) -> torch.Tensor:
         return 1.0 + 0.1 * torch.randn(n, generator=g)
 
-    w = {LM + "embed_tokens.weight": torch.randn(rows, d, generator=g).to(torch.bfloat16)}
+    w = {LM + "embed_tokens.weight": torch.randn(rows, d, generator=g).to(torch.bfloat16),
+         LM + "norm.weight": norm(d), LM_HEAD: linear(rows, d).to(torch.bfloat16)}  # untied, as U1-8B
     for i in range(llm["num_hidden_layers"]):
         p, a = layer_prefix(i), layer_prefix(i) + "self_attn."
         w.update({p + "input_layernorm.weight": norm(d), p + "post_attention_layernorm.weight": norm(d),

@@ -20,6 +20,29 @@ LM = "language_model.model."
 
 def reference_prefix(ckpt_dir: Path, ids: list[int]) -> torch.Tensor:
     """[NL, 2, S, NKV, HD] float64 for one prompt's token ids."""
+    return reference_forward(ckpt_dir, ids)[0]
+
+
+def reference_think(ckpt_dir: Path, query: list[int], tail: list[int], think_close: int, end_of_turn: int,
+                    cap: int) -> tuple[list[int], list[int]]:
+    """Think mode as the official rule states it: from the query, write the argmax of the next
+    token's logits (the final norm, then lm_head) until ``</think>`` (kept), the end of the
+    turn (not kept) or ``cap`` tokens, then the tail. Returns (the whole prefix's ids, the
+    reasoning's ids). Every step runs the whole sequence again: slow, plain, float64."""
+    ids, written = list(query), []
+    for _ in range(cap):
+        token = int(torch.argmax(reference_forward(ckpt_dir, ids)[2]))
+        if token == end_of_turn:
+            break
+        written.append(token)
+        ids.append(token)
+        if token == think_close:
+            break
+    return ids + list(tail), written
+
+
+def reference_forward(ckpt_dir: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(prefix [NL, 2, S, NKV, HD], last hidden state, next-token logits or None without a head)."""
     raw = json.loads((Path(ckpt_dir) / "config.json").read_text())["llm_config"]
     w = {k: v.to(F64) for k, v in load_file(str(Path(ckpt_dir) / "model.safetensors")).items()}
     NL, NH, NKV, HD = raw["num_hidden_layers"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
@@ -48,4 +71,7 @@ def reference_prefix(ckpt_dir: Path, ids: list[int]) -> torch.Tensor:
         b = rmsnorm(hid, w[p + "post_attention_layernorm.weight"], eps)
         hid = hid + linear(silu(linear(b, w[p + "mlp.gate_proj.weight"])) * linear(b, w[p + "mlp.up_proj.weight"]),
                            w[p + "mlp.down_proj.weight"])
-    return out
+    if LM + "norm.weight" not in w:
+        return out, hid[-1], None
+    head = w.get("language_model.lm_head.weight", w[LM + "embed_tokens.weight"])
+    return out, hid[-1], linear(rmsnorm(hid[-1:], w[LM + "norm.weight"], eps), head)[0]

@@ -32,6 +32,10 @@ class CheckpointTokenizer:
     def token_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of ``ids``, special tokens written out."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
 
 def load_checkpoint_tokenizer(folder: str | Path, required: tuple[str, ...] = ()) -> CheckpointTokenizer:
     """Read ``folder/tokenizer.json``; every token in ``required`` must encode to one id."""

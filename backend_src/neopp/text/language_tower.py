@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ConfigError
+from ..json_file import read_json_object
 from ..model.checkpoint import LM, layer_prefix, read_generation_tensors
 from ..model.checkpoint_config import CheckpointConfig
 from ..model.layers import DecoderLayer, Linear, SwiGLU, rms_norm, split_head_norm
@@ -22,12 +23,14 @@ from ..model.rope import Rope3D
 from .prompt_ids import PromptIds, load_prompt_ids
 
 EMBED = LM + "embed_tokens.weight"
+FINAL_NORM = LM + "norm.weight"
+LM_HEAD = "language_model.lm_head.weight"  # beside the model, under the same root
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 NORMS = ("q_norm", "k_norm", "q_norm_hw", "k_norm_hw")
 
 
 def is_language_key(key: str) -> bool:
-    return key.startswith(LM) and "mot_gen" not in key
+    return (key.startswith(LM) and "mot_gen" not in key) or key == LM_HEAD
 
 
 def language_keys(config: CheckpointConfig) -> list[str]:
@@ -46,8 +49,9 @@ class LanguageTower:
     serving run the same code."""
 
     def __init__(self, config: CheckpointConfig, embed: torch.Tensor, layers: list[DecoderLayer],
-                 prompt_ids: PromptIds) -> None:
+                 prompt_ids: PromptIds, head: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.config, self.embed, self.layers, self.prompt_ids = config, embed, layers, prompt_ids
+        self.head = head  # (final norm, lm_head): the tower can write text (think mode); None: prefixes only
 
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | Path, device: str | torch.device = "cpu",
@@ -60,12 +64,15 @@ class LanguageTower:
         config = CheckpointConfig.from_checkpoint(ckpt_dir)
         tensors = read_generation_tensors(ckpt_dir, is_language_key)
         check_language_shapes(config, tensors, prompt_ids.vocabulary_size())
-        return cls.from_tensors(config, tensors, prompt_ids, torch.device(device), dtype)
+        llm = read_json_object(ckpt_dir / "config.json", "config.json").get("llm_config") or {}
+        tied = llm.get("tie_word_embeddings") is True
+        return cls.from_tensors(config, tensors, prompt_ids, torch.device(device), dtype, tied)
 
     @classmethod
     def from_tensors(cls, config: CheckpointConfig, tensors: dict[str, torch.Tensor], prompt_ids: PromptIds,
-                     device: torch.device, dtype: torch.dtype) -> LanguageTower:
-        """Tensors already on ``device`` in ``dtype`` (trainable parameters) are used as they are."""
+                     device: torch.device, dtype: torch.dtype, tied: bool = False) -> LanguageTower:
+        """Tensors already on ``device`` in ``dtype`` (trainable parameters) are used as they are.
+        ``tied``: the checkpoint's lm_head is its token embedding (``tie_word_embeddings``)."""
 
         def t(key: str) -> torch.Tensor:
             return tensors[key].to(device=device, dtype=dtype)
@@ -79,7 +86,10 @@ class LanguageTower:
                 input_norm=t(p + "input_layernorm.weight"), post_norm=t(p + "post_attention_layernorm.weight"),
                 q_norm=torch.stack([t(a + "q_norm.weight"), t(a + "q_norm_hw.weight")]),
                 k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]), mlp=mlp, **lin))
-        return cls(config, t(EMBED), layers, prompt_ids)
+        head = None
+        if FINAL_NORM in tensors and (LM_HEAD in tensors or tied):  # the output head, to write text with
+            head = (t(FINAL_NORM), t(EMBED) if tied else t(LM_HEAD))
+        return cls(config, t(EMBED), layers, prompt_ids, head)
 
     def prefix_kv(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, S] -> [B, NL, 2, S, NKV, HD]. Causal, so a right-padded row's first tokens
@@ -101,6 +111,39 @@ class LanguageTower:
             hid = hid + layer.o_proj(out.transpose(1, 2).reshape(b, s, nh * hd))
             hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
         return torch.stack(kvs, dim=1)
+
+    def extend(self, cache: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
+        """Run ``ids`` after the tokens ``cache`` holds (one [2, S, NKV, HD] per layer, grown in
+        place), each seeing what precedes it; their positions continue the cache's. Returns the
+        last token's hidden state after the final norm (the logits' input)."""
+        c = self.config
+        nh, nkv, hd, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        start, n = (cache[0].shape[1] if cache else 0), len(ids)
+        rope = Rope3D.text(start + n, hd, c.rope_theta, c.rope_theta_hw, self.embed.device).padded_slice(
+            start + n, start, start + n)
+        seen = torch.arange(start + n, device=self.embed.device)
+        mask = seen[None, :] <= seen[start:, None]  # [n, start + n]: causal over the whole sequence
+        hid = F.embedding(torch.tensor(ids, device=self.embed.device), self.embed)
+        for i, layer in enumerate(self.layers):
+            a = rms_norm(hid, layer.input_norm, eps)
+            q = rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm, eps))
+            k = rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm, eps))
+            v = layer.v_proj(a).view(n, nkv, hd)
+            new = torch.stack([k, v])  # [2, n, NKV, HD]
+            if len(cache) <= i:
+                cache.append(new)
+            else:
+                cache[i] = torch.cat([cache[i], new], dim=1)
+            keys, values = cache[i][0], cache[i][1]
+            out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                                 attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
+            hid = hid + layer.o_proj(out.transpose(0, 1).reshape(n, nh * hd))
+            hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
+        return rms_norm(hid[-1], self.head[0], eps) if self.head is not None else hid[-1]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The next token's scores over the vocabulary (needs the output head)."""
+        return F.linear(hidden, self.head[1])
 
     @torch.inference_mode()
     def encode_ids(self, ids: list[int]) -> tuple[torch.Tensor, int]:
@@ -136,6 +179,10 @@ def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Ten
         width = tensors.get(f"{p}mlp.gate_proj.weight", torch.empty(0, d)).shape[0]
         want.update({f"{p}mlp.gate_proj.weight": (width, d), f"{p}mlp.up_proj.weight": (width, d),
                      f"{p}mlp.down_proj.weight": (d, width)})
+    want.update({FINAL_NORM: (d,), LM_HEAD: (want[EMBED][0], d)})  # the output head, where present
+    for key in (FINAL_NORM, LM_HEAD):
+        if key in tensors and tuple(tensors[key].shape) != want[key]:
+            raise ConfigError(f"checkpoint: '{key}' has shape {tuple(tensors[key].shape)}, expected {want[key]}")
     for key in language_keys(config):
         if key not in tensors:
             raise ConfigError(f"checkpoint: language-tower tensor '{key}' is missing")

@@ -20,7 +20,17 @@ from typing import Protocol
 from ..errors import ConfigError
 from ..json_file import read_json_object
 from .checkpoint_tokenizer import CheckpointTokenizer
-from .prompt_template import TEMPLATE_NAME, check_template, encode_conditional, encode_unconditional, load_u1_tokenizer
+from .prompt_template import (
+    IM_END,
+    IMAGE_TAIL,
+    TEMPLATE_NAME,
+    THINK_CLOSE,
+    check_template,
+    encode_conditional,
+    encode_think,
+    encode_unconditional,
+    load_u1_tokenizer,
+)
 from .tokenizer import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WordTokenizer
 
 # The most tokens a U1 prefix may hold: the system message alone is about 250; the tokenizer's
@@ -62,6 +72,14 @@ class DemoPromptIds:
 
 
 @dataclass(frozen=True)
+class ThinkMarks:
+    """The tokens that end the reasoning: ``</think>`` (kept) and the end of the turn (not kept)."""
+
+    think_close: int
+    end_of_turn: int
+
+
+@dataclass(frozen=True)
 class U1PromptIds:
     tokenizer: CheckpointTokenizer
     max_tokens: int = MAX_PREFIX_TOKENS
@@ -75,6 +93,22 @@ class U1PromptIds:
 
     def vocabulary_size(self) -> int:
         return max(self.tokenizer.tokenizer.get_vocab(with_added_tokens=True).values()) + 1
+
+    def think_conditional(self, prompt: str) -> list[int]:
+        """The ids of ``PROMPT``'s think-mode query (its think block open)."""
+        return list(encode_think(self.tokenizer, prompt, self.max_tokens).ids)
+
+    def image_tail(self) -> list[int]:
+        return self.tokenizer.encode(IMAGE_TAIL)
+
+    def think_marks(self) -> ThinkMarks:
+        ids = (self.tokenizer.token_id(THINK_CLOSE), self.tokenizer.token_id(IM_END))
+        if None in ids:  # load_u1_tokenizer checked both: never a client's fault
+            raise ConfigError("tokenizer.json: </think> or <|im_end|> has no id")
+        return ThinkMarks(*ids)  # type: ignore[arg-type]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
 
 
 def load_prompt_ids(ckpt_dir: str | Path) -> PromptIds:

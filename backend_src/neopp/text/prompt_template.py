@@ -29,8 +29,9 @@ IMG_START, IMG_END, IMG_CONTEXT = "<img>", "</img>", "<IMG_CONTEXT>"
 SPECIAL_TOKENS = (IM_START, IM_END, THINK_OPEN, THINK_CLOSE, IMG_START, IMG_END, IMG_CONTEXT)
 CLOSED_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
 
-__all__ = ["GENERATION_SYSTEM_MESSAGE", "PromptPrefix", "check_template", "conditional_query",
-           "encode_conditional", "encode_unconditional", "load_u1_tokenizer", "unconditional_query"]
+__all__ = ["GENERATION_SYSTEM_MESSAGE", "IMAGE_TAIL", "PromptPrefix", "check_template", "conditional_query",
+           "encode_conditional", "encode_think", "encode_unconditional", "load_u1_tokenizer", "think_query",
+           "unconditional_query"]
 
 GENERATION_SYSTEM_MESSAGE = (
     'You are an image generation and editing assistant that accurately understands and '
@@ -92,6 +93,15 @@ def conditional_query(prompt: str) -> str:
     return _turns(GENERATION_SYSTEM_MESSAGE, prompt) + CLOSED_THINK + IMG_START
 
 
+def think_query(prompt: str) -> str:
+    """The conditional prefix's text in think mode: the think block is opened, not closed; the
+    tower writes the reasoning, and ``IMAGE_TAIL`` follows it."""
+    return _turns(GENERATION_SYSTEM_MESSAGE, prompt) + THINK_OPEN + "\n"
+
+
+IMAGE_TAIL = "\n\n" + IMG_START  # after the reasoning, where the image starts
+
+
 def unconditional_query(negative_prompt: str = "") -> str:
     """The unconditional prefix's text; a negative prompt takes the empty user turn's place."""
     return _turns("", negative_prompt) + IMG_START
@@ -111,6 +121,11 @@ def check_template(name: object) -> None:
 def encode_conditional(tokenizer: CheckpointTokenizer, prompt: str, max_tokens: int) -> PromptPrefix:
     """The conditional prefix of ``PROMPT``."""
     return _encode(tokenizer, conditional_query(_bounded(prompt, "PROMPT")), "PROMPT", max_tokens)
+
+
+def encode_think(tokenizer: CheckpointTokenizer, prompt: str, max_tokens: int) -> PromptPrefix:
+    """The think-mode query of ``PROMPT`` (the reasoning and the image tail come after it)."""
+    return _encode(tokenizer, think_query(_bounded(prompt, "PROMPT")), "PROMPT", max_tokens)
 
 
 def encode_unconditional(tokenizer: CheckpointTokenizer, negative_prompt: str, max_tokens: int) -> PromptPrefix:

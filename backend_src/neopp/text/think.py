@@ -1,0 +1,75 @@
+"""Think mode: the understanding tower reasons in text before the image, as the official code does.
+
+The conditional prefix opens the think block (``...<|im_start|>assistant\\n<think>\\n``) instead of
+closing it. The tower then writes greedily, one token at a time over its growing KV cache, until
+it writes ``</think>`` (kept in the prefix), the chat's end of turn ``<|im_end|>`` (not kept), or
+the token cap. ``\\n\\n<img>`` follows, and the image starts after it: the conditional prefix is
+the query, the reasoning and that tail, at consecutive positions, and the index offset is its
+length. The unconditional prefix is the one of non-think mode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ConfigError, InputError
+from .language_tower import LanguageTower
+from .prompt_ids import U1PromptIds
+
+DEFAULT_THINK_TOKENS = 1024  # the official default cap
+MAX_THINK_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class Thought:
+    """The conditional prefix of a think-mode request and the reasoning it holds."""
+
+    kv: torch.Tensor  # [NL, 2, S, NKV, HD]
+    offset: int
+    ids: tuple[int, ...]
+    text: str  # the reasoning as the tokenizer decodes it, special tokens kept (``</think>`` ends it)
+
+
+def check_think_tokens(value: int) -> int:
+    if not 1 <= value <= MAX_THINK_TOKENS:
+        raise InputError(f"THINK_MAX_TOKENS: must be in 1..{MAX_THINK_TOKENS}, got {value}")
+    return value
+
+
+def can_think(tower: LanguageTower) -> str | None:
+    """Why this checkpoint cannot think, or None."""
+    if not isinstance(tower.prompt_ids, U1PromptIds):
+        return "this checkpoint has no think mode (the demo's prompts have no chat template)"
+    if tower.head is None:
+        return "this checkpoint has no output head (language_model.model.norm.weight) to write with"
+    return None
+
+
+@torch.inference_mode()
+def think(tower: LanguageTower, prompt: str, max_tokens: int = DEFAULT_THINK_TOKENS) -> Thought:
+    """The think-mode conditional prefix of ``PROMPT``: greedy reasoning, then ``\\n\\n<img>``."""
+    why = can_think(tower)
+    if why is not None:
+        raise InputError(f"THINK: {why}")
+    prompt_ids: U1PromptIds = tower.prompt_ids  # type: ignore[assignment]
+    marks = prompt_ids.think_marks()
+    ids = prompt_ids.think_conditional(prompt)
+    cache: list[torch.Tensor] = []
+    hidden = tower.extend(cache, ids)
+    written: list[int] = []
+    for _ in range(check_think_tokens(max_tokens)):
+        token = int(torch.argmax(tower.logits(hidden)))
+        if token == marks.end_of_turn:
+            break
+        written.append(token)
+        hidden = tower.extend(cache, [token])
+        if token == marks.think_close:
+            break
+    tail = prompt_ids.image_tail()
+    tower.extend(cache, tail)
+    full = (*ids, *written, *tail)
+    if len(full) != cache[0].shape[1]:
+        raise ConfigError("think mode: the KV cache lost track of its tokens")  # a bug, never a client's fault
+    return Thought(torch.stack(cache), len(full), full, prompt_ids.decode(written))
