@@ -36,6 +36,9 @@ def test_prompts_are_decoded_and_the_negative_defaults_to_empty():
     assert parse_prompts({"PROMPT": text(b"  a red circle ")}) == PromptRequest("  a red circle ", "")
     both = parse_prompts({"PROMPT": text("à gauche".encode()), "NEGATIVE_PROMPT": text(b"blue")})
     assert both == PromptRequest("à gauche", "blue")
+    thinking = parse_prompts({"PROMPT": text(b"a"), "THINK": np.array([True]), "THINK_MAX_TOKENS": np.array([9])})
+    assert thinking == PromptRequest("a", "", True, 9)
+    assert parse_prompts({"PROMPT": text(b"a"), "THINK": np.array([True])}).think_max_tokens == 1024
 
 
 @pytest.mark.parametrize("inputs, message", [
@@ -47,6 +50,15 @@ def test_prompts_are_decoded_and_the_negative_defaults_to_empty():
     ({"PROMPT": text(b"a" * (MAX_PROMPT_BYTES + 1))}, f"PROMPT: at most {MAX_PROMPT_BYTES} bytes"),
     ({"PROMPT": np.array([7], dtype=np.int64)}, "PROMPT: must be a BYTES"),
     ({"PROMPT": text(b"a"), "SEED": np.array([1])}, "SEED: unknown input"),
+    ({"PROMPT": text(b"a"), "THINK": np.array([1], np.int64)}, r"THINK: must be a BOOL tensor of shape \[1\]"),
+    ({"PROMPT": text(b"a"), "THINK": np.array([True, False])}, r"THINK: must be a BOOL tensor of shape \[1\]"),
+    ({"PROMPT": text(b"a"), "THINK_MAX_TOKENS": np.array([8], np.int64)}, "THINK_MAX_TOKENS: given without THINK"),
+    ({"PROMPT": text(b"a"), "THINK": np.array([False]), "THINK_MAX_TOKENS": np.array([8], np.int64)},
+     "THINK_MAX_TOKENS: given without THINK"),
+    ({"PROMPT": text(b"a"), "THINK": np.array([True]), "THINK_MAX_TOKENS": np.array([0], np.int64)},
+     r"THINK_MAX_TOKENS: must be in 1\.\.4096, got 0"),
+    ({"PROMPT": text(b"a"), "THINK": np.array([True]), "THINK_MAX_TOKENS": np.array([8.0], np.float32)},
+     "THINK_MAX_TOKENS: must be an INT64 tensor"),
 ])
 def test_bad_prompt_inputs_are_refused_naming_the_input(inputs, message):
     with pytest.raises(InputError, match=message):

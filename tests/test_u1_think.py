@@ -16,9 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from neopp.contract.inputs import MAX_THINK_TOKENS
 from neopp.errors import InputError
 from neopp.text.language_tower import LM_HEAD, LanguageTower
-from neopp.text.think import MAX_THINK_TOKENS, can_think, think
+from neopp.text.think import can_think, think
 from testing import tiny_u1
 from testing.demo_checkpoint import write_demo_checkpoint
 from tests.reference.language_reference import reference_forward, reference_prefix, reference_think

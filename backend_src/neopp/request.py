@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .contract.inputs import MAX_THINK_TOKENS
 from .errors import InputError, shown
 from .limits import Limits
 from .modes import SamplingParams
@@ -86,3 +87,10 @@ def check_steps(steps: int, limits: Limits, field: str = "infer_steps") -> None:
     """The deployment's bound on denoising steps (``SamplingParams`` holds the intrinsic one)."""
     if not 1 <= steps <= limits.max_steps:
         raise InputError(f"{field}: must be in 1..{limits.max_steps}, got {steps}")
+
+
+def check_think_tokens(value: int) -> int:
+    """Think mode's cap on the reasoning's tokens (``THINK_MAX_TOKENS``)."""
+    if not 1 <= value <= MAX_THINK_TOKENS:
+        raise InputError(f"THINK_MAX_TOKENS: must be in 1..{MAX_THINK_TOKENS}, got {value}")
+    return value

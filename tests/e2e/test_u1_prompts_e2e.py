@@ -22,6 +22,7 @@ from tritonclient.utils import InferenceServerException
 from neopp.launcher.tritonserver import TritonServer
 from neopp.procs import process_group_members
 from neopp.text.language_tower import LanguageTower
+from neopp.text.think import think
 from testing import REPO, tiny_u1
 from tests.reference.u1_prompts import cond_pieces, expected_ids, uncond_pieces
 
@@ -99,7 +100,29 @@ def test_t2i_draws_what_neopp_dense_draws_on_those_prefixes(client):
     assert direct == image
 
 
+def test_think_mode_answers_its_reasoning_and_draws_on_the_prefix_continued_from_it(client, ckpt):
+    thinking = {"THINK": (np.array([True]), "BOOL"), "THINK_MAX_TOKENS": np.array([3], np.int64)}
+    out = client.infer("neopp_prompt_encoder", (*PREFIXES, "THINK_TEXT"), PROMPT=text(PROMPT), **thinking)
+    thought = think(LanguageTower.from_pretrained(ckpt), PROMPT, 3)  # against the reference: test_u1_think
+    assert out["INDEX_OFFSET_COND"].tolist() == [thought.offset]
+    assert torch.equal(torch.from_numpy(out["COND_KV"]), thought.kv.to(torch.bfloat16).float())
+    assert out["THINK_TEXT"].tolist() == [thought.text.encode()]
+    answer = client.infer("neopp_t2i", ("IMAGE", "THINK_TEXT"), PROMPT=text(PROMPT), **thinking, **SMALL)
+    assert answer["THINK_TEXT"].tolist() == [thought.text.encode()]
+    direct = client.infer("neopp_dense", ("IMAGE",), COND_KV=(out["COND_KV"], "BF16"),
+                          UNCOND_KV=(out["UNCOND_KV"], "BF16"), INDEX_OFFSET_COND=out["INDEX_OFFSET_COND"],
+                          INDEX_OFFSET_UNCOND=out["INDEX_OFFSET_UNCOND"], **SMALL)["IMAGE"][0]
+    assert answer["IMAGE"][0] == direct
+    plain = client.infer("neopp_t2i", ("IMAGE", "THINK_TEXT"), PROMPT=text(PROMPT), **SMALL)
+    assert plain["THINK_TEXT"].tolist() == [b""] and plain["IMAGE"][0] != direct
+
+
 def test_a_prompt_over_the_token_bound_is_refused_and_the_next_is_served(client):
+    with pytest.raises(InferenceServerException) as info:
+        client.infer("neopp_t2i", ("IMAGE",), PROMPT=text("a cat"), THINK=(np.array([True]), "BOOL"),
+                     THINK_MAX_TOKENS=np.array([5000], np.int64))
+    assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "THINK_MAX_TOKENS: must be in 1..4096" in \
+        info.value.message(), info.value
     for model in ("neopp_prompt_encoder", "neopp_t2i"):
         with pytest.raises(InferenceServerException) as info:
             client.infer(model, ("IMAGE",) if model == "neopp_t2i" else PREFIXES, PROMPT=text("猫" * 4000))

@@ -57,6 +57,16 @@ OUTPUT_SPECS: dict[str, TensorSpec] = {
 }
 KV_INPUTS = ("COND_KV", "UNCOND_KV", "IMAGE_KV")
 
+# Think mode (the prompt encoder and neopp_t2i): the tower reasons before the image, at most
+# THINK_MAX_TOKENS tokens (default 1024), and THINK_TEXT answers the reasoning ("" without THINK).
+THINK_INPUT_SPECS: dict[str, TensorSpec] = {
+    "THINK": TensorSpec("TYPE_BOOL", (1,)),
+    "THINK_MAX_TOKENS": TensorSpec("TYPE_INT64", (1,)),
+}
+THINK_TEXT_SPEC = TensorSpec("TYPE_STRING", (1,), optional=False)
+DEFAULT_THINK_TOKENS = 1024  # the official default cap
+MAX_THINK_TOKENS = 4096
+
 # A streamed twin takes the plain inputs (COND_KV may come as base64 instead) and answers every step.
 STREAM_INPUT_SPECS: dict[str, TensorSpec] = {
     **{name: TensorSpec(spec.data_type, spec.dims, optional=True) if name == "COND_KV" else spec

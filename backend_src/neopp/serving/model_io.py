@@ -13,7 +13,15 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..contract.inputs import INPUT_SPECS, OUTPUT_SPECS, STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS, TensorSpec
+from ..contract.inputs import (
+    INPUT_SPECS,
+    OUTPUT_SPECS,
+    STREAM_INPUT_SPECS,
+    STREAM_OUTPUT_SPECS,
+    THINK_INPUT_SPECS,
+    THINK_TEXT_SPEC,
+    TensorSpec,
+)
 from .prompt_parsing import PROMPT_INPUTS
 from .sessions import TOKEN_INPUT
 
@@ -41,9 +49,10 @@ SESSION_IO: IO = (
     {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": TensorSpec("TYPE_INT64", (1,), optional=False),
      "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"], TOKEN_INPUT: TensorSpec("TYPE_STRING", (1,), optional=False)},
 )
-T2I_IO: IO = ({**_PROMPT, **_MODEL, **{n: INPUT_SPECS[n] for n in T2I_PASSED_INPUTS}},
-              {"IMAGE": OUTPUT_SPECS["IMAGE"]})
-ENCODER_IO: IO = (dict(_PROMPT), {n: _required(n) for n in ENCODER_OUTPUTS})
+T2I_IO: IO = ({**_PROMPT, **THINK_INPUT_SPECS, **_MODEL, **{n: INPUT_SPECS[n] for n in T2I_PASSED_INPUTS}},
+              {"IMAGE": OUTPUT_SPECS["IMAGE"], "THINK_TEXT": THINK_TEXT_SPEC})
+ENCODER_IO: IO = ({**_PROMPT, **THINK_INPUT_SPECS},
+                  {**{n: _required(n) for n in ENCODER_OUTPUTS}, "THINK_TEXT": THINK_TEXT_SPEC})
 
 # The serving module a model.py imports its class from -> that kind's tables.
 TABLES_BY_MODULE: dict[str, IO] = {

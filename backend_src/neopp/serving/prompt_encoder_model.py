@@ -25,6 +25,7 @@ from ..contract.statuses import INVALID_INPUT
 from ..errors import ConfigError
 from ..model.checkpoint_config import CheckpointConfig
 from ..text.language_tower import LanguageTower
+from ..text.think import think
 from .error_status import error_class, error_response
 from .model_settings import choose_device, int_param, project_root, resolve_checkpoint
 from .parameters import narrow_kv_dims, read_parameters
@@ -42,13 +43,19 @@ def encoder_checkpoint(model_config: dict[str, Any], model_dir: Path | None) -> 
 
 
 def encode_prompts(tower: LanguageTower, req: PromptRequest) -> dict[str, torch.Tensor | np.ndarray]:
-    """The four outputs: BF16 prefixes (online layout) and INT64 [1] offsets."""
-    cond, cond_offset = tower.conditional(req.prompt)
+    """The outputs: BF16 prefixes (online layout), INT64 [1] offsets, and the reasoning of think
+    mode (its conditional prefix continues from it; "" without THINK)."""
+    if req.think:
+        thought = think(tower, req.prompt, req.think_max_tokens)
+        cond, cond_offset, reasoning = thought.kv, thought.offset, thought.text
+    else:
+        (cond, cond_offset), reasoning = tower.conditional(req.prompt), ""
     uncond, uncond_offset = tower.unconditional(req.negative_prompt)
     return {"COND_KV": cond.to(device="cpu", dtype=torch.bfloat16).contiguous(),
             "UNCOND_KV": uncond.to(device="cpu", dtype=torch.bfloat16).contiguous(),
             "INDEX_OFFSET_COND": np.array([cond_offset], dtype=np.int64),
-            "INDEX_OFFSET_UNCOND": np.array([uncond_offset], dtype=np.int64)}
+            "INDEX_OFFSET_UNCOND": np.array([uncond_offset], dtype=np.int64),
+            "THINK_TEXT": np.array([reasoning.encode("utf-8")], dtype=np.object_)}
 
 
 class PromptEncoderTritonModel:

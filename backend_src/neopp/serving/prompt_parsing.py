@@ -14,18 +14,23 @@ from typing import Any
 
 import numpy as np
 
-from ..contract.inputs import MAX_PROMPT_BYTES
+from ..contract.inputs import DEFAULT_THINK_TOKENS, MAX_PROMPT_BYTES, THINK_INPUT_SPECS
 from ..errors import SHOWN_CHARS, InputError, shown
+from ..request import check_think_tokens
 
 PROMPT_INPUTS = ("PROMPT", "NEGATIVE_PROMPT")
+ENCODER_INPUTS = (*PROMPT_INPUTS, *THINK_INPUT_SPECS)  # what the prompt encoder takes (neopp_t2i passes them on)
 
 
 @dataclass(frozen=True)
 class PromptRequest:
-    """The two prompts of one request; an empty negative prompt is the unconditional branch."""
+    """The two prompts of one request; an empty negative prompt is the unconditional branch.
+    ``think``: the tower reasons (at most ``think_max_tokens`` tokens) before the image."""
 
     prompt: str
     negative_prompt: str = ""
+    think: bool = False
+    think_max_tokens: int = DEFAULT_THINK_TOKENS
 
 
 def prompt_text(name: str, value: Any) -> str:
@@ -48,12 +53,31 @@ def prompt_text(name: str, value: Any) -> str:
 
 def parse_prompts(inputs: Mapping[str, Any]) -> PromptRequest:
     """``inputs`` maps input names to numpy arrays; an absent optional input is missing."""
-    unknown = sorted(set(inputs) - set(PROMPT_INPUTS))
+    unknown = sorted(set(inputs) - set(ENCODER_INPUTS))
     if unknown:
         name = unknown[0] if len(unknown[0]) <= SHOWN_CHARS else shown(unknown[0])
-        raise InputError(f"{name}: unknown input; expected names from {list(PROMPT_INPUTS)}")
+        raise InputError(f"{name}: unknown input; expected names from {list(ENCODER_INPUTS)}")
     if inputs.get("PROMPT") is None:
         raise InputError("PROMPT: required input is missing")
     negative = inputs.get("NEGATIVE_PROMPT")
+    think = inputs.get("THINK") is not None and _flag("THINK", inputs["THINK"])
+    cap = inputs.get("THINK_MAX_TOKENS")
+    if cap is not None and not think:
+        raise InputError("THINK_MAX_TOKENS: given without THINK set to true")
     return PromptRequest(prompt_text("PROMPT", inputs["PROMPT"]),
-                         "" if negative is None else prompt_text("NEGATIVE_PROMPT", negative))
+                         "" if negative is None else prompt_text("NEGATIVE_PROMPT", negative), think,
+                         DEFAULT_THINK_TOKENS if cap is None else check_think_tokens(_count("THINK_MAX_TOKENS", cap)))
+
+
+def _flag(name: str, value: Any) -> bool:
+    arr = np.asarray(value)
+    if arr.shape != (1,) or arr.dtype != np.bool_:
+        raise InputError(f"{name}: must be a BOOL tensor of shape [1], got {arr.dtype} {list(arr.shape)}")
+    return bool(arr[0])
+
+
+def _count(name: str, value: Any) -> int:
+    arr = np.asarray(value)
+    if arr.shape != (1,) or arr.dtype != np.int64:
+        raise InputError(f"{name}: must be an INT64 tensor of shape [1], got {arr.dtype} {list(arr.shape)}")
+    return int(arr[0])

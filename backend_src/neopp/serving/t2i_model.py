@@ -32,7 +32,7 @@ from .lanes import forwarded_lane
 from .model_io import ENCODER_OUTPUTS
 from .model_io import T2I_PASSED_INPUTS as PASSED_INPUTS
 from .parameters import model_allowlist, read_parameters
-from .prompt_parsing import PROMPT_INPUTS, parse_prompts
+from .prompt_parsing import ENCODER_INPUTS, parse_prompts
 
 T2I_PARAMETERS = {"default_model": "neopp_dense", "allowed_models": "",
                   "encoder_model": "neopp_prompt_encoder", "default_size": ""}
@@ -93,10 +93,11 @@ class T2ITritonModel:
             model = chosen_model(inputs["MODEL"].as_numpy() if "MODEL" in inputs else None,
                                  self.allowed, self.default_model)
             # Checked here too, so an oversized prompt is refused before it is copied to the encoder.
-            parse_prompts({n: inputs[n].as_numpy() for n in PROMPT_INPUTS if n in inputs})
+            parse_prompts({n: inputs[n].as_numpy() for n in ENCODER_INPUTS if n in inputs})
             lane = forwarded_lane(request)
             self._check_cancelled(request)
-            encoded = self._call(self.encoder, [inputs[n] for n in PROMPT_INPUTS if n in inputs], ENCODER_OUTPUTS)
+            encoded = self._call(self.encoder, [inputs[n] for n in ENCODER_INPUTS if n in inputs],
+                                 (*ENCODER_OUTPUTS, "THINK_TEXT"))
             if encoded.has_error():
                 return self._forward_error(self.encoder, encoded.error())
             prefix = [pb.get_output_tensor_by_name(encoded, name) for name in ENCODER_OUTPUTS]
@@ -108,9 +109,10 @@ class T2ITritonModel:
             if result.has_error():
                 return self._forward_error(model, result.error())
             image = pb.get_output_tensor_by_name(result, "IMAGE").as_numpy()
+            reasoning = pb.get_output_tensor_by_name(encoded, "THINK_TEXT").as_numpy()
         except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
             return error_response(pb, exc, self.logger, self.model_name)
-        return pb.InferenceResponse(output_tensors=[pb.Tensor("IMAGE", image)])
+        return pb.InferenceResponse(output_tensors=[pb.Tensor("IMAGE", image), pb.Tensor("THINK_TEXT", reasoning)])
 
     def _call(self, model: str, tensors: list[Any], outputs: tuple[str, ...],
               parameters: dict[str, str] | None = None) -> Any:

@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ..contract.inputs import DEFAULT_THINK_TOKENS
 from ..errors import ConfigError, InputError
+from ..request import check_think_tokens
 from .language_tower import LanguageTower
 from .prompt_ids import U1PromptIds
-
-DEFAULT_THINK_TOKENS = 1024  # the official default cap
-MAX_THINK_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -30,12 +29,6 @@ class Thought:
     offset: int
     ids: tuple[int, ...]
     text: str  # the reasoning as the tokenizer decodes it, special tokens kept (``</think>`` ends it)
-
-
-def check_think_tokens(value: int) -> int:
-    if not 1 <= value <= MAX_THINK_TOKENS:
-        raise InputError(f"THINK_MAX_TOKENS: must be in 1..{MAX_THINK_TOKENS}, got {value}")
-    return value
 
 
 def can_think(tower: LanguageTower) -> str | None:
