@@ -301,6 +301,20 @@ def test_openai_images_requests_are_checked_and_mapped_onto_the_prompt_model() -
         with pytest.raises(oa.OpenAIError) as info:
             oa.parse_images_request(doc)
         assert info.value.status == 400 and info.value.param == param
+    assert "THINK" not in raw  # think mode only when asked
+    thinking, _ = oa.parse_images_request({"prompt": "x", "think": True, "think_max_tokens": 12})
+    asked = pb.ModelInferRequest.FromString(oa.prompt_model_request(thinking, 0).serialize())
+    think_raw = dict(zip((t.name for t in asked.inputs), asked.raw_input_contents))
+    assert think_raw["THINK"] == b"\x01" and np.frombuffer(think_raw["THINK_MAX_TOKENS"], "<i8").tolist() == [12]
+    encoder = pb.ModelInferRequest.FromString(oa.encoder_request(thinking).serialize())
+    assert [t.name for t in encoder.inputs] == ["PROMPT", "THINK", "THINK_MAX_TOKENS"]
+    for doc, param in (({"prompt": "x", "think": 1}, "think"),
+                       ({"prompt": "x", "think_max_tokens": 5}, "think_max_tokens"),
+                       ({"prompt": "x", "think": True, "think_max_tokens": 5000}, "think_max_tokens")):
+        with pytest.raises(oa.OpenAIError) as info:
+            oa.parse_images_request(doc)
+        assert info.value.status == 400 and info.value.param == param
+    assert oa.refusal(400, "THINK: this checkpoint has no think mode", {}).param == "think"
     assert oa.refusal(400, "SIZE: width must be a positive multiple of 32", {}).param == "size"
     assert oa.refusal(429, "Exceeds maximum queue size", {"Retry-After": "1"}).kind == "rate_limit_error"
 

@@ -1,6 +1,7 @@
 """Prompt in, picture out on a SenseNova-U1 checkpoint, through a real tritonserver.
 
-The checkpoint is tiny but real in form (``testing.tiny_u1``: the understanding tower, a
+Served by the launcher, as an operator runs it (the door's /v1 beside Triton's gRPC port). The
+checkpoint is tiny but real in form (``testing.tiny_u1``: the understanding tower, a
 byte-level BPE tokenizer with the special tokens at their real ids, ``template: neo1_0``).
 ``neopp_prompt_encoder`` must answer the official template's prefixes (ids written out plainly
 in ``tests.reference.u1_prompts``), ``neopp_t2i`` the picture ``neopp_dense`` draws on them, and a
@@ -9,8 +10,10 @@ prompt over the token bound is refused by name while the model keeps serving.
 
 from __future__ import annotations
 
+import base64
+import http.client
 import io
-import os
+import json
 
 import numpy as np
 import pytest
@@ -19,11 +22,11 @@ import tritonclient.grpc as grpcclient
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
-from neopp.launcher.tritonserver import TritonServer
-from neopp.procs import process_group_members
+from neopp.ports import LOOPBACK
 from neopp.text.language_tower import LanguageTower
 from neopp.text.think import think
-from testing import REPO, tiny_u1
+from testing import tiny_u1
+from testing.launched import serving
 from tests.reference.u1_prompts import cond_pieces, expected_ids, uncond_pieces
 
 MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i")
@@ -60,22 +63,30 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def client(ckpt, tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT", "NEOPP_LORA_DIR"))}
-    env.update(NEOPP_CHECKPOINT=str(ckpt))
-    server = TritonServer(REPO / "model_repository", env=env, log_path=tmp_path_factory.mktemp("log") / "triton.log",
-                          extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
-                                      *(f"--load-model={m}" for m in MODELS)])
-    server.start()
-    pgid = server.process.pid
-    try:
-        server.wait_ready(timeout=300)
-        handle = Client(server.grpc_url)
+def served(ckpt, tmp_path_factory):
+    """The launcher (its door for /v1, Triton's gRPC port beside it) on the U1 checkpoint."""
+    log = tmp_path_factory.mktemp("u1-serve") / "serve.log"
+    with serving(log, {"NEOPP_CHECKPOINT": str(ckpt)}, MODELS, no_traceback=True) as handle:
         yield handle
-        handle.grpc.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    handle = Client(f"{LOOPBACK}:{served.grpc_port}")
+    yield handle
+    handle.grpc.close()
+
+
+def v1(served, body: dict) -> dict:
+    conn = http.client.HTTPConnection(LOOPBACK, served.http_port, timeout=300)
+    try:
+        conn.request("POST", "/v1/images/generations", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        doc = json.loads(resp.read())
+        assert resp.status == 200, doc
+        return doc
     finally:
-        server.stop(timeout=30)
-        assert not process_group_members(pgid), "tritonserver left processes behind"
+        conn.close()
 
 
 def test_the_encoder_answers_the_official_prefixes(client, ckpt):
@@ -115,6 +126,18 @@ def test_think_mode_answers_its_reasoning_and_draws_on_the_prefix_continued_from
     assert answer["IMAGE"][0] == direct
     plain = client.infer("neopp_t2i", ("IMAGE", "THINK_TEXT"), PROMPT=text(PROMPT), **SMALL)
     assert plain["THINK_TEXT"].tolist() == [b""] and plain["IMAGE"][0] != direct
+
+
+def test_v1_thinks_when_asked_and_answers_the_reasoning_beside_the_image(served, client, ckpt):
+    body = {"prompt": PROMPT, "size": "96x64", "num_inference_steps": 2, "seed": 7, "guidance_scale": 1}
+    thought = think(LanguageTower.from_pretrained(ckpt), PROMPT, 3)
+    doc = v1(served, {**body, "think": True, "think_max_tokens": 3})
+    assert doc["data"][0]["think"] == thought.text
+    same = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), THINK=(np.array([True]), "BOOL"),
+                        THINK_MAX_TOKENS=np.array([3], np.int64), CFG_SCALE=(np.array([1.0], np.float32), "FP32"),
+                        **SMALL)["IMAGE"][0]
+    assert base64.b64decode(doc["data"][0]["b64_json"]) == same
+    assert "think" not in v1(served, body)["data"][0]  # only when asked
 
 
 def test_a_prompt_over_the_token_bound_is_refused_and_the_next_is_served(client):

@@ -22,7 +22,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ...contract.adapter_names import MAX_NAME_CHARS, SCALE_MAX_ABS
 from ...contract.deployment import LORA_DIR_ENV, env_override
-from ...contract.inputs import MAX_PROMPT_CHARS
+from ...contract.inputs import MAX_PROMPT_CHARS, MAX_THINK_TOKENS
 from ...contract.sizes import is_openai_size, openai_size, openai_text
 from . import strict_json
 from .spliced_request import WireRequest
@@ -48,7 +48,8 @@ MAX_CACHE_NAME = 32
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
               "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
               "output_compression", "style", "lora", "lora_scale", "cache",
-              "cache_threshold", *ACCEPTED_AND_IGNORED)
+              "cache_threshold", "think", "think_max_tokens", *ACCEPTED_AND_IGNORED)
+PREFIX_OUTPUTS = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")  # the encoder's, for a model
 MAX_LORA_NAME = MAX_NAME_CHARS  # the model checks the name's characters and that the adapter exists
 
 
@@ -89,6 +90,8 @@ class ImagesRequest:
     progress: bool = False  # ours: a neopp.progress event after every step (with partial_images)
     lora: str | None = None  # ours: an adapter of the model's adapter directory, by name
     lora_scale: float | None = None
+    think: bool = False  # ours: the tower reasons before the image (U1 checkpoints); the answer says how
+    think_max_tokens: int | None = None
 
     @property
     def size_text(self) -> str:
@@ -152,6 +155,7 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
     seed = _int(doc, "seed", 0, 2**63 - MAX_IMAGES - 1, None)
     lora, lora_scale = _lora(doc)
     cache, cache_threshold = _cache(doc)
+    think, think_max_tokens = _think(doc)
     _ignored(doc)
     request = ImagesRequest(
         prompt=prompt, model=_text(doc, "model", DEFAULT_MODEL, 128) or DEFAULT_MODEL,
@@ -159,8 +163,20 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
         seed=secrets.randbelow(2**31) if seed is None else seed,
         negative_prompt=_text(doc, "negative_prompt", None), steps=_steps(doc.get("num_inference_steps")),
         guidance_scale=None if guidance is None else float(guidance), partial_images=partial, progress=progress,
-        lora=lora, lora_scale=lora_scale, cache=cache, cache_threshold=cache_threshold)
+        lora=lora, lora_scale=lora_scale, cache=cache, cache_threshold=cache_threshold, think=think,
+        think_max_tokens=think_max_tokens)
     return request, stream
+
+
+def _think(doc: dict[str, Any]) -> tuple[bool, int | None]:
+    """``think`` (true or false) and ``think_max_tokens`` (only with ``think``: 1 to the cap)."""
+    think = doc.get("think", False)
+    if type(think) is not bool:
+        raise OpenAIError(400, "'think' must be true or false", "think")
+    cap = _int(doc, "think_max_tokens", 1, MAX_THINK_TOKENS, None)
+    if cap is not None and not think:
+        raise OpenAIError(400, "'think_max_tokens' needs 'think': true", "think_max_tokens")
+    return think, cap
 
 
 def _steps(value: Any) -> int | None:
@@ -217,6 +233,7 @@ def prompt_model_request(req: ImagesRequest, index: int) -> WireRequest:
     """The ``neopp_t2i`` request of image ``index`` (its own noise: seed + index)."""
     wire = WireRequest(pb.ModelInferRequest(model_name=PROMPT_MODEL))
     _texts(wire, {"PROMPT": req.prompt, "NEGATIVE_PROMPT": req.negative_prompt, "MODEL": req.model})
+    _thinking(wire, req)
     _sampling(wire, req, req.size, index)
     return wire
 
@@ -225,7 +242,15 @@ def encoder_request(req: ImagesRequest) -> WireRequest:
     """The prompt encoder's request: what ``neopp_t2i`` sends it first."""
     wire = WireRequest(pb.ModelInferRequest(model_name=ENCODER_MODEL))
     _texts(wire, {"PROMPT": req.prompt, "NEGATIVE_PROMPT": req.negative_prompt})
+    _thinking(wire, req)
     return wire
+
+
+def _thinking(wire: WireRequest, req: ImagesRequest) -> None:
+    if req.think:
+        _add(wire, "THINK", "BOOL", [1], b"\x01")
+    if req.think_max_tokens is not None:
+        _add(wire, "THINK_MAX_TOKENS", "INT64", [1], np.array([req.think_max_tokens], "<i8").tobytes())
 
 
 def streamed_request(req: ImagesRequest, encoded: pb.ModelInferResponse, size: tuple[int, int] | None,
@@ -234,7 +259,8 @@ def streamed_request(req: ImagesRequest, encoded: pb.ModelInferResponse, size: t
     would pass its generation model, plus previews; the final image is the same bytes."""
     wire = WireRequest(pb.ModelInferRequest(model_name=req.model + STREAM_SUFFIX))
     for out, raw in zip(encoded.outputs, encoded.raw_output_contents):
-        _add(wire, out.name, out.datatype, list(out.shape), raw)
+        if out.name in PREFIX_OUTPUTS:  # not THINK_TEXT: the answer carries that
+            _add(wire, out.name, out.datatype, list(out.shape), raw)
     _sampling(wire, req, size, 0)
     _add(wire, "PREVIEW_EVERY", "INT64", [1], np.array([preview_every], "<i8").tobytes())
     return wire
@@ -283,7 +309,7 @@ def _add(wire: WireRequest, name: str, datatype: str, shape: list[int], raw: byt
 PARAMETER_OF_INPUT = {"PROMPT": "prompt", "NEGATIVE_PROMPT": "negative_prompt", "MODEL": "model", "SIZE": "size",
                       "STEPS": "num_inference_steps", "CFG_SCALE": "guidance_scale", "SEED": "seed",
                       "OUTPUT_FORMAT": "output_format", "LORA": "lora", "LORA_SCALE": "lora_scale", "CACHE": "cache",
-                      "CACHE_THRESHOLD": "cache_threshold"}
+                      "CACHE_THRESHOLD": "cache_threshold", "THINK": "think", "THINK_MAX_TOKENS": "think_max_tokens"}
 
 
 def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:
@@ -299,10 +325,19 @@ def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:
 
 def image_bytes(response: pb.ModelInferResponse) -> bytes:
     """The encoded image of a ``neopp_t2i`` answer."""
+    return _one_bytes(response, "IMAGE")
+
+
+def think_text(response: pb.ModelInferResponse) -> str:
+    """The reasoning a ``neopp_t2i`` or encoder answer carries ("" without think mode)."""
+    return _one_bytes(response, "THINK_TEXT").decode("utf-8", errors="replace")
+
+
+def _one_bytes(response: pb.ModelInferResponse, name: str) -> bytes:
     for out, raw in zip(response.outputs, response.raw_output_contents):
-        if out.name == "IMAGE":
-            return deserialize_bytes(raw, 1, "IMAGE")[0]
-    raise OpenAIError(500, "the prompt model answered without an image", kind="server_error")
+        if out.name == name:
+            return deserialize_bytes(raw, 1, name)[0]
+    raise OpenAIError(500, f"the prompt model answered without {name}", kind="server_error")
 
 
 def adapter_folder(model: str, environ: Mapping[str, str], lora_dir_param: str = "") -> Path | None:

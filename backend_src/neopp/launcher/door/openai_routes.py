@@ -21,6 +21,7 @@ import dataclasses
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from starlette.requests import Request
@@ -105,7 +106,7 @@ class ImagesRoutes:
         if stream:
             return await self._completed_events(request, req)
         images = await self.door.until_disconnect(request, asyncio.ensure_future(self._all(request, req)))
-        doc = {"created": int(time.time()), "data": [{"b64_json": _b64(image)} for image in images],
+        doc = {"created": int(time.time()), "data": [_datum(req, image) for image in images],
                "output_format": req.output_format, "size": req.size_text, "seed": req.seed}
         return Response(strict_json.dumps(doc), media_type="application/json")
 
@@ -115,15 +116,16 @@ class ImagesRoutes:
         turn, client = self.door.turn(request), client_of(request)
         return [asyncio.ensure_future(self._image(req, index, turn.nth(index), client)) for index in range(req.n)]
 
-    async def _image(self, req: oa.ImagesRequest, index: int, turn: Turn, client: str) -> bytes:
+    async def _image(self, req: oa.ImagesRequest, index: int, turn: Turn, client: str) -> Drawn:
         async with self.gate.slot(client):
             call = self.door.upstream.infer(oa.prompt_model_request(req, index), turn)
             try:
-                return oa.image_bytes(await call)
+                answer = await call
+                return Drawn(oa.image_bytes(answer), oa.think_text(answer))
             finally:
                 call.cancel()  # a no-op once answered; stops the drawing when this image is given up
 
-    async def _all(self, request: Request, req: oa.ImagesRequest) -> list[bytes]:
+    async def _all(self, request: Request, req: oa.ImagesRequest) -> list[Drawn]:
         images = self._images(request, req)
         try:
             return list(await asyncio.gather(*images))
@@ -141,13 +143,13 @@ class ImagesRoutes:
             raise
         return StreamingResponse(self._events(request, req, first, images), media_type="text/event-stream")
 
-    async def _events(self, request: Request, req: oa.ImagesRequest, first: bytes,
+    async def _events(self, request: Request, req: oa.ImagesRequest, first: Drawn,
                       images: list[asyncio.Future]) -> AsyncIterator[bytes]:
         finished = False
         try:
             for index in range(req.n):
                 image = first if index == 0 else await self.door.until_disconnect(request, images[index])
-                event = {"b64_json": _b64(image), "created_at": int(time.time()),
+                event = {**_datum(req, image), "created_at": int(time.time()),
                          "size": req.size_text, "output_format": req.output_format, "quality": "auto",
                          "background": "auto", "seed": req.seed + index}
                 yield _sse("image_generation.completed", event)
@@ -177,9 +179,12 @@ class ImagesRoutes:
         if not isinstance(first, dict):
             call.cancel()
             raise first or oa.OpenAIError(500, f"{twin} answered nothing", kind="server_error")
-        return StreamingResponse(self._preview_events(call, req, req.size_text, first), media_type="text/event-stream")
+        reasoning = oa.think_text(encoded) if req.think else None
+        return StreamingResponse(self._preview_events(call, req, req.size_text, first, reasoning),
+                                 media_type="text/event-stream")
 
-    async def _preview_events(self, call, req: oa.ImagesRequest, size: str, first: dict) -> AsyncIterator[bytes]:
+    async def _preview_events(self, call, req: oa.ImagesRequest, size: str, first: dict,
+                              reasoning: str | None) -> AsyncIterator[bytes]:
         event, sent, finished = first, 0, False
         common = {"size": size, "output_format": req.output_format, "quality": "auto", "background": "auto"}
         try:
@@ -189,7 +194,9 @@ class ImagesRoutes:
                 if req.progress:
                     yield _sse("neopp.progress", {"step": event["STEP"], "total_steps": event["TOTAL_STEPS"]})
                 if "IMAGE" in event:
-                    yield _sse("image_generation.completed", {"b64_json": event["IMAGE"], **now, "seed": req.seed})
+                    thought = {} if reasoning is None else {"think": reasoning}
+                    yield _sse("image_generation.completed",
+                               {"b64_json": event["IMAGE"], **thought, **now, "seed": req.seed})
                 elif "PREVIEW" in event and oa.wanted_preview(event["STEP"], event["TOTAL_STEPS"], sent,
                                                               req.partial_images):
                     yield _sse("image_generation.partial_image",  # previews are JPEG whatever the image's format
@@ -269,6 +276,19 @@ class ImagesRoutes:
     async def no_route(self, request: Request) -> Response:
         raise oa.OpenAIError(404, f"Invalid URL ({request.method} {request.url.path[:200]}): this server answers "
                              "POST /v1/images/generations and GET /v1/models", code="unknown_url")
+
+
+@dataclass(frozen=True)
+class Drawn:
+    """One image of a request and the reasoning it was drawn after ("" without think mode)."""
+
+    image: bytes
+    reasoning: str
+
+
+def _datum(req: oa.ImagesRequest, drawn: Drawn) -> dict[str, str]:
+    """An image as OpenAI's ``data`` item; with ``think``, the reasoning beside it."""
+    return {"b64_json": _b64(drawn.image), **({"think": drawn.reasoning} if req.think else {})}
 
 
 def _b64(image: bytes) -> str:

@@ -58,6 +58,13 @@ IMAGES_REQUEST = {
         "num_inference_steps": {"type": "integer", "minimum": 1, "description": "at most the model's steps.max"},
         "guidance_scale": {"type": "number", "minimum": 0, "maximum": 100}, "progress": {"type": "boolean"},
         "user": {"type": "string"}, "output_compression": {"type": "integer", "minimum": 0, "maximum": 100},
+        "lora": {"type": "string", "maxLength": oa.MAX_LORA_NAME, "description": "an adapter of /v1/models' loras"},
+        "lora_scale": {"type": "number", "minimum": -oa.SCALE_MAX_ABS, "maximum": oa.SCALE_MAX_ABS},
+        "cache": {"type": "string", "description": "a step-cache method the model offers"},
+        "cache_threshold": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+        "think": {"type": "boolean", "description": "the model reasons before the image (U1 checkpoints); "
+                                                    "each image's 'think' holds the reasoning"},
+        "think_max_tokens": {"type": "integer", "minimum": 1, "maximum": oa.MAX_THINK_TOKENS},
         **{key: {"enum": list(values)} for key, values in oa.ACCEPTED_AND_IGNORED.items()}}}
 MODELS_LIST = {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
     "type": "object", "properties": {"id": {"type": "string"}, "object": {"const": "model"},
