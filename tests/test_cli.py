@@ -65,6 +65,14 @@ def test_lora_and_cache_take_a_name_and_an_optional_number():
     assert (ns.lora, ns.cache) == (("x", None), ("taylorseer", 0.2))
 
 
+def test_think_asks_for_think_mode_with_an_optional_cap():
+    for argv, want in ((["--think"], {"think": True}), (["--think", "64"], {"think": True, "think_max_tokens": 64}),
+                       ([], {})):
+        ns = cli.parser().parse_args(["generate", "p", *argv])
+        body = Ask("p", Path("x.png"), think=ns.think).body(False)
+        assert body == {"prompt": "p", "n": 1, "output_format": "png", "stream": True, **want}
+
+
 @pytest.mark.parametrize("flag, text", [("--lora", ":1"), ("--lora", "x:"), ("--lora", "x:big"), ("--cache", "t:1:2")])
 def test_a_bad_lora_or_cache_is_a_one_line_usage_error(capsys, flag, text):
     with pytest.raises(SystemExit) as exited:

@@ -14,6 +14,10 @@ import base64
 import http.client
 import io
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -138,6 +142,20 @@ def test_v1_thinks_when_asked_and_answers_the_reasoning_beside_the_image(served,
                         **SMALL)["IMAGE"][0]
     assert base64.b64decode(doc["data"][0]["b64_json"]) == same
     assert "think" not in v1(served, body)["data"][0]  # only when asked
+
+
+def test_the_neopp_command_thinks_and_prints_the_reasoning(served, client, ckpt, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_")}
+    env["NEOPP_URL"] = f"http://{LOOPBACK}:{served.http_port}"
+    done = subprocess.run([str(Path(sys.executable).with_name("neopp")), "generate", PROMPT, "--think", "3",
+                           "--size", "96x64", "--steps", "2", "--seed", "7", "-q", "-o", str(tmp_path / "u1.png")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    thought = think(LanguageTower.from_pretrained(ckpt), PROMPT, 3)
+    assert f"think: {thought.text}\n" in done.stdout and f"wrote {tmp_path / 'u1.png'}" in done.stdout
+    same = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), THINK=(np.array([True]), "BOOL"),
+                        THINK_MAX_TOKENS=np.array([3], np.int64), **SMALL)["IMAGE"][0]
+    assert (tmp_path / "u1.png").read_bytes() == same
 
 
 def test_a_prompt_over_the_token_bound_is_refused_and_the_next_is_served(client):

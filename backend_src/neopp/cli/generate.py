@@ -38,6 +38,7 @@ class Ask:
     n: int = 1
     lora: tuple[str, float | None] | None = None  # an adapter's name and its scale
     cache: tuple[str, float | None] | None = None  # a step-cache method and its threshold
+    think: int | None = None  # think mode: its token cap (0: the server's default); None: off
 
     def body(self, previews: bool) -> dict[str, Any]:
         """The streamed generations request (OpenAI's parameters plus NeoPP's ``seed``, steps,
@@ -50,6 +51,8 @@ class Ask:
             optional.update(lora=self.lora[0], lora_scale=self.lora[1])
         if self.cache is not None:
             optional.update(cache=self.cache[0], cache_threshold=self.cache[1])
+        if self.think is not None:
+            optional.update(think=True, think_max_tokens=self.think or None)
         doc.update({k: v for k, v in optional.items() if v is not None})
         if previews:
             doc.update(partial_images=1, progress=True)
@@ -141,12 +144,14 @@ def generate(server: Server, ask: Ask, bar: Bar, out: TextIO = sys.stdout) -> li
         checked(resp, PATH)
     written = _receive(resp, ask, bar)
     bar.end()
-    for path, (seed, size) in written.items():
+    for path, (seed, size, reasoning) in written.items():
+        if reasoning is not None:
+            out.write(f"think: {reasoning}\n")
         out.write(f"wrote {path} ({size}, seed {seed})\n")
     return list(written)
 
 
-def _receive(resp, ask: Ask, bar: Bar) -> dict[Path, tuple[Any, Any]]:
+def _receive(resp, ask: Ask, bar: Bar) -> dict[Path, tuple[Any, Any, str | None]]:
     """The stream's pictures written to their files, in order; progress shown as it comes."""
     targets, written = paths(ask.out, ask.n), {}
     with resp:
@@ -158,7 +163,7 @@ def _receive(resp, ask: Ask, bar: Bar) -> dict[Path, tuple[Any, Any]]:
                 path = targets[len(written)]
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_bytes(base64.b64decode(event["b64_json"]))
-                written[path] = (event.get("seed"), event.get("size"))
+                written[path] = (event.get("seed"), event.get("size"), event.get("think"))
                 if ask.n > 1:
                     bar.show(len(written), ask.n, "picture")
             elif kind == "error":

@@ -36,6 +36,9 @@ def parser() -> argparse.ArgumentParser:
                      help="an adapter the model offers (neopp models lists them), at SCALE (default its own)")
     gen.add_argument("--cache", type=named_number("cache", "THRESHOLD"), metavar="METHOD[:THRESHOLD]",
                      help="the step cache, e.g. taylorseer (default: none)")
+    gen.add_argument("--think", type=int, nargs="?", const=0, metavar="MAX_TOKENS",
+                     help="think mode (U1 checkpoints): the model reasons before drawing, at most MAX_TOKENS "
+                          "tokens (default: the server's, 1024); the reasoning is printed")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     for name, what in (("models", "the models that draw, their sizes and step limits"),
                        ("status", "per model: ready, in flight, queued, latency, errors, restarts")):
@@ -51,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server = Server.from_url(ns.url, ns.timeout)
         if ns.command == "generate":
             ask = Ask(ns.prompt, ns.out, ns.model, ns.size, ns.steps, ns.seed, ns.guidance, ns.negative_prompt, ns.n,
-                      ns.lora, ns.cache)
+                      ns.lora, ns.cache, ns.think)
             generate(server, ask, Bar(None if ns.quiet else sys.stderr))
             return 0
         return getattr(info, ns.command)(server, as_json=ns.json)
