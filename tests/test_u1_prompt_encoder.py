@@ -54,20 +54,16 @@ def test_a_u1_checkpoint_reads_its_template_and_tokenizer(tower):
     assert tower.prompt_ids.max_tokens == 4096  # the tokenizer's 131072 is over the bound
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-def test_the_conditional_prefix_is_the_official_one(ckpt, tower, bare, prompt):
-    ids = expected_ids(bare, cond_pieces(prompt))
-    assert tower.prompt_ids.conditional(prompt) == ids
-    kv, offset = tower.conditional(prompt)
-    assert offset == len(ids)
-    close_to_reference(kv, ckpt, ids)
+CASES = [("conditional", prompt, cond_pieces) for prompt in PROMPTS] + \
+    [("unconditional", negative, uncond_pieces) for negative in ("", "blurry, a dog — 犬")]
 
 
-@pytest.mark.parametrize("negative", ["", "blurry, a dog — 犬"])
-def test_the_unconditional_prefix_holds_the_negative_prompt(ckpt, tower, bare, negative):
-    ids = expected_ids(bare, uncond_pieces(negative))
-    assert tower.prompt_ids.unconditional(negative) == ids
-    kv, offset = tower.unconditional(negative)
+@pytest.mark.parametrize(("kind", "text", "pieces"), CASES)
+def test_each_prefix_is_the_official_one(ckpt, tower, bare, kind, text, pieces):
+    """The conditional prefix holds PROMPT; the unconditional one NEGATIVE_PROMPT in its user turn."""
+    ids = expected_ids(bare, pieces(text))
+    assert getattr(tower.prompt_ids, kind)(text) == ids
+    kv, offset = getattr(tower, kind)(text)
     assert offset == len(ids)
     close_to_reference(kv, ckpt, ids)
 

@@ -18,7 +18,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import tritonclient.grpc as grpcclient
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -31,6 +30,7 @@ from neopp.procs import process_group_members
 from neopp.text.language_tower import LanguageTower
 from testing import REPO
 from testing.browser import browser as open_browser
+from testing.model_calls import ModelCalls, text
 from testing.tiny_checkpoint import write_tiny_checkpoint
 
 MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i", "neopp_dense_8steps", "neopp_moe", "neopp_dense_fp8",
@@ -41,29 +41,10 @@ SMALL = {"SIZE": np.array([64, 96], np.int64), "STEPS": np.array([2], np.int64),
          "OUTPUT_FORMAT": np.array([b"png"], np.object_)}
 
 
-class Served:
+class Served(ModelCalls):
     def __init__(self, server: TritonServer, checkpoint: Path) -> None:
+        super().__init__(server.grpc_url)
         self.server, self.checkpoint = server, checkpoint
-        self.grpc = grpcclient.InferenceServerClient(server.grpc_url)
-
-    def infer(self, model: str, outputs: tuple[str, ...] = ("IMAGE",), **inputs: np.ndarray | tuple) -> dict:
-        tensors = []
-        for name, value in inputs.items():
-            arr, dtype = value if isinstance(value, tuple) else (value, _datatype(value))
-            tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
-            tensor.set_data_from_numpy(arr)
-            tensors.append(tensor)
-        result = self.grpc.infer(model, tensors, outputs=[grpcclient.InferRequestedOutput(n) for n in outputs],
-                                 client_timeout=120)
-        return {name: result.as_numpy(name) for name in outputs}
-
-
-def _datatype(arr: np.ndarray) -> str:
-    return {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.object_): "BYTES"}[arr.dtype]
-
-
-def text(value: str | bytes) -> np.ndarray:
-    return np.array([value.encode() if isinstance(value, str) else value], dtype=np.object_)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import tritonclient.grpc as grpcclient
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
@@ -31,6 +30,7 @@ from neopp.text.language_tower import LanguageTower
 from neopp.text.think import think
 from testing import tiny_u1
 from testing.launched import serving
+from testing.model_calls import ModelCalls, text
 from tests.reference.u1_prompts import cond_pieces, expected_ids, uncond_pieces
 
 MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i")
@@ -38,27 +38,6 @@ PROMPT, NEGATIVE = "Ünïcödé: a red cat on the mat — 猫!", "blurry, a dog"
 PREFIXES = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")
 SMALL = {"SIZE": np.array([64, 96], np.int64), "STEPS": np.array([2], np.int64), "SEED": np.array([7], np.int64),
          "OUTPUT_FORMAT": np.array([b"png"], np.object_)}
-
-
-def text(value: str) -> np.ndarray:
-    return np.array([value.encode()], dtype=np.object_)
-
-
-class Client:
-    def __init__(self, url: str) -> None:
-        self.grpc = grpcclient.InferenceServerClient(url)
-
-    def infer(self, model: str, outputs: tuple[str, ...], **inputs: np.ndarray | tuple) -> dict[str, np.ndarray]:
-        tensors = []
-        for name, value in inputs.items():
-            arr, dtype = value if isinstance(value, tuple) else \
-                (value, {"i": "INT64", "O": "BYTES"}[value.dtype.kind])
-            tensor = grpcclient.InferInput(name, list(arr.shape), dtype)
-            tensor.set_data_from_numpy(arr)
-            tensors.append(tensor)
-        result = self.grpc.infer(model, tensors, outputs=[grpcclient.InferRequestedOutput(n) for n in outputs],
-                                 client_timeout=120)
-        return {name: result.as_numpy(name) for name in outputs}
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +55,9 @@ def served(ckpt, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(served):
-    handle = Client(f"{LOOPBACK}:{served.grpc_port}")
+    handle = ModelCalls(f"{LOOPBACK}:{served.grpc_port}")
     yield handle
-    handle.grpc.close()
+    handle.close()
 
 
 def v1(served, body: dict) -> dict:
@@ -116,7 +95,7 @@ def test_t2i_draws_what_neopp_dense_draws_on_those_prefixes(client):
 
 
 def test_think_mode_answers_its_reasoning_and_draws_on_the_prefix_continued_from_it(client, ckpt):
-    thinking = {"THINK": (np.array([True]), "BOOL"), "THINK_MAX_TOKENS": np.array([3], np.int64)}
+    thinking = {"THINK": np.array([True]), "THINK_MAX_TOKENS": np.array([3], np.int64)}
     out = client.infer("neopp_prompt_encoder", (*PREFIXES, "THINK_TEXT"), PROMPT=text(PROMPT), **thinking)
     thought = think(LanguageTower.from_pretrained(ckpt), PROMPT, 3)  # against the reference: test_u1_think
     assert out["INDEX_OFFSET_COND"].tolist() == [thought.offset]
@@ -137,8 +116,8 @@ def test_v1_thinks_when_asked_and_answers_the_reasoning_beside_the_image(served,
     thought = think(LanguageTower.from_pretrained(ckpt), PROMPT, 3)
     doc = v1(served, {**body, "think": True, "think_max_tokens": 3})
     assert doc["data"][0]["think"] == thought.text
-    same = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), THINK=(np.array([True]), "BOOL"),
-                        THINK_MAX_TOKENS=np.array([3], np.int64), CFG_SCALE=(np.array([1.0], np.float32), "FP32"),
+    same = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), THINK=np.array([True]),
+                        THINK_MAX_TOKENS=np.array([3], np.int64), CFG_SCALE=np.array([1.0], np.float32),
                         **SMALL)["IMAGE"][0]
     assert base64.b64decode(doc["data"][0]["b64_json"]) == same
     assert "think" not in v1(served, body)["data"][0]  # only when asked
@@ -153,14 +132,14 @@ def test_the_neopp_command_thinks_and_prints_the_reasoning(served, client, ckpt,
     assert done.returncode == 0, done.stderr
     thought = think(LanguageTower.from_pretrained(ckpt), PROMPT, 3)
     assert f"think: {thought.text}\n" in done.stdout and f"wrote {tmp_path / 'u1.png'}" in done.stdout
-    same = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), THINK=(np.array([True]), "BOOL"),
+    same = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), THINK=np.array([True]),
                         THINK_MAX_TOKENS=np.array([3], np.int64), **SMALL)["IMAGE"][0]
     assert (tmp_path / "u1.png").read_bytes() == same
 
 
 def test_a_prompt_over_the_token_bound_is_refused_and_the_next_is_served(client):
     with pytest.raises(InferenceServerException) as info:
-        client.infer("neopp_t2i", ("IMAGE",), PROMPT=text("a cat"), THINK=(np.array([True]), "BOOL"),
+        client.infer("neopp_t2i", ("IMAGE",), PROMPT=text("a cat"), THINK=np.array([True]),
                      THINK_MAX_TOKENS=np.array([5000], np.int64))
     assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and "THINK_MAX_TOKENS: must be in 1..4096" in \
         info.value.message(), info.value
