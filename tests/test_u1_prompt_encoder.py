@@ -68,6 +68,15 @@ def test_each_prefix_is_the_official_one(ckpt, tower, bare, kind, text, pieces):
     close_to_reference(kv, ckpt, ids)
 
 
+def test_the_plain_unconditional_prefix_is_computed_once(ckpt, bare):
+    tower = LanguageTower.from_pretrained(ckpt)
+    first, offset = tower.unconditional("")
+    assert tower.unconditional()[0] is first  # reused, not recomputed
+    ids = expected_ids(bare, uncond_pieces(""))
+    assert offset == len(ids) and torch.equal(first, tower.encode_ids(ids)[0])
+    assert tower.unconditional("blurry")[0] is not tower.unconditional("blurry")[0]  # a negative prompt: per request
+
+
 def test_the_model_answers_bf16_prefixes_and_their_offsets(ckpt, tower, bare):
     out = encode_prompts(tower, PromptRequest(PROMPTS[0], "blurry"))
     cond_ids, uncond_ids = expected_ids(bare, cond_pieces(PROMPTS[0])), expected_ids(bare, uncond_pieces("blurry"))

@@ -52,6 +52,7 @@ class LanguageTower:
                  prompt_ids: PromptIds, head: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.config, self.embed, self.layers, self.prompt_ids = config, embed, layers, prompt_ids
         self.head = head  # (final norm, lm_head): the tower can write text (think mode); None: prefixes only
+        self._plain_unconditional: tuple[torch.Tensor, int] | None = None
 
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | Path, device: str | torch.device = "cpu",
@@ -156,8 +157,14 @@ class LanguageTower:
         return self.encode_ids(self.prompt_ids.conditional(prompt))
 
     def unconditional(self, negative_prompt: str = "") -> tuple[torch.Tensor, int]:
-        """The unconditional prefix (``NEGATIVE_PROMPT`` in its text's place) and its index offset."""
-        return self.encode_ids(self.prompt_ids.unconditional(negative_prompt))
+        """The unconditional prefix (``NEGATIVE_PROMPT`` in its text's place) and its index offset.
+        Without a negative prompt it is the same for every request: computed once, then reused
+        (the tensor is shared: callers copy it, never write to it)."""
+        if negative_prompt:
+            return self.encode_ids(self.prompt_ids.unconditional(negative_prompt))
+        if self._plain_unconditional is None:
+            self._plain_unconditional = self.encode_ids(self.prompt_ids.unconditional(""))
+        return self._plain_unconditional
 
 
 def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor], vocab: int) -> None:
