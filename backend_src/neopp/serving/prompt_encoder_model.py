@@ -94,10 +94,13 @@ class PromptEncoderTritonModel:
         if threads > 0:
             torch.set_num_threads(threads)
         try:
-            self.tower = LanguageTower.from_pretrained(ckpt, device=device, dtype=torch.float32)
+            # bf16 on a GPU (an 8B understanding tower is 16 GiB so, 33 in float32); float32 on the CPU
+            dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+            self.tower = LanguageTower.from_pretrained(ckpt, device=device, dtype=dtype)
         except (ConfigError, OSError) as exc:
             raise ConfigError(f"model {self.model_name}: checkpoint {ckpt}: {exc}") from exc
-        self.logger.log_info(f"{self.model_name}: loaded {ckpt} device={device} kv_dims={self.tower.config.kv_dims} "
+        self.logger.log_info(f"{self.model_name}: loaded {ckpt} device={device} dtype={dtype} "
+                             f"kv_dims={self.tower.config.kv_dims} "
                              f"prompts={self.tower.prompt_ids.kind} "
                              f"vocabulary={self.tower.prompt_ids.vocabulary_size()}")
 
