@@ -43,6 +43,8 @@ SECTIONS = [
      "Start time and the first request (warm-up at load)"),
     ("prompt_path", "prompt_path", lambda out: ["--out", out], "prompt_path.md",
      "A prompt to a picture: first sign of life and picture"),
+    ("prompt_encoder", "prompt_encoder", lambda out: ["--out", out], "prompt_encoder.md",
+     "Prompt encoder at the 8B geometry"),
     ("failover", "failover", lambda out: ["--out", out], "failover.md", "Replicas: a crash under load"),
     ("8b", "eight_b", lambda out: ["--out", out], "eight_b.md", "8B geometry"),
     ("demo_quality", "demo_quality", lambda out: ["--out", str(Path(out) / "demo_quality.md")], "demo_quality.md",
