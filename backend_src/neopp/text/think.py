@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..contract.inputs import DEFAULT_THINK_TOKENS
-from ..errors import ConfigError, InputError
+from ..errors import InputError
 from ..request import check_think_tokens
 from .language_tower import LanguageTower
 from .prompt_ids import U1PromptIds
@@ -64,5 +64,5 @@ def think(tower: LanguageTower, prompt: str, max_tokens: int = DEFAULT_THINK_TOK
     tower.extend(cache, tail)
     full = (*ids, *written, *tail)
     if len(full) != cache[0].shape[1]:
-        raise ConfigError("think mode: the KV cache lost track of its tokens")  # a bug, never a client's fault
+        raise RuntimeError("think mode: the KV cache lost track of its tokens")  # a bug: an internal error
     return Thought(torch.stack(cache), len(full), full, prompt_ids.decode(written))
