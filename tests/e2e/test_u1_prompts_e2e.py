@@ -29,6 +29,7 @@ from neopp.ports import LOOPBACK
 from neopp.text.language_tower import LanguageTower
 from neopp.text.think import think
 from testing import tiny_u1
+from testing.browser import browser as open_browser
 from testing.launched import serving
 from testing.model_calls import ModelCalls, text
 from tests.reference.u1_prompts import cond_pieces, expected_ids, uncond_pieces
@@ -150,3 +151,32 @@ def test_a_prompt_over_the_token_bound_is_refused_and_the_next_is_served(client)
         assert "PROMPT: its prefix makes" in info.value.message() and "at most 4096" in info.value.message()
     out = client.infer("neopp_prompt_encoder", ("INDEX_OFFSET_COND",), PROMPT=text("a cat"))
     assert out["INDEX_OFFSET_COND"][0] > 0
+
+
+def test_the_playground_thinks_and_shows_the_reasoning_in_a_browser(served, client, ckpt):
+    """The page at /, the think switch on: the picture, and the model's reasoning beside it (no
+    streamed twin here, so the page draws without previews); the picture is neopp_t2i's for that seed."""
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    browser = open_browser()
+    try:
+        browser.get(f"http://{LOOPBACK}:{served.http_port}/")
+        WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
+        Select(browser.find_element("id", "size")).select_by_visible_text("64x64")  # a range offers its squares
+        browser.find_element("id", "seed").send_keys("7")
+        browser.find_element("id", "steps").send_keys("2")
+        browser.find_element("id", "think").click()
+        prompt = browser.find_element("id", "prompt")
+        prompt.clear()
+        prompt.send_keys(PROMPT, Keys.ENTER)
+        WebDriverWait(browser, 300).until(lambda b: b.find_element("id", "caption").text == "seed 7")
+        reasoning = browser.execute_script("const r = document.getElementById('reasoning'); "
+                                           "return [r.hidden, r.textContent];")
+        png = base64.b64decode(browser.find_element("id", "download").get_attribute("href").split(",", 1)[1])
+    finally:
+        browser.quit()
+    thought = think(LanguageTower.from_pretrained(ckpt), PROMPT)  # the server's default cap
+    assert reasoning == [False, thought.text or "(the model wrote no reasoning)"]
+    assert png == client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), THINK=np.array([True]),
+                               **{**SMALL, "SIZE": np.array([64, 64], np.int64)})["IMAGE"][0]
