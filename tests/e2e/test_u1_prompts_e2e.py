@@ -73,6 +73,14 @@ def v1(served, body: dict) -> dict:
         conn.close()
 
 
+def within_bf16(served: np.ndarray, local: torch.Tensor) -> None:
+    """The server's BF16 prefix against this process's float32 one: the stub's CPU threads may sum
+    in another order, so within one bf16 rounding (8 bits of mantissa) of the largest value."""
+    got = torch.from_numpy(served)
+    assert got.shape == local.shape
+    assert (got - local).abs().max().item() <= 2 ** -8 * local.abs().max().item()
+
+
 def test_the_encoder_answers_the_official_prefixes(client, ckpt):
     out = client.infer("neopp_prompt_encoder", PREFIXES, PROMPT=text(PROMPT), NEGATIVE_PROMPT=text(NEGATIVE))
     bare = tiny_u1.bare_bpe()
@@ -80,8 +88,8 @@ def test_the_encoder_answers_the_official_prefixes(client, ckpt):
     assert out["INDEX_OFFSET_COND"].tolist() == [len(cond_ids)]
     assert out["INDEX_OFFSET_UNCOND"].tolist() == [len(uncond_ids)]
     tower = LanguageTower.from_pretrained(ckpt)  # its float32 prefixes against the float64 ones: test_u1_prompt_encoder
-    assert torch.equal(torch.from_numpy(out["COND_KV"]), tower.encode_ids(cond_ids)[0].to(torch.bfloat16).float())
-    assert torch.equal(torch.from_numpy(out["UNCOND_KV"]), tower.encode_ids(uncond_ids)[0].to(torch.bfloat16).float())
+    within_bf16(out["COND_KV"], tower.encode_ids(cond_ids)[0])
+    within_bf16(out["UNCOND_KV"], tower.encode_ids(uncond_ids)[0])
 
 
 def test_t2i_draws_what_neopp_dense_draws_on_those_prefixes(client):
@@ -100,7 +108,7 @@ def test_think_mode_answers_its_reasoning_and_draws_on_the_prefix_continued_from
     out = client.infer("neopp_prompt_encoder", (*PREFIXES, "THINK_TEXT"), PROMPT=text(PROMPT), **thinking)
     thought = think(LanguageTower.from_pretrained(ckpt), PROMPT, 3)  # against the reference: test_u1_think
     assert out["INDEX_OFFSET_COND"].tolist() == [thought.offset]
-    assert torch.equal(torch.from_numpy(out["COND_KV"]), thought.kv.to(torch.bfloat16).float())
+    within_bf16(out["COND_KV"], thought.kv)
     assert out["THINK_TEXT"].tolist() == [thought.text.encode()]
     answer = client.infer("neopp_t2i", ("IMAGE", "THINK_TEXT"), PROMPT=text(PROMPT), **thinking, **SMALL)
     assert answer["THINK_TEXT"].tolist() == [thought.text.encode()]
