@@ -105,11 +105,22 @@ def init_mesh(mode: ModeSpec, rank: int, world_size: int, init_method: str | Non
     return build_mesh(mode, rank, world_size, timeout_s)
 
 
+LEAVE_BARRIER_S = 10.0  # how long a rank waits at the exit for the others to reach it
+
+
 def leave_mesh() -> None:
-    """Destroys this process's groups. A process that exits with a live gloo group can abort
-    in teardown ("terminate called without an active exception") and fail its launcher."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroys this process's groups, once every rank has come to it. A process that exits with
+    a live gloo group can abort in teardown ("terminate called without an active exception") and
+    fail its launcher; so can one whose peer tears its connections down while this one still
+    uses them, so the ranks meet first (a rank that never comes is waited for LEAVE_BARRIER_S)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+        try:
+            dist.monitored_barrier(timeout=datetime.timedelta(seconds=LEAVE_BARRIER_S))
+        except RuntimeError:  # a rank is gone: nothing left to wait for
+            pass
+    dist.destroy_process_group()
 
 
 def init_mesh_from_env(mode: ModeSpec, device: torch.device | None = None) -> Mesh:
