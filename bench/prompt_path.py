@@ -23,12 +23,12 @@ import openai
 import tritonclient.grpc as grpcclient
 
 from bench.common import REPO, section_main, stats
+from neopp.contract.inputs import ENCODER_OUTPUTS
 from testing.launched import Launched, launch
 
 PROMPT = "a red circle on the left on a blue background"
 MODELS = ("neopp_dense", "neopp_dense_stream", "neopp_prompt_encoder", "neopp_t2i")
 DEMO = REPO / "demo" / "checkpoints"
-ENCODED = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")
 Timing = tuple[float, float]  # (seconds to the first sign of life, seconds to the picture)
 
 
@@ -55,7 +55,7 @@ def grpc_progress(client: grpcclient.InferenceServerClient) -> Timing:
     prompt.set_data_from_numpy(np.array([PROMPT.encode()], dtype=np.object_))
     encoded = client.infer("neopp_prompt_encoder", [prompt])
     inputs = []
-    for name in (*ENCODED, "SEED"):
+    for name in (*ENCODER_OUTPUTS, "SEED"):
         array = encoded.as_numpy(name) if name != "SEED" else np.array([1], np.int64)
         inputs.append(grpcclient.InferInput(name, list(array.shape), "BF16" if name.endswith("_KV") else "INT64"))
         inputs[-1].set_data_from_numpy(array)

@@ -13,10 +13,17 @@ import pytest
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from neopp.contract.inputs import INPUT_SPECS, OUTPUT_SPECS, STREAM_INPUT_SPECS, STREAM_OUTPUT_SPECS, TensorSpec
+from neopp.contract.inputs import (
+    ENCODER_OUTPUTS,
+    INPUT_SPECS,
+    OUTPUT_SPECS,
+    STREAM_INPUT_SPECS,
+    STREAM_OUTPUT_SPECS,
+    TensorSpec,
+)
 from neopp.modes import load_mode
-from neopp.serving.model_io import ENCODER_OUTPUTS, generation_models
 from neopp.serving.model_io import T2I_PASSED_INPUTS as T2I_PASSED
+from neopp.serving.model_io import generation_models
 from neopp.tools import contract_configs
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -56,6 +56,8 @@ OUTPUT_SPECS: dict[str, TensorSpec] = {
     "NEXT_RNG_STATE": TensorSpec("TYPE_UINT8", (-1,)),
 }
 KV_INPUTS = ("COND_KV", "UNCOND_KV", "IMAGE_KV")
+# The prompt encoder's prefixes: what neopp_t2i and the door pass a generation model (THINK_TEXT aside).
+ENCODER_OUTPUTS = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")
 
 # Think mode (the prompt encoder and neopp_t2i): the tower reasons before the image, at most
 # THINK_MAX_TOKENS tokens (default 1024), and THINK_TEXT answers the reasoning ("" without THINK).

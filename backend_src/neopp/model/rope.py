@@ -39,11 +39,13 @@ class Rope3D:
         self._build(t, r, c, head_dim, theta, theta_hw, device)
 
     @classmethod
-    def text(cls, length: int, head_dim: int, theta: float, theta_hw: float, device: torch.device) -> Rope3D:
-        """Prompt tokens: temporal index 0..length-1, both spatial indices 0 (text has no grid)."""
+    def text(cls, length: int, head_dim: int, theta: float, theta_hw: float, device: torch.device,
+             start: int = 0) -> Rope3D:
+        """Prompt tokens: temporal index start..start+length-1, both spatial indices 0 (text has no grid)."""
         rope = object.__new__(cls)
         zeros = torch.zeros(length, dtype=torch.float64)
-        rope._build(torch.arange(length, dtype=torch.float64), zeros, zeros, head_dim, theta, theta_hw, device)
+        t = torch.arange(start, start + length, dtype=torch.float64)
+        rope._build(t, zeros, zeros, head_dim, theta, theta_hw, device)
         return rope
 
     def _build(self, t: torch.Tensor, r: torch.Tensor, c: torch.Tensor, hd: int, theta: float, theta_hw: float,

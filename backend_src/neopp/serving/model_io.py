@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from ..contract.inputs import (
+    ENCODER_OUTPUTS,
     INPUT_SPECS,
     OUTPUT_SPECS,
     STREAM_INPUT_SPECS,
@@ -30,7 +31,6 @@ IO = tuple[dict[str, TensorSpec], dict[str, TensorSpec]]
 # What the prompt-to-image model passes on to the generation model it calls, and what the encoder answers.
 T2I_PASSED_INPUTS = ("SIZE", "SEED", "STEPS", "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT",
                      "OUTPUT_FORMAT", "LORA", "LORA_SCALE", "CACHE", "CACHE_THRESHOLD")
-ENCODER_OUTPUTS = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")
 
 _PROMPT = {name: TensorSpec("TYPE_STRING", (1,), optional=name == "NEGATIVE_PROMPT") for name in PROMPT_INPUTS}
 _MODEL = {"MODEL": TensorSpec("TYPE_STRING", (1,))}

@@ -23,13 +23,13 @@ from typing import Any
 
 import numpy as np
 
+from ..contract.inputs import ENCODER_OUTPUTS
 from ..contract.sizes import height_width
 from ..contract.statuses import MISCONFIGURED
 from ..errors import ConfigError, GenerationCancelled, InputError, shown
 from ..limits import text_value
 from .error_status import error_response, forwarded_error
 from .lanes import forwarded_lane
-from .model_io import ENCODER_OUTPUTS
 from .model_io import T2I_PASSED_INPUTS as PASSED_INPUTS
 from .parameters import model_allowlist, read_parameters
 from .prompt_parsing import ENCODER_INPUTS, parse_prompts

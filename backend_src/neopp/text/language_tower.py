@@ -9,6 +9,7 @@ expects to find in a prefix, in the online layout ``[NL, 2, S, NKV, HD]``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,6 +43,19 @@ def language_keys(config: CheckpointConfig) -> list[str]:
         keys += [f"{p}self_attn.{name}.weight" for name in ATTN + NORMS]
         keys += [f"{p}mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
     return keys
+
+
+@dataclass
+class PrefixCache:
+    """One sequence's keys and values, room allocated once ([NL, 2, capacity, NKV, HD]), and how
+    many tokens it holds: a token written one at a time copies nothing already there."""
+
+    kv: torch.Tensor
+    length: int = 0
+
+    def prefix(self) -> torch.Tensor:
+        """What it holds: [NL, 2, length, NKV, HD]."""
+        return self.kv[:, :, :self.length]
 
 
 class LanguageTower:
@@ -113,33 +127,36 @@ class LanguageTower:
             hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
         return torch.stack(kvs, dim=1)
 
-    def extend(self, cache: list[torch.Tensor], ids: list[int]) -> torch.Tensor:
-        """Run ``ids`` after the tokens ``cache`` holds (one [2, S, NKV, HD] per layer, grown in
-        place), each seeing what precedes it; their positions continue the cache's. Returns the
-        last token's hidden state after the final norm (the logits' input)."""
+    def cache(self, capacity: int) -> PrefixCache:
+        """An empty prefix of room for ``capacity`` tokens, on the tower's device and dtype."""
+        c = self.config
+        kv = self.embed.new_empty(c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim)
+        return PrefixCache(kv)
+
+    def extend(self, cache: PrefixCache, ids: list[int]) -> torch.Tensor:
+        """Run ``ids`` after the tokens ``cache`` holds, each seeing what precedes it, their keys
+        and values written in place; their positions continue the cache's. Returns the last
+        token's hidden state after the final norm (the logits' input)."""
         c = self.config
         nh, nkv, hd, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-        start, n = (cache[0].shape[1] if cache else 0), len(ids)
-        rope = Rope3D.text(start + n, hd, c.rope_theta, c.rope_theta_hw, self.embed.device).padded_slice(
-            start + n, start, start + n)
+        start, n = cache.length, len(ids)
+        if start + n > cache.kv.shape[2]:
+            raise RuntimeError(f"the prefix cache holds {cache.kv.shape[2]} tokens, not {start + n}")
+        rope = Rope3D.text(n, hd, c.rope_theta, c.rope_theta_hw, self.embed.device, start=start)
         seen = torch.arange(start + n, device=self.embed.device)
         mask = seen[None, :] <= seen[start:, None]  # [n, start + n]: causal over the whole sequence
         hid = F.embedding(torch.tensor(ids, device=self.embed.device), self.embed)
         for i, layer in enumerate(self.layers):
             a = rms_norm(hid, layer.input_norm, eps)
             q = rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm, eps))
-            k = rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm, eps))
-            v = layer.v_proj(a).view(n, nkv, hd)
-            new = torch.stack([k, v])  # [2, n, NKV, HD]
-            if len(cache) <= i:
-                cache.append(new)
-            else:
-                cache[i] = torch.cat([cache[i], new], dim=1)
-            keys, values = cache[i][0], cache[i][1]
+            cache.kv[i, 0, start:start + n] = rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm, eps))
+            cache.kv[i, 1, start:start + n] = layer.v_proj(a).view(n, nkv, hd)
+            keys, values = cache.kv[i, 0, :start + n], cache.kv[i, 1, :start + n]
             out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                                  attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
             hid = hid + layer.o_proj(out.transpose(0, 1).reshape(n, nh * hd))
             hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
+        cache.length = start + n
         return rms_norm(hid[-1], self.head[0], eps) if self.head is not None else hid[-1]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -48,11 +48,11 @@ def think(tower: LanguageTower, prompt: str, max_tokens: int = DEFAULT_THINK_TOK
         raise InputError(f"THINK: {why}")
     prompt_ids: U1PromptIds = tower.prompt_ids  # type: ignore[assignment]
     marks = prompt_ids.think_marks()
-    ids = prompt_ids.think_conditional(prompt)
-    cache: list[torch.Tensor] = []
+    ids, tail = prompt_ids.think_conditional(prompt), prompt_ids.image_tail()
+    cache = tower.cache(len(ids) + check_think_tokens(max_tokens) + len(tail))
     hidden = tower.extend(cache, ids)
     written: list[int] = []
-    for _ in range(check_think_tokens(max_tokens)):
+    for _ in range(max_tokens):
         token = int(torch.argmax(tower.logits(hidden)))
         if token == marks.end_of_turn:
             break
@@ -60,9 +60,6 @@ def think(tower: LanguageTower, prompt: str, max_tokens: int = DEFAULT_THINK_TOK
         hidden = tower.extend(cache, [token])
         if token == marks.think_close:
             break
-    tail = prompt_ids.image_tail()
     tower.extend(cache, tail)
     full = (*ids, *written, *tail)
-    if len(full) != cache[0].shape[1]:
-        raise RuntimeError("think mode: the KV cache lost track of its tokens")  # a bug: an internal error
-    return Thought(torch.stack(cache), len(full), full, prompt_ids.decode(written))
+    return Thought(cache.prefix(), len(full), full, prompt_ids.decode(written))

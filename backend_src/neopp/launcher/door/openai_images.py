@@ -22,7 +22,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ...contract.adapter_names import MAX_NAME_CHARS, SCALE_MAX_ABS
 from ...contract.deployment import LORA_DIR_ENV, env_override
-from ...contract.inputs import MAX_PROMPT_CHARS, MAX_THINK_TOKENS
+from ...contract.inputs import ENCODER_OUTPUTS, MAX_PROMPT_CHARS, MAX_THINK_TOKENS
 from ...contract.sizes import is_openai_size, openai_size, openai_text
 from . import strict_json
 from .spliced_request import WireRequest
@@ -49,7 +49,6 @@ PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format"
               "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
               "output_compression", "style", "lora", "lora_scale", "cache",
               "cache_threshold", "think", "think_max_tokens", *ACCEPTED_AND_IGNORED)
-PREFIX_OUTPUTS = ("COND_KV", "UNCOND_KV", "INDEX_OFFSET_COND", "INDEX_OFFSET_UNCOND")  # the encoder's, for a model
 MAX_LORA_NAME = MAX_NAME_CHARS  # the model checks the name's characters and that the adapter exists
 
 
@@ -259,7 +258,7 @@ def streamed_request(req: ImagesRequest, encoded: pb.ModelInferResponse, size: t
     would pass its generation model, plus previews; the final image is the same bytes."""
     wire = WireRequest(pb.ModelInferRequest(model_name=req.model + STREAM_SUFFIX))
     for out, raw in zip(encoded.outputs, encoded.raw_output_contents):
-        if out.name in PREFIX_OUTPUTS:  # not THINK_TEXT: the answer carries that
+        if out.name in ENCODER_OUTPUTS:  # not THINK_TEXT: the answer carries that
             _add(wire, out.name, out.datatype, list(out.shape), raw)
     _sampling(wire, req, size, 0)
     _add(wire, "PREVIEW_EVERY", "INT64", [1], np.array([preview_every], "<i8").tobytes())
