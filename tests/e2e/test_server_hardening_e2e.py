@@ -2,9 +2,8 @@
 serve``, with an API key): administrative APIs need the operator key over HTTP and gRPC, every
 inference route needs the API key (the door's and gRPC's) while health stays open, a JSON shape
 that used to abort Triton is refused by the HTTP front, refused oversized bodies leave no memory
-behind, a dead stub is reloaded through the key, a dead server is restarted, no server leaves its
-shared-memory regions in /dev/shm, and the regions a killed owner left are removed at the next
-start.
+behind, a dead stub is reloaded through the key, a dead server is restarted and its shared-memory
+regions removed (how regions go with their owner: test_shm_regions_e2e).
 """
 
 from __future__ import annotations
@@ -14,8 +13,6 @@ import http.client
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -28,9 +25,7 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from neopp.launcher.admin import GRPC_API_KEY_HEADER, grpc_headers, http_headers
-from neopp.launcher.shm_regions import PREFIX_HEAD, SHM_DIR, owner_tag, regions
-from neopp.launcher.tritonserver import TritonServer
-from neopp.launcher.watchdog import force_reload
+from neopp.launcher.shm_regions import regions
 from neopp.procs import (
     cmdline,
     descendants,
@@ -41,7 +36,6 @@ from neopp.procs import (
     rss_parts,
     stub_instance,
 )
-from testing import REPO as REPO_ROOT
 from testing.faults import kill_own_stub, wait_for
 from testing.grpc_memory import refused_burst
 from testing.launched import serving
@@ -299,65 +293,6 @@ def _ready(client: grpcclient.InferenceServerClient) -> bool:
         return client.is_model_ready(MODEL)
     except InferenceServerException:
         return False
-
-
-OWNER = """
-import sys
-from neopp.launcher.tritonserver import TritonServer
-server = TritonServer(sys.argv[1], log_path=sys.argv[2], extra_args=["--model-control-mode=explicit",
-                      "--load-model=neopp_dense"]).start()
-server.wait_ready(timeout=300)
-print(server.process.pid, server.shm_prefix, flush=True)
-sys.stdin.read()
-"""
-
-
-def _killed_owner(env: dict[str, str], log: Path) -> tuple[str, list[str]]:
-    """A process that starts a server and is then killed with it (a launcher killed hard): the
-    regions it leaves (its prefix and their names)."""
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, str(REPO_ROOT / "model_repository"), str(log)],
-                             env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        server_pid, prefix = owner.stdout.readline().split()
-        os.killpg(int(server_pid), signal.SIGKILL)  # first: nothing of it may clean up
-        assert wait_for(lambda: not process_group_members(int(server_pid)), 30)
-    finally:
-        owner.kill()
-        owner.wait(timeout=30)
-    return prefix, [p.name for p in regions(prefix)]
-
-
-def test_regions_are_private_and_go_with_their_owner(tiny_dense, tmp_path):
-    """A killed owner's regions are removed at the next start (and a live owner's are not); a
-    graceful stop lets Triton remove its regions itself; a stub killed, its model reloaded and then
-    the server killed hard leave them all behind, and ``stop`` removes exactly those. Every region
-    is 0600."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_CHECKPOINT")}
-    env["NEOPP_CHECKPOINT"] = str(tiny_dense)
-    prefix, orphans = _killed_owner(env, tmp_path / "owner.log")
-    assert orphans and all((SHM_DIR / n).stat().st_mode & 0o777 == 0o600 for n in orphans), orphans
-    live = SHM_DIR / f"{PREFIX_HEAD}{owner_tag()}_00000000_live"  # a live owner's (this process)
-    live.write_bytes(b"x")
-    server = TritonServer(REPO_ROOT / "model_repository", env=env, log_path=tmp_path / "server.log",
-                          extra_args=["--model-control-mode=explicit", f"--load-model={MODEL}"])
-    try:
-        with server:
-            assert regions(prefix) == [] and live.exists()
-            pid = server.process.pid
-            kill_own_stub(pid, model_stubs(pid, MODEL)[0])
-            client = grpcclient.InferenceServerClient(server.grpc_url)
-            force_reload(client, MODEL)  # a fresh stub and region next to the dead one's
-            client.close()
-            left = [p.name for p in regions(server.shm_prefix)]
-            assert len(left) >= 2, left
-            assert all((SHM_DIR / n).stat().st_mode & 0o777 == 0o600 for n in left), left
-            os.kill(pid, signal.SIGKILL)
-            server.process.wait(timeout=30)
-    finally:
-        live.unlink(missing_ok=True)
-    assert regions(server.shm_prefix) == []
-    assert set(left) <= set(server.removed_regions)
-    assert all(name.startswith(server.shm_prefix) for name in server.removed_regions)
 
 
 def _status(port: int, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
