@@ -106,3 +106,17 @@ def test_the_cap_is_bounded_and_the_demo_cannot_think(ckpt, tmp_path):
     demo = LanguageTower.from_pretrained(write_demo_checkpoint(tmp_path / "demo", seed=1))
     with pytest.raises(InputError, match="^THINK: this checkpoint has no think mode"):
         think(demo, "a red circle")
+
+
+def test_a_client_that_left_stops_the_reasoning(ckpt):
+    from neopp.errors import GenerationCancelled
+
+    asked = []
+
+    def cancelled() -> bool:
+        asked.append(1)
+        return len(asked) > 2
+
+    with pytest.raises(GenerationCancelled, match="after 2 tokens"):
+        think(LanguageTower.from_pretrained(ckpt), PROMPT, 50, cancelled)
+    assert len(asked) == 3

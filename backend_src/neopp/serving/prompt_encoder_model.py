@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +43,12 @@ def encoder_checkpoint(model_config: dict[str, Any], model_dir: Path | None) -> 
     return resolve_checkpoint(params, name, project_root(model_dir))
 
 
-def encode_prompts(tower: LanguageTower, req: PromptRequest) -> dict[str, torch.Tensor | np.ndarray]:
+def encode_prompts(tower: LanguageTower, req: PromptRequest,
+                   cancelled: Callable[[], bool] | None = None) -> dict[str, torch.Tensor | np.ndarray]:
     """The outputs: BF16 prefixes (online layout), INT64 [1] offsets, and the reasoning of think
-    mode (its conditional prefix continues from it; "" without THINK)."""
+    mode (its conditional prefix continues from it; "" without THINK), which ``cancelled`` stops."""
     if req.think:
-        thought = think(tower, req.prompt, req.think_max_tokens)
+        thought = think(tower, req.prompt, req.think_max_tokens, cancelled)
         cond, cond_offset, reasoning = thought.kv, thought.offset, thought.text
     else:
         (cond, cond_offset), reasoning = tower.conditional(req.prompt), ""
@@ -115,7 +117,7 @@ class PromptEncoderTritonModel:
         pb = self.pb
         try:
             req = parse_prompts({tensor.name(): tensor.as_numpy() for tensor in request.inputs()})
-            outputs = encode_prompts(self.tower, req)
+            outputs = encode_prompts(self.tower, req, request.is_cancelled)
         except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
             if error_class(exc) is INVALID_INPUT:
                 self.logger.log_warn(f"{self.model_name}: refused: {exc}")

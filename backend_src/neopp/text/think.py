@@ -10,12 +10,13 @@ length. The unconditional prefix is the one of non-think mode.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from ..contract.inputs import DEFAULT_THINK_TOKENS
-from ..errors import InputError
+from ..errors import GenerationCancelled, InputError
 from ..request import check_think_tokens
 from .language_tower import LanguageTower
 from .prompt_ids import U1PromptIds
@@ -41,8 +42,10 @@ def can_think(tower: LanguageTower) -> str | None:
 
 
 @torch.inference_mode()
-def think(tower: LanguageTower, prompt: str, max_tokens: int = DEFAULT_THINK_TOKENS) -> Thought:
-    """The think-mode conditional prefix of ``PROMPT``: greedy reasoning, then ``\\n\\n<img>``."""
+def think(tower: LanguageTower, prompt: str, max_tokens: int = DEFAULT_THINK_TOKENS,
+          cancelled: Callable[[], bool] | None = None) -> Thought:
+    """The think-mode conditional prefix of ``PROMPT``: greedy reasoning, then ``\\n\\n<img>``.
+    ``cancelled`` is asked before each token: a client that left stops the reasoning there."""
     why = can_think(tower)
     if why is not None:
         raise InputError(f"THINK: {why}")
@@ -53,6 +56,8 @@ def think(tower: LanguageTower, prompt: str, max_tokens: int = DEFAULT_THINK_TOK
     hidden = tower.extend(cache, ids)
     written: list[int] = []
     for _ in range(max_tokens):
+        if cancelled is not None and cancelled():
+            raise GenerationCancelled(f"during the reasoning, after {len(written)} tokens")
         token = int(torch.argmax(tower.logits(hidden)))
         if token == marks.end_of_turn:
             break
