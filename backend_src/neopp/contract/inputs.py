@@ -69,6 +69,16 @@ THINK_TEXT_SPEC = TensorSpec("TYPE_STRING", (1,), optional=False)
 DEFAULT_THINK_TOKENS = 1024  # the official default cap
 MAX_THINK_TOKENS = 4096
 
+# Editing (the prompt encoder and neopp_t2i): IMAGES holds the input pictures, each an encoded
+# PNG, JPEG or WebP file, in the order the prompt refers to them ("Image-1", "Image-2", ...). With
+# IMAGES the encoder also answers the image-only branch (IMAGE_KV, INDEX_OFFSET_IMAGE).
+EDIT_INPUT_SPECS: dict[str, TensorSpec] = {"IMAGES": TensorSpec("TYPE_STRING", (-1,))}
+EDIT_OUTPUTS = ("IMAGE_KV", "INDEX_OFFSET_IMAGE")
+EDIT_IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")  # as Pillow names them
+MAX_EDIT_IMAGES = 4
+MAX_EDIT_IMAGE_BYTES = 16 * 1024 * 1024  # one encoded file
+MAX_EDIT_IMAGE_PIXELS = 4096 * 4096  # one decoded picture, before it is resized for the tower
+
 # A streamed twin takes the plain inputs (COND_KV may come as base64 instead) and answers every step.
 STREAM_INPUT_SPECS: dict[str, TensorSpec] = {
     **{name: TensorSpec(spec.data_type, spec.dims, optional=True) if name == "COND_KV" else spec

@@ -14,6 +14,8 @@ import re
 from pathlib import Path
 
 from ..contract.inputs import (
+    EDIT_INPUT_SPECS,
+    EDIT_OUTPUTS,
     ENCODER_OUTPUTS,
     INPUT_SPECS,
     OUTPUT_SPECS,
@@ -30,7 +32,7 @@ IO = tuple[dict[str, TensorSpec], dict[str, TensorSpec]]
 
 # What the prompt-to-image model passes on to the generation model it calls, and what the encoder answers.
 T2I_PASSED_INPUTS = ("SIZE", "SEED", "STEPS", "CFG_SCALE", "CFG_INTERVAL", "CFG_NORM", "TIMESTEP_SHIFT",
-                     "OUTPUT_FORMAT", "LORA", "LORA_SCALE", "CACHE", "CACHE_THRESHOLD")
+                     "OUTPUT_FORMAT", "LORA", "LORA_SCALE", "CACHE", "CACHE_THRESHOLD", "IMAGE_GUIDANCE_SCALE")
 
 _PROMPT = {name: TensorSpec("TYPE_STRING", (1,), optional=name == "NEGATIVE_PROMPT") for name in PROMPT_INPUTS}
 _MODEL = {"MODEL": TensorSpec("TYPE_STRING", (1,))}
@@ -49,10 +51,10 @@ SESSION_IO: IO = (
     {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": TensorSpec("TYPE_INT64", (1,), optional=False),
      "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"], TOKEN_INPUT: TensorSpec("TYPE_STRING", (1,), optional=False)},
 )
-T2I_IO: IO = ({**_PROMPT, **THINK_INPUT_SPECS, **_MODEL, **{n: INPUT_SPECS[n] for n in T2I_PASSED_INPUTS}},
+T2I_IO: IO = ({**_PROMPT, **EDIT_INPUT_SPECS, **THINK_INPUT_SPECS, **_MODEL, **{n: INPUT_SPECS[n] for n in T2I_PASSED_INPUTS}},
               {"IMAGE": OUTPUT_SPECS["IMAGE"], "THINK_TEXT": THINK_TEXT_SPEC})
-ENCODER_IO: IO = ({**_PROMPT, **THINK_INPUT_SPECS},
-                  {**{n: _required(n) for n in ENCODER_OUTPUTS}, "THINK_TEXT": THINK_TEXT_SPEC})
+ENCODER_IO: IO = ({**_PROMPT, **EDIT_INPUT_SPECS, **THINK_INPUT_SPECS},
+                  {**{n: _required(n) for n in (*ENCODER_OUTPUTS, *EDIT_OUTPUTS)}, "THINK_TEXT": THINK_TEXT_SPEC})
 
 # The serving module a model.py imports its class from -> that kind's tables.
 TABLES_BY_MODULE: dict[str, IO] = {

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from ..contract.statuses import INVALID_INPUT
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 from ..model.checkpoint_config import CheckpointConfig
-from ..text.language_tower import LanguageTower
+from ..text.language_tower import LanguageTower, cannot_edit
 from ..text.think import think
 from .error_status import error_class, error_response
 from .model_settings import choose_device, int_param, project_root, resolve_checkpoint
@@ -47,6 +47,8 @@ def encode_prompts(tower: LanguageTower, req: PromptRequest,
                    cancelled: Callable[[], bool] | None = None) -> dict[str, torch.Tensor | np.ndarray]:
     """The outputs: BF16 prefixes (online layout), INT64 [1] offsets, and the reasoning of think
     mode (its conditional prefix continues from it; "" without THINK), which ``cancelled`` stops."""
+    if req.images:
+        raise InputError(f"IMAGES: {cannot_edit(tower)}")
     if req.think:
         thought = think(tower, req.prompt, req.think_max_tokens, cancelled)
         cond, cond_offset, reasoning = thought.kv, thought.offset, thought.text

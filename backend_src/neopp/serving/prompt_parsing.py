@@ -14,12 +14,19 @@ from typing import Any
 
 import numpy as np
 
-from ..contract.inputs import DEFAULT_THINK_TOKENS, MAX_PROMPT_BYTES, THINK_INPUT_SPECS
+from ..contract.inputs import (
+    DEFAULT_THINK_TOKENS,
+    EDIT_INPUT_SPECS,
+    MAX_EDIT_IMAGE_BYTES,
+    MAX_EDIT_IMAGES,
+    MAX_PROMPT_BYTES,
+    THINK_INPUT_SPECS,
+)
 from ..errors import SHOWN_CHARS, InputError, shown
 from ..request import check_think_tokens
 
 PROMPT_INPUTS = ("PROMPT", "NEGATIVE_PROMPT")
-ENCODER_INPUTS = (*PROMPT_INPUTS, *THINK_INPUT_SPECS)  # what the prompt encoder takes (neopp_t2i passes them on)
+ENCODER_INPUTS = (*PROMPT_INPUTS, *EDIT_INPUT_SPECS, *THINK_INPUT_SPECS)  # what the prompt encoder takes (neopp_t2i passes them on)
 
 
 @dataclass(frozen=True)
@@ -31,6 +38,7 @@ class PromptRequest:
     negative_prompt: str = ""
     think: bool = False
     think_max_tokens: int = DEFAULT_THINK_TOKENS
+    images: tuple[bytes, ...] = ()  # the encoded input pictures of an edit, in order; () for text-to-image
 
 
 def prompt_text(name: str, value: Any) -> str:
@@ -64,9 +72,29 @@ def parse_prompts(inputs: Mapping[str, Any]) -> PromptRequest:
     cap = inputs.get("THINK_MAX_TOKENS")
     if cap is not None and not think:
         raise InputError("THINK_MAX_TOKENS: given without THINK set to true")
+    images = () if inputs.get("IMAGES") is None else image_files(inputs["IMAGES"])
     return PromptRequest(prompt_text("PROMPT", inputs["PROMPT"]),
                          "" if negative is None else prompt_text("NEGATIVE_PROMPT", negative), think,
-                         DEFAULT_THINK_TOKENS if cap is None else check_think_tokens(_count("THINK_MAX_TOKENS", cap)))
+                         DEFAULT_THINK_TOKENS if cap is None else check_think_tokens(_count("THINK_MAX_TOKENS", cap)),
+                         images)
+
+
+def image_files(value: Any) -> tuple[bytes, ...]:
+    """``IMAGES``: a BYTES tensor [N] of 1..MAX_EDIT_IMAGES encoded files, each non-empty and at
+    most MAX_EDIT_IMAGE_BYTES (what they hold is checked when they are decoded)."""
+    arr = np.asarray(value)
+    if arr.ndim != 1 or not 1 <= arr.shape[0] <= MAX_EDIT_IMAGES:
+        raise InputError(f"IMAGES: shape must be [N] with 1 <= N <= {MAX_EDIT_IMAGES} pictures, "
+                         f"got {list(arr.shape)}")
+    files = []
+    for i, item in enumerate(arr):
+        if not isinstance(item, bytes):  # numpy's bytes_ included
+            raise InputError(f"IMAGES: must be a BYTES (STRING) tensor of encoded files, got {type(item).__name__}")
+        if not 0 < len(item) <= MAX_EDIT_IMAGE_BYTES:
+            raise InputError(f"IMAGES: picture {i + 1} has {len(item)} bytes; each must have 1 to "
+                             f"{MAX_EDIT_IMAGE_BYTES} bytes")
+        files.append(bytes(item))
+    return tuple(files)
 
 
 def _flag(name: str, value: Any) -> bool:

@@ -184,6 +184,14 @@ class LanguageTower:
         return self._plain_unconditional
 
 
+def cannot_edit(tower: LanguageTower) -> str:
+    """Why this checkpoint's encoder refuses input pictures."""
+    if not hasattr(tower.prompt_ids, "think_marks"):
+        return ("this checkpoint cannot edit pictures: the demo model has no image understanding "
+                "(a SenseNova-U1 checkpoint edits)")
+    return "this checkpoint has no vision embedding (vision_model.embeddings.*) to read pictures with"
+
+
 def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor], vocab: int) -> None:
     """Every key present, with the geometry of the generation tower it feeds; an embedding row for
     every id the tokenizer makes (a real checkpoint pads its table past the tokenizer's ids)."""
