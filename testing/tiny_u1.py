@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.trainers import BpeTrainer
 
 from neopp.model.checkpoint import LM, layer_prefix
-from neopp.text.language_tower import LM_HEAD
+from neopp.text.language_tower import LM_HEAD, VISION_UND
 from testing.tiny_checkpoint import write_tiny_checkpoint
 
 REAL_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645, "<think>": 151667,
@@ -76,12 +76,24 @@ def understanding_tensors(llm: dict, rows: int, seed: int) -> dict[str, torch.Te
     return w
 
 
-def write_tiny_u1_checkpoint(out_dir: str | Path, seed: int = 0) -> Path:
-    """A dense tiny checkpoint that draws and encodes its own prompts."""
+def vision_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """The understanding tower's picture embedding (editing): patch conv, then the 2 x 2 merge conv."""
+    g = torch.Generator().manual_seed(seed)
+    dv, d, p = config["vision_config"]["hidden_size"], config["llm_config"]["hidden_size"], 16
+    return {VISION_UND + "patch_embedding.weight": torch.randn(dv, 3, p, p, generator=g) / (3 * p * p) ** 0.5,
+            VISION_UND + "patch_embedding.bias": 0.1 * torch.randn(dv, generator=g),
+            VISION_UND + "dense_embedding.weight": torch.randn(d, dv, 2, 2, generator=g) / (4 * dv) ** 0.5,
+            VISION_UND + "dense_embedding.bias": 0.1 * torch.randn(d, generator=g)}
+
+
+def write_tiny_u1_checkpoint(out_dir: str | Path, seed: int = 0, vision: bool = True) -> Path:
+    """A dense tiny checkpoint that draws and encodes its own prompts (and edits, with ``vision``)."""
     out = write_tiny_checkpoint(out_dir, "dense", seed, overrides={"template": "neo1_0", "llm_config": U1_LLM})
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))
     tensors.update(understanding_tensors(config["llm_config"], max(REAL_IDS.values()) + 1, seed + 1))
+    if vision:
+        tensors.update(vision_tensors(config, seed + 2))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
     write_u1_tokenizer(out, bare_bpe())
     return out

@@ -42,10 +42,16 @@ class Rope3D:
     def text(cls, length: int, head_dim: int, theta: float, theta_hw: float, device: torch.device,
              start: int = 0) -> Rope3D:
         """Prompt tokens: temporal index start..start+length-1, both spatial indices 0 (text has no grid)."""
+        zeros = [0] * length
+        return cls.at(list(range(start, start + length)), zeros, zeros, head_dim, theta, theta_hw, device)
+
+    @classmethod
+    def at(cls, t: list[int], rows: list[int], cols: list[int], head_dim: int, theta: float, theta_hw: float,
+           device: torch.device) -> Rope3D:
+        """Tokens at given (t, row, column) positions: a prompt whose pictures sit among its words."""
         rope = object.__new__(cls)
-        zeros = torch.zeros(length, dtype=torch.float64)
-        t = torch.arange(start, start + length, dtype=torch.float64)
-        rope._build(t, zeros, zeros, head_dim, theta, theta_hw, device)
+        rope._build(*(torch.tensor(v, dtype=torch.float64) for v in (t, rows, cols)), head_dim, theta, theta_hw,
+                    device)
         return rope
 
     def _build(self, t: torch.Tensor, r: torch.Tensor, c: torch.Tensor, hd: int, theta: float, theta_hw: float,

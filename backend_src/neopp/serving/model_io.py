@@ -51,7 +51,8 @@ SESSION_IO: IO = (
     {"IMAGE": OUTPUT_SPECS["IMAGE"], "TURN": TensorSpec("TYPE_INT64", (1,), optional=False),
      "NEXT_RNG_STATE": OUTPUT_SPECS["NEXT_RNG_STATE"], TOKEN_INPUT: TensorSpec("TYPE_STRING", (1,), optional=False)},
 )
-T2I_IO: IO = ({**_PROMPT, **EDIT_INPUT_SPECS, **THINK_INPUT_SPECS, **_MODEL, **{n: INPUT_SPECS[n] for n in T2I_PASSED_INPUTS}},
+T2I_IO: IO = ({**_PROMPT, **EDIT_INPUT_SPECS, **THINK_INPUT_SPECS, **_MODEL,
+               **{n: INPUT_SPECS[n] for n in T2I_PASSED_INPUTS}},
               {"IMAGE": OUTPUT_SPECS["IMAGE"], "THINK_TEXT": THINK_TEXT_SPEC})
 ENCODER_IO: IO = ({**_PROMPT, **EDIT_INPUT_SPECS, **THINK_INPUT_SPECS},
                   {**{n: _required(n) for n in (*ENCODER_OUTPUTS, *EDIT_OUTPUTS)}, "THINK_TEXT": THINK_TEXT_SPEC})

@@ -25,6 +25,7 @@ import torch
 from ..contract.statuses import INVALID_INPUT
 from ..errors import ConfigError, InputError
 from ..model.checkpoint_config import CheckpointConfig
+from ..text.edit_images import read_pictures
 from ..text.language_tower import LanguageTower, cannot_edit
 from ..text.think import think
 from .error_status import error_class, error_response
@@ -33,7 +34,7 @@ from .parameters import narrow_kv_dims, read_parameters
 from .prompt_parsing import PromptRequest, parse_prompts
 
 ENCODER_PARAMETERS = {"checkpoint": "checkpoints/neopp", "device": "auto", "num_threads": "0"}
-KV_OUTPUTS = ("COND_KV", "UNCOND_KV")
+KV_OUTPUTS = ("COND_KV", "UNCOND_KV", "IMAGE_KV")
 
 
 def encoder_checkpoint(model_config: dict[str, Any], model_dir: Path | None) -> Path:
@@ -46,20 +47,31 @@ def encoder_checkpoint(model_config: dict[str, Any], model_dir: Path | None) -> 
 def encode_prompts(tower: LanguageTower, req: PromptRequest,
                    cancelled: Callable[[], bool] | None = None) -> dict[str, torch.Tensor | np.ndarray]:
     """The outputs: BF16 prefixes (online layout), INT64 [1] offsets, and the reasoning of think
-    mode (its conditional prefix continues from it; "" without THINK), which ``cancelled`` stops."""
+    mode (its conditional prefix continues from it; "" without THINK), which ``cancelled`` stops.
+    With ``IMAGES``, the pictures sit in the conditional prefix and make the image-only one."""
+    pictures = None
     if req.images:
-        raise InputError(f"IMAGES: {cannot_edit(tower)}")
+        why = cannot_edit(tower)
+        if why is not None:
+            raise InputError(f"IMAGES: {why}")
+        pictures = tower.embed_pictures(read_pictures(req.images))
+    prefixes: dict[str, tuple[torch.Tensor, int]] = {}
+    reasoning = ""
     if req.think:
-        thought = think(tower, req.prompt, req.think_max_tokens, cancelled)
-        cond, cond_offset, reasoning = thought.kv, thought.offset, thought.text
+        thought = think(tower, req.prompt, req.think_max_tokens, cancelled, pictures)
+        prefixes["COND"], reasoning = (thought.kv, thought.offset), thought.text
+    if pictures is not None:
+        cond, prefixes["IMAGE"] = tower.edit_prefixes(req.prompt, pictures, with_cond=not req.think)
+        prefixes.setdefault("COND", cond)
     else:
-        (cond, cond_offset), reasoning = tower.conditional(req.prompt), ""
-    uncond, uncond_offset = tower.unconditional(req.negative_prompt)
-    return {"COND_KV": cond.to(device="cpu", dtype=torch.bfloat16).contiguous(),
-            "UNCOND_KV": uncond.to(device="cpu", dtype=torch.bfloat16).contiguous(),
-            "INDEX_OFFSET_COND": np.array([cond_offset], dtype=np.int64),
-            "INDEX_OFFSET_UNCOND": np.array([uncond_offset], dtype=np.int64),
-            "THINK_TEXT": np.array([reasoning.encode("utf-8")], dtype=np.object_)}
+        prefixes.setdefault("COND", tower.conditional(req.prompt))
+    prefixes["UNCOND"] = tower.unconditional(req.negative_prompt)
+    outputs: dict[str, torch.Tensor | np.ndarray] = {}
+    for branch, (kv, offset) in prefixes.items():
+        outputs[f"{branch}_KV"] = kv.to(device="cpu", dtype=torch.bfloat16).contiguous()
+        outputs[f"INDEX_OFFSET_{branch}"] = np.array([offset], dtype=np.int64)
+    outputs["THINK_TEXT"] = np.array([reasoning.encode("utf-8")], dtype=np.object_)
+    return outputs
 
 
 class PromptEncoderTritonModel:

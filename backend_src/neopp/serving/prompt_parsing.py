@@ -26,7 +26,8 @@ from ..errors import SHOWN_CHARS, InputError, shown
 from ..request import check_think_tokens
 
 PROMPT_INPUTS = ("PROMPT", "NEGATIVE_PROMPT")
-ENCODER_INPUTS = (*PROMPT_INPUTS, *EDIT_INPUT_SPECS, *THINK_INPUT_SPECS)  # what the prompt encoder takes (neopp_t2i passes them on)
+# what the prompt encoder takes (neopp_t2i passes them on)
+ENCODER_INPUTS = (*PROMPT_INPUTS, *EDIT_INPUT_SPECS, *THINK_INPUT_SPECS)
 
 
 @dataclass(frozen=True)

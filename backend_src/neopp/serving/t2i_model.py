@@ -1,8 +1,9 @@
 """What ``model_repository/neopp_t2i/1/model.py`` does: prompt in, image out, over BLS.
 
 Each request goes to the prompt encoder (``encoder_model``, ``neopp_prompt_encoder``) with its
-``PROMPT`` and ``NEGATIVE_PROMPT``, then to a generation model (``MODEL``, else
-``default_model``) with the encoder's four outputs and the sampling inputs the client gave
+``PROMPT``, ``NEGATIVE_PROMPT``, ``IMAGES`` (an edit) and think inputs, then to a generation model
+(``MODEL``, else ``default_model``) with the encoder's prefixes and offsets (an edit's image-only
+branch included) and the sampling inputs the client gave
 (each passed on only when given, so the generation model's mode fills in the rest). A refusal
 of either model reaches the client with that model's own message and status.
 
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contract.inputs import ENCODER_OUTPUTS
+from ..contract.inputs import EDIT_OUTPUTS, ENCODER_OUTPUTS
 from ..contract.sizes import height_width
 from ..contract.statuses import MISCONFIGURED
 from ..errors import ConfigError, GenerationCancelled, InputError, shown
@@ -96,11 +97,12 @@ class T2ITritonModel:
             parse_prompts({n: inputs[n].as_numpy() for n in ENCODER_INPUTS if n in inputs})
             lane = forwarded_lane(request)
             self._check_cancelled(request)
+            branches = (*ENCODER_OUTPUTS, *(EDIT_OUTPUTS if "IMAGES" in inputs else ()))
             encoded = self._call(self.encoder, [inputs[n] for n in ENCODER_INPUTS if n in inputs],
-                                 (*ENCODER_OUTPUTS, "THINK_TEXT"))
+                                 (*branches, "THINK_TEXT"))
             if encoded.has_error():
                 return self._forward_error(self.encoder, encoded.error())
-            prefix = [pb.get_output_tensor_by_name(encoded, name) for name in ENCODER_OUTPUTS]
+            prefix = [pb.get_output_tensor_by_name(encoded, name) for name in branches]
             passed = [inputs[n] for n in PASSED_INPUTS if n in inputs]
             if "SIZE" not in inputs and self.default_size is not None:
                 passed.append(pb.Tensor("SIZE", self.default_size))
@@ -133,7 +135,7 @@ class T2ITritonModel:
         (the generation model does not serve the encoder checkpoint's geometry), not a bad request."""
         message = error.message()
         self.logger.log_warn(f"{self.model_name}: {model} refused the request: {shown(message, 300)}")
-        if model != self.encoder and any(name in message for name in ENCODER_OUTPUTS):
+        if model != self.encoder and any(name in message for name in (*ENCODER_OUTPUTS, *EDIT_OUTPUTS)):
             message = MISCONFIGURED.message(f"{model} does not take {self.encoder}'s prefix "
                                             f"(checkpoints of another geometry?): {message}")
             return forwarded_error(self.pb, message, MISCONFIGURED.status)

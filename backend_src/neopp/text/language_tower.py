@@ -19,19 +19,24 @@ from ..errors import ConfigError
 from ..json_file import read_json_object
 from ..model.checkpoint import LM, layer_prefix, read_generation_tensors
 from ..model.checkpoint_config import CheckpointConfig
+from ..model.embeddings import Grid, PatchEmbed
 from ..model.layers import DecoderLayer, Linear, SwiGLU, rms_norm, split_head_norm
 from ..model.rope import Rope3D
-from .prompt_ids import PromptIds, load_prompt_ids
+from .edit_images import Picture
+from .prompt_ids import PromptIds, U1PromptIds, load_prompt_ids
 
 EMBED = LM + "embed_tokens.weight"
 FINAL_NORM = LM + "norm.weight"
 LM_HEAD = "language_model.lm_head.weight"  # beside the model, under the same root
+VISION_UND = "vision_model.embeddings."  # the understanding tower's own patch embedding (editing)
+VISION_KEYS = tuple(VISION_UND + name for name in ("patch_embedding.weight", "patch_embedding.bias",
+                                                    "dense_embedding.weight", "dense_embedding.bias"))
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 NORMS = ("q_norm", "k_norm", "q_norm_hw", "k_norm_hw")
 
 
 def is_language_key(key: str) -> bool:
-    return (key.startswith(LM) and "mot_gen" not in key) or key == LM_HEAD
+    return (key.startswith(LM) and "mot_gen" not in key) or key == LM_HEAD or key.startswith(VISION_UND)
 
 
 def language_keys(config: CheckpointConfig) -> list[str]:
@@ -52,10 +57,19 @@ class PrefixCache:
 
     kv: torch.Tensor
     length: int = 0
+    position: int = 0  # the temporal index the next token takes (a picture's tokens share one)
 
     def prefix(self) -> torch.Tensor:
         """What it holds: [NL, 2, length, NKV, HD]."""
         return self.kv[:, :, :self.length]
+
+
+@dataclass(frozen=True)
+class EmbeddedPictures:
+    """An edit's pictures as the tower reads them: each one's token grid and its embedded tokens."""
+
+    grids: list[tuple[int, int]]  # (rows, cols) of image tokens per picture
+    tokens: tuple[torch.Tensor, ...]  # [rows * cols, D] per picture
 
 
 class LanguageTower:
@@ -66,6 +80,7 @@ class LanguageTower:
                  prompt_ids: PromptIds, head: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         self.config, self.embed, self.layers, self.prompt_ids = config, embed, layers, prompt_ids
         self.head = head  # (final norm, lm_head): the tower can write text (think mode); None: prefixes only
+        self.vision: PatchEmbed | None = None  # the pictures' embedding (editing); None: cannot edit
         self._plain_unconditional: tuple[torch.Tensor, int] | None = None
 
     @classmethod
@@ -104,7 +119,10 @@ class LanguageTower:
         head = None
         if FINAL_NORM in tensors and (LM_HEAD in tensors or tied):  # the output head, to write text with
             head = (t(FINAL_NORM), t(EMBED) if tied else t(LM_HEAD))
-        return cls(config, t(EMBED), layers, prompt_ids, head)
+        tower = cls(config, t(EMBED), layers, prompt_ids, head)
+        if all(key in tensors for key in VISION_KEYS):
+            tower.vision = PatchEmbed(*(t(key) for key in VISION_KEYS), config.patch_size)
+        return tower
 
     def prefix_kv(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [B, S] -> [B, NL, 2, S, NKV, HD]. Causal, so a right-padded row's first tokens
@@ -133,19 +151,29 @@ class LanguageTower:
         kv = self.embed.new_empty(c.num_layers, 2, capacity, c.num_kv_heads, c.head_dim)
         return PrefixCache(kv)
 
-    def extend(self, cache: PrefixCache, ids: list[int]) -> torch.Tensor:
-        """Run ``ids`` after the tokens ``cache`` holds, each seeing what precedes it, their keys
-        and values written in place; their positions continue the cache's. Returns the last
-        token's hidden state after the final norm (the logits' input)."""
+    def extend(self, cache: PrefixCache, ids: list[int], positions: list[tuple[int, int, int]] | None = None,
+               pictures: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """Run ``ids`` after the tokens ``cache`` holds, their keys and values written in place.
+        Each token sees what precedes it, and a picture's tokens (one temporal index) see each other.
+        ``positions``: (t, h, w) per token, by default text positions continuing the cache's;
+        ``pictures``: the embeddings that replace the ``<IMG_CONTEXT>`` tokens, in order. Returns the
+        last token's hidden state after the final norm (the logits' input)."""
         c = self.config
         nh, nkv, hd, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
-        start, n = cache.length, len(ids)
+        start, n, device = cache.length, len(ids), self.embed.device
         if start + n > cache.kv.shape[2]:
             raise RuntimeError(f"the prefix cache holds {cache.kv.shape[2]} tokens, not {start + n}")
-        rope = Rope3D.text(n, hd, c.rope_theta, c.rope_theta_hw, self.embed.device, start=start)
-        seen = torch.arange(start + n, device=self.embed.device)
+        if positions is None:
+            positions = [(cache.position + i, 0, 0) for i in range(n)]
+        t, rows, cols = (list(v) for v in zip(*positions, strict=True))
+        rope = Rope3D.at(t, rows, cols, hd, c.rope_theta, c.rope_theta_hw, device)
+        seen, index = torch.arange(start + n, device=device), torch.tensor(t, device=device)
         mask = seen[None, :] <= seen[start:, None]  # [n, start + n]: causal over the whole sequence
-        hid = F.embedding(torch.tensor(ids, device=self.embed.device), self.embed)
+        mask[:, start:] |= index[None, :] == index[:, None]
+        token_ids = torch.tensor(ids, device=device)
+        hid = F.embedding(token_ids, self.embed)
+        if pictures:
+            hid[token_ids == self.prompt_ids.picture_token()] = torch.cat(pictures).to(hid.dtype)
         for i, layer in enumerate(self.layers):
             a = rms_norm(hid, layer.input_norm, eps)
             q = rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm, eps))
@@ -156,8 +184,36 @@ class LanguageTower:
                                                  attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
             hid = hid + layer.o_proj(out.transpose(0, 1).reshape(n, nh * hd))
             hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
-        cache.length = start + n
+        cache.length, cache.position = start + n, max(t) + 1
         return rms_norm(hid[-1], self.head[0], eps) if self.head is not None else hid[-1]
+
+    @torch.inference_mode()
+    def embed_pictures(self, pictures: tuple[Picture, ...]) -> EmbeddedPictures:
+        """Each picture's image tokens [rows * cols, D], row-major, through the vision embedding."""
+        c, device = self.config, self.embed.device
+        out = []
+        for picture in pictures:
+            _, _, height, width = picture.pixels.shape
+            grid = Grid.build(height, width, c.patch_size, c.merge_size, c.vision_hidden_size, c.rope_theta_vision,
+                              device)
+            out.append(self.vision(picture.pixels.to(device=device, dtype=self.embed.dtype), grid))
+        return EmbeddedPictures([(p.rows, p.cols) for p in pictures], tuple(out))
+
+    @torch.inference_mode()
+    def encode_with_pictures(self, ids: list[int], pictures: EmbeddedPictures) -> tuple[torch.Tensor, int]:
+        """One prefix holding pictures among its words, and its index offset (the temporal index
+        after its last token, not its length: a picture takes one)."""
+        cache = self.cache(len(ids))
+        self.extend(cache, ids, self.prompt_ids.positions(ids, pictures.grids), pictures.tokens)
+        return cache.prefix(), cache.position
+
+    def edit_prefixes(self, prompt: str, pictures: EmbeddedPictures,
+                      with_cond: bool = True) -> tuple[tuple[torch.Tensor, int] | None, tuple[torch.Tensor, int]]:
+        """An edit's conditional prefix (pictures and ``PROMPT``; None unless ``with_cond``: think
+        mode writes its own) and its image-only one."""
+        ids = self.prompt_ids
+        cond = self.encode_with_pictures(ids.edit_conditional(prompt, pictures.grids), pictures) if with_cond else None
+        return cond, self.encode_with_pictures(ids.image_only(pictures.grids), pictures)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The next token's scores over the vocabulary (needs the output head)."""
@@ -184,9 +240,11 @@ class LanguageTower:
         return self._plain_unconditional
 
 
-def cannot_edit(tower: LanguageTower) -> str:
-    """Why this checkpoint's encoder refuses input pictures."""
-    if not hasattr(tower.prompt_ids, "think_marks"):
+def cannot_edit(tower: LanguageTower) -> str | None:
+    """Why this checkpoint's encoder refuses input pictures, or None."""
+    if tower.vision is not None and isinstance(tower.prompt_ids, U1PromptIds):
+        return None
+    if not isinstance(tower.prompt_ids, U1PromptIds):
         return ("this checkpoint cannot edit pictures: the demo model has no image understanding "
                 "(a SenseNova-U1 checkpoint edits)")
     return "this checkpoint has no vision embedding (vision_model.embeddings.*) to read pictures with"
@@ -215,6 +273,14 @@ def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Ten
     for key in (FINAL_NORM, LM_HEAD):
         if key in tensors and tuple(tensors[key].shape) != want[key]:
             raise ConfigError(f"checkpoint: '{key}' has shape {tuple(tensors[key].shape)}, expected {want[key]}")
+    if any(key in tensors for key in VISION_KEYS):  # editing: all of the picture embedding, or none
+        dv, ps, m = config.vision_hidden_size, config.patch_size, config.merge_size
+        want.update(dict(zip(VISION_KEYS, ((dv, 3, ps, ps), (dv,), (d, dv, m, m), (d,)), strict=True)))
+        for key in VISION_KEYS:
+            if key not in tensors:
+                raise ConfigError(f"checkpoint: vision tensor '{key}' is missing")
+            if tuple(tensors[key].shape) != want[key]:
+                raise ConfigError(f"checkpoint: '{key}' has shape {tuple(tensors[key].shape)}, expected {want[key]}")
     for key in language_keys(config):
         if key not in tensors:
             raise ConfigError(f"checkpoint: language-tower tensor '{key}' is missing")

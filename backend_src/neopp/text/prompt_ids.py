@@ -23,10 +23,14 @@ from .checkpoint_tokenizer import CheckpointTokenizer
 from .prompt_template import (
     IM_END,
     IMAGE_TAIL,
+    IMG_CONTEXT,
+    IMG_START,
     TEMPLATE_NAME,
     THINK_CLOSE,
     check_template,
     encode_conditional,
+    encode_edit,
+    encode_image_only,
     encode_think,
     encode_unconditional,
     load_u1_tokenizer,
@@ -97,6 +101,34 @@ class U1PromptIds:
     def think_conditional(self, prompt: str) -> list[int]:
         """The ids of ``PROMPT``'s think-mode query (its think block open)."""
         return list(encode_think(self.tokenizer, prompt, self.max_tokens).ids)
+
+    def edit_conditional(self, prompt: str, grids: list[tuple[int, int]], think: bool = False) -> list[int]:
+        """The ids of an edit's conditional prefix; ``grids``: each picture's (rows, cols) of tokens."""
+        return list(encode_edit(self.tokenizer, prompt, [r * c for r, c in grids], self.max_tokens, think).ids)
+
+    def image_only(self, grids: list[tuple[int, int]]) -> list[int]:
+        """The ids of an edit's image-only prefix."""
+        return list(encode_image_only(self.tokenizer, [r * c for r, c in grids], self.max_tokens).ids)
+
+    def picture_token(self) -> int:
+        """The id of ``<IMG_CONTEXT>``, whose embedding a picture's token replaces."""
+        return self.tokenizer.token_id(IMG_CONTEXT)  # type: ignore[return-value]  # load_u1_tokenizer checked it
+
+    def positions(self, ids: list[int], grids: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """(t, h, w) of each token. Each text token takes the next temporal index; a picture's
+        tokens all take one index (the one after ``<img>``) and their row and column on its grid."""
+        start, context = self.tokenizer.token_id(IMG_START), self.tokenizer.token_id(IMG_CONTEXT)
+        cells = [(r, c) for rows, cols in grids for r in range(rows) for c in range(cols)]
+        out, t, previous, k = [], -1, None, 0
+        for token in ids:
+            t += (previous == start) + (token != context)
+            if token == context:
+                out.append((t, cells[k][0], cells[k][1]))
+                k += 1
+            else:
+                out.append((t, 0, 0))
+            previous = token
+        return out
 
     def image_tail(self) -> list[int]:
         return self.tokenizer.encode(IMAGE_TAIL)

@@ -30,8 +30,8 @@ SPECIAL_TOKENS = (IM_START, IM_END, THINK_OPEN, THINK_CLOSE, IMG_START, IMG_END,
 CLOSED_THINK = f"{THINK_OPEN}\n\n{THINK_CLOSE}\n\n"
 
 __all__ = ["GENERATION_SYSTEM_MESSAGE", "IMAGE_TAIL", "PromptPrefix", "check_template", "conditional_query",
-           "encode_conditional", "encode_think", "encode_unconditional", "load_u1_tokenizer", "think_query",
-           "unconditional_query"]
+           "edit_prompt", "encode_conditional", "encode_think", "encode_unconditional", "image_only_query",
+           "load_u1_tokenizer", "think_query", "unconditional_query", "with_pictures"]
 
 GENERATION_SYSTEM_MESSAGE = (
     'You are an image generation and editing assistant that accurately understands and '
@@ -102,6 +102,34 @@ def think_query(prompt: str) -> str:
 IMAGE_TAIL = "\n\n" + IMG_START  # after the reasoning, where the image starts
 
 
+IMAGE_PLACE = "<image>"  # where a picture goes in an edit's prompt
+
+
+def edit_prompt(prompt: str, count: int) -> str:
+    """The user turn of an edit: the prompt may place its pictures with ``<image>``; those it does
+    not place go first, each on its own line, labelled ``Image-1:``... when none is placed and
+    there are several."""
+    placed = prompt.count(IMAGE_PLACE)
+    if placed > count:
+        raise InputError(f"PROMPT: places {placed} pictures with {IMAGE_PLACE} but IMAGES holds {count}")
+    if placed == 0 and count > 1:
+        return "".join(f"Image-{i + 1}:{IMAGE_PLACE}\n" for i in range(count)) + prompt
+    return f"{IMAGE_PLACE}\n" * (count - placed) + prompt
+
+
+def image_only_query(count: int) -> str:
+    """The image-only branch of an edit: its pictures as the user turn, no system turn, no prompt."""
+    return _turns("", IMAGE_PLACE * count) + IMG_START
+
+
+def with_pictures(query: str, tokens: list[int]) -> str:
+    """Each ``<image>`` in turn becomes its picture's block: ``<img>``, one ``<IMG_CONTEXT>`` per
+    image token, ``</img>``."""
+    for n in tokens:
+        query = query.replace(IMAGE_PLACE, IMG_START + IMG_CONTEXT * n + IMG_END, 1)
+    return query
+
+
 def unconditional_query(negative_prompt: str = "") -> str:
     """The unconditional prefix's text; a negative prompt takes the empty user turn's place."""
     return _turns("", negative_prompt) + IMG_START
@@ -132,6 +160,34 @@ def encode_unconditional(tokenizer: CheckpointTokenizer, negative_prompt: str, m
     """The unconditional prefix; ``NEGATIVE_PROMPT`` empty gives the plain unconditional query."""
     text = _bounded(negative_prompt, "NEGATIVE_PROMPT")
     return _encode(tokenizer, unconditional_query(text), "NEGATIVE_PROMPT", max_tokens)
+
+
+def encode_edit(tokenizer: CheckpointTokenizer, prompt: str, tokens: list[int], max_tokens: int,
+                think: bool = False) -> PromptPrefix:
+    """The conditional prefix of an edit: the pictures (``tokens`` image tokens each) and ``PROMPT``;
+    ``think`` opens the think block instead of closing it."""
+    user = edit_prompt(_bounded(prompt, "PROMPT"), len(tokens))
+    query = think_query(user) if think else conditional_query(user)
+    return _encode_pictures(tokenizer, with_pictures(query, tokens), tokens, "PROMPT", max_tokens)
+
+
+def encode_image_only(tokenizer: CheckpointTokenizer, tokens: list[int], max_tokens: int) -> PromptPrefix:
+    """The image-only prefix of an edit."""
+    return _encode_pictures(tokenizer, with_pictures(image_only_query(len(tokens)), tokens), tokens, "IMAGES",
+                            max_tokens)
+
+
+def _encode_pictures(tokenizer: CheckpointTokenizer, query: str, tokens: list[int], name: str,
+                     max_tokens: int) -> PromptPrefix:
+    """The text is bounded as a text prefix is; the pictures' tokens are bounded by their sizes.
+    A prompt that writes a picture's own marks would shift every picture after it: refused."""
+    ids = tokenizer.encode(query)
+    context = tokenizer.token_id(IMG_CONTEXT)
+    if sum(1 for i in ids if i == context) != sum(tokens):
+        raise InputError(f"PROMPT: must not hold {IMG_CONTEXT}, which only the pictures of IMAGES write")
+    if len(ids) - sum(tokens) > max_tokens:
+        raise InputError(f"{name}: its prefix makes {len(ids) - sum(tokens)} text tokens, at most {max_tokens}")
+    return PromptPrefix(tuple(ids))
 
 
 def _bounded(text: str, name: str) -> str:

@@ -4,8 +4,9 @@ The conditional prefix opens the think block (``...<|im_start|>assistant\\n<thin
 closing it. The tower then writes greedily, one token at a time over its growing KV cache, until
 it writes ``</think>`` (kept in the prefix), the chat's end of turn ``<|im_end|>`` (not kept), or
 the token cap. ``\\n\\n<img>`` follows, and the image starts after it: the conditional prefix is
-the query, the reasoning and that tail, at consecutive positions, and the index offset is its
-length. The unconditional prefix is the one of non-think mode.
+the query, the reasoning and that tail, at consecutive positions, and the index offset is the
+position after it (its length, unless an edit's pictures sit in the query: each takes one
+position). The unconditional prefix is the one of non-think mode.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from ..contract.inputs import DEFAULT_THINK_TOKENS
 from ..errors import GenerationCancelled, InputError
 from ..request import check_think_tokens
-from .language_tower import LanguageTower
+from .language_tower import EmbeddedPictures, LanguageTower
 from .prompt_ids import U1PromptIds
 
 
@@ -43,17 +44,22 @@ def can_think(tower: LanguageTower) -> str | None:
 
 @torch.inference_mode()
 def think(tower: LanguageTower, prompt: str, max_tokens: int = DEFAULT_THINK_TOKENS,
-          cancelled: Callable[[], bool] | None = None) -> Thought:
-    """The think-mode conditional prefix of ``PROMPT``: greedy reasoning, then ``\\n\\n<img>``.
-    ``cancelled`` is asked before each token: a client that left stops the reasoning there."""
+          cancelled: Callable[[], bool] | None = None, pictures: EmbeddedPictures | None = None) -> Thought:
+    """The think-mode conditional prefix of ``PROMPT`` (and an edit's ``pictures``): greedy
+    reasoning, then ``\\n\\n<img>``. ``cancelled`` is asked before each token: a client that left
+    stops the reasoning there."""
     why = can_think(tower)
     if why is not None:
         raise InputError(f"THINK: {why}")
     prompt_ids: U1PromptIds = tower.prompt_ids  # type: ignore[assignment]
-    marks = prompt_ids.think_marks()
-    ids, tail = prompt_ids.think_conditional(prompt), prompt_ids.image_tail()
+    marks, tail = prompt_ids.think_marks(), prompt_ids.image_tail()
+    if pictures is None:
+        ids, positions, embeds = prompt_ids.think_conditional(prompt), None, ()
+    else:
+        ids = prompt_ids.edit_conditional(prompt, pictures.grids, think=True)
+        positions, embeds = prompt_ids.positions(ids, pictures.grids), pictures.tokens
     cache = tower.cache(len(ids) + check_think_tokens(max_tokens) + len(tail))
-    hidden = tower.extend(cache, ids)
+    hidden = tower.extend(cache, ids, positions, embeds)
     written: list[int] = []
     for _ in range(max_tokens):
         if cancelled is not None and cancelled():
@@ -67,4 +73,4 @@ def think(tower: LanguageTower, prompt: str, max_tokens: int = DEFAULT_THINK_TOK
             break
     tower.extend(cache, tail)
     full = (*ids, *written, *tail)
-    return Thought(cache.prefix(), len(full), full, prompt_ids.decode(written))
+    return Thought(cache.prefix(), cache.position, full, prompt_ids.decode(written))
