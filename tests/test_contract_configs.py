@@ -133,8 +133,10 @@ def test_t2i_config_passes_generation_inputs_with_the_contract_s_types():
     cfg = parse("neopp_t2i")
     own = {"PROMPT": TensorSpec("TYPE_STRING", (1,), optional=False),
            "NEGATIVE_PROMPT": TensorSpec("TYPE_STRING", (1,)), "MODEL": TensorSpec("TYPE_STRING", (1,)),
-           "THINK": TensorSpec("TYPE_BOOL", (1,)), "THINK_MAX_TOKENS": TensorSpec("TYPE_INT64", (1,))}
+           "THINK": TensorSpec("TYPE_BOOL", (1,)), "THINK_MAX_TOKENS": TensorSpec("TYPE_INT64", (1,)),
+           "IMAGES": TensorSpec("TYPE_STRING", (-1,))}
     passed = {n: INPUT_SPECS[n] for n in T2I_PASSED}
+    assert "IMAGE_GUIDANCE_SCALE" in passed
     assert table(cfg.input) == {**own, **passed}
     assert outputs_table(cfg.output) == {"IMAGE": OUTPUT_SPECS["IMAGE"],
                                          "THINK_TEXT": TensorSpec("TYPE_STRING", (1,))}
@@ -146,9 +148,11 @@ def test_prompt_encoder_outputs_are_the_generation_models_prefix_inputs():
     assert table(cfg.input) == {"PROMPT": TensorSpec("TYPE_STRING", (1,), optional=False),
                                 "NEGATIVE_PROMPT": TensorSpec("TYPE_STRING", (1,)),
                                 "THINK": TensorSpec("TYPE_BOOL", (1,)),
-                                "THINK_MAX_TOKENS": TensorSpec("TYPE_INT64", (1,))}
+                                "THINK_MAX_TOKENS": TensorSpec("TYPE_INT64", (1,)),
+                                "IMAGES": TensorSpec("TYPE_STRING", (-1,))}
+    prefixes = (*ENCODER_OUTPUTS, "IMAGE_KV", "INDEX_OFFSET_IMAGE")  # an edit's image-only branch too
     assert outputs_table(cfg.output) == {**{n: TensorSpec(INPUT_SPECS[n].data_type, INPUT_SPECS[n].dims)
-                                            for n in ENCODER_OUTPUTS}, "THINK_TEXT": TensorSpec("TYPE_STRING", (1,))}
+                                            for n in prefixes}, "THINK_TEXT": TensorSpec("TYPE_STRING", (1,))}
 
 
 @pytest.mark.parametrize("model", GENERATION_MODELS)
