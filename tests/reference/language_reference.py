@@ -1,7 +1,8 @@
 """Independent float64 reference of the language tower's KV prefix, from its description.
 
-Causal self-attention over the prompt tokens; keys stored after the split q/k norm and the
-3-D RoPE with text positions (temporal = token index, row = column = 0), values as projected.
+Causal self-attention over the prompt tokens (an edit's picture tokens also see each other); keys
+stored after the split q/k norm and the 3-D RoPE (text: temporal = token index, row = column = 0),
+values as projected.
 Plain loops, every tensor float64.
 """
 
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 from tests.reference.neopp_reference import F64, head_norm, linear, rmsnorm, rope3d, silu, softmax
 
 LM = "language_model.model."
+IMG_CONTEXT_ID = 151669  # Qwen3's <IMG_CONTEXT>
 
 
 def reference_prefix(ckpt_dir: Path, ids: list[int]) -> torch.Tensor:
@@ -41,14 +43,21 @@ def reference_think(ckpt_dir: Path, query: list[int], tail: list[int], think_clo
     return ids + list(tail), written
 
 
-def reference_forward(ckpt_dir: Path, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(prefix [NL, 2, S, NKV, HD], last hidden state, next-token logits or None without a head)."""
+def reference_forward(ckpt_dir: Path, ids: list[int], positions: torch.Tensor | None = None,
+                      pictures: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(prefix [NL, 2, S, NKV, HD], last hidden state, next-token logits or None without a head).
+    ``positions`` [S, 3] (t, h, w), text positions by default; ``pictures`` [n, D] take the place of
+    the ``<IMG_CONTEXT>`` tokens, in order. Token s sees token j when j <= s or both share t."""
     raw = json.loads((Path(ckpt_dir) / "config.json").read_text())["llm_config"]
     w = {k: v.to(F64) for k, v in load_file(str(Path(ckpt_dir) / "model.safetensors")).items()}
     NL, NH, NKV, HD = raw["num_hidden_layers"], raw["num_attention_heads"], raw["num_key_value_heads"], raw["head_dim"]
     eps, S = float(raw.get("rms_norm_eps", 1e-6)), len(ids)
-    positions, zeros = torch.arange(S, dtype=F64), torch.zeros(S, dtype=F64)
+    if positions is None:
+        positions = torch.stack([torch.arange(S), torch.zeros(S), torch.zeros(S)], dim=1)
+    t_pos, h_pos, w_pos = (positions[:, i].to(F64) for i in range(3))
     hid = w[LM + "embed_tokens.weight"][ids]
+    if pictures is not None:
+        hid[torch.tensor(ids) == IMG_CONTEXT_ID] = pictures.to(F64)
     out = torch.zeros(NL, 2, S, NKV, HD, dtype=F64)
     for i in range(NL):
         p = f"{LM}layers.{i}."
@@ -58,15 +67,16 @@ def reference_forward(ckpt_dir: Path, ids: list[int]) -> tuple[torch.Tensor, tor
         v = linear(a, w[p + "self_attn.v_proj.weight"]).reshape(S, NKV, HD)
         q = head_norm(q, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.q_norm_hw.weight"], eps)
         k = head_norm(k, w[p + "self_attn.k_norm.weight"], w[p + "self_attn.k_norm_hw.weight"], eps)
-        q = rope3d(q, positions, zeros, zeros, raw["rope_theta"], raw["rope_theta_hw"])
-        k = rope3d(k, positions, zeros, zeros, raw["rope_theta"], raw["rope_theta_hw"])
+        q = rope3d(q, t_pos, h_pos, w_pos, raw["rope_theta"], raw["rope_theta_hw"])
+        k = rope3d(k, t_pos, h_pos, w_pos, raw["rope_theta"], raw["rope_theta_hw"])
         out[i, 0], out[i, 1] = k, v
         att = torch.zeros(S, NH, HD, dtype=F64)
         for n in range(NH):
             kvh = n // (NH // NKV)
-            for s in range(S):  # token s sees tokens 0..s
-                scores = (q[s, n] @ k[: s + 1, kvh].T) * HD ** -0.5
-                att[s, n] = softmax(scores) @ v[: s + 1, kvh]
+            for s in range(S):  # token s sees tokens 0..s, and those that share its t (a picture)
+                seen = (torch.arange(S) <= s) | (t_pos == t_pos[s])
+                scores = (q[s, n] @ k[seen, kvh].T) * HD ** -0.5
+                att[s, n] = softmax(scores) @ v[seen, kvh]
         hid = hid + linear(att.reshape(S, NH * HD), w[p + "self_attn.o_proj.weight"])
         b = rmsnorm(hid, w[p + "post_attention_layernorm.weight"], eps)
         hid = hid + linear(silu(linear(b, w[p + "mlp.gate_proj.weight"])) * linear(b, w[p + "mlp.up_proj.weight"]),

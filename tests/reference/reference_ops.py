@@ -55,7 +55,7 @@ class RefModel:
         for name in files:
             with safe_open(str(ckpt_dir / name), framework="pt") as fh:
                 for key in fh.keys():
-                    used = key.startswith("fm_modules.") or (
+                    used = key.startswith(("fm_modules.", "vision_model.")) or (
                         key.startswith("language_model.model.") and "mot_gen" in key)
                     if used:
                         raw_w[key] = fh.get_tensor(key)

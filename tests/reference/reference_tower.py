@@ -51,9 +51,18 @@ def embedder(m, name, value):
 
 
 def tokens_in(m, img, t, nscale):
+    hid = picture_tokens(m, img, "fm_modules.vision_model_mot_gen.embeddings.")
+    add = embedder(m, "timestep_embedder", t)
+    if m.add_noise_embedding:
+        add = add + embedder(m, "noise_scale_embedder", nscale / m.noise_max)
+    return hid + add
+
+
+def picture_tokens(m, img, pre):
+    """img [3, H, W] through the patch embedding under ``pre`` (the generation tower's, or the
+    understanding tower's for an edit's input pictures): [H/32 * W/32, D], row-major."""
     _, H, W = img.shape
     gh, gw = H // P, W // P
-    pre = "fm_modules.vision_model_mot_gen.embeddings."
     pw = m[pre + "patch_embedding.weight"]  # [DV, 3, 16, 16]
     e = gelu(linear(cut(img, P, channel_last=False), pw.reshape(pw.shape[0], -1), m[pre + "patch_embedding.bias"]))
     rows = torch.tensor([r for r in range(gh) for _ in range(gw)], dtype=F64)
@@ -69,11 +78,7 @@ def tokens_in(m, img, t, nscale):
                 for dj in range(M):
                     acc = acc + dw[:, :, di, dj] @ grid[M * r + di, M * c + dj]
             tok.append(acc)
-    hid = torch.stack(tok)
-    add = embedder(m, "timestep_embedder", t)
-    if m.add_noise_embedding:
-        add = add + embedder(m, "noise_scale_embedder", nscale / m.noise_max)
-    return hid + add
+    return torch.stack(tok)
 
 
 # --------------------------------------------------------------------------- decoder layer

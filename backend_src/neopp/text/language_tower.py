@@ -81,6 +81,7 @@ class LanguageTower:
         self.config, self.embed, self.layers, self.prompt_ids = config, embed, layers, prompt_ids
         self.head = head  # (final norm, lm_head): the tower can write text (think mode); None: prefixes only
         self.vision: PatchEmbed | None = None  # the pictures' embedding (editing); None: cannot edit
+        self.vision_problem: str | None = "it has no vision embedding"  # why vision is None
         self._plain_unconditional: tuple[torch.Tensor, int] | None = None
 
     @classmethod
@@ -120,7 +121,8 @@ class LanguageTower:
         if FINAL_NORM in tensors and (LM_HEAD in tensors or tied):  # the output head, to write text with
             head = (t(FINAL_NORM), t(EMBED) if tied else t(LM_HEAD))
         tower = cls(config, t(EMBED), layers, prompt_ids, head)
-        if all(key in tensors for key in VISION_KEYS):
+        tower.vision_problem = vision_problem(config, tensors)
+        if tower.vision_problem is None:
             tower.vision = PatchEmbed(*(t(key) for key in VISION_KEYS), config.patch_size)
         return tower
 
@@ -242,12 +244,25 @@ class LanguageTower:
 
 def cannot_edit(tower: LanguageTower) -> str | None:
     """Why this checkpoint's encoder refuses input pictures, or None."""
-    if tower.vision is not None and isinstance(tower.prompt_ids, U1PromptIds):
-        return None
     if not isinstance(tower.prompt_ids, U1PromptIds):
         return ("this checkpoint cannot edit pictures: the demo model has no image understanding "
                 "(a SenseNova-U1 checkpoint edits)")
-    return "this checkpoint has no vision embedding (vision_model.embeddings.*) to read pictures with"
+    if tower.vision is None:
+        return f"this checkpoint cannot edit pictures: {tower.vision_problem}"
+    return None
+
+
+def vision_problem(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) -> str | None:
+    """What keeps the picture embedding from loading (every key, each of its shape), or None.
+    Prompts are served without it; only editing is refused, with this reason."""
+    d, dv, ps, m = config.hidden_size, config.vision_hidden_size, config.patch_size, config.merge_size
+    want = dict(zip(VISION_KEYS, ((dv, 3, ps, ps), (dv,), (d, dv, m, m), (d,)), strict=True))
+    for key, shape in want.items():
+        if key not in tensors:
+            return f"its vision embedding tensor '{key}' is missing"
+        if tuple(tensors[key].shape) != shape:
+            return f"its vision embedding tensor '{key}' has shape {tuple(tensors[key].shape)}, expected {shape}"
+    return None
 
 
 def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor], vocab: int) -> None:
@@ -273,14 +288,6 @@ def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Ten
     for key in (FINAL_NORM, LM_HEAD):
         if key in tensors and tuple(tensors[key].shape) != want[key]:
             raise ConfigError(f"checkpoint: '{key}' has shape {tuple(tensors[key].shape)}, expected {want[key]}")
-    if any(key in tensors for key in VISION_KEYS):  # editing: all of the picture embedding, or none
-        dv, ps, m = config.vision_hidden_size, config.patch_size, config.merge_size
-        want.update(dict(zip(VISION_KEYS, ((dv, 3, ps, ps), (dv,), (d, dv, m, m), (d,)), strict=True)))
-        for key in VISION_KEYS:
-            if key not in tensors:
-                raise ConfigError(f"checkpoint: vision tensor '{key}' is missing")
-            if tuple(tensors[key].shape) != want[key]:
-                raise ConfigError(f"checkpoint: '{key}' has shape {tuple(tensors[key].shape)}, expected {want[key]}")
     for key in language_keys(config):
         if key not in tensors:
             raise ConfigError(f"checkpoint: language-tower tensor '{key}' is missing")
