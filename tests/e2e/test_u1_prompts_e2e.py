@@ -4,8 +4,9 @@ Served by the launcher, as an operator runs it (the door's /v1 beside Triton's g
 checkpoint is tiny but real in form (``testing.tiny_u1``: the understanding tower, a
 byte-level BPE tokenizer with the special tokens at their real ids, ``template: neo1_0``).
 ``neopp_prompt_encoder`` must answer the official template's prefixes (ids written out plainly
-in ``tests.reference.u1_prompts``), ``neopp_t2i`` the picture ``neopp_dense`` draws on them, and a
-prompt over the token bound is refused by name while the model keeps serving.
+in ``tests.reference.u1_prompts``), an edit's three branches from its pictures, ``neopp_t2i`` the
+picture ``neopp_dense`` draws on them, and a prompt over the token bound or a bad picture is refused
+by name while the model keeps serving.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from PIL import Image
 from tritonclient.utils import InferenceServerException
 
 from neopp.ports import LOOPBACK
+from neopp.text.edit_images import read_pictures
 from neopp.text.language_tower import LanguageTower
 from neopp.text.think import think
 from testing import tiny_u1
@@ -188,3 +190,57 @@ def test_the_playground_thinks_and_shows_the_reasoning_in_a_browser(served, clie
     assert reasoning == [False, thought.text or "(the model wrote no reasoning)"]
     assert png == client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), THINK=np.array([True]),
                                **{**SMALL, "SIZE": np.array([64, 64], np.int64)})["IMAGE"][0]
+
+
+EDIT = "make the cat blue, keep Image-2's sky"
+EDIT_PREFIXES = (*PREFIXES, "IMAGE_KV", "INDEX_OFFSET_IMAGE")
+
+
+def pictures() -> np.ndarray:
+    """Two pictures: one that needs no resize, one the encoder scales up to its pixel floor."""
+    files = []
+    for seed, (width, height) in ((1, (512, 512)), (2, (300, 200))):
+        buf = io.BytesIO()
+        Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(
+            buf, "PNG" if seed == 1 else "JPEG")
+        files.append(buf.getvalue())
+    return np.array(files, dtype=np.object_)
+
+
+def test_the_encoder_edits_two_pictures_into_its_three_branches(client, ckpt):
+    out = client.infer("neopp_prompt_encoder", EDIT_PREFIXES, PROMPT=text(EDIT), IMAGES=pictures())
+    tower = LanguageTower.from_pretrained(ckpt)  # its prefixes against the float64 tower: test_u1_edit_encoder
+    embedded = tower.embed_pictures(read_pictures(tuple(pictures())))
+    assert embedded.grids == [(16, 16), (14, 20)]
+    (cond, cond_offset), (image_only, image_offset) = tower.edit_prefixes(EDIT, embedded)
+    assert out["INDEX_OFFSET_COND"].tolist() == [cond_offset] and out["INDEX_OFFSET_IMAGE"].tolist() == [image_offset]
+    within_bf16(out["COND_KV"], cond)
+    within_bf16(out["IMAGE_KV"], image_only)
+    within_bf16(out["UNCOND_KV"], tower.unconditional("")[0])
+
+
+def test_t2i_edits_as_neopp_dense_draws_on_the_encoder_s_three_branches(client):
+    guidance = {"CFG_SCALE": np.array([3.0], np.float32), "IMAGE_GUIDANCE_SCALE": np.array([1.5], np.float32)}
+    image = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(EDIT), IMAGES=pictures(), **guidance, **SMALL)["IMAGE"][0]
+    enc = client.infer("neopp_prompt_encoder", EDIT_PREFIXES, PROMPT=text(EDIT), IMAGES=pictures())
+    direct = client.infer("neopp_dense", ("IMAGE",), COND_KV=(enc["COND_KV"], "BF16"),
+                          UNCOND_KV=(enc["UNCOND_KV"], "BF16"), IMAGE_KV=(enc["IMAGE_KV"], "BF16"),
+                          INDEX_OFFSET_COND=enc["INDEX_OFFSET_COND"], INDEX_OFFSET_UNCOND=enc["INDEX_OFFSET_UNCOND"],
+                          INDEX_OFFSET_IMAGE=enc["INDEX_OFFSET_IMAGE"], **guidance, **SMALL)["IMAGE"][0]
+    assert direct == image
+    no_pictures = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(EDIT), CFG_SCALE=guidance["CFG_SCALE"],
+                               **SMALL)["IMAGE"][0]
+    assert no_pictures != image  # the pictures change the picture
+
+
+@pytest.mark.parametrize(("files", "message"), [
+    (np.array([b"GIF89a not really"], dtype=np.object_), "IMAGES: picture 1 does not decode as PNG, JPEG, WEBP"),
+    (np.array([b"x"] * 5, dtype=np.object_), "IMAGES: shape must be [N] with 1 <= N <= 4 pictures, got [5]"),
+])
+def test_a_bad_picture_is_refused_by_name_and_the_next_edit_is_served(client, files, message):
+    for model in ("neopp_prompt_encoder", "neopp_t2i"):
+        with pytest.raises(InferenceServerException) as info:
+            client.infer(model, ("IMAGE",) if model == "neopp_t2i" else PREFIXES, PROMPT=text(EDIT), IMAGES=files)
+        assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and message in info.value.message(), info.value
+    out = client.infer("neopp_prompt_encoder", ("INDEX_OFFSET_IMAGE",), PROMPT=text(EDIT), IMAGES=pictures()[:1])
+    assert out["INDEX_OFFSET_IMAGE"][0] > 0
