@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from neopp.contract.inputs import MAX_PROMPT_BYTES
+from neopp.contract.inputs import MAX_EDIT_IMAGE_BYTES, MAX_EDIT_IMAGES, MAX_PROMPT_BYTES
 from neopp.errors import ConfigError, InputError
 from neopp.serving.parameters import model_allowlist
 from neopp.serving.prompt_encoder_model import encode_prompts
@@ -39,6 +39,8 @@ def test_prompts_are_decoded_and_the_negative_defaults_to_empty():
     thinking = parse_prompts({"PROMPT": text(b"a"), "THINK": np.array([True]), "THINK_MAX_TOKENS": np.array([9])})
     assert thinking == PromptRequest("a", "", True, 9)
     assert parse_prompts({"PROMPT": text(b"a"), "THINK": np.array([True])}).think_max_tokens == 1024
+    files = np.array([b"\x89PNG one", b"RIFF two"], dtype=np.object_)
+    assert parse_prompts({"PROMPT": text(b"a"), "IMAGES": files}).images == (b"\x89PNG one", b"RIFF two")
 
 
 @pytest.mark.parametrize("inputs, message", [
@@ -59,6 +61,15 @@ def test_prompts_are_decoded_and_the_negative_defaults_to_empty():
      r"THINK_MAX_TOKENS: must be in 1\.\.4096, got 0"),
     ({"PROMPT": text(b"a"), "THINK": np.array([True]), "THINK_MAX_TOKENS": np.array([8.0], np.float32)},
      "THINK_MAX_TOKENS: must be an INT64 tensor"),
+    ({"PROMPT": text(b"a"), "IMAGES": np.array([], dtype=np.object_)}, r"IMAGES: shape must be \[N\] with 1 <= N"),
+    ({"PROMPT": text(b"a"), "IMAGES": np.array([b"x"] * (MAX_EDIT_IMAGES + 1), dtype=np.object_)},
+     rf"IMAGES: shape must be \[N\] .*got \[{MAX_EDIT_IMAGES + 1}\]"),
+    ({"PROMPT": text(b"a"), "IMAGES": np.array([[b"x"]], dtype=np.object_)}, r"IMAGES: shape must be \[N\]"),
+    ({"PROMPT": text(b"a"), "IMAGES": np.array([b"x", b""], dtype=np.object_)},
+     "IMAGES: picture 2 has 0 bytes; each must have 1 to"),
+    ({"PROMPT": text(b"a"), "IMAGES": np.array([b"x" * (MAX_EDIT_IMAGE_BYTES + 1)], dtype=np.object_)},
+     f"IMAGES: picture 1 has {MAX_EDIT_IMAGE_BYTES + 1} bytes"),
+    ({"PROMPT": text(b"a"), "IMAGES": np.array([3, 4])}, "IMAGES: must be a BYTES"),
 ])
 def test_bad_prompt_inputs_are_refused_naming_the_input(inputs, message):
     with pytest.raises(InputError, match=message):
@@ -74,6 +85,12 @@ def test_outputs_are_the_towers_prefixes_in_bf16_with_int64_offsets(demo_ckpt: P
     assert out["INDEX_OFFSET_COND"].dtype == np.int64 and out["INDEX_OFFSET_COND"].tolist() == [offset] == [7]
     assert list(out["UNCOND_KV"].shape) == [*tower.config.kv_dims[:1], 2, 2, *tower.config.kv_dims[1:]]
     assert out["INDEX_OFFSET_UNCOND"].tolist() == [2]
+
+
+def test_the_demo_refuses_to_edit_in_words(demo_ckpt: Path):
+    tower = LanguageTower.from_pretrained(demo_ckpt)
+    with pytest.raises(InputError, match="IMAGES: this checkpoint cannot edit pictures: the demo model has no image"):
+        encode_prompts(tower, PromptRequest("a red circle", images=(b"\x89PNG",)))
 
 
 def test_too_many_words_name_the_input_they_came_from(demo_ckpt: Path):
