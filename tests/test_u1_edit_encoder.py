@@ -1,3 +1,4 @@
+# ruff: noqa: F811 - the fixtures imported below are parameters of the tests
 """Editing on a SenseNova-U1 checkpoint: input pictures in the prompt encoder, against references
 written from the official editing rules (``tests.reference.u1_edits``), never this project's encoder.
 
@@ -33,6 +34,7 @@ from tests.reference.u1_edits import (
     reference_positions,
 )
 from tests.reference.u1_prompts import expected_ids
+from tests.test_u1_prompt_encoder import bare, ckpt, tower  # noqa: F401 - the same tiny U1 checkpoint
 
 PROMPT = "make the cat blue — 猫を青に « ok »!"
 
@@ -48,21 +50,6 @@ def picture(width: int, height: int, seed: int, mode: str = "RGB", fmt: str = "P
 ONE = (picture(512, 512, 1),)
 TWO = (picture(512, 512, 1), picture(544, 512, 2))
 GRIDS = {1: [(16, 16)], 2: [(16, 16), (16, 17)]}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_u1.write_tiny_u1_checkpoint(tmp_path_factory.mktemp("u1edit") / "dense", seed=5)
-
-
-@pytest.fixture(scope="module")
-def tower(ckpt):
-    return LanguageTower.from_pretrained(ckpt)
-
-
-@pytest.fixture(scope="module")
-def bare():
-    return tiny_u1.bare_bpe()
 
 
 def within_float32(kv: torch.Tensor, ref: torch.Tensor) -> None:
