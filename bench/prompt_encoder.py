@@ -10,7 +10,9 @@ measured side by side in this run:
 * N prompts of the conditional prefix's length (300 tokens) in one forward against N forwards of
   one (what the encoder does today: one request at a time);
 * the unconditional prefix (12 tokens, no negative prompt) computed per request against taken
-  from the encoder's cache.
+  from the encoder's cache;
+* an edit with one 1024x1024 picture (1024 image tokens): its picture embedding, its conditional
+  prefix (the picture among 300 text tokens) and its image-only prefix.
 
     python -m bench.prompt_encoder [--layers 2] [--repeats 3] [--out bench]
 """
@@ -24,7 +26,8 @@ import torch
 from bench.common import section_main, stats, timed
 from neopp.model.checkpoint import LM, layer_prefix
 from neopp.model.checkpoint_config import CheckpointConfig
-from neopp.text.language_tower import EMBED, LanguageTower
+from neopp.text.edit_images import Picture
+from neopp.text.language_tower import EMBED, VISION_KEYS, LanguageTower
 from neopp.text.prompt_ids import PromptIds
 
 U1_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -33,6 +36,7 @@ MLP = 12288
 VOCAB = 4096  # the prefill does not depend on the table's size (a lookup per token)
 COND_TOKENS, UNCOND_TOKENS = 300, 12  # the U1 template with a short prompt; its empty unconditional turn
 LENGTHS = (64, 300, 1000)
+PICTURE_TOKEN, PICTURE_SIDE = VOCAB - 1, 1024
 BATCHES = (1, 4, 16)
 
 
@@ -49,6 +53,15 @@ class FixedIds(PromptIds):
 
     def vocabulary_size(self) -> int:
         return VOCAB
+
+    def picture_token(self) -> int:
+        return PICTURE_TOKEN
+
+    def positions(self, ids: list[int], grids: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """Text before and after one picture, which takes one temporal index."""
+        (rows, cols), first = grids[0], ids.index(PICTURE_TOKEN)
+        return ([(t, 0, 0) for t in range(first)] + [(first, r, c) for r in range(rows) for c in range(cols)]
+                + [(first + 1 + i, 0, 0) for i in range(len(ids) - first - rows * cols)])
 
 
 def slice_tower(layers: int) -> LanguageTower:
@@ -72,7 +85,27 @@ def slice_tower(layers: int) -> LanguageTower:
                         p + "mlp.up_proj.weight": w(MLP, d), p + "mlp.down_proj.weight": w(d, MLP)})
         tensors.update({f"{a}{n}.weight": torch.ones(hd // 2) for n in ("q_norm", "k_norm", "q_norm_hw", "k_norm_hw")})
     assert all(k.startswith(LM) for k in tensors)
+    dv = vision["hidden_size"]
+    tensors.update(dict(zip(VISION_KEYS, (w(dv, 3, 16, 16), torch.zeros(dv), w(d, dv, 2, 2), torch.zeros(d)),
+                            strict=True)))
     return LanguageTower.from_tensors(config, tensors, FixedIds(), torch.device("cpu"), torch.float32)
+
+
+def edit_rows(tower: LanguageTower, r: int, scale: float) -> list[str]:
+    """One picture's embedding, then the two prefixes it sits in."""
+    pixels = torch.randn(1, 3, PICTURE_SIDE, PICTURE_SIDE, generator=torch.Generator().manual_seed(1))
+    picture = Picture(pixels)
+    embed = stats(timed(lambda: tower.embed_pictures((picture,)), r))
+    pictures = tower.embed_pictures((picture,))
+    tokens = picture.num_tokens
+    rows = [f"| picture embedding ({PICTURE_SIDE}x{PICTURE_SIDE}, {tokens} tokens) | {embed[0] * 1e3:.0f} | "
+            f"{embed[0] * 1e3:.0f} (not per layer) |"]
+    for name, before, after in (("conditional prefix", COND_TOKENS - 10, 10), ("image-only prefix", 12, 4)):
+        seq = list(range(1, before + 1)) + [PICTURE_TOKEN] * tokens + list(range(1, after + 1))
+        med = stats(timed(lambda s=seq: tower.encode_with_pictures(s, pictures), r))[0]
+        rows.append(f"| {name} ({before + after} text + {tokens} picture tokens) | {med * 1e3:.0f} | "
+                    f"{med * scale:.1f} s |")
+    return rows
 
 
 def ids(batch: int, length: int) -> torch.Tensor:
@@ -103,6 +136,7 @@ def body(args: argparse.Namespace) -> str:
         cond = stats(timed(lambda: tower.conditional(""), r))[0]
         tower.unconditional("")
         cached = stats(timed(lambda: tower.unconditional(""), r))
+        edit = edit_rows(tower, r, scale)
     lines += ["", "### The unconditional prefix", "",
               "| unconditional prefix | ms (36 layers; the cache's lookup does not grow with them) | share of a "
               "request's encoding |", "|---|---|---|",
@@ -110,7 +144,10 @@ def body(args: argparse.Namespace) -> str:
               f"{computed[0] / (cond + computed[0]):.1%} |",
               f"| taken from the cache | {cached[0] * 1e3:.4f} | {cached[0] / (cond * scale + cached[0]):.4%} |",
               "", "The encoder runs one request at a time today, so the middle table is what a batched "
-              "prefill of concurrent prompts would gain on this machine, not what the server does."]
+              "prefill of concurrent prompts would gain on this machine, not what the server does.",
+              "", "### An edit with one picture", "", "| work | ms | 36 layers |", "|---|---|---|", *edit,
+              "", "An edit's encoding is the picture's embedding and both prefixes; its unconditional prefix "
+              "is the cached one."]
     return "\n".join(lines)
 
 
