@@ -84,10 +84,10 @@ SERVE_MODELS ?= neopp_dense neopp_dense_fp8 neopp_dense_cfg neopp_dense_cfg_seq 
 DEMO_DIR ?= demo/checkpoints
 NEOPP_CHECKPOINT ?= $(abspath $(DEMO_DIR)/dense)
 NEOPP_MOE_CHECKPOINT ?= $(abspath $(DEMO_DIR)/moe)
-# The prompt encoder and neopp_t2i need a checkpoint with the demo's language tower (a word-level
-# tokenizer.json); on any other checkpoint (a real one: LightLLM sends its KV) they are left out.
-word_level = $(shell grep -qs '"type": *"WordLevel"' $(1)/tokenizer.json && echo yes)
-NEOPP_PROMPT_CHECKPOINT ?= $(if $(call word_level,$(NEOPP_CHECKPOINT)),$(NEOPP_CHECKPOINT))
+# The prompt encoder and neopp_t2i need a checkpoint with a language tower and its tokenizer.json (the
+# demo's words, or a SenseNova-U1 checkpoint's own); on one without (LightLLM sends its KV) they are left out.
+has_tokenizer = $(shell test -f $(1)/tokenizer.json && echo yes)
+NEOPP_PROMPT_CHECKPOINT ?= $(if $(call has_tokenizer,$(NEOPP_CHECKPOINT)),$(NEOPP_CHECKPOINT))
 SERVED_MODELS = $(if $(NEOPP_PROMPT_CHECKPOINT),$(SERVE_MODELS),$(filter-out neopp_prompt_encoder neopp_t2i,$(SERVE_MODELS)))
 NEOPP_LORA_DIR ?= $(if $(filter $(abspath $(DEMO_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(DEMO_DIR)/lora),\
                   $(if $(filter $(abspath $(TINY_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(TINY_DIR)/lora)))
@@ -100,7 +100,7 @@ serve: setup
 	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
 	  "(make train-demo writes the demo one, make tiny the tiny test ones in $(TINY_DIR);" \
 	  "or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
-	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no demo language tower:" \
+	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no tokenizer.json:" \
 	  "neopp_prompt_encoder and neopp_t2i are not loaded")
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) NEOPP_CHECKPOINT_NEOPP_MOE=$(NEOPP_MOE_CHECKPOINT) \
 	NEOPP_CHECKPOINT_NEOPP_MOE_CFG=$(NEOPP_MOE_CHECKPOINT) NEOPP_LORA_DIR=$(NEOPP_LORA_DIR) \
@@ -127,7 +127,7 @@ bench-serve: setup
 	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
 	  "(make train-demo writes the demo one, make tiny the tiny test ones in $(TINY_DIR);" \
 	  "or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
-	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no demo language tower:" \
+	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no tokenizer.json:" \
 	  "neopp_prompt_encoder and neopp_t2i are not loaded")
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m bench.perf_analyzer --model neopp_dense \
 	  --grpc-url 127.0.0.1:$(GRPC_PORT) $(BENCH_ARGS)
