@@ -103,9 +103,21 @@ def test_the_model_parameters_reach_the_options(tmp_path):
     assert settings.speed == SpeedOptions("off", "flash", 3)
     default = TritonModelSettings.from_config(config_with(), tmp_path / "repo" / "neopp_dense")
     assert default.speed == SpeedOptions()
+    # opt-in until a recorded GPU run shows them byte-equal to eager: graphs off, torch's own kernel pick
+    assert (default.speed.cuda_graphs, default.speed.attention_kernel) == ("off", "default")
+
     wrong = TritonModelSettings.from_config(config_with(cuda_graphs="sometimes"), tmp_path / "repo" / "neopp_dense")
     with pytest.raises(ConfigError, match="cuda_graphs"):  # checked where the engine loads: its stub only
         _ = wrong.speed
+
+
+def test_the_unproven_gpu_kernels_are_opt_in():
+    """The grouped MoE experts and the compiled FP8 quantisation run only when asked for."""
+    from neopp.model.kernel_choices import KernelChoices
+
+    assert KernelChoices.from_env({}) == KernelChoices(128, "loop", "eager")
+    chosen = KernelChoices.from_env({"NEOPP_MOE_DISPATCH": "grouped", "NEOPP_FP8_ACTIVATION_QUANT": "compiled"})
+    assert (chosen.moe_dispatch, chosen.fp8_activation_quant) == ("grouped", "compiled")
 
 
 def test_a_whole_image_with_a_named_kernel(tmp_path):

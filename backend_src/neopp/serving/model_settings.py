@@ -41,10 +41,11 @@ See :data:`PARAMETER_DEFAULTS`:
   ``patience``, the steps the oldest request that does not fit may wait while smaller ones pass
   it; ``engine_model`` (plain models): the streamed twin that loads this mode's engine, so the
   plain model holds no weights and hands its requests to it (empty: the model loads its own).
-* speed on CUDA (:mod:`neopp.model.speed`): ``cuda_graphs`` ``auto`` (default: on for a
-  one-process model on CUDA) | ``on`` | ``off``; ``max_graphs`` (8) graphs kept at once;
-  ``attention_kernel`` ``auto`` (default: the fastest SDPA kernel per shape, measured on CUDA) |
-  ``default`` | ``flash`` | ``cudnn`` | ``efficient`` | ``math``; ``compile_layers`` ``off``
+* speed on CUDA (:mod:`neopp.model.speed`), opt-in until a recorded GPU run shows each byte-equal
+  to eager: ``cuda_graphs`` ``off`` (default) | ``auto`` (on for a one-process model on CUDA) |
+  ``on``; ``max_graphs`` (8) graphs kept at once; ``attention_kernel`` ``default`` (default:
+  torch's pick) | ``auto`` (the fastest SDPA kernel per shape, measured on CUDA) | ``flash`` |
+  ``cudnn`` | ``efficient`` | ``math``; ``compile_layers`` ``off``
   (default) | ``on``. Env ``NEOPP_CUDA_GRAPHS``, ``NEOPP_ATTENTION_KERNEL`` and
   ``NEOPP_COMPILE_LAYERS`` in the server's environment replace these defaults.
 
@@ -95,8 +96,8 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "patience": str(DEFAULT_PATIENCE),
     "engine_model": "",
     "cache_methods": "auto",
-    "cuda_graphs": "auto",
-    "attention_kernel": "auto",
+    "cuda_graphs": "off",
+    "attention_kernel": "default",
     "max_graphs": "8",
     "compile_layers": "off",
     **{k: str(v) for k, v in Limits().__dict__.items()},
