@@ -78,9 +78,14 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 HOST ?= 127.0.0.1
-SERVE_MODELS ?= neopp_dense neopp_dense_fp8 neopp_dense_cfg neopp_dense_cfg_seq neopp_dense_8steps \
-                neopp_moe neopp_moe_cfg neopp_session neopp_dense_stream neopp_dense_cfg_stream \
-                neopp_prompt_encoder neopp_t2i
+# PROFILE picks the models: full (every mode), or small (one mode, its streamed twin and the prompt
+# side: what the playground, /v1 and the neopp command need; README "Serve less"). SERVE_MODELS overrides it.
+PROFILE ?= full
+PROFILE_full = neopp_dense neopp_dense_fp8 neopp_dense_cfg neopp_dense_cfg_seq neopp_dense_8steps \
+               neopp_moe neopp_moe_cfg neopp_session neopp_dense_stream neopp_dense_cfg_stream \
+               neopp_prompt_encoder neopp_t2i
+PROFILE_small = neopp_dense neopp_dense_stream neopp_prompt_encoder neopp_t2i
+SERVE_MODELS ?= $(PROFILE_$(PROFILE))
 DEMO_DIR ?= demo/checkpoints
 NEOPP_CHECKPOINT ?= $(abspath $(DEMO_DIR)/dense)
 NEOPP_MOE_CHECKPOINT ?= $(abspath $(DEMO_DIR)/moe)
@@ -97,6 +102,7 @@ BENCH_ARGS ?=
 .PHONY: serve bench-serve train-demo
 
 serve: setup
+	@test -n "$(SERVE_MODELS)" || { echo "error: PROFILE=$(PROFILE): expected full or small" >&2; exit 2; }
 	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
 	  "(make train-demo writes the demo one, make tiny the tiny test ones in $(TINY_DIR);" \
 	  "or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
@@ -124,6 +130,7 @@ train-demo: setup
 # It measures exactly 30 requests (a stability wait may never end on a busy machine); BENCH_ARGS="-- FLAGS"
 # passes perf_analyzer flags that override it (docs/local-triton.md).
 bench-serve: setup
+	@test -n "$(SERVE_MODELS)" || { echo "error: PROFILE=$(PROFILE): expected full or small" >&2; exit 2; }
 	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
 	  "(make train-demo writes the demo one, make tiny the tiny test ones in $(TINY_DIR);" \
 	  "or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }

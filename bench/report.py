@@ -45,6 +45,8 @@ SECTIONS = [
      "A prompt to a picture: first sign of life and picture"),
     ("prompt_encoder", "prompt_encoder", lambda out: ["--out", out], "prompt_encoder.md",
      "Prompt encoder at the 8B geometry"),
+    ("serve_memory", "serve_memory", lambda out: ["--out", out], "serve_memory.md",
+     "What each serving profile costs"),
     ("failover", "failover", lambda out: ["--out", out], "failover.md", "Replicas: a crash under load"),
     ("8b", "eight_b", lambda out: ["--out", out], "eight_b.md", "8B geometry"),
     ("demo_quality", "demo_quality", lambda out: ["--out", str(Path(out) / "demo_quality.md")], "demo_quality.md",
