@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import tritonclient.grpc as grpcclient
 from stream_grpc import stream_to_image
-from t2i_common import GRPC_URL, api_headers, infer_inputs, run_client
+from t2i_common import GRPC_URL, api_headers, free_default_path, infer_inputs, run_client
 
 EXAMPLE = ("example (after `make serve`, from the repository root):\n"
            "  python client_examples/prompt_t2i.py --url localhost:8001 \\\n"
@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("jpeg", "png", "webp"), default="png")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the client gives up")
     p.add_argument("--no-progress", action="store_true", help="one neopp_t2i request, no progress bar")
-    p.add_argument("-o", "--out", type=Path, default=Path("outputs/out.png"),
-                   help="image path (default outputs/out.png)")
+    p.add_argument("-o", "--out", type=Path, default=None,
+                   help="image path (default outputs/out.png, or out-2.png... where taken)")
     return p
 
 
@@ -89,9 +89,10 @@ def main() -> None:
                                  headers=api_headers()).as_numpy("IMAGE")[0]
     finally:
         client.close()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(image)
-    print(f"wrote {args.out} ({len(image)} bytes)")
+    out = args.out or free_default_path("png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(image)
+    print(f"wrote {out} ({len(image)} bytes)")
 
 
 if __name__ == "__main__":

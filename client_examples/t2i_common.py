@@ -67,7 +67,8 @@ def build_parser(description: str, default_url: str, script: str, example_extra:
     p.add_argument("--task", choices=("t2i", "i2i"))
     p.add_argument("--format", choices=("jpeg", "png", "webp"), default="png")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before the client gives up")
-    p.add_argument("--out", type=Path, default=None, help="image path (default: outputs/out.<format>)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="image path (default: outputs/out.<format>, or out-2... where taken)")
     return p
 
 
@@ -129,10 +130,19 @@ def requested_outputs(client_module: ModuleType, **options: Any) -> list:
     return [client_module.InferRequestedOutput(name, **options) for name in ("IMAGE", "NEXT_RNG_STATE")]
 
 
+def free_default_path(suffix: str) -> Path:
+    """``outputs/out.<suffix>``, or ``out-2``, ``out-3``... where taken: a default name never
+    overwrites an earlier picture (a path given with ``--out`` is written as asked)."""
+    path, n = Path("outputs") / f"out.{suffix}", 2
+    while path.exists():
+        path, n = path.with_name(f"out-{n}.{suffix}"), n + 1
+    return path
+
+
 def save_result(args: argparse.Namespace, result: Any) -> Path:
     """Write IMAGE to --out (default outputs/out.<format>) and NEXT_RNG_STATE to --save-rng-state if given."""
     image = result.as_numpy("IMAGE")[0]
-    out = args.out or Path(f"outputs/out.{'jpg' if args.format == 'jpeg' else args.format}")
+    out = args.out or free_default_path("jpg" if args.format == "jpeg" else args.format)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_bytes(image)
     if args.save_rng_state:
