@@ -48,7 +48,8 @@ def test_a_refused_request_is_one_line_and_exit_code_1(triton, script: str, tmp_
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert "INVALID_ARGUMENT" in done.stderr or "HTTP 400" in done.stderr
-    assert "SIZE: height must be a positive multiple of 32, got 250" in done.stderr
+    assert "SIZE: height and width must each be a positive multiple of 32, got [250, 256] (height 250 is not)" \
+        in done.stderr
     assert not (tmp_path / "b.png").exists()
 
 

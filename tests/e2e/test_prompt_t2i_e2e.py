@@ -122,7 +122,7 @@ def test_without_size_every_model_draws_its_checkpoint_s_256x256(served: Served)
     ("neopp_t2i", {"MODEL": text("neopp_dense_fp8")}, "INTERNAL",  # served from a checkpoint of another geometry
      "model configuration error: neopp_dense_fp8 does not take neopp_prompt_encoder's prefix"),
     ("neopp_t2i", {"SIZE": np.array([250, 256], np.int64)}, "INVALID_ARGUMENT",
-     "SIZE: height must be a positive multiple of 32, got 250"),  # neopp_dense's own message
+     "SIZE: height and width must each be a positive multiple of 32, got [250, 256] (height 250 is not)"),
     ("neopp_t2i", {"PROMPT": text("red " * 40)}, "INVALID_ARGUMENT", "PROMPT: 40 words, at most 31"),
     ("neopp_t2i", {"PROMPT": text(b"\xff red")}, "INVALID_ARGUMENT", "PROMPT: must be UTF-8 text"),
     ("neopp_t2i", {"PROMPT": text("a big pink dragon flying over mountains")}, "INVALID_ARGUMENT",

@@ -133,9 +133,10 @@ class RequestRules:
             raise InputError(f"{field}: height and width must be integers, got {shown((height, width))}")
         t = self.config.token_size
         check_side_bounds(height, width, self.limits, field, t)
-        for what, v in (("height", height), ("width", width)):
-            if v % t:
-                raise InputError(f"{field}: {what} must be a positive multiple of {t}, got {v}")
+        wrong = [f"{what} {v}" for what, v in (("height", height), ("width", width)) if v % t]
+        if wrong:
+            raise InputError(f"{field}: height and width must each be a positive multiple of {t}, got "
+                             f"[{height}, {width}] ({' and '.join(wrong)} {'is' if len(wrong) == 1 else 'are'} not)")
         max_patches = self.config.max_position_embeddings_vision
         if max(height, width) // self.config.patch_size > max_patches:
             raise InputError(f"{field}: {max(height, width)} pixels exceed the vision positions of the checkpoint "
