@@ -134,6 +134,21 @@ def test_combine_each_case_matches_reference():
             assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item(), (s, s_img, norm)
 
 
+@pytest.mark.parametrize("norm", ["global", "channel"])
+@pytest.mark.parametrize("image", [False, True])
+def test_the_clamp_never_scales_the_guided_velocity_up(norm, image):
+    """With v_u = 1.5 v_c and s = 2, the guided velocity is 0.5 v_c: its norm is below the cond
+    one's, so the ratio is 2 and the clamp keeps it at 1: the result stays 0.5 v_c. A clamp that
+    let the ratio above 1 would give v_c (or more) instead."""
+    v_c = torch.randn(6, 300, generator=torch.Generator().manual_seed(1))
+    branches = {"cond": v_c, "uncond": 1.5 * v_c, "image": 1.5 * v_c}
+    sampling = SamplingParams(cfg_scale=2.0, image_guidance_scale=2.0 if image else 1.0, cfg_norm=norm)
+    got = combine({n: t.clone() for n, t in branches.items()}, sampling, image=image)
+    assert torch.allclose(got, 0.5 * v_c, rtol=1e-6, atol=1e-6)
+    big = combine({"cond": v_c, "uncond": -v_c, "image": -v_c}, sampling, image=image)  # 3 v_c: scaled down
+    assert torch.allclose(big, v_c, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- the request rules
 
 def _validate(pipe, case: str, **changes) -> None:
