@@ -24,11 +24,12 @@ def stream_parser(description: str, default_url: str, script: str) -> argparse.A
 
 def show_progress(step: int, total: int, width: int = 30) -> None:
     """One line on stderr, redrawn in place: [#####.....] 5/10. Into a file or a pipe (a log), a
-    plain line at each quarter instead, so a log holds no carriage-return frames."""
+    plain line at the first step (it has started) and at each quarter instead, so a log holds no
+    carriage-return frames."""
     done = width * step // max(total, 1)
     bar = f"[{'#' * done}{'.' * (width - done)}] {step}/{total}"
     if not sys.stderr.isatty():
-        if step >= total or 4 * step // max(total, 1) > 4 * (step - 1) // max(total, 1):
+        if step in (1, total) or 4 * step // max(total, 1) > 4 * (step - 1) // max(total, 1):
             sys.stderr.write(bar + "\n")
     else:
         sys.stderr.write("\r" + bar + ("\n" if step >= total else ""))

@@ -23,12 +23,12 @@ def test_the_default_name_takes_the_next_free_one(tmp_path, monkeypatch):
     assert free_default_path("jpg") == Path("outputs/out.jpg")
 
 
-def test_progress_into_a_log_is_four_plain_lines(capsys):
+def test_progress_into_a_log_is_five_plain_lines(capsys):
     for step in range(1, 51):
         show_progress(step, 50)
     err = capsys.readouterr().err
     assert "\r" not in err
-    assert [line.split()[-1] for line in err.splitlines()] == ["13/50", "25/50", "38/50", "50/50"]
+    assert [line.split()[-1] for line in err.splitlines()] == ["1/50", "13/50", "25/50", "38/50", "50/50"]
 
 
 @pytest.mark.parametrize("total", [1, 3])

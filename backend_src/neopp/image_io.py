@@ -1,5 +1,5 @@
-"""From pixels to delivered bytes: optional Lanczos resize, encoding (no torch: a forwarding stub
-encodes its own images)."""
+"""From pixels to delivered bytes: optional Lanczos resize, encoding with the file's marking
+(no torch: a forwarding stub encodes its own images)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import InputError
+from .image_metadata import save_options
 from .modes import OUTPUT_FORMATS, normalise_format
 
 _PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
@@ -16,6 +17,7 @@ _PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 def encode_image(pixels: np.ndarray, fmt: str = "jpeg", resize: tuple[int, int] | None = None,
                  quality: int = 95) -> bytes:
+    """The delivered file, marked as made by a model (:mod:`neopp.image_metadata`)."""
     fmt = normalise_format(fmt)
     if fmt not in OUTPUT_FORMATS:
         raise InputError(f"output_format: unknown format {fmt!r}; expected one of {OUTPUT_FORMATS}")
@@ -27,5 +29,5 @@ def encode_image(pixels: np.ndarray, fmt: str = "jpeg", resize: tuple[int, int] 
         image = image.resize((width, height), Image.Resampling.LANCZOS)
     buf = io.BytesIO()
     options = {"quality": quality} if fmt in ("jpeg", "webp") else {}
-    image.save(buf, format=_PIL_FORMATS[fmt], **options)
+    image.save(buf, format=_PIL_FORMATS[fmt], **options, **save_options(_PIL_FORMATS[fmt]))
     return buf.getvalue()
