@@ -23,9 +23,10 @@ GRAPH_SETTINGS = ("auto", "on", "off")
 class SpeedOptions:
     """``cuda_graphs``: off (the default until a recorded GPU run shows graphs byte-equal to eager),
     auto (on for a one-process model on CUDA), on; ``attention_kernel``: default (torch's pick, the
-    default), auto (the fastest per shape, measured on CUDA), flash, cudnn, efficient, math; ``max_graphs``: how many graphs a model keeps at once; ``compile_layers``:
-    off, on (`torch.compile` fuses each layer's elementwise work: faster where launches and memory
-    traffic dominate, not byte-equal to eager, compiled at the first request of a model)."""
+    default), auto (the fastest per shape, measured on CUDA), flash, cudnn, efficient, math;
+    ``max_graphs``: how many graphs a model keeps at once; ``compile_layers``: off, on
+    (`torch.compile` fuses each layer's elementwise work: faster where launches and memory traffic
+    dominate, not byte-equal to eager, compiled at the first request of a model)."""
 
     cuda_graphs: str = "off"
     attention_kernel: str = "default"
