@@ -274,7 +274,7 @@ def summary(plan: Plan, served: list[str]) -> str:
     lines.append("  served: " + " ".join(served))
     left = [(m, p.reason) for m, p in plan.models.items() if p.reason]
     if left:
-        lines.append("  not served (pinned to the CPU in the layout):")
+        lines.append("  not served (a generation model's file pins it to the CPU):")
         lines += [f"    {m}: {reason}" for m, reason in left]
     return "\n".join(lines)
 
