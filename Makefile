@@ -72,6 +72,9 @@ clean:
 # NEOPP_LORA_DIR (the folder of the LoRA file the 8-step mode names; default: the demo's or the tiny one's,
 # matching NEOPP_CHECKPOINT). $(TINY_DIR) holds the random tiny checkpoints the tests use.
 # CONFIG: a GPU layout, model_repository/*/configs/$(CONFIG).pbtxt (docs/deployment.md); unset: the CPU one.
+# GPUS (1, 2, 4 or 8) instead: writes the layout gpus$(GPUS) for this machine and these checkpoints
+# (python -m neopp.tools.gpu_layout, docs/deployment.md), then serves it, loading only the models it places;
+# GPU_MEMORY_GB: the memory per GPU (default: what nvidia-smi reports).
 # Model load/unload, configs and shared memory need the operator key: ADMIN_KEY_FILE (created 0600
 # at first start) or NEOPP_ADMIN_KEY; the HTTP port is the launcher's front (docs/security.md).
 HTTP_PORT ?= 8000
@@ -97,6 +100,16 @@ SERVED_MODELS = $(if $(NEOPP_PROMPT_CHECKPOINT),$(SERVE_MODELS),$(filter-out neo
 NEOPP_LORA_DIR ?= $(if $(filter $(abspath $(DEMO_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(DEMO_DIR)/lora),\
                   $(if $(filter $(abspath $(TINY_DIR)/dense),$(NEOPP_CHECKPOINT)),$(abspath $(TINY_DIR)/lora)))
 ADMIN_KEY_FILE ?= $(abspath build/admin.key)
+GPUS ?=
+GPU_MEMORY_GB ?=
+GPU_LAYOUT_ARGS = --gpus $(GPUS) $(if $(GPU_MEMORY_GB),--gpu-memory-gb $(GPU_MEMORY_GB)) --repository model_repository \
+  --checkpoint $(NEOPP_CHECKPOINT) --moe-checkpoint $(NEOPP_MOE_CHECKPOINT) \
+  $(if $(NEOPP_PROMPT_CHECKPOINT),--prompt-checkpoint $(NEOPP_PROMPT_CHECKPOINT)) --models "$(SERVED_MODELS)"
+# With GPUS, the models the written layout serves (it writes nothing when asked only that).
+LOADED_MODELS = $(if $(GPUS),$(shell $(PY) -m neopp.tools.gpu_layout $(GPU_LAYOUT_ARGS) --served 2>/dev/null),$(SERVED_MODELS))
+SERVE_CONFIG = $(if $(GPUS),gpus$(GPUS),$(CONFIG))
+# A comma inside $(if ...) text.
+comma := ,
 BENCH_ARGS ?=
 
 .PHONY: serve bench-serve train-demo
@@ -108,14 +121,16 @@ serve: setup
 	  "or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
 	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no tokenizer.json:" \
 	  "neopp_prompt_encoder and neopp_t2i are not loaded")
+	$(if $(and $(GPUS),$(CONFIG)),@echo "error: give GPUS (writes and serves gpus$(GPUS)) or CONFIG (a written layout)$(comma) not both" >&2; exit 2)
+	$(if $(GPUS),$(PY) -m neopp.tools.gpu_layout $(GPU_LAYOUT_ARGS))
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) NEOPP_CHECKPOINT_NEOPP_MOE=$(NEOPP_MOE_CHECKPOINT) \
 	NEOPP_CHECKPOINT_NEOPP_MOE_CFG=$(NEOPP_MOE_CHECKPOINT) NEOPP_LORA_DIR=$(NEOPP_LORA_DIR) \
 	$(if $(NEOPP_PROMPT_CHECKPOINT),NEOPP_CHECKPOINT_NEOPP_PROMPT_ENCODER=$(NEOPP_PROMPT_CHECKPOINT)) \
 	$(PY) -m neopp.launcher serve \
 	  --model-repository model_repository --host $(HOST) --http-port $(HTTP_PORT) \
 	  --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) --admin-key-file $(ADMIN_KEY_FILE) \
-	  -- --model-control-mode=explicit $(foreach m,$(SERVED_MODELS),--load-model=$(m)) \
-	  $(if $(CONFIG),--model-config-name=$(CONFIG))
+	  -- --model-control-mode=explicit $(foreach m,$(LOADED_MODELS),--load-model=$(m)) \
+	  $(if $(SERVE_CONFIG),--model-config-name=$(SERVE_CONFIG))
 
 # The demo model from its seeds (demo/README.md): both towers, the upcycled MoE, the distilled 8-step LoRA,
 # then the loss curves. DEMO_DIR=build/demo keeps the committed weights untouched.

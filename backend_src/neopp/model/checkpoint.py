@@ -157,16 +157,22 @@ def read_generation_tensors(ckpt_dir: str | Path, wanted: KeyFilter = is_generat
     return tensors
 
 
+def stored_shapes(ckpt_dir: str | Path, wanted: KeyFilter = is_generation_key) -> dict[str, tuple[int, ...]]:
+    """The shape of every ``wanted`` tensor, read from the file headers alone: what a tower will
+    hold is known (a GPU layout's memory plan) without reading a byte of its weights."""
+    ckpt_dir = Path(ckpt_dir)
+    return {key: entry.shape
+            for file, keys in _keys_by_file(ckpt_dir, wanted).items()
+            for key, entry in _entries(ckpt_dir, file, keys).items()}
+
+
 def generation_shapes(ckpt_dir: str | Path) -> dict[str, torch.Tensor]:
     """Every generation-tower tensor as a shape-only (``meta``) tensor, read from the file headers.
 
     Lets a load check what depends only on shapes (a LoRA's fit) in well under a second, before
     gigabytes of weights are read or rank processes started.
     """
-    ckpt_dir = Path(ckpt_dir)
-    return {key: torch.empty(entry.shape, device="meta")
-            for file, keys in _keys_by_file(ckpt_dir).items()
-            for key, entry in _entries(ckpt_dir, file, keys).items()}
+    return {key: torch.empty(shape, device="meta") for key, shape in stored_shapes(ckpt_dir).items()}
 
 
 def expected_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
