@@ -173,7 +173,7 @@ class ImagesRoutes:
                                  "server does not serve", "partial_images")
         turn = self.door.turn(request)
         encoded = await self.door.until_disconnect(request, self.door.upstream.infer(oa.encoder_request(req), turn))
-        wire = oa.streamed_request(req, encoded, req.size, oa.preview_plan(req.partial_images, req.steps))
+        wire = oa.streamed_request(req, encoded, oa.preview_plan(req.partial_images, req.steps))
         call = self.door.upstream.stream(wire, turn)
         first = await self.door.next_event(call)
         if not isinstance(first, dict):
