@@ -1,6 +1,7 @@
 """``GET /openapi.json``: an OpenAPI 3.1 document of the door's own routes, made from the route
 table itself (so a route cannot be served and left out), with a line for each and the schema of
-the two bodies a person writes by hand: the OpenAI images request and the models list."""
+the bodies a person writes by hand: the OpenAI images requests (a generation's JSON, an edit's
+form) and the models list. The edit's schema also types its form's text fields (``openai_edits``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from starlette.routing import Route
 
+from ...contract.inputs import EDIT_IMAGE_FORMATS, MAX_EDIT_IMAGE_BYTES, MAX_EDIT_IMAGES
 from . import openai_images as oa
 
 SUMMARIES = {
@@ -66,6 +68,17 @@ IMAGES_REQUEST = {
                                                     "each image's 'think' holds the reasoning"},
         "think_max_tokens": {"type": "integer", "minimum": 1, "maximum": oa.MAX_THINK_TOKENS},
         **{key: {"enum": list(values)} for key, values in oa.ACCEPTED_AND_IGNORED.items()}}}
+EDIT_REQUEST = {
+    "type": "object", "required": ["image", "prompt"], "additionalProperties": False,
+    "properties": {
+        "image": {"type": "array", "maxItems": MAX_EDIT_IMAGES, "items": {"type": "string", "format": "binary"},
+                  "description": f"the pictures, as files: 'image', or 'image[]' once per picture, in the order the "
+                                 f"prompt names them; {', '.join(EDIT_IMAGE_FORMATS)}, each at most "
+                                 f"{MAX_EDIT_IMAGE_BYTES >> 20} MiB"},
+        **IMAGES_REQUEST["properties"],
+        "image_guidance_scale": {"type": "number", "minimum": 0, "maximum": 100,
+                                 "description": "how closely the result keeps to the pictures (the official "
+                                                "img_cfg_scale; 1: no image guidance; default the model's)"}}}
 MODELS_LIST = {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
     "type": "object", "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                                      "owned_by": {"type": "string"}, "neopp": NEOPP_EXTENSION}}}}}
