@@ -42,10 +42,8 @@ MAX_IMAGES, MAX_PROMPT = 4, MAX_PROMPT_CHARS
 ACCEPTED_AND_IGNORED = {"quality": ("auto",), "background": ("auto", "opaque"), "moderation": ("auto", "low")}
 UNSUPPORTED = {"quality": "this server draws one quality; more steps ('num_inference_steps') draw finer detail",
                "background": "images are drawn opaque", "style": "the model has no styles to choose from"}
-EDITING = ("Image editing is not served over /v1/images: this server edits from the KV prefix of the source "
-           "image and the instruction as the language model encodes them (IMAGE_KV with COND_KV and UNCOND_KV, "
-           "task 'i2i') on the generation models' own routes; see docs/contract.md, 'Inputs of every "
-           "generation model'")
+VARIATIONS = ("Image variations are not served: this model edits a picture as a prompt says; send the picture "
+              "and the prompt to POST /v1/images/edits")
 MAX_USER = 256
 MAX_CACHE_NAME = 32
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",

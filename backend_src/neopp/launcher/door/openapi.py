@@ -23,8 +23,9 @@ SUMMARIES = {
     "/metrics": "The door's own counters (Prometheus text); the models' are on Triton's metrics port",
     "/v1/images/generations": "OpenAI's image generation: a prompt in, images out (streamed with 'stream')",
     "/v1/models": "The models that draw, each with what it advertises under 'neopp'",
-    "/v1/images/edits": "Not served: answers, in OpenAI's shape, what editing needs on this server",
-    "/v1/images/variations": "Not served: answers, in OpenAI's shape, what editing needs on this server",
+    "/v1/images/edits": "OpenAI's image editing: pictures and a prompt in (multipart/form-data), images out "
+                        "(streamed with 'stream'); a checkpoint that cannot edit refuses it",
+    "/v1/images/variations": "Not served: answers, in OpenAI's shape, that edits take a prompt instead",
     "/v2": "Triton's server metadata",
     "/v2/health/live": "Live: the server process answers",
     "/v2/health/ready": "Ready: the launcher knows of nothing broken and Triton is ready",
@@ -103,6 +104,8 @@ def operation(path: str, method: str) -> dict[str, Any]:
                                       "content": {"application/json": {"schema": OPENAI_ERROR}}}
     if path == "/v1/images/generations":
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": IMAGES_REQUEST}}}
+    if path == "/v1/images/edits":
+        op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": EDIT_REQUEST}}}
     if path == "/v1/models":
         op["responses"]["200"]["content"] = {"application/json": {"schema": MODELS_LIST}}
     return op
@@ -139,6 +142,13 @@ def markdown(doc: dict[str, Any]) -> str:
     body = doc["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     for name, schema in body["properties"].items():
         lines.append(f"| `{name}` | {_schema_text(schema)} |")
+    lines += ["", "## `POST /v1/images/edits`", "",
+              "A form (`multipart/form-data`) with every field of a generation above, as text, and these:", "",
+              "| field | schema |", "|---|---|"]
+    edit = doc["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    for name, schema in edit["properties"].items():
+        if name not in body["properties"]:
+            lines.append(f"| `{name}` | {_schema_text(schema)} |")
     lines += ["", "## `GET /v1/models`: the `neopp` object of each model", "", "| field | schema |", "|---|---|"]
     for name, schema in NEOPP_EXTENSION["properties"].items():
         lines.append(f"| `{name}` | {_schema_text(schema)} |")
