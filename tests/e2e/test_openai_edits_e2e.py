@@ -2,7 +2,8 @@
 checkpoint, whose encoder has no image understanding: a form with a picture reaches the encoder,
 whose refusal comes back as OpenAI's 400 naming ``image``, and the server goes on drawing. The
 door's own refusals (too many pictures, a JSON body) never reach Triton. The official ``openai``
-client's ``images.edit`` is answered the same. One launcher for the module."""
+client's ``images.edit`` is answered the same, and the playground sends chosen pictures there. One
+launcher for the module."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from PIL import Image
 from neopp.contract.inputs import MAX_EDIT_IMAGES
 from neopp.ports import LOOPBACK
 from testing import REPO
+from testing.browser import browser as open_browser
 from testing.launched import Launched, serving
 
 DEMO = REPO / "demo" / "checkpoints" / "dense"
@@ -125,3 +127,34 @@ def test_the_openai_client_s_edit_reaches_the_route_and_gets_the_encoder_s_refus
     with picture.open("rb") as handle:
         refused(handle)  # a file, sent with its name
     refused([picture.read_bytes(), picture.read_bytes()])  # bytes, as image[] twice
+
+
+def test_the_playground_edits_the_chosen_pictures_and_draws_again_once_they_are_cleared(served: Launched, tmp_path):
+    """A person's path: a picture chosen turns Generate into Edit and sends the form to /v1/images/edits
+    (the demo's refusal is shown); "clear" takes it away, and the same page draws the prompt again."""
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    picture = tmp_path / "red.png"
+    picture.write_bytes(png())
+    b = open_browser()
+    try:
+        b.get(f"http://{LOOPBACK}:{served.http_port}/")
+        WebDriverWait(b, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
+        Select(b.find_element("id", "size")).select_by_visible_text("128x128")
+        b.find_element("id", "steps").send_keys("2")
+        b.find_element("id", "seed").send_keys("3")
+        b.find_element("id", "images").send_keys(str(picture))
+        chosen = (b.find_element("id", "generate").text, b.find_element("id", "clear-images").is_displayed())
+        b.find_element("id", "generate").click()
+        WebDriverWait(b, 120).until(lambda b: b.find_element("id", "status").get_attribute("class") == "error")
+        refusal = b.find_element("id", "status").text
+        b.find_element("id", "clear-images").click()
+        cleared = (b.find_element("id", "generate").text, b.find_element("id", "clear-images").is_displayed(),
+                   b.execute_script("return document.getElementById('images').files.length"))
+        b.find_element("id", "generate").click()
+        WebDriverWait(b, 180).until(lambda b: b.find_element("id", "caption").text == "seed 3")
+    finally:
+        b.quit()
+    assert chosen == ("Edit", True)
+    assert refusal.startswith(CANNOT_EDIT), refusal
+    assert cleared == ("Generate", False, 0)
