@@ -14,6 +14,7 @@ from neopp.cli import main as cli
 from neopp.cli.client import DEFAULT_URL, CliError, Server, error_message, events
 from neopp.cli.generate import Ask, Bar, check_size, output_format, paths
 from neopp.cli.info import model_line, status_table
+from neopp.contract.inputs import MAX_EDIT_IMAGE_BYTES
 from neopp.ports import free_ports
 
 
@@ -189,3 +190,44 @@ def test_the_help_says_where_the_url_comes_from(capsys):
         cli.main(["generate", "--help"])
     out = capsys.readouterr().out
     assert "NEOPP_URL" in out and "NEOPP_API_KEY" in out and "--negative-prompt" in out
+
+
+def test_an_edit_is_a_form_the_door_reads_back_as_the_same_request(tmp_path):
+    """The command's form, read by the door's own parser: the fields of a generation, typed as they
+    were, and the pictures as image[] in the order given (bytes that hold CR, LF and dashes too)."""
+    from neopp.launcher.door.bounds import DoorLimits
+    from neopp.launcher.door.openai_edits import parse_edit_form
+
+    first, second = tmp_path / "a.png", tmp_path / "b.webp"
+    first.write_bytes(b"\x89PNG\r\n--\r\n" + bytes(range(256)))
+    second.write_bytes(b"RIFF\r\n\r\nWEBP")
+    ns = cli.parser().parse_args(["edit", str(first), str(second), "put Image-2 on Image-1", "-o", "e.jpg",
+                                  "--negative", "blur", "--image-guidance", "1.5", "--seed", "4", "--guidance", "2",
+                                  "--think", "8", "-n", "2"])
+    ask = Ask(ns.prompt, ns.out, seed=ns.seed, guidance=ns.guidance, negative_prompt=ns.negative_prompt, n=ns.n,
+              think=ns.think, images=tuple(ns.images), image_guidance=ns.image_guidance)
+    assert ask.path == "/v1/images/edits"
+    content_type, body = ask.request(False).encode()
+    req, stream = parse_edit_form(content_type, body, DoorLimits().openai_body)
+    assert req.images == (first.read_bytes(), second.read_bytes()) and stream
+    assert (req.prompt, req.negative_prompt, req.seed, req.guidance_scale, req.image_guidance_scale) == \
+        ("put Image-2 on Image-1", "blur", 4, 2.0, 1.5)
+    assert (req.n, req.think, req.think_max_tokens, req.output_format) == (2, True, 8, "jpeg")
+    assert Ask("p", Path("x.png")).request(False) == Ask("p", Path("x.png")).body(False)  # a generation: JSON
+
+
+@pytest.mark.parametrize("files, words", [
+    (["missing.png"], "missing.png: cannot read the picture (No such file or directory)"),
+    (["."], ".: cannot read the picture"),
+    (["a.png"] * 5, "at most 4 pictures per edit, got 5"),
+    (["big.png"], f"big.png: {MAX_EDIT_IMAGE_BYTES + 1} bytes, over the {MAX_EDIT_IMAGE_BYTES} one picture may hold"),
+])
+def test_a_picture_that_cannot_be_sent_is_a_one_line_usage_error(capsys, tmp_path, monkeypatch, files, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.png").write_bytes(b"\x89PNG")
+    with (tmp_path / "big.png").open("wb") as big:
+        big.truncate(MAX_EDIT_IMAGE_BYTES + 1)  # sparse: nothing written
+    (port,) = free_ports(1)  # nothing listens: the command stops before it calls the server
+    assert cli.main(["--url", f"127.0.0.1:{port}", "edit", *files, "make it blue"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and words in err and err.count("\n") == 1 and "Traceback" not in err

@@ -119,8 +119,8 @@ def test_previews_say_the_format_they_carry(served: Launched):
 
 
 @pytest.mark.parametrize("method, path, status, code, words", [
-    ("POST", "/v1/images/edits", 400, "unsupported_endpoint", "IMAGE_KV"),
-    ("POST", "/v1/images/variations", 400, "unsupported_endpoint", "docs/contract.md"),
+    ("POST", "/v1/images/edits", 400, None, "multipart/form-data"),  # a JSON body, as OpenAI answers it
+    ("POST", "/v1/images/variations", 400, "unsupported_endpoint", "/v1/images/edits"),
     ("POST", "/v1/chat/completions", 404, "unknown_url", "POST /v1/chat/completions"),
     ("DELETE", "/v1/models", 404, "unknown_url", "DELETE /v1/models"),
 ])

@@ -1,9 +1,9 @@
 """A person's path through a real server: the ``neopp`` command (as installed, found through
 ``NEOPP_URL``, its key in ``NEOPP_API_KEY``) draws, lists models and reports status; errors are
-the server's message and a non-zero exit; the playground's new controls in a browser. One
-``make serve``-like launcher on the demo checkpoints (the prompt encoder needs its language tower)
-with an API key serves the whole module; every picture is compared with the bytes ``neopp_t2i``
-draws for the same seed over gRPC."""
+the server's message and a non-zero exit (an edit on the demo, which cannot edit, too); the
+playground's new controls in a browser. One ``make serve``-like launcher on the demo checkpoints
+(the prompt encoder needs its language tower) with an API key serves the whole module; every
+picture is compared with the bytes ``neopp_t2i`` draws for the same seed over gRPC."""
 
 from __future__ import annotations
 
@@ -108,6 +108,22 @@ def test_a_refusal_exits_1_with_the_server_s_message_and_writes_nothing(served: 
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert done.stderr.startswith("error: ") and message in done.stderr, done.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_edit_on_a_checkpoint_that_cannot_edit_prints_the_encoder_s_refusal_on_one_line(served: Launched,
+                                                                                       tmp_path: Path):
+    """``neopp edit`` posts its form to /v1/images/edits; the demo's encoder refuses pictures, and the
+    command says so in one line and exits 1, writing nothing. A picture it cannot read is a usage error."""
+    Image.new("RGB", (64, 64), "red").save(tmp_path / "red.png")
+    done = neopp(served, "edit", "red.png", "make the circle green", "-o", "x.png", "--size", "128x128",
+                 "--steps", "2", "--image-guidance", "1.5", "--negative", "blue", cwd=tmp_path)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("error: /v1/images/edits: 400 IMAGES: this checkpoint cannot edit pictures: the "
+                                  "demo model has no image understanding") and "(parameter image)" in done.stderr
+    assert not (tmp_path / "x.png").exists()
+    done = neopp(served, "edit", "red.png", "gone.png", "make the circle green", cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr == "error: gone.png: cannot read the picture (No such file or " \
+        "directory)\n", done.stderr
 
 
 def _get(served: Launched, path: str) -> tuple[int, bytes]:

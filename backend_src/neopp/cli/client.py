@@ -1,4 +1,4 @@
-"""One server's door over HTTP: the URL setting, the API key, OpenAI-shaped errors, server-sent events.
+"""One server's door over HTTP: the URL setting, the API key, forms, OpenAI-shaped errors, server-sent events.
 
 The URL is the one ``make serve`` prints (``NEOPP_URL``, or ``--url``); a key in ``NEOPP_API_KEY``
 is sent as a bearer token. A refusal becomes a ``CliError`` that carries the server's own message,
@@ -10,8 +10,9 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -25,6 +26,39 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
         self.code = code
+
+
+@dataclass(frozen=True)
+class Form:
+    """A ``multipart/form-data`` body: text fields, then files as (field name, file name, bytes)."""
+
+    fields: dict[str, Any]
+    files: list[tuple[str, str, bytes]] = field(default_factory=list)
+
+    def encode(self) -> tuple[str, bytes]:
+        """The Content-Type (with a boundary no file holds) and the body; values as JSON writes them."""
+        boundary = uuid.uuid4().hex
+        while any(boundary.encode() in data for _, _, data in self.files):
+            boundary = uuid.uuid4().hex
+        parts = [_part(boundary, f'name="{_quoted(name)}"', _text(value).encode())
+                 for name, value in self.fields.items()]
+        parts += [_part(boundary, f'name="{_quoted(name)}"; filename="{_quoted(filename)}"', data,
+                        "Content-Type: application/octet-stream\r\n") for name, filename, data in self.files]
+        return f"multipart/form-data; boundary={boundary}", b"".join(parts) + f"--{boundary}--\r\n".encode()
+
+
+def _text(value: Any) -> str:
+    """A field's value as the door reads it back: true/false, numbers as JSON writes them, text as it is."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _quoted(text: str) -> str:
+    """A name inside a quoted header parameter, as browsers write one (quotes and line ends escaped)."""
+    return text.replace("\\", "\\\\").replace('"', "%22").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _part(boundary: str, disposition: str, data: bytes, extra: str = "") -> bytes:
+    return f"--{boundary}\r\nContent-Disposition: form-data; {disposition}\r\n{extra}\r\n".encode() + data + b"\r\n"
 
 
 @dataclass(frozen=True)
@@ -59,12 +93,15 @@ class Server:
         kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
         return kind(self.host, self.port, timeout=self.timeout)
 
-    def open(self, method: str, path: str, doc: dict[str, Any] | None = None,
+    def open(self, method: str, path: str, doc: dict[str, Any] | Form | None = None,
              accept: str = "application/json") -> http.client.HTTPResponse:
-        """The response to one request, whatever its status; a server that cannot be reached is a CliError."""
+        """The response to one request (a JSON document or a form), whatever its status; a server
+        that cannot be reached is a CliError."""
         headers = {"Accept": accept}
         body = None
-        if doc is not None:
+        if isinstance(doc, Form):
+            headers["Content-Type"], body = doc.encode()
+        elif doc is not None:
             body = json.dumps(doc).encode()
             headers["Content-Type"] = "application/json"
         if self.api_key:

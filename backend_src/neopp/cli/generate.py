@@ -1,8 +1,10 @@
-"""``neopp generate``: a prompt in, picture files out, with a progress bar while it draws.
+"""``neopp generate`` and ``neopp edit``: a prompt (and pictures) in, picture files out, with a
+progress bar while it draws.
 
-One picture streams through ``/v1/images/generations`` with a preview and per-step progress
-(the model's streamed twin); a model without one, or ``n`` above 1, streams each finished
-picture instead. Files are named after ``-o``: ``out.png``, or ``out-1.png`` ... for ``n`` > 1.
+One picture streams through ``/v1/images/generations`` (an edit: ``/v1/images/edits``, a form
+with the pictures) with a preview and per-step progress (the model's streamed twin); a model
+without one, or ``n`` above 1, streams each finished picture instead. Files are named after
+``-o``: ``out.png``, or ``out-1.png`` ... for ``n`` > 1.
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..contract.image_formats import FORMAT_OF_SUFFIX
+from ..contract.inputs import MAX_EDIT_IMAGE_BYTES, MAX_EDIT_IMAGES
 from ..contract.sizes import is_openai_size
-from .client import CliError, Server, checked, error_message, events
+from .client import CliError, Form, Server, checked, error_message, events
 
 PATH = "/v1/images/generations"
+EDIT_PATH = "/v1/images/edits"
 MAX_ERROR = 1 << 20  # an error answer is a short JSON document
 
 
@@ -39,6 +43,19 @@ class Ask:
     lora: tuple[str, float | None] | None = None  # an adapter's name and its scale
     cache: tuple[str, float | None] | None = None  # a step-cache method and its threshold
     think: int | None = None  # think mode: its token cap (0: the server's default); None: off
+    images: tuple[Path, ...] = ()  # an edit's pictures, in the order the prompt names them
+    image_guidance: float | None = None  # an edit's guidance towards its pictures
+
+    @property
+    def path(self) -> str:
+        return EDIT_PATH if self.images else PATH
+
+    def request(self, previews: bool) -> dict[str, Any] | Form:
+        """A generation's JSON body, or an edit's form: the same fields and the pictures as files."""
+        doc = self.body(previews)
+        if not self.images:
+            return doc
+        return Form(doc, [("image[]", path.name, data) for path, data in zip(self.images, pictures(self.images))])
 
     def body(self, previews: bool) -> dict[str, Any]:
         """The streamed generations request (OpenAI's parameters plus NeoPP's ``seed``, steps,
@@ -53,6 +70,8 @@ class Ask:
             optional.update(cache=self.cache[0], cache_threshold=self.cache[1])
         if self.think is not None:
             optional.update(think=True, think_max_tokens=self.think or None)
+        if self.image_guidance is not None:
+            optional.update(image_guidance_scale=self.image_guidance)
         doc.update({k: v for k, v in optional.items() if v is not None})
         if previews:
             doc.update(partial_images=1, progress=True)
@@ -65,6 +84,23 @@ def output_format(out: Path) -> str:
     if fmt is None:
         raise CliError(f"-o {out}: the file must end in one of {', '.join(sorted(FORMAT_OF_SUFFIX))}", 2)
     return fmt
+
+
+def pictures(files: tuple[Path, ...]) -> list[bytes]:
+    """The pictures' bytes, as many and as large as an edit takes; a file that cannot be read is
+    a usage error naming it (the server decodes and checks the pictures themselves)."""
+    if len(files) > MAX_EDIT_IMAGES:
+        raise CliError(f"at most {MAX_EDIT_IMAGES} pictures per edit, got {len(files)}", 2)
+    out = []
+    for path in files:
+        try:
+            size = path.stat().st_size
+            if size > MAX_EDIT_IMAGE_BYTES:
+                raise CliError(f"{path}: {size} bytes, over the {MAX_EDIT_IMAGE_BYTES} one picture may hold", 2)
+            out.append(path.read_bytes())
+        except OSError as exc:
+            raise CliError(f"{path}: cannot read the picture ({exc.strerror or exc})", 2) from None
+    return out
 
 
 def check_size(text: str) -> str:
@@ -129,19 +165,19 @@ class Bar:
 
 
 def generate(server: Server, ask: Ask, bar: Bar, out: TextIO = sys.stdout) -> list[Path]:
-    """Draw, write the files, say where they are; the written paths."""
-    previews = ask.n == 1
-    resp = server.open("POST", PATH, ask.body(previews), accept="text/event-stream")
+    """Draw (or edit), write the files, say where they are; the written paths."""
+    previews, path = ask.n == 1, ask.path
+    resp = server.open("POST", path, ask.request(previews), accept="text/event-stream")
     if resp.status == 400 and previews:
         with resp:
             raw = resp.read(MAX_ERROR)
         doc = _json_or_none(raw)
         if _param(doc) != "partial_images":
-            raise CliError(f"{PATH}: 400 {error_message(doc, raw)}")
+            raise CliError(f"{path}: 400 {error_message(doc, raw)}")
         # no streamed twin: stream the finished picture only
-        resp = server.open("POST", PATH, ask.body(False), accept="text/event-stream")
+        resp = server.open("POST", path, ask.request(False), accept="text/event-stream")
     if not 200 <= resp.status < 300:
-        checked(resp, PATH)
+        checked(resp, path)
     written = _receive(resp, ask, bar)
     bar.end()
     for path, (seed, size, reasoning) in written.items():

@@ -1,4 +1,4 @@
-"""The ``neopp`` command line: ``generate``, ``models``, ``status``."""
+"""The ``neopp`` command line: ``generate``, ``edit``, ``models``, ``status``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..contract.inputs import MAX_EDIT_IMAGES
 from . import info
 from .client import DEFAULT_URL, CliError, Server
 from .generate import Ask, Bar, check_size, generate, named_number
@@ -22,14 +23,34 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="draw a prompt into image files", epilog=EPILOG)
     gen.add_argument("prompt")
-    gen.add_argument("-o", "--out", type=Path, default=Path("outputs/neopp.png"),
-                     help="the file to write (.png, .jpg, .webp; n > 1: out-1.png, out-2.png ...; "
-                          "default outputs/neopp.png)")
+    _drawing(gen, "outputs/neopp.png")
+    edit = sub.add_parser("edit", help="edit pictures as a prompt says, into image files (a checkpoint that "
+                                       "can edit: SenseNova-U1)", epilog=EPILOG)
+    edit.add_argument("images", nargs="+", type=Path, metavar="IMAGE",
+                      help=f"a picture to edit (PNG, JPEG or WebP; up to {MAX_EDIT_IMAGES}, which the prompt names "
+                           "Image-1, Image-2 ... in this order)")
+    edit.add_argument("prompt", help="what to change")
+    _drawing(edit, "outputs/neopp-edit.png")
+    edit.add_argument("--image-guidance", type=float, metavar="SCALE",
+                      help="how closely the result keeps to the pictures (the official img_cfg_scale; 1: no image "
+                           "guidance; default: the model's)")
+    for name, what in (("models", "the models that draw, their sizes and step limits"),
+                       ("status", "per model: ready, in flight, queued, latency, errors, restarts")):
+        cmd = sub.add_parser(name, help=what, epilog=EPILOG)
+        cmd.add_argument("--json", action="store_true", help="the server's JSON as it is")
+    return top
+
+
+def _drawing(gen: argparse.ArgumentParser, default_out: str) -> None:
+    """The options every drawing command takes: where to write, and the generation's settings."""
+    gen.add_argument("-o", "--out", type=Path, default=Path(default_out),
+                     help=f"the file to write (.png, .jpg, .webp; n > 1: out-1.png, out-2.png ...; "
+                          f"default {default_out})")
     gen.add_argument("--size", type=check_size, help="WIDTHxHEIGHT, e.g. 256x256 (default: the model's)")
     gen.add_argument("--steps", type=int, help="denoising steps (default: the model's)")
     gen.add_argument("--seed", type=int, help="the noise seed (default: random, printed)")
     gen.add_argument("--guidance", type=float, help="classifier-free guidance scale (default: the model's)")
-    gen.add_argument("--negative-prompt", help="what the picture should not show")
+    gen.add_argument("--negative-prompt", "--negative", dest="negative_prompt", help="what the picture should not show")
     gen.add_argument("--model", help="the generation model (neopp models lists them; default neopp_dense)")
     gen.add_argument("-n", type=int, default=1, help="how many pictures (seeds seed, seed+1, ...)")
     gen.add_argument("--lora", type=named_number("lora", "SCALE"), metavar="NAME[:SCALE]",
@@ -40,11 +61,6 @@ def parser() -> argparse.ArgumentParser:
                      help="think mode (U1 checkpoints): the model reasons before drawing, at most MAX_TOKENS "
                           "tokens (default: the server's, 1024); the reasoning is printed")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    for name, what in (("models", "the models that draw, their sizes and step limits"),
-                       ("status", "per model: ready, in flight, queued, latency, errors, restarts")):
-        cmd = sub.add_parser(name, help=what, epilog=EPILOG)
-        cmd.add_argument("--json", action="store_true", help="the server's JSON as it is")
-    return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,9 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parser().parse_args(argv)
     try:
         server = Server.from_url(ns.url, ns.timeout)
-        if ns.command == "generate":
+        if ns.command in ("generate", "edit"):
             ask = Ask(ns.prompt, ns.out, ns.model, ns.size, ns.steps, ns.seed, ns.guidance, ns.negative_prompt, ns.n,
-                      ns.lora, ns.cache, ns.think)
+                      ns.lora, ns.cache, ns.think, tuple(getattr(ns, "images", ())),
+                      getattr(ns, "image_guidance", None))
             generate(server, ask, Bar(None if ns.quiet else sys.stderr))
             return 0
         return getattr(info, ns.command)(server, as_json=ns.json)

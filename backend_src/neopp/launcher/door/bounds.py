@@ -11,8 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ...contract.inputs import MAX_EDIT_IMAGE_BYTES, MAX_EDIT_IMAGES
+
 KiB, MiB = 1 << 10, 1 << 20
 HEADER_LIMIT = 64 * KiB  # bytes of request line and headers, however they arrive
+FORM_FRAMING = 64 * KiB  # a form's part headers and boundaries, beside its contents
 BYTE_COUNT = re.compile(r"^[0-9]{1,15}$")  # a size in a header: ASCII digits only (str.isdigit takes others)
 
 
@@ -49,9 +52,15 @@ class DoorLimits:
     allowed_hosts: frozenset[str] | None = frozenset({"loopback"})  # Host names answered; None: any
 
     def cap(self, route: str) -> RouteCap:
-        """The bound of ``route``: "inference" (infer, generate), "openai" or "control"."""
+        """The bound of ``route``: "inference" (infer, generate), "openai", "edits" or "control".
+
+        An edit's form holds its pictures (each within the contract's bound), the fields of a
+        generation's body and their framing, never more than an inference body; it holds no JSON."""
         if route == "openai":
             return RouteCap(route, self.openai_body, 1024)
+        if route == "edits":
+            return RouteCap(route, min(self.max_body, MAX_EDIT_IMAGES * MAX_EDIT_IMAGE_BYTES + self.openai_body
+                                         + FORM_FRAMING), 0)
         if route == "control":
             return RouteCap(route, self.control_body, 16_384)
         return RouteCap("inference", self.max_body, self.max_json_values)

@@ -1,11 +1,14 @@
-"""The OpenAI Images API on the door: ``POST /v1/images/generations`` and ``GET /v1/models``.
+"""The OpenAI Images API on the door: ``POST /v1/images/generations``, ``POST /v1/images/edits``
+and ``GET /v1/models``.
 
 What every OpenAI SDK, LangChain or Open WebUI sends for an image is answered from the prompt
 model (``neopp_t2i``: the prompt encoder, then the generation model named by ``model``), so a
 client written for OpenAI draws with NeoPP unchanged. Our extensions ride in the same body:
 ``seed``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``cache`` and
 ``cache_threshold`` (the step cache; the model checks the method it offers). Errors have OpenAI's
-shape (``{"error": {"message", "type", "param", "code"}}``) and name the parameter.
+shape (``{"error": {"message", "type", "param", "code"}}``) and name the parameter. An edit is
+the same request with pictures (``openai_edits`` reads its form): the encoder reads them with the
+prompt, and its image-only branch reaches the generation model beside the two prompt branches.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import re
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ...contract.adapter_names import MAX_NAME_CHARS, SCALE_MAX_ABS
 from ...contract.deployment import LORA_DIR_ENV, env_override
-from ...contract.inputs import ENCODER_OUTPUTS, MAX_PROMPT_CHARS, MAX_THINK_TOKENS
+from ...contract.inputs import EDIT_OUTPUTS, ENCODER_OUTPUTS, MAX_PROMPT_CHARS, MAX_THINK_TOKENS
 from ...contract.sizes import is_openai_size, openai_size, openai_text
 from . import strict_json
 from .spliced_request import WireRequest
@@ -39,16 +42,16 @@ MAX_IMAGES, MAX_PROMPT = 4, MAX_PROMPT_CHARS
 ACCEPTED_AND_IGNORED = {"quality": ("auto",), "background": ("auto", "opaque"), "moderation": ("auto", "low")}
 UNSUPPORTED = {"quality": "this server draws one quality; more steps ('num_inference_steps') draw finer detail",
                "background": "images are drawn opaque", "style": "the model has no styles to choose from"}
-EDITING = ("Image editing is not served over /v1/images: this server edits from the KV prefix of the source "
-           "image and the instruction as the language model encodes them (IMAGE_KV with COND_KV and UNCOND_KV, "
-           "task 'i2i') on the generation models' own routes; see docs/contract.md, 'Inputs of every "
-           "generation model'")
+VARIATIONS = ("Image variations are not served: this model edits a picture as a prompt says; send the picture "
+              "and the prompt to POST /v1/images/edits")
 MAX_USER = 256
 MAX_CACHE_NAME = 32
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
               "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
               "output_compression", "style", "lora", "lora_scale", "cache",
               "cache_threshold", "think", "think_max_tokens", *ACCEPTED_AND_IGNORED)
+EDIT_PARAMETERS = ("image_guidance_scale",)  # an edit's only parameter beyond a generation's (its pictures aside)
+PREFIXES = (*ENCODER_OUTPUTS, *EDIT_OUTPUTS)  # what the encoder answers that a generation model takes
 MAX_LORA_NAME = MAX_NAME_CHARS  # the model checks the name's characters and that the adapter exists
 
 
@@ -91,6 +94,8 @@ class ImagesRequest:
     lora_scale: float | None = None
     think: bool = False  # ours: the tower reasons before the image (U1 checkpoints); the answer says how
     think_max_tokens: int | None = None
+    images: tuple[bytes, ...] = field(default=(), repr=False)  # an edit's pictures, encoded files in order
+    image_guidance_scale: float | None = None  # an edit's guidance towards its pictures (img_cfg_scale)
 
     @property
     def size_text(self) -> str:
@@ -123,11 +128,12 @@ def _size(value: Any) -> tuple[int, int] | None:
     return openai_size(value)
 
 
-def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
-    """The checked request and whether it asked for a stream."""
+def parse_images_request(doc: Any, images: tuple[bytes, ...] = ()) -> tuple[ImagesRequest, bool]:
+    """The checked request and whether it asked for a stream; with ``images`` (checked by the
+    caller) an edit, which also takes ``image_guidance_scale``."""
     if not isinstance(doc, dict):
         raise OpenAIError(400, "the request body must be a JSON object")
-    unknown = sorted(set(doc) - set(PARAMETERS))
+    unknown = sorted(set(doc) - set(PARAMETERS) - set(EDIT_PARAMETERS if images else ()))
     if unknown:
         raise OpenAIError(400, f"Unknown parameter: '{unknown[0][:64]}'.", unknown[0][:64])
     prompt = _text(doc, "prompt", None)
@@ -148,9 +154,6 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
     progress = doc.get("progress", False)
     if type(progress) is not bool or (progress and not partial):
         raise OpenAIError(400, "'progress' must be true or false, and true only with 'partial_images'", "progress")
-    guidance = doc.get("guidance_scale")
-    if guidance is not None and (type(guidance) not in (int, float) or not 0 <= guidance <= 100):
-        raise OpenAIError(400, "'guidance_scale' must be a number from 0 to 100", "guidance_scale")
     seed = _int(doc, "seed", 0, 2**63 - MAX_IMAGES - 1, None)
     lora, lora_scale = _lora(doc)
     cache, cache_threshold = _cache(doc)
@@ -161,10 +164,18 @@ def parse_images_request(doc: Any) -> tuple[ImagesRequest, bool]:
         n=_int(doc, "n", 1, MAX_IMAGES, 1), size=_size(doc.get("size")), output_format=output_format,
         seed=secrets.randbelow(2**31) if seed is None else seed,
         negative_prompt=_text(doc, "negative_prompt", None), steps=_steps(doc.get("num_inference_steps")),
-        guidance_scale=None if guidance is None else float(guidance), partial_images=partial, progress=progress,
+        guidance_scale=_scale(doc, "guidance_scale"), partial_images=partial, progress=progress,
         lora=lora, lora_scale=lora_scale, cache=cache, cache_threshold=cache_threshold, think=think,
-        think_max_tokens=think_max_tokens)
+        think_max_tokens=think_max_tokens, images=images, image_guidance_scale=_scale(doc, "image_guidance_scale"))
     return request, stream
+
+
+def _scale(doc: dict[str, Any], key: str) -> float | None:
+    """A guidance scale: a number from 0 to 100 (the model holds it to its own range too)."""
+    value = doc.get(key)
+    if value is not None and (type(value) not in (int, float) or not 0 <= value <= 100):
+        raise OpenAIError(400, f"'{key}' must be a number from 0 to 100", key)
+    return None if value is None else float(value)
 
 
 def _think(doc: dict[str, Any]) -> tuple[bool, int | None]:
@@ -238,10 +249,13 @@ def prompt_model_request(req: ImagesRequest, index: int) -> WireRequest:
 
 
 def encoder_request(req: ImagesRequest) -> WireRequest:
-    """The prompt encoder's request: what ``neopp_t2i`` sends it first."""
+    """The prompt encoder's request: what ``neopp_t2i`` sends it first; an edit's pictures too,
+    as they came (the encoder decodes and checks them)."""
     wire = WireRequest(pb.ModelInferRequest(model_name=ENCODER_MODEL))
     _texts(wire, {"PROMPT": req.prompt, "NEGATIVE_PROMPT": req.negative_prompt})
     _thinking(wire, req)
+    if req.images:
+        _add(wire, "IMAGES", "BYTES", [len(req.images)], serialize_bytes(req.images))
     return wire
 
 
@@ -252,15 +266,21 @@ def _thinking(wire: WireRequest, req: ImagesRequest) -> None:
         _add(wire, "THINK_MAX_TOKENS", "INT64", [1], np.array([req.think_max_tokens], "<i8").tobytes())
 
 
-def streamed_request(req: ImagesRequest, encoded: pb.ModelInferResponse, size: tuple[int, int] | None,
-                     preview_every: int) -> WireRequest:
-    """The streamed twin's request: the encoder's prefixes and the sampling inputs ``neopp_t2i``
-    would pass its generation model, plus previews; the final image is the same bytes."""
-    wire = WireRequest(pb.ModelInferRequest(model_name=req.model + STREAM_SUFFIX))
+def generation_request(req: ImagesRequest, encoded: pb.ModelInferResponse, index: int,
+                       model: str | None = None) -> WireRequest:
+    """Image ``index`` from the encoder's answer: its prefixes (an edit's image-only branch
+    too, when it answered one) and the sampling inputs ``neopp_t2i`` would pass ``model``."""
+    wire = WireRequest(pb.ModelInferRequest(model_name=model or req.model))
     for out, raw in zip(encoded.outputs, encoded.raw_output_contents):
-        if out.name in ENCODER_OUTPUTS:  # not THINK_TEXT: the answer carries that
+        if out.name in PREFIXES:  # not THINK_TEXT: the answer carries that
             _add(wire, out.name, out.datatype, list(out.shape), raw)
-    _sampling(wire, req, size, 0)
+    _sampling(wire, req, req.size, index)
+    return wire
+
+
+def streamed_request(req: ImagesRequest, encoded: pb.ModelInferResponse, preview_every: int) -> WireRequest:
+    """The streamed twin's request: the generation request plus previews; the final image is the same bytes."""
+    wire = generation_request(req, encoded, 0, req.model + STREAM_SUFFIX)
     _add(wire, "PREVIEW_EVERY", "INT64", [1], np.array([preview_every], "<i8").tobytes())
     return wire
 
@@ -280,6 +300,8 @@ def _sampling(wire: WireRequest, req: ImagesRequest, size: tuple[int, int] | Non
         _add(wire, "STEPS", "INT64", [1], np.array([req.steps], "<i8").tobytes())
     if req.guidance_scale is not None:
         _add(wire, "CFG_SCALE", "FP32", [1], np.array([req.guidance_scale], "<f4").tobytes())
+    if req.image_guidance_scale is not None:
+        _add(wire, "IMAGE_GUIDANCE_SCALE", "FP32", [1], np.array([req.image_guidance_scale], "<f4").tobytes())
     if req.lora is not None:
         _texts(wire, {"LORA": req.lora})
     if req.lora_scale is not None:
@@ -308,7 +330,8 @@ def _add(wire: WireRequest, name: str, datatype: str, shape: list[int], raw: byt
 PARAMETER_OF_INPUT = {"PROMPT": "prompt", "NEGATIVE_PROMPT": "negative_prompt", "MODEL": "model", "SIZE": "size",
                       "STEPS": "num_inference_steps", "CFG_SCALE": "guidance_scale", "SEED": "seed",
                       "OUTPUT_FORMAT": "output_format", "LORA": "lora", "LORA_SCALE": "lora_scale", "CACHE": "cache",
-                      "CACHE_THRESHOLD": "cache_threshold", "THINK": "think", "THINK_MAX_TOKENS": "think_max_tokens"}
+                      "CACHE_THRESHOLD": "cache_threshold", "THINK": "think", "THINK_MAX_TOKENS": "think_max_tokens",
+                      "IMAGES": "image", "IMAGE_GUIDANCE_SCALE": "image_guidance_scale"}
 
 
 def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:
@@ -323,7 +346,7 @@ def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:
 
 
 def image_bytes(response: pb.ModelInferResponse) -> bytes:
-    """The encoded image of a ``neopp_t2i`` answer."""
+    """The encoded image of a ``neopp_t2i`` or generation model's answer."""
     return _one_bytes(response, "IMAGE")
 
 
@@ -336,7 +359,7 @@ def _one_bytes(response: pb.ModelInferResponse, name: str) -> bytes:
     for out, raw in zip(response.outputs, response.raw_output_contents):
         if out.name == name:
             return deserialize_bytes(raw, 1, name)[0]
-    raise OpenAIError(500, f"the prompt model answered without {name}", kind="server_error")
+    raise OpenAIError(500, f"{response.model_name or 'the model'} answered without {name}", kind="server_error")
 
 
 def adapter_folder(model: str, environ: Mapping[str, str], lora_dir_param: str = "") -> Path | None:

@@ -7,6 +7,11 @@ each finished image is one ``image_generation.completed`` server-sent event; wit
 model's streamed twin, and sends its previews as ``image_generation.partial_image`` events
 before the same final bytes (previews are JPEG, and their events say so).
 
+An edit (``/v1/images/edits``, a form with pictures) runs the prompt encoder once on the prompt
+and the pictures, then draws each image with the generation model itself from the encoder's
+answer, the image-only branch included (``neopp_t2i`` would encode the pictures again for each
+image); with ``partial_images`` its streamed twin draws it, as for a generation.
+
 Before anything is drawn the request is held to what its model advertises (``model_facts``): a
 model that is not in the repository is a 404, one that is not loaded a 503 naming it with
 Retry-After, one that does not draw a 400; more steps than its ``steps.max`` a 400; and "auto" is
@@ -30,8 +35,10 @@ from starlette.responses import Response, StreamingResponse
 from ...contract.adapter_names import Listing, list_adapters
 from ...contract.sizes import height_width
 from . import auth, model_facts, parse_jobs, strict_json
+from . import openai_edits as oe
 from . import openai_images as oa
 from .body import BodyReader
+from .bounds import DoorLimits
 from .client_load import CallGate, Turn, client_of
 from .door_error import DoorError
 from .door_metrics import DoorMetrics
@@ -45,6 +52,7 @@ class ImagesDoor(Protocol):
     """What these routes use of the door that holds them (the door imports them, not the reverse)."""
 
     metrics: DoorMetrics
+    limits: DoorLimits
     upstream: Upstream
     parser: Parser
     api_key: str | None
@@ -70,7 +78,7 @@ class ImagesDoor(Protocol):
 
 
 class ImagesRoutes:
-    """``POST /v1/images/generations`` and ``GET /v1/models`` for one door."""
+    """``POST /v1/images/generations``, ``POST /v1/images/edits`` and ``GET /v1/models`` for one door."""
 
     def __init__(self, door: ImagesDoor, prompt_calls_per_client: int = 2) -> None:
         self.door = door
@@ -103,12 +111,49 @@ class ImagesRoutes:
             self.door.more_generations(request, req.n - 1)
         if req.partial_images:
             return await self._streamed(request, req)
+        return await self._answer(request, req, stream, lambda: self._images(request, req))
+
+    async def edits(self, request: Request) -> Response:
+        """An edit: the form read once under its cap, the pictures and prompt encoded once, then
+        the images drawn from the encoder's answer."""
+        content_type = request.headers.get("content-type", "")
+        oe.boundary(content_type)  # a JSON body is refused before it is read
+        async with self.door.reader(request, "edits") as reader:
+            body = await reader.read(request.receive, request.headers)
+        req, stream = await self.door.parser.thread(oe.parse_edit_form, content_type, body,
+                                                    self.door.limits.openai_body)
+        del body  # the pictures are the request's own bytes now
+        req = await self._resolved(req)
+        if req.n > 1:
+            self.door.more_generations(request, req.n - 1)
+        if req.partial_images:
+            return await self._streamed(request, req)
+        encoded = await self.door.until_disconnect(
+            request, self.door.upstream.infer(oa.encoder_request(req), self.door.turn(request)))
+        return await self._answer(request, req, stream, lambda: self._edited(request, req, encoded))
+
+    async def _answer(self, request: Request, req: oa.ImagesRequest, stream: bool,
+                      start: Callable[[], list[asyncio.Task]]) -> Response:
+        """The images ``start`` sets drawing, as server-sent events or one JSON answer."""
         if stream:
-            return await self._completed_events(request, req)
-        images = await self.door.until_disconnect(request, asyncio.ensure_future(self._all(request, req)))
+            return await self._completed_events(request, req, start)
+        images = await self.door.until_disconnect(request, asyncio.ensure_future(self._all(start)))
         doc = {"created": int(time.time()), "data": [_datum(req, image) for image in images],
                "output_format": req.output_format, "size": req.size_text, "seed": req.seed}
         return Response(strict_json.dumps(doc), media_type="application/json")
+
+    def _edited(self, request: Request, req: oa.ImagesRequest, encoded: Any) -> list[asyncio.Task]:
+        """The ``n`` images of an edit, each a call of the generation model on the encoder's answer."""
+        turn, reasoning = self.door.turn(request), oa.think_text(encoded)
+        return [asyncio.ensure_future(self._generated(oa.generation_request(req, encoded, index), turn.nth(index),
+                                                      reasoning)) for index in range(req.n)]
+
+    async def _generated(self, wire: Any, turn: Turn, reasoning: str) -> Drawn:
+        call = self.door.upstream.infer(wire, turn)
+        try:
+            return Drawn(oa.image_bytes(await call), reasoning)
+        finally:
+            call.cancel()  # a no-op once answered; stops the drawing when this image is given up
 
     def _images(self, request: Request, req: oa.ImagesRequest) -> list[asyncio.Task]:
         """The ``n`` images, each a call of the prompt model (a row of the model's running batch);
@@ -125,16 +170,18 @@ class ImagesRoutes:
             finally:
                 call.cancel()  # a no-op once answered; stops the drawing when this image is given up
 
-    async def _all(self, request: Request, req: oa.ImagesRequest) -> list[Drawn]:
-        images = self._images(request, req)
+    @staticmethod
+    async def _all(start: Callable[[], list[asyncio.Task]]) -> list[Drawn]:
+        images = start()
         try:
             return list(await asyncio.gather(*images))
         finally:
             for image in images:  # after one failed (or the client left), the others are not drawn
                 image.cancel()
 
-    async def _completed_events(self, request: Request, req: oa.ImagesRequest) -> Response:
-        images = self._images(request, req)
+    async def _completed_events(self, request: Request, req: oa.ImagesRequest,
+                                start: Callable[[], list[asyncio.Task]]) -> Response:
+        images = start()
         try:
             first = await self.door.until_disconnect(request, images[0])  # a refusal is an error answer
         except BaseException:
@@ -173,7 +220,7 @@ class ImagesRoutes:
                                  "server does not serve", "partial_images")
         turn = self.door.turn(request)
         encoded = await self.door.until_disconnect(request, self.door.upstream.infer(oa.encoder_request(req), turn))
-        wire = oa.streamed_request(req, encoded, req.size, oa.preview_plan(req.partial_images, req.steps))
+        wire = oa.streamed_request(req, encoded, oa.preview_plan(req.partial_images, req.steps))
         call = self.door.upstream.stream(wire, turn)
         first = await self.door.next_event(call)
         if not isinstance(first, dict):
@@ -270,12 +317,13 @@ class ImagesRoutes:
             oa.extend(entry, "loras_total", listing.total)
         return Response(strict_json.dumps({"object": "list", "data": offered}), media_type="application/json")
 
-    async def editing(self, request: Request) -> Response:
-        raise oa.OpenAIError(400, oa.EDITING, code="unsupported_endpoint")
+    async def variations(self, request: Request) -> Response:
+        raise oa.OpenAIError(400, oa.VARIATIONS, code="unsupported_endpoint")
 
     async def no_route(self, request: Request) -> Response:
         raise oa.OpenAIError(404, f"Invalid URL ({request.method} {request.url.path[:200]}): this server answers "
-                             "POST /v1/images/generations and GET /v1/models", code="unknown_url")
+                             "POST /v1/images/generations, POST /v1/images/edits and GET /v1/models",
+                             code="unknown_url")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """``GET /openapi.json``: an OpenAPI 3.1 document of the door's own routes, made from the route
 table itself (so a route cannot be served and left out), with a line for each and the schema of
-the two bodies a person writes by hand: the OpenAI images request and the models list."""
+the bodies a person writes by hand: the OpenAI images requests (a generation's JSON, an edit's
+form) and the models list. The edit's schema also types its form's text fields (``openai_edits``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from starlette.routing import Route
 
+from ...contract.inputs import EDIT_IMAGE_FORMATS, MAX_EDIT_IMAGE_BYTES, MAX_EDIT_IMAGES
 from . import openai_images as oa
 
 SUMMARIES = {
@@ -21,8 +23,9 @@ SUMMARIES = {
     "/metrics": "The door's own counters (Prometheus text); the models' are on Triton's metrics port",
     "/v1/images/generations": "OpenAI's image generation: a prompt in, images out (streamed with 'stream')",
     "/v1/models": "The models that draw, each with what it advertises under 'neopp'",
-    "/v1/images/edits": "Not served: answers, in OpenAI's shape, what editing needs on this server",
-    "/v1/images/variations": "Not served: answers, in OpenAI's shape, what editing needs on this server",
+    "/v1/images/edits": "OpenAI's image editing: pictures and a prompt in (multipart/form-data), images out "
+                        "(streamed with 'stream'); a checkpoint that cannot edit refuses it",
+    "/v1/images/variations": "Not served: answers, in OpenAI's shape, that edits take a prompt instead",
     "/v2": "Triton's server metadata",
     "/v2/health/live": "Live: the server process answers",
     "/v2/health/ready": "Ready: the launcher knows of nothing broken and Triton is ready",
@@ -66,6 +69,17 @@ IMAGES_REQUEST = {
                                                     "each image's 'think' holds the reasoning"},
         "think_max_tokens": {"type": "integer", "minimum": 1, "maximum": oa.MAX_THINK_TOKENS},
         **{key: {"enum": list(values)} for key, values in oa.ACCEPTED_AND_IGNORED.items()}}}
+EDIT_REQUEST = {
+    "type": "object", "required": ["image", "prompt"], "additionalProperties": False,
+    "properties": {
+        "image": {"type": "array", "maxItems": MAX_EDIT_IMAGES, "items": {"type": "string", "format": "binary"},
+                  "description": f"the pictures, as files: 'image', or 'image[]' once per picture, in the order the "
+                                 f"prompt names them; {', '.join(EDIT_IMAGE_FORMATS)}, each at most "
+                                 f"{MAX_EDIT_IMAGE_BYTES >> 20} MiB"},
+        **IMAGES_REQUEST["properties"],
+        "image_guidance_scale": {"type": "number", "minimum": 0, "maximum": 100,
+                                 "description": "how closely the result keeps to the pictures (the official "
+                                                "img_cfg_scale; 1: no image guidance; default the model's)"}}}
 MODELS_LIST = {"type": "object", "properties": {"object": {"const": "list"}, "data": {"type": "array", "items": {
     "type": "object", "properties": {"id": {"type": "string"}, "object": {"const": "model"},
                                      "owned_by": {"type": "string"}, "neopp": NEOPP_EXTENSION}}}}}
@@ -90,6 +104,8 @@ def operation(path: str, method: str) -> dict[str, Any]:
                                       "content": {"application/json": {"schema": OPENAI_ERROR}}}
     if path == "/v1/images/generations":
         op["requestBody"] = {"required": True, "content": {"application/json": {"schema": IMAGES_REQUEST}}}
+    if path == "/v1/images/edits":
+        op["requestBody"] = {"required": True, "content": {"multipart/form-data": {"schema": EDIT_REQUEST}}}
     if path == "/v1/models":
         op["responses"]["200"]["content"] = {"application/json": {"schema": MODELS_LIST}}
     return op
@@ -126,6 +142,13 @@ def markdown(doc: dict[str, Any]) -> str:
     body = doc["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     for name, schema in body["properties"].items():
         lines.append(f"| `{name}` | {_schema_text(schema)} |")
+    lines += ["", "## `POST /v1/images/edits`", "",
+              "A form (`multipart/form-data`) with every field of a generation above, as text, and these:", "",
+              "| field | schema |", "|---|---|"]
+    edit = doc["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    for name, schema in edit["properties"].items():
+        if name not in body["properties"]:
+            lines.append(f"| `{name}` | {_schema_text(schema)} |")
     lines += ["", "## `GET /v1/models`: the `neopp` object of each model", "", "| field | schema |", "|---|---|"]
     for name, schema in NEOPP_EXTENSION["properties"].items():
         lines.append(f"| `{name}` | {_schema_text(schema)} |")

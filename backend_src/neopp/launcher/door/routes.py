@@ -135,6 +135,9 @@ def build_app(door: Door) -> Starlette:
     async def generations(request: Request) -> Response:
         return await images.answer(request, lambda r: door.inference(r, images.generations))
 
+    async def edits(request: Request) -> Response:
+        return await images.answer(request, lambda r: door.inference(r, images.edits))
+
     routes = [
         Route("/v2/health/live", control(lambda r: "/v2/health/live"), methods=["GET"]),
         Route("/v2/health/ready", guarded(ready), methods=["GET"]),
@@ -150,6 +153,7 @@ def build_app(door: Door) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/status", guarded(status), methods=["GET"]), Route("/openapi.json", api_document, methods=["GET"]),
         Route("/v1/images/generations", Slotted(door, guarded(generations)), methods=["POST"]),
+        Route("/v1/images/edits", Slotted(door, guarded(edits)), methods=["POST"]),
         Route("/v1/models", guarded(lambda r: images.answer(r, images.models)), methods=["GET"]),
         *inference("infer", door.infer), *inference("generate", door.generate),
         *inference("generate_stream", door.generate_stream),
@@ -161,8 +165,8 @@ def build_app(door: Door) -> Starlette:
     ]
     for kind in ("systemsharedmemory", "cudasharedmemory"):
         routes += [*region(kind, "status"), *region(kind, "register"), *region(kind, "unregister")]
-    routes += [Route(f"/v1/images/{what}", guarded(lambda r: images.answer(r, images.editing)), methods=["POST"])
-               for what in ("edits", "variations")]
+    routes.append(Route("/v1/images/variations", guarded(lambda r: images.answer(r, images.variations)),
+                        methods=["POST"]))
     routes.append(Route("/v1/{rest:path}", guarded(lambda r: images.answer(r, images.no_route)),
                         methods=["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]))  # in OpenAI's shape
     app = Starlette(routes=routes)
