@@ -34,6 +34,7 @@ from testing import tiny_u1
 from testing.browser import browser as open_browser
 from testing.launched import serving
 from testing.model_calls import ModelCalls, text
+from tests.e2e.test_openai_edits_e2e import multipart
 from tests.reference.u1_prompts import cond_pieces, expected_ids, uncond_pieces
 
 MODELS = ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i")
@@ -244,3 +245,63 @@ def test_a_bad_picture_is_refused_by_name_and_the_next_edit_is_served(client, fi
         assert info.value.status() == "StatusCode.INVALID_ARGUMENT" and message in info.value.message(), info.value
     out = client.infer("neopp_prompt_encoder", ("INDEX_OFFSET_IMAGE",), PROMPT=text(EDIT), IMAGES=pictures()[:1])
     assert out["INDEX_OFFSET_IMAGE"][0] > 0
+
+
+def test_v1_edits_two_pictures_as_neopp_t2i_does(served, client):
+    files = [("image[]", bytes(p)) for p in pictures()]
+    content_type, body = multipart({"prompt": EDIT, "size": "96x64", "num_inference_steps": "2", "seed": "7",
+                                    "guidance_scale": "3", "image_guidance_scale": "1.5"}, files)
+    conn = http.client.HTTPConnection(LOOPBACK, served.http_port, timeout=300)
+    try:
+        conn.request("POST", "/v1/images/edits", body=body, headers={"Content-Type": content_type})
+        resp = conn.getresponse()
+        doc = json.loads(resp.read())
+    finally:
+        conn.close()
+    assert resp.status == 200, doc
+    same = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(EDIT), IMAGES=pictures(),
+                        CFG_SCALE=np.array([3.0], np.float32), IMAGE_GUIDANCE_SCALE=np.array([1.5], np.float32),
+                        **SMALL)["IMAGE"][0]
+    assert base64.b64decode(doc["data"][0]["b64_json"]) == same
+
+
+def test_the_neopp_command_edits_the_pictures_it_is_given(served, client, tmp_path):
+    paths = []
+    for i, data in enumerate(pictures()):
+        paths.append(tmp_path / f"in{i}.{'png' if i == 0 else 'jpg'}")
+        paths[-1].write_bytes(data)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_")}
+    env["NEOPP_URL"] = f"http://{LOOPBACK}:{served.http_port}"
+    done = subprocess.run([str(Path(sys.executable).with_name("neopp")), "edit", *map(str, paths), EDIT,
+                           "--size", "96x64", "--steps", "2", "--seed", "7", "-q", "-o", str(tmp_path / "out.png")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    same = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(EDIT), IMAGES=pictures(), **SMALL)["IMAGE"][0]
+    assert (tmp_path / "out.png").read_bytes() == same
+
+
+def test_the_playground_edits_a_picture_in_a_browser(served, client, tmp_path):
+    """A person's path on a checkpoint that edits: choose a picture, type the instruction, press
+    Enter; the picture drawn is neopp_t2i's edit of it for that seed."""
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    source = tmp_path / "source.png"
+    source.write_bytes(bytes(pictures()[0]))
+    browser = open_browser()
+    try:
+        browser.get(f"http://{LOOPBACK}:{served.http_port}/")
+        WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
+        Select(browser.find_element("id", "size")).select_by_visible_text("64x64")
+        browser.find_element("id", "seed").send_keys("7")
+        browser.find_element("id", "steps").send_keys("2")
+        browser.find_element("id", "images").send_keys(str(source))
+        prompt = browser.find_element("id", "prompt")
+        prompt.clear()
+        prompt.send_keys(EDIT, Keys.ENTER)
+        WebDriverWait(browser, 300).until(lambda b: b.find_element("id", "caption").text == "seed 7")
+        png = base64.b64decode(browser.find_element("id", "download").get_attribute("href").split(",", 1)[1])
+    finally:
+        browser.quit()
+    assert png == client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(EDIT), IMAGES=pictures()[:1],
+                               **{**SMALL, "SIZE": np.array([64, 64], np.int64)})["IMAGE"][0]
