@@ -21,3 +21,21 @@ def browser():
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=640,960"):
         options.add_argument(arg)
     return webdriver.Chrome(service=Service(driver), options=options)
+
+
+def playground(port: int, size: str, seed: str, steps: str):
+    """A fresh browser on the playground at ``port``, its model list loaded, with the size, seed
+    and steps set; the caller quits it."""
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    b = browser()
+    try:
+        b.get(f"http://127.0.0.1:{port}/")
+        WebDriverWait(b, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
+        Select(b.find_element("id", "size")).select_by_visible_text(size)
+        b.find_element("id", "seed").send_keys(seed)
+        b.find_element("id", "steps").send_keys(steps)
+    except BaseException:
+        b.quit()
+        raise
+    return b

@@ -19,7 +19,7 @@ from PIL import Image
 from neopp.contract.inputs import MAX_EDIT_IMAGES
 from neopp.ports import LOOPBACK
 from testing import REPO
-from testing.browser import browser as open_browser
+from testing.browser import playground
 from testing.launched import Launched, serving
 
 DEMO = REPO / "demo" / "checkpoints" / "dense"
@@ -132,17 +132,12 @@ def test_the_openai_client_s_edit_reaches_the_route_and_gets_the_encoder_s_refus
 def test_the_playground_edits_the_chosen_pictures_and_draws_again_once_they_are_cleared(served: Launched, tmp_path):
     """A person's path: a picture chosen turns Generate into Edit and sends the form to /v1/images/edits
     (the demo's refusal is shown); "clear" takes it away, and the same page draws the prompt again."""
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import WebDriverWait
 
     picture = tmp_path / "red.png"
     picture.write_bytes(png())
-    b = open_browser()
+    b = playground(served.http_port, "128x128", "3", "2")
     try:
-        b.get(f"http://{LOOPBACK}:{served.http_port}/")
-        WebDriverWait(b, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
-        Select(b.find_element("id", "size")).select_by_visible_text("128x128")
-        b.find_element("id", "steps").send_keys("2")
-        b.find_element("id", "seed").send_keys("3")
         b.find_element("id", "images").send_keys(str(picture))
         chosen = (b.find_element("id", "generate").text, b.find_element("id", "clear-images").is_displayed())
         b.find_element("id", "generate").click()

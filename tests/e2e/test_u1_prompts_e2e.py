@@ -31,7 +31,7 @@ from neopp.text.edit_images import read_pictures
 from neopp.text.language_tower import LanguageTower
 from neopp.text.think import think
 from testing import tiny_u1
-from testing.browser import browser as open_browser
+from testing.browser import playground
 from testing.launched import serving
 from testing.model_calls import ModelCalls, text
 from tests.e2e.test_openai_edits_e2e import multipart
@@ -168,15 +168,10 @@ def test_the_playground_thinks_and_shows_the_reasoning_in_a_browser(served, clie
     """The page at /, the think switch on: the picture, and the model's reasoning beside it (no
     streamed twin here, so the page draws without previews); the picture is neopp_t2i's for that seed."""
     from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import WebDriverWait
 
-    browser = open_browser()
+    browser = playground(served.http_port, "64x64", "7", "2")  # a range offers its squares
     try:
-        browser.get(f"http://{LOOPBACK}:{served.http_port}/")
-        WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
-        Select(browser.find_element("id", "size")).select_by_visible_text("64x64")  # a range offers its squares
-        browser.find_element("id", "seed").send_keys("7")
-        browser.find_element("id", "steps").send_keys("2")
         browser.find_element("id", "think").click()
         prompt = browser.find_element("id", "prompt")
         prompt.clear()
@@ -284,17 +279,12 @@ def test_the_playground_edits_a_picture_in_a_browser(served, client, tmp_path):
     """A person's path on a checkpoint that edits: choose a picture, type the instruction, press
     Enter; the picture drawn is neopp_t2i's edit of it for that seed."""
     from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support.ui import Select, WebDriverWait
+    from selenium.webdriver.support.ui import WebDriverWait
 
     source = tmp_path / "source.png"
     source.write_bytes(bytes(pictures()[0]))
-    browser = open_browser()
+    browser = playground(served.http_port, "64x64", "7", "2")
     try:
-        browser.get(f"http://{LOOPBACK}:{served.http_port}/")
-        WebDriverWait(browser, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
-        Select(browser.find_element("id", "size")).select_by_visible_text("64x64")
-        browser.find_element("id", "seed").send_keys("7")
-        browser.find_element("id", "steps").send_keys("2")
         browser.find_element("id", "images").send_keys(str(source))
         prompt = browser.find_element("id", "prompt")
         prompt.clear()
