@@ -74,7 +74,17 @@ def test_think_asks_for_think_mode_with_an_optional_cap():
         assert body == {"prompt": "p", "n": 1, "output_format": "png", "stream": True, **want}
 
 
-@pytest.mark.parametrize("flag, text", [("--lora", ":1"), ("--lora", "x:"), ("--lora", "x:big"), ("--cache", "t:1:2")])
+def test_the_guidance_norm_and_the_shift_are_sent_when_given():
+    ns = cli.parser().parse_args(["generate", "p", "--cfg-norm", "channel", "--shift", "2.5"])
+    assert Ask("p", Path("x.png"), cfg_norm=ns.cfg_norm, shift=ns.shift).body(False) == {
+        "prompt": "p", "n": 1, "output_format": "png", "stream": True, "cfg_norm": "channel", "timestep_shift": 2.5}
+    assert (cli.parser().parse_args(["generate", "p"]).cfg_norm, cli.parser().parse_args(["edit", "a.png", "p"]).shift
+            ) == (None, None)
+
+
+@pytest.mark.parametrize("flag, text", [("--lora", ":1"), ("--lora", "x:"), ("--lora", "x:big"), ("--cache", "t:1:2"),
+                                        ("--cfg-norm", "l2"), ("--shift", "0"), ("--shift", "-1"), ("--shift", "nan"),
+                                        ("--shift", "fast")])
 def test_a_bad_lora_or_cache_is_a_one_line_usage_error(capsys, flag, text):
     with pytest.raises(SystemExit) as exited:
         cli.main(["generate", "p", flag, text])

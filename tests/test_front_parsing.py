@@ -319,6 +319,23 @@ def test_openai_images_requests_are_checked_and_mapped_onto_the_prompt_model() -
     assert oa.refusal(429, "Exceeds maximum queue size", {"Retry-After": "1"}).kind == "rate_limit_error"
 
 
+def test_the_guidance_norm_and_the_time_shift_reach_the_model_which_checks_them() -> None:
+    req, _ = oa.parse_images_request({"prompt": "x", "cfg_norm": "channel", "timestep_shift": 2})
+    message = pb.ModelInferRequest.FromString(oa.prompt_model_request(req, 0).serialize())
+    raw = dict(zip((t.name for t in message.inputs), message.raw_input_contents))
+    assert raw["CFG_NORM"] == struct.pack("<I", 7) + b"channel"
+    assert np.frombuffer(raw["TIMESTEP_SHIFT"], "<f4").tolist() == [2.0]
+    plain = pb.ModelInferRequest.FromString(oa.prompt_model_request(oa.parse_images_request({"prompt": "x"})[0],
+                                                                     0).serialize())
+    assert not {"CFG_NORM", "TIMESTEP_SHIFT"} & {t.name for t in plain.inputs}  # the mode's own by default
+    for doc in ({"timestep_shift": 0}, {"timestep_shift": "3"}, {"timestep_shift": True}, {"cfg_norm": 1}):
+        with pytest.raises(oa.OpenAIError) as info:
+            oa.parse_images_request({"prompt": "x", **doc})
+        assert info.value.status == 400 and info.value.param == next(iter(doc))
+    assert oa.refusal(400, "CFG_NORM: unknown normalisation 'l2'", {}).param == "cfg_norm"
+    assert oa.refusal(400, "TIMESTEP_SHIFT: must be in 0.001..1000", {}).param == "timestep_shift"
+
+
 def test_partial_images_are_spread_over_the_steps() -> None:
     assert oa.preview_plan(2, 6) == 2 and oa.preview_plan(3, None) == 1
     sent, picked = 0, []

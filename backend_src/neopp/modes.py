@@ -8,12 +8,12 @@ from dataclasses import replace as dc_replace
 from pathlib import Path
 from typing import Any
 
+from .contract.inputs import CFG_NORMS
 from .errors import ConfigError, InputError, shown
 from .image_sizes import TrainedSizes
 from .json_file import read_json_object
 from .limits import CFG_SCALE_MAX_ABS, TIMESTEP_SHIFT_RANGE
 
-CFG_NORMS = ("global", "channel", "none")
 OUTPUT_FORMATS = ("jpeg", "png", "webp")
 TASKS = ("t2i", "i2i")
 MAX_STEPS_HARD = 1000

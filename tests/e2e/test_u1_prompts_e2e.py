@@ -295,3 +295,21 @@ def test_the_playground_edits_a_picture_in_a_browser(served, client, tmp_path):
         browser.quit()
     assert png == client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(EDIT), IMAGES=pictures()[:1],
                                **{**SMALL, "SIZE": np.array([64, 64], np.int64)})["IMAGE"][0]
+
+
+def test_v1_passes_the_guidance_norm_and_the_time_shift_and_names_them_when_refused(served, client):
+    body = {"prompt": PROMPT, "size": "96x64", "num_inference_steps": 2, "seed": 7, "cfg_norm": "none",
+            "timestep_shift": 2.0}
+    same = client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), CFG_NORM=text("none"),
+                        TIMESTEP_SHIFT=np.array([2.0], np.float32), **SMALL)["IMAGE"][0]
+    assert base64.b64decode(v1(served, body)["data"][0]["b64_json"]) == same
+    assert same != client.infer("neopp_t2i", ("IMAGE",), PROMPT=text(PROMPT), **SMALL)["IMAGE"][0]
+    conn = http.client.HTTPConnection(LOOPBACK, served.http_port, timeout=300)
+    try:
+        conn.request("POST", "/v1/images/generations", json.dumps({**body, "cfg_norm": "l2"}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        doc = json.loads(resp.read())
+    finally:
+        conn.close()
+    assert resp.status == 400 and doc["error"]["param"] == "cfg_norm", doc

@@ -45,6 +45,8 @@ class Ask:
     think: int | None = None  # think mode: its token cap (0: the server's default); None: off
     images: tuple[Path, ...] = ()  # an edit's pictures, in the order the prompt names them
     image_guidance: float | None = None  # an edit's guidance towards its pictures
+    cfg_norm: str | None = None  # the guidance's renormalisation
+    shift: float | None = None  # the schedule's time shift
 
     @property
     def path(self) -> str:
@@ -72,6 +74,7 @@ class Ask:
             optional.update(think=True, think_max_tokens=self.think or None)
         if self.image_guidance is not None:
             optional.update(image_guidance_scale=self.image_guidance)
+        optional.update(cfg_norm=self.cfg_norm, timestep_shift=self.shift)
         doc.update({k: v for k, v in optional.items() if v is not None})
         if previews:
             doc.update(partial_images=1, progress=True)

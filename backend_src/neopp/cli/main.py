@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ..contract.inputs import MAX_EDIT_IMAGES
+from ..contract.inputs import CFG_NORMS, MAX_EDIT_IMAGES
 from . import info
 from .client import DEFAULT_URL, CliError, Server
 from .generate import Ask, Bar, check_size, generate, named_number
@@ -57,10 +58,25 @@ def _drawing(gen: argparse.ArgumentParser, default_out: str) -> None:
                      help="an adapter the model offers (neopp models lists them), at SCALE (default its own)")
     gen.add_argument("--cache", type=named_number("cache", "THRESHOLD"), metavar="METHOD[:THRESHOLD]",
                      help="the step cache, e.g. taylorseer (default: none)")
+    gen.add_argument("--cfg-norm", choices=CFG_NORMS,
+                     help="how the guided velocity is held to the conditional one's norm (default: the model's)")
+    gen.add_argument("--shift", type=positive_number, metavar="SHIFT",
+                     help="the schedule's time shift, a positive number (default: the model's)")
     gen.add_argument("--think", type=int, nargs="?", const=0, metavar="MAX_TOKENS",
                      help="think mode (U1 checkpoints): the model reasons before drawing, at most MAX_TOKENS "
                           "tokens (default: the server's, 1024); the reasoning is printed")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+
+
+def positive_number(text: str) -> float:
+    """A finite number above 0, or argparse's own one-line usage error."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -71,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if ns.command in ("generate", "edit"):
             ask = Ask(ns.prompt, ns.out, ns.model, ns.size, ns.steps, ns.seed, ns.guidance, ns.negative_prompt, ns.n,
                       ns.lora, ns.cache, ns.think, tuple(getattr(ns, "images", ())),
-                      getattr(ns, "image_guidance", None))
+                      getattr(ns, "image_guidance", None), ns.cfg_norm, ns.shift)
             generate(server, ask, Bar(None if ns.quiet else sys.stderr))
             return 0
         return getattr(info, ns.command)(server, as_json=ns.json)

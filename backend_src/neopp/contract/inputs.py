@@ -25,6 +25,8 @@ class TensorSpec:
     optional: bool = True
 
 
+CFG_NORMS = ("global", "channel", "none")  # CFG_NORM: how the guided velocity is held to the cond one's norm
+
 # docs/contract.md, "Inputs of every generation model"; Triton's auto-complete adds any missing row.
 INPUT_SPECS: dict[str, TensorSpec] = {
     "COND_KV": TensorSpec("TYPE_BF16", (-1, 2, -1, -1, -1), optional=False),

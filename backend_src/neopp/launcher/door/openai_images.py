@@ -5,7 +5,8 @@ What every OpenAI SDK, LangChain or Open WebUI sends for an image is answered fr
 model (``neopp_t2i``: the prompt encoder, then the generation model named by ``model``), so a
 client written for OpenAI draws with NeoPP unchanged. Our extensions ride in the same body:
 ``seed``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``cache`` and
-``cache_threshold`` (the step cache; the model checks the method it offers). Errors have OpenAI's
+``cache_threshold`` (the step cache; the model checks the method it offers), ``cfg_norm`` and
+``timestep_shift`` (the model checks their values). Errors have OpenAI's
 shape (``{"error": {"message", "type", "param", "code"}}``) and name the parameter. An edit is
 the same request with pictures (``openai_edits`` reads its form): the encoder reads them with the
 prompt, and its image-only branch reaches the generation model beside the two prompt branches.
@@ -13,6 +14,7 @@ prompt, and its image-only branch reaches the generation model beside the two pr
 
 from __future__ import annotations
 
+import math
 import re
 import secrets
 from collections.abc import Mapping
@@ -49,7 +51,7 @@ MAX_CACHE_NAME = 32
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
               "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
               "output_compression", "style", "lora", "lora_scale", "cache",
-              "cache_threshold", "think", "think_max_tokens", *ACCEPTED_AND_IGNORED)
+              "cache_threshold", "think", "think_max_tokens", "cfg_norm", "timestep_shift", *ACCEPTED_AND_IGNORED)
 EDIT_PARAMETERS = ("image_guidance_scale",)  # an edit's only parameter beyond a generation's (its pictures aside)
 PREFIXES = (*ENCODER_OUTPUTS, *EDIT_OUTPUTS)  # what the encoder answers that a generation model takes
 MAX_LORA_NAME = MAX_NAME_CHARS  # the model checks the name's characters and that the adapter exists
@@ -96,6 +98,8 @@ class ImagesRequest:
     think_max_tokens: int | None = None
     images: tuple[bytes, ...] = field(default=(), repr=False)  # an edit's pictures, encoded files in order
     image_guidance_scale: float | None = None  # an edit's guidance towards its pictures (img_cfg_scale)
+    cfg_norm: str | None = None  # ours: the guidance's renormalisation (the model checks the name)
+    timestep_shift: float | None = None  # ours: the schedule's shift (the model checks its range)
 
     @property
     def size_text(self) -> str:
@@ -166,8 +170,19 @@ def parse_images_request(doc: Any, images: tuple[bytes, ...] = ()) -> tuple[Imag
         negative_prompt=_text(doc, "negative_prompt", None), steps=_steps(doc.get("num_inference_steps")),
         guidance_scale=_scale(doc, "guidance_scale"), partial_images=partial, progress=progress,
         lora=lora, lora_scale=lora_scale, cache=cache, cache_threshold=cache_threshold, think=think,
-        think_max_tokens=think_max_tokens, images=images, image_guidance_scale=_scale(doc, "image_guidance_scale"))
+        think_max_tokens=think_max_tokens, images=images, image_guidance_scale=_scale(doc, "image_guidance_scale"),
+        cfg_norm=_text(doc, "cfg_norm", None, MAX_CACHE_NAME), timestep_shift=_shift(doc))
     return request, stream
+
+
+def _shift(doc: dict[str, Any]) -> float | None:
+    """``timestep_shift``: a finite positive number (the model holds it to its own range)."""
+    value = doc.get("timestep_shift")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise OpenAIError(400, "'timestep_shift' must be a positive number", "timestep_shift")
+    return float(value)
 
 
 def _scale(doc: dict[str, Any], key: str) -> float | None:
@@ -306,7 +321,9 @@ def _sampling(wire: WireRequest, req: ImagesRequest, size: tuple[int, int] | Non
         _texts(wire, {"LORA": req.lora})
     if req.lora_scale is not None:
         _add(wire, "LORA_SCALE", "FP32", [1], np.array([req.lora_scale], "<f4").tobytes())
-    _texts(wire, {"CACHE": req.cache})
+    _texts(wire, {"CACHE": req.cache, "CFG_NORM": req.cfg_norm})
+    if req.timestep_shift is not None:
+        _add(wire, "TIMESTEP_SHIFT", "FP32", [1], np.array([req.timestep_shift], "<f4").tobytes())
     if req.cache_threshold is not None:
         _add(wire, "CACHE_THRESHOLD", "FP32", [1], np.array([req.cache_threshold], "<f4").tobytes())
 
@@ -331,7 +348,8 @@ PARAMETER_OF_INPUT = {"PROMPT": "prompt", "NEGATIVE_PROMPT": "negative_prompt", 
                       "STEPS": "num_inference_steps", "CFG_SCALE": "guidance_scale", "SEED": "seed",
                       "OUTPUT_FORMAT": "output_format", "LORA": "lora", "LORA_SCALE": "lora_scale", "CACHE": "cache",
                       "CACHE_THRESHOLD": "cache_threshold", "THINK": "think", "THINK_MAX_TOKENS": "think_max_tokens",
-                      "IMAGES": "image", "IMAGE_GUIDANCE_SCALE": "image_guidance_scale"}
+                      "IMAGES": "image", "IMAGE_GUIDANCE_SCALE": "image_guidance_scale", "CFG_NORM": "cfg_norm",
+                      "TIMESTEP_SHIFT": "timestep_shift"}
 
 
 def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:

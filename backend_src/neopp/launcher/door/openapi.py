@@ -68,6 +68,8 @@ IMAGES_REQUEST = {
         "think": {"type": "boolean", "description": "the model reasons before the image (U1 checkpoints); "
                                                     "each image's 'think' holds the reasoning"},
         "think_max_tokens": {"type": "integer", "minimum": 1, "maximum": oa.MAX_THINK_TOKENS},
+        "cfg_norm": {"type": "string", "description": "the guidance's renormalisation: global, channel or none"},
+        "timestep_shift": {"type": "number", "exclusiveMinimum": 0, "description": "the schedule's time shift"},
         **{key: {"enum": list(values)} for key, values in oa.ACCEPTED_AND_IGNORED.items()}}}
 EDIT_REQUEST = {
     "type": "object", "required": ["image", "prompt"], "additionalProperties": False,
