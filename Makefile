@@ -152,7 +152,7 @@ bench-serve: setup
 	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no tokenizer.json:" \
 	  "neopp_prompt_encoder and neopp_t2i are not loaded")
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m bench.perf_analyzer --model neopp_dense \
-	  --grpc-url 127.0.0.1:$(GRPC_PORT) $(BENCH_ARGS)
+	  $(if $(NEOPP_URL),,--grpc-url 127.0.0.1:$(GRPC_PORT)) $(BENCH_ARGS)
 
 # System packages, installed only here (as root, Debian/Ubuntu): libb64-0d, which perf_analyzer links;
 # chromium and its driver for the playground's browser test.

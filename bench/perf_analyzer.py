@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from client_examples.make_perf_data import perf_input_data
+from neopp.cli.client import CliError, server_addresses
 from neopp.launcher.admin import GRPC_HEADER, KEY_ENV, KEY_HEADER
 from neopp.launcher.triton_install import (
     SYSTEM_LIB_DIRS,
@@ -178,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(description=bench.__doc__)
     p.add_argument("--model", default="neopp_dense")
-    p.add_argument("--grpc-url", default="localhost:8001", help="the server to measure (default: make serve's)")
+    p.add_argument("--grpc-url", default=None,
+                   help="the server to measure (default: the one NEOPP_URL names, else make serve's localhost:8001)")
     p.add_argument("--http-url", default=None,
                    help="measure over HTTP at this address (make serve's: localhost:8000) instead of gRPC")
     p.add_argument("--own-server", action="store_true", help="start a server on free ports instead, stop it after")
@@ -194,9 +196,12 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     ns.out_dir.mkdir(parents=True, exist_ok=True)
     try:
+        if ns.grpc_url is None and not ns.own_server:
+            ns.grpc_url = server_addresses(os.environ["NEOPP_URL"])[1] if os.environ.get("NEOPP_URL") else \
+                "localhost:8001"
         return bench(ns.model, None if ns.own_server else ns.grpc_url, ns.cond_tokens, ns.uncond_tokens,
                      tuple(ns.size), ns.steps, ns.out_dir, ns.extra, ns.concurrency, ns.admin_key_file, ns.http_url)
-    except TritonLaunchError as exc:
+    except (TritonLaunchError, CliError) as exc:
         print(f"error: {exc}")
         return 2
 

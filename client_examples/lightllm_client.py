@@ -357,7 +357,8 @@ def session_unknown(exc: InferenceServerException) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Three turns (seed, then continued) from KV files, as LightLLM would drive them."""
     parser = argparse.ArgumentParser(description=DEMO, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default=os.environ.get("NEOPP_GRPC_URL", "localhost:8001"))
+    parser.add_argument("--url", help="the server's gRPC address (default: the one NEOPP_URL's server names, "
+                                      "else localhost:8001)")
     parser.add_argument("--stateless", action="store_true", help="call a generation model directly")
     parser.add_argument("--model", help="neopp_session (default) or, with --stateless, a generation model")
     parser.add_argument("--cond-kv", required=True, help="replay-layout KV file (.pt/.safetensors)")
@@ -369,7 +370,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out-prefix", default="lightllm_turn")
     parser.add_argument("--admin-key-file", help=f"operator key for shared memory (default ${KEY_ENV})")
     args = parser.parse_args(argv)
-    from t2i_common import run_client  # beside this file: found when it runs as a script
+    from t2i_common import GRPC_URL, run_client  # beside this file: found when it runs as a script
+
+    args.url = args.url or GRPC_URL
 
     from neopp.model.kv_cache import load_kv_file  # the project's loader: weights_only, either layout
 

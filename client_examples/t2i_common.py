@@ -17,11 +17,22 @@ from typing import Any
 import numpy as np
 from tritonclient.utils import InferenceServerException
 
+from neopp.cli.client import CliError, server_addresses
 from neopp.model.kv_cache import load_kv_file
 
-# The server the examples call when --url is not given (make serve's ports, or the environment's).
-GRPC_URL = os.environ.get("NEOPP_GRPC_URL", "localhost:8001")
-HTTP_URL = os.environ.get("NEOPP_HTTP_URL", "localhost:8000")
+
+def default_addresses(neopp_url: str | None) -> tuple[str, str]:
+    """The server the examples call when --url is not given: NEOPP_URL's (its gRPC address asked
+    of it), else make serve's default ports."""
+    if not neopp_url:
+        return "localhost:8000", "localhost:8001"
+    try:
+        return server_addresses(neopp_url)
+    except CliError as exc:
+        sys.exit(f"error: {exc} (NEOPP_URL)")
+
+
+HTTP_URL, GRPC_URL = default_addresses(os.environ.get("NEOPP_URL"))
 API_KEY_ENV = "NEOPP_API_KEY"  # what a server beyond loopback wants for inference
 
 

@@ -73,6 +73,7 @@ def test_generate_streams_progress_and_writes_the_picture_neopp_t2i_draws(served
     assert done.returncode == 0, done.stderr
     assert "step 2/2" in done.stderr  # the streamed twin's per-step progress, as plain lines off a terminal
     assert done.stdout.startswith("wrote outputs/red.png (") and "seed 5)" in done.stdout
+    assert done.stdout.splitlines()[-1] == f"drawn by http://127.0.0.1:{served.http_port}"  # which server answered
     assert (tmp_path / "outputs" / "red.png").read_bytes() == t2i(served, 5, STEPS=np.array([2], np.int64))
 
 

@@ -99,3 +99,27 @@ def test_a_refused_stream_is_one_line_and_exit_code_1(triton, script: str, tmp_p
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]
     assert "PREVIEW_EVERY: must be 0 (no previews)" in done.stderr
     assert not (tmp_path / "b.png").exists()
+
+
+def test_neopp_url_alone_finds_the_grpc_address_too(triton, tmp_path: Path) -> None:
+    """One address: with NEOPP_URL set and no --url, a gRPC example asks the door for Triton's gRPC
+    address; a NEOPP_URL where nothing answers is one line naming it."""
+    import json
+    import os
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://{triton.door_url}/neopp/addresses", timeout=30) as answer:
+        addresses = json.loads(answer.read())
+    assert addresses == {"http": f"http://{triton.door_url}", "grpc": triton.server.grpc_url}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_")}
+    for script in sorted(CLIENTS):
+        done = subprocess.run([sys.executable, str(REPO / "client_examples" / script), *kv_args(triton), "--size",
+                               "64", "64", "--out", str(tmp_path / f"{script}.png")], capture_output=True, text=True,
+                              timeout=300, cwd=REPO, env={**env, "NEOPP_URL": f"http://{triton.door_url}"})
+        assert done.returncode == 0, done.stderr
+    (closed,) = free_ports(1)
+    done = subprocess.run([sys.executable, str(REPO / "client_examples" / "grpc_t2i.py"), *kv_args(triton)],
+                          capture_output=True, text=True, timeout=60, cwd=REPO,
+                          env={**env, "NEOPP_URL": f"http://127.0.0.1:{closed}"})
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert f"127.0.0.1:{closed} did not say its gRPC address" in done.stderr and "(NEOPP_URL)" in done.stderr

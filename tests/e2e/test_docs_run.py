@@ -3,8 +3,8 @@
 A fenced block names its language: ``bash`` and ``python`` blocks run here, against a server
 started as ``make serve`` starts it (the demo model, the door in front, an operator key), from a
 folder that looks like the checkout; only the addresses are this server's (``localhost:8000``,
-``8001``, ``8002`` become its free ports, the client examples' default ``--url`` follows
-``NEOPP_GRPC_URL`` / ``NEOPP_HTTP_URL``, and the ``neopp`` command ``NEOPP_URL``). What a block
+``8001``, ``8002`` become its free ports, and every client finds it through ``NEOPP_URL`` alone: the
+``neopp`` command, and the client examples, the gRPC ones through the door's ``/neopp/addresses``). What a block
 writes goes under ``outputs/`` (ignored by git) or ``build/``, never beside the checkout's own
 files. A block that cannot run here (a real checkpoint, a GPU machine, a container) says
 ``sketch`` after its language; data and output are ``json``/``text``.
@@ -103,9 +103,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Site:
             time.sleep(0.5)
         client.close()
         run_env = {k: v for k, v in os.environ.items() if not k.startswith("NEOPP_")}
-        run_env.update(NEOPP_GRPC_URL=f"127.0.0.1:{launched.grpc_port}",
-                       NEOPP_URL=f"http://127.0.0.1:{launched.http_port}",
-                       NEOPP_HTTP_URL=f"127.0.0.1:{launched.http_port}", PYTHONUNBUFFERED="1",
+        run_env.update(NEOPP_URL=f"http://127.0.0.1:{launched.http_port}", PYTHONUNBUFFERED="1",
                        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # as activated
         yield Site(root, launched, run_env)
     finally:

@@ -28,6 +28,27 @@ class CliError(Exception):
         self.code = code
 
 
+ADDRESSES_PATH = "/neopp/addresses"
+
+
+def server_addresses(url: str) -> tuple[str, str]:
+    """(HTTP ``host:port``, gRPC ``host:port``) of the server at ``url`` (``NEOPP_URL``): the gRPC
+    one is what the door answers at ``/neopp/addresses``, so one address finds both."""
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    conn = http.client.HTTPConnection(parts.netloc, timeout=5)
+    try:
+        conn.request("GET", ADDRESSES_PATH)
+        answer = conn.getresponse()
+        grpc_address = json.loads(answer.read(4096))["grpc"] if answer.status == 200 else None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CliError(f"{url} did not say its gRPC address ({exc}); is the server running?") from None
+    finally:
+        conn.close()
+    if not isinstance(grpc_address, str):
+        raise CliError(f"{url} did not say its gRPC address (HTTP {answer.status}); is it this server?")
+    return parts.netloc, grpc_address
+
+
 @dataclass(frozen=True)
 class Form:
     """A ``multipart/form-data`` body: text fields, then files as (field name, file name, bytes)."""

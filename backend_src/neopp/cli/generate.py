@@ -187,6 +187,7 @@ def generate(server: Server, ask: Ask, bar: Bar, out: TextIO = sys.stdout) -> li
         if reasoning is not None:
             out.write(f"think: {reasoning}\n")
         out.write(f"wrote {path} ({size}, seed {seed})\n")
+    out.write(f"drawn by {server.url}\n")  # which server answered: --url, NEOPP_URL or the default
     return list(written)
 
 

@@ -156,6 +156,7 @@ class Supervisor:
     def _announce(self) -> None:
         url, grpc = f"{self.server.client_host}:{self.ns.http_port}", self.server.grpc_url
         log(f"\nNeoPP Triton server ready:\n"
+            f"  export NEOPP_URL=http://{url}   (every client here finds the server through it)\n"
             f"  page     http://{url}/  (the playground)\n"
             f"  neopp    NEOPP_URL=http://{url} .venv/bin/neopp generate \"a red circle on the left on a blue "
             f"background\" -o outputs/red.png\n"

@@ -19,6 +19,7 @@ SUMMARIES = {
     "/status": "Per model: ready, in flight, queued, recent latency, errors apart from refusals, restarts; per "
                "client, its share (HTML, or JSON when asked)",
     "/openapi.json": "The OpenAPI 3.1 document of these routes",
+    "/neopp/addresses": "The server's HTTP and gRPC addresses as this client reaches them (JSON): one URL finds both",
     "/v2/models/stats": "Every model's statistics",
     "/metrics": "The door's own counters (Prometheus text); the models' are on Triton's metrics port",
     "/v1/images/generations": "OpenAI's image generation: a prompt in, images out (streamed with 'stream')",

@@ -104,6 +104,14 @@ def build_app(door: Door) -> Starlette:
         """The icon every browser asks for beside the playground: the page's own, not a 404."""
         return Response(FAVICON, media_type="image/svg+xml", headers={"Cache-Control": "max-age=86400"})
 
+    async def addresses(request: Request) -> Response:
+        """The server's addresses as this client reaches it, so one URL (``NEOPP_URL``) is enough:
+        a gRPC client asks here for the gRPC port (the Host header's name, Triton's port)."""
+        host = request.url.hostname or "127.0.0.1"
+        grpc_port = door.upstream.grpc_target.rsplit(":", 1)[1]
+        return json_response(200, {"http": f"{request.url.scheme}://{request.url.netloc}",
+                                   "grpc": f"{f'[{host}]' if ':' in host else host}:{grpc_port}"})
+
     async def status(request: Request) -> Response:
         doc = await door.status.look(door.metrics.restart_count())
         wants_json = "application/json" in request.headers.get("accept", "") or \
@@ -150,7 +158,7 @@ def build_app(door: Door) -> Starlette:
         Route("/v2/logging", control(lambda r: "/v2/logging", True, True), methods=["POST"]),
         Route("/v2/logging", control(lambda r: "/v2/logging", False, True), methods=["GET"]),
         Route("/", playground, methods=["GET"]), Route("/favicon.ico", favicon, methods=["GET"]),
-        Route("/metrics", metrics, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]), Route("/neopp/addresses", addresses, methods=["GET"]),
         Route("/status", guarded(status), methods=["GET"]), Route("/openapi.json", api_document, methods=["GET"]),
         Route("/v1/images/generations", Slotted(door, guarded(generations)), methods=["POST"]),
         Route("/v1/images/edits", Slotted(door, guarded(edits)), methods=["POST"]),
