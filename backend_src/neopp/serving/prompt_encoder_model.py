@@ -55,16 +55,15 @@ def encode_prompts(tower: LanguageTower, req: PromptRequest,
         if why is not None:
             raise InputError(f"IMAGES: {why}")
         pictures = tower.embed_pictures(read_pictures(req.images))
-    prefixes: dict[str, tuple[torch.Tensor, int]] = {}
-    reasoning = ""
+    cond, reasoning = None, ""
     if req.think:
         thought = think(tower, req.prompt, req.think_max_tokens, cancelled, pictures)
-        prefixes["COND"], reasoning = (thought.kv, thought.offset), thought.text
-    if pictures is not None:
-        cond, prefixes["IMAGE"] = tower.edit_prefixes(req.prompt, pictures, with_cond=not req.think)
-        prefixes.setdefault("COND", cond)
+        cond, reasoning = (thought.kv, thought.offset), thought.text
+    if pictures is not None:  # think mode wrote its own conditional prefix
+        edited, image_only = tower.edit_prefixes(req.prompt, pictures, with_cond=cond is None)
+        prefixes = {"COND": cond or edited, "IMAGE": image_only}
     else:
-        prefixes.setdefault("COND", tower.conditional(req.prompt))
+        prefixes = {"COND": cond or tower.conditional(req.prompt)}
     prefixes["UNCOND"] = tower.unconditional(req.negative_prompt)
     outputs: dict[str, torch.Tensor | np.ndarray] = {}
     for branch, (kv, offset) in prefixes.items():

@@ -106,12 +106,11 @@ class ImagesRoutes:
             body = await reader.read(request.receive, request.headers,
                                      values=self.door.json_values(request, "request body", route="openai"))
         req, stream = await self.door.parser.run(len(body), parse_jobs.images_request, bytes(body), reader.cap.values)
-        req = await self._resolved(req)
-        if req.n > 1:  # each image counts against the client's share
-            self.door.more_generations(request, req.n - 1)
+        req = await self._admitted(request, req)
         if req.partial_images:
             return await self._streamed(request, req)
-        return await self._answer(request, req, stream, lambda: self._images(request, req))
+        return await self._answer(request, req, stream,
+                                  lambda: self._images(request, req, lambda i: oa.prompt_model_request(req, i)))
 
     async def edits(self, request: Request) -> Response:
         """An edit: the form read once under its cap, the pictures and prompt encoded once, then
@@ -123,14 +122,21 @@ class ImagesRoutes:
         req, stream = await self.door.parser.thread(oe.parse_edit_form, content_type, body,
                                                     self.door.limits.openai_body)
         del body  # the pictures are the request's own bytes now
-        req = await self._resolved(req)
-        if req.n > 1:
-            self.door.more_generations(request, req.n - 1)
+        req = await self._admitted(request, req)
         if req.partial_images:
             return await self._streamed(request, req)
         encoded = await self.door.until_disconnect(
             request, self.door.upstream.infer(oa.encoder_request(req), self.door.turn(request)))
-        return await self._answer(request, req, stream, lambda: self._edited(request, req, encoded))
+        return await self._answer(request, req, stream, lambda: self._images(
+            request, req, lambda i: oa.generation_request(req, encoded, i), oa.think_text(encoded)))
+
+    async def _admitted(self, request: Request, req: oa.ImagesRequest) -> oa.ImagesRequest:
+        """The request held to its model's facts; each image past the first counts against the
+        client's share."""
+        req = await self._resolved(req)
+        if req.n > 1:
+            self.door.more_generations(request, req.n - 1)
+        return req
 
     async def _answer(self, request: Request, req: oa.ImagesRequest, stream: bool,
                       start: Callable[[], list[asyncio.Task]]) -> Response:
@@ -142,31 +148,21 @@ class ImagesRoutes:
                "output_format": req.output_format, "size": req.size_text, "seed": req.seed}
         return Response(strict_json.dumps(doc), media_type="application/json")
 
-    def _edited(self, request: Request, req: oa.ImagesRequest, encoded: Any) -> list[asyncio.Task]:
-        """The ``n`` images of an edit, each a call of the generation model on the encoder's answer."""
-        turn, reasoning = self.door.turn(request), oa.think_text(encoded)
-        return [asyncio.ensure_future(self._generated(oa.generation_request(req, encoded, index), turn.nth(index),
-                                                      reasoning)) for index in range(req.n)]
-
-    async def _generated(self, wire: Any, turn: Turn, reasoning: str) -> Drawn:
-        call = self.door.upstream.infer(wire, turn)
-        try:
-            return Drawn(oa.image_bytes(await call), reasoning)
-        finally:
-            call.cancel()  # a no-op once answered; stops the drawing when this image is given up
-
-    def _images(self, request: Request, req: oa.ImagesRequest) -> list[asyncio.Task]:
-        """The ``n`` images, each a call of the prompt model (a row of the model's running batch);
-        at most the gate's share of the client's calls run at once."""
+    def _images(self, request: Request, req: oa.ImagesRequest, wire_of: Callable[[int], Any],
+                reasoning: str | None = None) -> list[asyncio.Task]:
+        """The ``n`` images, each one call (``wire_of(index)``: of the prompt model, or for an edit
+        of the generation model on the encoder's answer, whose ``reasoning`` it then carries), a
+        row of the model's running batch; at most the gate's share of the client's calls run at once."""
         turn, client = self.door.turn(request), client_of(request)
-        return [asyncio.ensure_future(self._image(req, index, turn.nth(index), client)) for index in range(req.n)]
+        return [asyncio.ensure_future(self._image(wire_of(index), turn.nth(index), client, reasoning))
+                for index in range(req.n)]
 
-    async def _image(self, req: oa.ImagesRequest, index: int, turn: Turn, client: str) -> Drawn:
+    async def _image(self, wire: Any, turn: Turn, client: str, reasoning: str | None) -> Drawn:
         async with self.gate.slot(client):
-            call = self.door.upstream.infer(oa.prompt_model_request(req, index), turn)
+            call = self.door.upstream.infer(wire, turn)
             try:
                 answer = await call
-                return Drawn(oa.image_bytes(answer), oa.think_text(answer))
+                return Drawn(oa.image_bytes(answer), oa.think_text(answer) if reasoning is None else reasoning)
             finally:
                 call.cancel()  # a no-op once answered; stops the drawing when this image is given up
 
