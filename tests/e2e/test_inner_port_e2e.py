@@ -5,8 +5,9 @@ serve`` with an operator key and an API key):
   tritonserver's holds the operator and API keys in its restriction flags and nothing else secret
   (Triton 2.51 reads them nowhere else: docs/security.md says what that leaves); neither key is
   in the environment of tritonserver or its stubs;
-* Triton's own HTTP is a Unix socket in a 0700 directory: tritonserver listens on TCP only for
-  gRPC and metrics, the public ports;
+* Triton's own HTTP and gRPC are Unix sockets in a 0700 directory: tritonserver listens on TCP
+  only for metrics; the public gRPC port is the launcher's gRPC front, which takes no message
+  over the door's body bound (RESOURCE_EXHAUSTED, Triton never sees it);
 * a ``STEPS`` of shape [1000000000000], which aborts Triton's own HTTP parser, is a 400 naming
   STEPS at the door (JSON and binary), an INVALID_ARG over gRPC, and the server stays up.
 """
@@ -25,7 +26,8 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from neopp.launcher.admin import GRPC_API_KEY_HEADER
-from neopp.launcher.inner_http import socket_path
+from neopp.launcher.inner_http import grpc_beside, socket_path
+from neopp.launcher.tritonserver import grpc_socket_target
 from neopp.launcher.key_shim import compiler
 from neopp.procs import cmdline, descendants, process_group_members
 from testing.door_attacks import post, request
@@ -36,6 +38,7 @@ KEY = "inner-operator-key-0123456789abcdef"
 API = "inner-api-key-0123456789abcdef"
 GRPC_API = {GRPC_API_KEY_HEADER: f"Bearer {API}"}
 HUGE = 1_000_000_000_000
+MAX_BODY_MIB = 4
 RESTRICTION_FLAGS = ("--http-restricted-api=", "--grpc-restricted-protocol=")
 
 
@@ -43,7 +46,7 @@ RESTRICTION_FLAGS = ("--http-restricted-api=", "--grpc-restricted-protocol=")
 def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("inner") / "serve.log"
     with serving(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY, "NEOPP_API_KEY": API},
-                 (MODEL,)) as handle:
+                 (MODEL,), launcher_args=("--max-body-mib", str(MAX_BODY_MIB))) as handle:
         yield handle
     for _, address, _ in handle.servers():
         assert not socket_path(address).parent.exists(), "the private directory was left behind"
@@ -93,7 +96,25 @@ def test_triton_http_is_a_private_socket(launched):
     directory = path.parent.stat()
     assert stat.S_IMODE(directory.st_mode) == 0o700 and directory.st_uid == os.getuid()
     assert stat.S_ISSOCK(path.stat().st_mode)
-    assert _listening_tcp_ports(pid) == {launched.grpc_port, launched.metrics_port}
+    grpc_address = grpc_beside(address)
+    assert f"--grpc-address={grpc_address}" in cmdline(pid)
+    assert stat.S_ISSOCK(socket_path(grpc_socket_target(grpc_address)).stat().st_mode)
+    assert _listening_tcp_ports(pid) == {launched.metrics_port}
+    assert launched.grpc_port in _listening_tcp_ports(launched.proc.pid), "the gRPC front is the launcher's"
+
+
+def test_the_grpc_front_bounds_a_message_before_triton(launched, kv):
+    """A message over the bound is refused by the front; the server's memory and its readiness stay."""
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    try:
+        big = np.zeros((MAX_BODY_MIB + 1) << 20, np.uint8)
+        tensor = grpcclient.InferInput("COND_KV", [big.size], "UINT8").set_data_from_numpy(big)
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer(MODEL, [tensor], headers=GRPC_API)
+        assert refused.value.status() == "StatusCode.RESOURCE_EXHAUSTED", refused.value.message()
+        assert _generate(client, kv)
+    finally:
+        client.close()
 
 
 def _steps(shape: list[int], raw: bytes) -> list[grpcclient.InferInput]:

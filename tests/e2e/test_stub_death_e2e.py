@@ -156,6 +156,30 @@ def test_one_stub_death_under_traffic_is_one_recovery(door, kv):
     assert death.readiness[-1][1:] == (200, 200)
 
 
+def test_grpc_clients_see_unavailable_while_a_killed_stub_is_replaced(door, kv):
+    """Over the public gRPC port (the launcher's gRPC front) a stub's death under traffic is the
+    image or UNAVAILABLE, never Triton's INTERNAL "not healthy", and one reload."""
+    expected = grpc_image(door, kv, seed=37)
+    client = grpcclient.InferenceServerClient(f"{LOOPBACK}:{door.grpc_port}")
+    codes: list[str] = []
+
+    def send() -> tuple[int, dict[str, str], bool]:
+        try:
+            image = client.infer(MODEL, tensors(grpcclient, kv, seed=37), client_timeout=120).as_numpy("IMAGE")[0]
+        except InferenceServerException as exc:
+            codes.append(f"{exc.status()} {exc.message()[:200]}")
+            return 503 if exc.status() == "StatusCode.UNAVAILABLE" else 500, {"retry-after": "gRPC"}, False
+        return 200, {}, bytes(image) == expected
+
+    try:
+        death = stub_death_under_traffic(door, MODEL, send)
+    finally:
+        client.close()
+    print(f"gRPC under a stub death: {death.summary(MODEL)}; refusals {sorted(set(codes))[:4]}")
+    assert all(right or status == 503 for _, status, _, right in death.answers), codes
+    assert death.reloads(MODEL) == 1, death.log
+
+
 def test_a_stub_killed_holding_a_shared_lock_is_contained(door, kv):
     """What aborted tritonserver under load, done on purpose: SIGKILL the stub at a moment the kernel
     lists a robust mutex it shares with the server as held (what neopp.launcher.stub_kill never does).

@@ -99,6 +99,11 @@ class ServerHealth:
             return reason
 
 
+def recovering(why: str) -> str:
+    """How a refusal of what cannot be served now reads, on every port: the client should retry."""
+    return f"not serving now, try again shortly: {why}"
+
+
 def touch(path: Path) -> None:
     """Mark the launcher alive now (the file's modification time is what a probe reads)."""
     path.parent.mkdir(parents=True, exist_ok=True)

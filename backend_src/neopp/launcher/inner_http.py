@@ -6,7 +6,8 @@ per-run key given to Triton are on its command line, which every local user can 
 (``/proc/<pid>/cmdline``). Triton 2.51's HTTP server also binds a Unix socket
 (``--http-address=unix:<path>``): the launcher puts it in a directory of its own, mode 0700, so
 the file system keeps other users out and no secret is needed. :func:`call` speaks to either
-kind of address.
+kind of address. Triton's gRPC goes beside it (:func:`grpc_beside`), behind the launcher's gRPC
+front (neopp.launcher.grpc_front).
 """
 
 from __future__ import annotations
@@ -20,11 +21,20 @@ from pathlib import Path
 
 UNIX = "unix:"
 SOCKET_NAME = "http"
+GRPC_SOCKET_NAME = "grpc"
 
 
 def private_address() -> str:
     """``unix:<dir>/http`` in a fresh directory only this user can enter (mkdtemp makes it 0700)."""
     return f"{UNIX}{Path(tempfile.mkdtemp(prefix='neopp_triton_')) / SOCKET_NAME}"
+
+
+def grpc_beside(http_address: str) -> str:
+    """``unix:<dir>/grpc``: Triton's gRPC socket in the private directory of ``http_address``."""
+    path = socket_path(http_address)
+    if path is None:
+        raise ValueError(f"not a socket address: {http_address}")
+    return f"{UNIX}{path.parent / GRPC_SOCKET_NAME}"
 
 
 def socket_path(address: str) -> Path | None:

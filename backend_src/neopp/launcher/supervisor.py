@@ -33,11 +33,11 @@ from ..ports import LOOPBACK
 from .admin import GRPC_API_KEY_HEADER, KEY_ENV, KEY_HEADER, check_key, load_or_create_key
 from .door.bounds import DoorLimits, KiB, MiB
 from .health import ServerHealth, touch
-from .inner_http import private_address, remove_private
+from .inner_http import grpc_beside, private_address, remove_private
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table
 from .poller import Poller
 from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
-from .tritonserver import TritonServer
+from .tritonserver import TritonServer, grpc_socket_target
 
 API_KEY_ENV = "NEOPP_API_KEY"
 ALLOWED_HOSTS_ENV = "NEOPP_ALLOWED_HOSTS"
@@ -82,6 +82,7 @@ class Supervisor:
     def __init__(self, ns: argparse.Namespace, extra: Sequence[str], key: str) -> None:
         self.ns, self.extra, self.key = ns, server_args(ns, extra), key
         self.inner_http = private_address()  # Triton's own HTTP, for the door and the launcher alone
+        self.inner_grpc = grpc_beside(self.inner_http)  # Triton's own gRPC, behind the gRPC front
         self.stop_requested = False
         self.restarts = RestartRate(ns.max_restarts, ns.restart_window_s)
         self.server: TritonServer | None = None
@@ -89,17 +90,24 @@ class Supervisor:
         self.health = ServerHealth()
         grpc_host = LOOPBACK if ns.host in ("0.0.0.0", "", "::") else ns.host
         from .door.server import DoorServer  # needs the serve extra (uvicorn, starlette, grpc)
+        from .grpc_front import GrpcFront
 
         self.api_key = api_key_for(ns)
-        self.front = DoorServer(ns.host, ns.http_port, f"{grpc_host}:{ns.grpc_port}", self.inner_http, None,
-                                door_limits(ns), health=self.health, admin_key=key,
+        limits, inner_grpc = door_limits(ns), grpc_socket_target(self.inner_grpc)
+        self.front = DoorServer(ns.host, ns.http_port, inner_grpc, self.inner_http, None,
+                                limits, health=self.health, admin_key=key,
                                 api_key=self.api_key, metrics_address=(grpc_host, ns.metrics_port))
+        self.grpc_front = GrpcFront(_listen_address(ns.host, ns.grpc_port), inner_grpc, limits.max_body, self.health)
         self.alive = None if ns.alive_file is None else Poller(
-            "neopp-alive", 5.0, lambda: self.front.answers(2.0) and touch(Path(ns.alive_file)), lambda exc: None)
+            "neopp-alive", 5.0, lambda: self.answers(2.0) and touch(Path(ns.alive_file)), lambda exc: None)
+
+    def answers(self, timeout_s: float) -> bool:
+        """True when both fronts' event loops answer (neither is stuck)."""
+        return self.front.answers(timeout_s) and self.grpc_front.answers(timeout_s)
 
     def _new_server(self) -> TritonServer:
         ns = self.ns
-        return TritonServer(ns.model_repository, grpc_port=ns.grpc_port,
+        return TritonServer(ns.model_repository, grpc_address=self.inner_grpc,
                             metrics_port=ns.metrics_port, host=ns.host, http_address=self.inner_http,
                             backend_dir=ns.backend_dir, extra_args=[*KEEP_GOING_ARGS, *self.extra], admin_key=self.key,
                             shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES), env=without_keys(os.environ),
@@ -154,7 +162,7 @@ class Supervisor:
         return any(s.ready for s in states)
 
     def _announce(self) -> None:
-        url, grpc = f"{self.server.client_host}:{self.ns.http_port}", self.server.grpc_url
+        url, grpc = f"{self.server.client_host}:{self.ns.http_port}", f"{self.server.client_host}:{self.ns.grpc_port}"
         log(f"\nNeoPP Triton server ready:\n"
             f"  export NEOPP_URL=http://{url}   (every client here finds the server through it)\n"
             f"  page     http://{url}/  (the playground)\n"
@@ -178,6 +186,7 @@ class Supervisor:
 
     def run(self) -> int:
         self.front.start()
+        self.grpc_front.start()
         if self.alive is not None:
             self.alive.start()
         try:
@@ -186,6 +195,7 @@ class Supervisor:
             if self.alive is not None:
                 self.alive.stop(timeout_s=5)
             self._stop_server()
+            self.grpc_front.stop()
             self.front.stop()
             remove_private(self.inner_http)
 
@@ -236,6 +246,11 @@ class Supervisor:
         while not self.stop_requested and time.monotonic() < deadline:
             time.sleep(0.1)
         return not self.stop_requested
+
+
+def _listen_address(host: str, port: int) -> str:
+    """``host:port`` as gRPC binds it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def api_key_for(ns: argparse.Namespace, env: dict[str, str] | None = None) -> str | None:

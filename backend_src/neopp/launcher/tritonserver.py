@@ -65,6 +65,11 @@ def _terminate_with_parent() -> None:
         _PRCTL(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
+def grpc_socket_target(address: str) -> str:
+    """Where Triton's gRPC on ``unix:<path>`` listens: it appends ``:<port>`` (0) to the name."""
+    return f"{address}:0"
+
+
 class TritonServer:
     """One tritonserver process: start, wait ready, stop. Usable as a context manager."""
 
@@ -74,7 +79,8 @@ class TritonServer:
                  env: dict[str, str] | None = None, log_path: Path | str | None = None,
                  admin_key: str | None = None, front_key: str | None = None,
                  http_address: str | None = None, shm_sizes: tuple[int, int] | None = None,
-                 malloc_env: dict[str, str] | None = None, api_key: str | None = None, nice: int = 0) -> None:
+                 malloc_env: dict[str, str] | None = None, api_key: str | None = None, nice: int = 0,
+                 grpc_address: str | None = None) -> None:
         """Ports left as None are picked free; ``env`` is the base environment (default: ours).
 
         ``admin_key`` restricts the administrative APIs (neopp.launcher.admin); ``front_key`` makes
@@ -86,6 +92,8 @@ class TritonServer:
         ``malloc_env`` replaces MALLOC_ENV (``{}``: glibc's defaults, to compare). ``api_key`` (with
         ``admin_key``): gRPC inference needs it (neopp.launcher.admin). ``nice``: the server's (and
         so its stubs') niceness above ours, so that the launcher's door answers first on a busy CPU.
+        ``grpc_address`` (``unix:<path>``): Triton's gRPC on a socket (Triton names it ``<path>:0``)
+        instead of ``host:grpc_port``, for the launcher's gRPC front alone.
         """
         self.model_repository = Path(model_repository).resolve()
         self._given = (env, malloc_env)
@@ -101,6 +109,7 @@ class TritonServer:
         self.log_path = Path(log_path) if log_path else None
         self.admin_key, self.front_key, self.api_key = admin_key, front_key, api_key
         self.http_address = http_address or host
+        self.grpc_address = grpc_address
         self.shm_prefix = new_prefix()
         self._private_regions = private_regions()  # built here: the child only installs it
         self.shm_sizes = shm_sizes
@@ -118,7 +127,8 @@ class TritonServer:
         env, malloc_env = self._given
         return TritonServer(self.model_repository, self.http_port, self.grpc_port, self.metrics_port, self.host,
                             self.backend_dir, self.extra_args, env, self.log_path, self.admin_key, self.front_key,
-                            self.http_address, self.shm_sizes, malloc_env, self.api_key, self.nice)
+                            self.http_address, self.shm_sizes, malloc_env, self.api_key, self.nice,
+                            self.grpc_address)
 
     @property
     def client_host(self) -> str:
@@ -145,11 +155,18 @@ class TritonServer:
 
     @property
     def grpc_url(self) -> str:
+        if self.grpc_address is not None:
+            return grpc_socket_target(self.grpc_address)
         return f"{self.client_host}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
         return f"http://{self.client_host}:{self.metrics_port}/metrics"
+
+    def _grpc_args(self) -> list[str]:
+        if self.grpc_address is not None:  # a socket: Triton appends ":<port>" to its name
+            return [f"--grpc-address={self.grpc_address}", "--grpc-port=0"]
+        return [f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}"]
 
     def command(self, hidden: HiddenKeys | None = None) -> list[str]:
         """The full tritonserver argv (no pool of gRPC request objects unless ``extra_args`` sets one);
@@ -160,7 +177,7 @@ class TritonServer:
         return [str(self.install.server_bin), f"--model-repository={self.model_repository}",
                 f"--backend-directory={self.backend_dir}",
                 f"--http-address={self.http_address}", f"--http-port={self.http_port}",
-                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
+                *self._grpc_args(),
                 f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
                 *backend_args(self.shm_prefix, *(self.shm_sizes or ())),
                 *(restriction_args(*keys) if self.admin_key else []),
@@ -178,7 +195,8 @@ class TritonServer:
         if self.process is not None:
             raise TritonLaunchError("server already started")
         remove_orphans((PREFIX_HEAD,))  # regions of servers whose owner was killed, and only those
-        clear_socket(self.http_address)  # the socket of the server this one replaces
+        clear_socket(self.http_address)  # the sockets of the server this one replaces
+        clear_socket(self.grpc_url)
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "ab")

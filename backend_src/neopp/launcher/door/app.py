@@ -25,6 +25,7 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ..health import recovering
 from ..shm_regions import PREFIX_HEAD
 from . import auth, generate_json, kserve_infer, parse_jobs, strict_json
 from .auth import ClientRegions
@@ -62,7 +63,7 @@ class Health(Protocol):
 
 
 def unavailable(why: str) -> DoorError:
-    return DoorError(503, f"not serving now, try again shortly: {why}", reason="recovering",
+    return DoorError(503, recovering(why), reason="recovering",
                      headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
