@@ -35,6 +35,8 @@ SECTIONS = [
      "KV ingest: gRPC vs system shared memory"),
     ("http_door", "http_door", lambda out: ["--out", str(Path(out) / "http_door.md")], "http_door.md",
      "HTTP door: its cost next to the old front and gRPC"),
+    ("grpc_front", "grpc_front", lambda out: ["--out", str(Path(out) / "grpc_front.md")], "grpc_front.md",
+     "gRPC front: its cost next to gRPC straight to Triton"),
     ("serving", "serving_bench", lambda out: ["--out", out], "serving.md",
      "Triton end to end vs in-process; throughput per instance count"),
     ("batched_serving", "batched_serving", lambda out: ["--out", out], "batched_serving.md",

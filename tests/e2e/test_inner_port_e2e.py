@@ -27,8 +27,8 @@ from tritonclient.utils import InferenceServerException
 
 from neopp.launcher.admin import GRPC_API_KEY_HEADER
 from neopp.launcher.inner_http import grpc_beside, socket_path
-from neopp.launcher.tritonserver import grpc_socket_target
 from neopp.launcher.key_shim import compiler
+from neopp.launcher.tritonserver import grpc_socket_target
 from neopp.procs import cmdline, descendants, process_group_members
 from testing.door_attacks import post, request
 from testing.launched import serving
@@ -101,6 +101,9 @@ def test_triton_http_is_a_private_socket(launched):
     assert stat.S_ISSOCK(socket_path(grpc_socket_target(grpc_address)).stat().st_mode)
     assert _listening_tcp_ports(pid) == {launched.metrics_port}
     assert launched.grpc_port in _listening_tcp_ports(launched.proc.pid), "the gRPC front is the launcher's"
+    status, _, answer = request(launched.http_port, b"GET /neopp/addresses HTTP/1.1\r\nHost: localhost\r\n"
+                                                    b"Connection: close\r\n\r\n")
+    assert status == 200 and json.loads(answer)["grpc"] == f"localhost:{launched.grpc_port}", answer
 
 
 def test_the_grpc_front_bounds_a_message_before_triton(launched, kv):

@@ -4,8 +4,9 @@
   operator key (``$NEOPP_ADMIN_KEY`` or a 0600 file created at first start); the stub watchdog
   sends it when it reloads a model.
 * The public HTTP port is the door (neopp.launcher.door): it parses every request itself and sends
-  inference to Triton over gRPC; Triton's own HTTP listens on a Unix socket in a directory only
-  the server's user can enter (neopp.launcher.inner_http), so no other local user reaches it.
+  inference to Triton over gRPC; the public gRPC port is the gRPC front (neopp.launcher.grpc_front),
+  which relays what it parsed. Triton's own HTTP and gRPC listen on Unix sockets in a directory
+  only the server's user can enter (neopp.launcher.inner_http), so no other local user reaches them.
 * A server that dies is restarted with backoff, at most ``--max-restarts`` times within
   ``--restart-window-s`` (a rate, not a lifetime budget); each restart is logged and counted on
   the door's ``/metrics``. So is one the stub watchdog asks for (a reload that did not finish
@@ -96,7 +97,8 @@ class Supervisor:
         limits, inner_grpc = door_limits(ns), grpc_socket_target(self.inner_grpc)
         self.front = DoorServer(ns.host, ns.http_port, inner_grpc, self.inner_http, None,
                                 limits, health=self.health, admin_key=key,
-                                api_key=self.api_key, metrics_address=(grpc_host, ns.metrics_port))
+                                api_key=self.api_key, metrics_address=(grpc_host, ns.metrics_port),
+                                public_grpc_port=ns.grpc_port)
         self.grpc_front = GrpcFront(_listen_address(ns.host, ns.grpc_port), inner_grpc, limits.max_body, self.health)
         self.alive = None if ns.alive_file is None else Poller(
             "neopp-alive", 5.0, lambda: self.answers(2.0) and touch(Path(ns.alive_file)), lambda exc: None)

@@ -88,8 +88,10 @@ class Door:
     def __init__(self, upstream: Upstream, limits: DoorLimits, metrics: DoorMetrics, region: TensorRegion,
                  health: Health | None = None, parser: Parser | None = None,
                  api_key: str | None = None, admin_key: str | None = None,
-                 metrics_address: tuple[str, int] | None = None) -> None:
+                 metrics_address: tuple[str, int] | None = None, grpc_port: int | None = None) -> None:
+        """``grpc_port``: the public gRPC port clients are told (None: the upstream's own)."""
         self.upstream, self.limits, self.metrics, self.region = upstream, limits, metrics, region
+        self.grpc_port = grpc_port or int(upstream.grpc_target.rsplit(":", 1)[1])
         self.budget = ByteBudget(limits.bodies_in_flight, limits.client_bodies)
         self.health = health
         self.parser = parser or Parser(workers=0)

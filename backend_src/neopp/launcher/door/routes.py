@@ -106,9 +106,9 @@ def build_app(door: Door) -> Starlette:
 
     async def addresses(request: Request) -> Response:
         """The server's addresses as this client reaches it, so one URL (``NEOPP_URL``) is enough:
-        a gRPC client asks here for the gRPC port (the Host header's name, Triton's port)."""
+        a gRPC client asks here for the gRPC port (the Host header's name, the public gRPC port)."""
         host = request.url.hostname or "127.0.0.1"
-        grpc_port = door.upstream.grpc_target.rsplit(":", 1)[1]
+        grpc_port = door.grpc_port
         return json_response(200, {"http": f"{request.url.scheme}://{request.url.netloc}",
                                    "grpc": f"{f'[{host}]' if ':' in host else host}:{grpc_port}"})
 

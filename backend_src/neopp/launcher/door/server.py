@@ -40,12 +40,13 @@ class DoorServer:
                  limits: DoorLimits | None = None, metrics: DoorMetrics | None = None,
                  health: Health | None = None, admin_key: str | None = None,
                  api_key: str | None = None, parse_workers: int = 2,
-                 metrics_address: tuple[str, int] | None = None) -> None:
+                 metrics_address: tuple[str, int] | None = None, public_grpc_port: int | None = None) -> None:
         """``admin_key``: to register the tensor region and read the model list where Triton
         restricts them, and what the door asks of administrative routes; ``api_key``: what every
         inference route requires (None: nothing), and what the door sends Triton's gRPC inference;
         ``health``: what the launcher knows of the server (readiness, requests it cannot serve now);
-        ``metrics_address``: Triton's metrics port, which ``/status`` reads."""
+        ``metrics_address``: Triton's metrics port, which ``/status`` reads; ``public_grpc_port``: the
+        gRPC port clients are told, where it is not ``grpc_target``'s (the launcher's gRPC front)."""
         self.limits = limits or DoorLimits()
         self.metrics = metrics or DoorMetrics()
         self.upstream = Upstream(grpc_target, http_address, front_key, api_key)
@@ -58,7 +59,7 @@ class DoorServer:
         self.region = TensorRegion(arena, register, self.limits.region_min_bytes, self.limits.max_json_bytes,
                                    LOG.warning)
         self.door = Door(self.upstream, self.limits, self.metrics, self.region, health, self.parser,
-                         api_key, admin_key, metrics_address)
+                         api_key, admin_key, metrics_address, public_grpc_port)
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
