@@ -90,3 +90,24 @@ def test_every_method_of_the_service_is_relayed():
 class _CallDetails(grpc.HandlerCallDetails):
     def __init__(self, method: str) -> None:
         self.method, self.invocation_metadata = method, ()
+
+
+class _Context:
+    def __init__(self, *metadata: tuple[str, str]) -> None:
+        self.metadata = metadata
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+
+def test_inference_without_the_api_key_is_refused_as_triton_refuses_it():
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    infer, stream, live = (service.methods_by_name[name] for name in ("ModelInfer", "ModelStreamInfer", "ServerLive"))
+    relay, key = Relay("unix:/nowhere", None, api_key="k" * 20), "triton-grpc-protocol-authorization"
+    for method in (infer, stream):
+        assert relay.unkeyed(method, _Context())
+        assert relay.unkeyed(method, _Context((key, "Bearer " + "x" * 20)))
+        assert relay.unkeyed(method, _Context((key, "Bearer " + "k" * 20), (key, "Bearer " + "k" * 20)))
+        assert not relay.unkeyed(method, _Context((key, "Bearer " + "k" * 20), ("other", "v")))
+    assert not relay.unkeyed(live, _Context())  # health stays open
+    assert not Relay("unix:/nowhere", None).unkeyed(infer, _Context())

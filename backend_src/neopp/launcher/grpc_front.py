@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hmac
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -32,12 +33,16 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from ..contract.statuses import status_of_message
+from .admin import GRPC_API_KEY_HEADER
 from .health import recovering
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_ANSWER = 1 << 30  # what Triton may send back (images; a model's config)
 _DROPPED_HEADERS = ("content-type", "te", "user-agent", "host")
 _END = object()
+INFERENCE = ("ModelInfer", "ModelStreamInfer")
+# Triton's own answer to a restricted protocol without its header, word for word and with its status
+UNKEYED = f"This protocol is restricted, expecting header '{GRPC_API_KEY_HEADER}'"
 
 
 def _message_class(name: str) -> type:
@@ -53,9 +58,11 @@ def _forwarded(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes
 class Relay:
     """The service's handlers on one event loop: a channel to ``target`` made on first use."""
 
-    def __init__(self, target: str, health: Any | None) -> None:
-        """``health``: what the launcher knows (``not_ready``, ``model_unavailable``), or None."""
+    def __init__(self, target: str, health: Any | None, api_key: str | None = None) -> None:
+        """``health``: what the launcher knows (``not_ready``, ``model_unavailable``), or None;
+        ``api_key``: what inference needs, checked here as Triton checks it (None: nothing)."""
         self.target, self.health = target, health
+        self._keyed = None if api_key is None else f"Bearer {api_key}".encode()
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, Any] = {}
 
@@ -74,6 +81,16 @@ class Relay:
         if self._channel is not None:
             await self._channel.close()
             self._channel, self._calls = None, {}
+
+    def unkeyed(self, method: Any, context: grpc.aio.ServicerContext) -> bool:
+        """An inference without the API key. Triton refuses it too, but a stream it refuses at its
+        opening is at times answered INTERNAL "Internal error from Core" to a relay (a race in 2.51),
+        so the front answers first, as Triton does."""
+        if self._keyed is None or method.name not in INFERENCE:
+            return False
+        sent = [value for key, value in context.invocation_metadata() or () if key == GRPC_API_KEY_HEADER]
+        given = sent[0].encode() if len(sent) == 1 and isinstance(sent[0], str) else b""
+        return not hmac.compare_digest(given, self._keyed)
 
     def refusal(self, model: str) -> str | None:
         """Why ``model`` (or the server) cannot serve now, as the launcher knows it; None: send it."""
@@ -97,6 +114,8 @@ class Relay:
 
     def unary(self, method: Any) -> Callable[..., Any]:
         async def handle(request: Any, context: grpc.aio.ServicerContext) -> bytes:
+            if self.unkeyed(method, context):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
             request.DiscardUnknownFields()
             model = getattr(request, "model_name", "") if method.name == "ModelInfer" else None
             if model is not None and (why := self.refusal(model)) is not None:
@@ -111,17 +130,25 @@ class Relay:
 
     def stream(self, method: Any) -> Callable[..., Any]:
         async def handle(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+            if self.unkeyed(method, context):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
             out: asyncio.Queue = asyncio.Queue()  # Triton's answers and the front's refusals, in order
+            admitted: asyncio.Queue = asyncio.Queue()  # the client's requests Triton is to get
 
-            async def admitted() -> AsyncIterator[Any]:  # a refused request is answered in the stream
+            async def read() -> None:  # a refused request is answered in the stream
                 async for request in requests:
                     request.DiscardUnknownFields()
                     if (why := self.refusal(request.model_name)) is not None:
                         await out.put(_stream_error(request, why))
                     else:
-                        yield request
+                        await admitted.put(request)
+                await admitted.put(_END)
 
-            call = self._call(method)(admitted(), metadata=_forwarded(context), timeout=context.time_remaining())
+            async def sent() -> AsyncIterator[Any]:
+                while (request := await admitted.get()) is not _END:
+                    yield request
+
+            call = self._call(method)(sent(), metadata=_forwarded(context), timeout=context.time_remaining())
 
             async def pump() -> None:  # the call ends after the client's last request: refusals come first
                 try:
@@ -131,16 +158,21 @@ class Relay:
                     await out.put(exc)
                 await out.put(_END)
 
-            task = asyncio.ensure_future(pump())
+            tasks = [asyncio.ensure_future(read()), asyncio.ensure_future(pump())]
+            failed = None
             try:
                 while (answer := await out.get()) is not _END:
                     if isinstance(answer, grpc.aio.AioRpcError):
-                        await context.abort(self._status(answer, "", time.monotonic()),
-                                            answer.details() or answer.code().name)
+                        failed = answer
+                        break
                     yield answer
             finally:
-                task.cancel()
+                for task in tasks:
+                    task.cancel()
                 call.cancel()
+            if failed is not None:  # after the client's requests are no longer read
+                context.set_code(self._status(failed, "", time.monotonic()))
+                context.set_details(failed.details() or failed.code().name)
         return handle
 
     def handler(self) -> grpc.GenericRpcHandler:
@@ -169,10 +201,11 @@ class GrpcFront:
     """The relay's server on its own thread and event loop, so that gRPC traffic never delays the
     HTTP door's loop (nor its liveness)."""
 
-    def __init__(self, address: str, target: str, max_message: int, health: Any | None = None) -> None:
+    def __init__(self, address: str, target: str, max_message: int, health: Any | None = None,
+                 api_key: str | None = None) -> None:
         """Listen on ``address`` (``host:port``); relay to ``target`` (``unix:<path>`` or ``host:port``)."""
         self.address, self.max_message = address, max_message
-        self.relay = Relay(target, health)
+        self.relay = Relay(target, health, api_key)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None

@@ -99,7 +99,8 @@ class Supervisor:
                                 limits, health=self.health, admin_key=key,
                                 api_key=self.api_key, metrics_address=(grpc_host, ns.metrics_port),
                                 public_grpc_port=ns.grpc_port)
-        self.grpc_front = GrpcFront(_listen_address(ns.host, ns.grpc_port), inner_grpc, limits.max_body, self.health)
+        self.grpc_front = GrpcFront(_listen_address(ns.host, ns.grpc_port), inner_grpc, limits.max_body, self.health,
+                                    self.api_key)
         self.alive = None if ns.alive_file is None else Poller(
             "neopp-alive", 5.0, lambda: self.answers(2.0) and touch(Path(ns.alive_file)), lambda exc: None)
 
