@@ -31,6 +31,13 @@ def machine() -> str:
             f"{gpu}, Python {platform.python_version()}")
 
 
+def load_note() -> str:
+    """The machine's load as a report's last line: the reader compares rows of one run only."""
+    load = os.getloadavg()
+    return (f"Load average while it ran: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1/5/15 min); the "
+            "machine is shared, so compare the rows of one run.")
+
+
 def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> list[float]:
     """Wall seconds of `repeats` calls after `warmup` calls."""
     for _ in range(warmup):

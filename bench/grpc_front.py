@@ -25,7 +25,7 @@ import grpc
 import torch
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from bench.common import REPO, stats, write_report
+from bench.common import REPO, load_note, stats, write_report
 from bench.http_door import MODEL, grpc_image, grpc_request, measure
 from bench.kv_ingest import write_geometry_checkpoint
 from neopp.launcher.tritonserver import TritonServer
@@ -68,10 +68,7 @@ def report(rows: dict[tuple[int, int], dict[str, list[float]]], args: argparse.N
         direct, front = (stats(times[label])[0] * 1e3 for label in (DIRECT, FRONT))
         summary.append(f"* {tokens} tokens, {size}x{size}: front / direct **{front / direct:.3f}x**; the front's own "
                        f"time {front - direct:.1f} ms = {(front - direct) / front * 100:.1f} % of the request.")
-    load = os.getloadavg()
-    return "\n".join(lines + ["", *summary, "",
-                              f"Load average while it ran: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-                              "(1/5/15 min); the machine is shared, so compare the rows of one run."])
+    return "\n".join(lines + ["", *summary, "", load_note()])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

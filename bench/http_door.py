@@ -32,7 +32,7 @@ import tritonclient.http as httpclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from bench.common import REPO, stats, write_report
+from bench.common import REPO, load_note, stats, write_report
 from bench.kv_ingest import write_geometry_checkpoint
 from neopp.launcher.tritonserver import TritonServer
 from neopp.ports import LOOPBACK, free_ports
@@ -168,10 +168,7 @@ def report(rows: dict[int, dict[str, list[float]]], mb: float, args: argparse.Na
                "more, is faster than gRPC direct. The door receives the body once (h11, the bounded parser, is the "
                "largest part of its own time) and, with its shared-memory region, writes the tensor bytes once "
                "where Triton reads them in place, skipping the gRPC copies.")
-    load = os.getloadavg()
-    return "\n".join(lines + ["", *summary, "", reading, "",
-                              f"Load average while it ran: {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} "
-                              "(1/5/15 min); the machine is shared, so compare the rows of one run."])
+    return "\n".join(lines + ["", *summary, "", reading, "", load_note()])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

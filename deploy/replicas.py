@@ -102,7 +102,7 @@ class ReplicaSet:
         log = self.workdir / f"replica{index}.log"
         cmd = [sys.executable, "-m", "neopp.launcher", "serve", "--model-repository", str(REPO / "model_repository"),
                "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
-               "--admin-key-file", str(key), "--max-restarts", "0", "--",
+               "--admin-key-file", str(key), "--max-restarts", "0", "--no-grpc-front", "--",
                "--model-control-mode=explicit", "--exit-timeout-secs=30", *(f"--load-model={m}" for m in self.models)]
         env = {k: v for k, v in os.environ.items() if not k.startswith(("NEOPP_CHECKPOINT", "NEOPP_LORA_DIR"))}
         env.update({"NEOPP_CHECKPOINT": str(DEMO / "dense"), "NEOPP_LORA_DIR": str(DEMO / "lora"),

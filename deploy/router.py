@@ -19,6 +19,9 @@ this rendering. The rules:
   was already running there fails (gRPC UNAVAILABLE / HTTP 502): it is never sent twice. In the
   moment between a replica's death and the router noticing it, a gRPC call on the router's
   connection to it is refused (REFUSED_STREAM, never processed): a client sends it once more.
+  This needs each replica's gRPC port to be Triton's own (the launcher's ``--no-grpc-front``, which
+  ``deploy.replicas`` and the Kubernetes manifests set): a relay that outlives a dead server would
+  accept the connection and answer UNAVAILABLE instead.
 * Timeouts are longer than the longest image (15 minutes).
 * gRPC messages are bounded here, since Triton 2.51 takes up to 2 GiB and has no option to lower
   it: every gRPC message starts with 5 bytes (a compression flag, then its length, big-endian);

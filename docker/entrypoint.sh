@@ -7,6 +7,8 @@
 #   NEOPP_ADMIN_KEY    operator key; else $NEOPP_STATE_DIR/admin.key, created 0600 at first start
 #   NEOPP_API_KEY      the /v1 key (the server listens beyond loopback); else $NEOPP_STATE_DIR/api.key, as above
 #   NEOPP_STOP_TIMEOUT_S  at a stop, seconds running requests get to finish (default: the launcher's)
+#   NEOPP_GRPC_FRONT   on (default): the public gRPC port is the launcher's gRPC front; off: Triton's own
+#                      (behind a router, so that a dead server refuses the connection and is passed by)
 #   NEOPP_HOME (/opt/neopp), NEOPP_STATE_DIR (/var/lib/neopp), NEOPP_HOST (0.0.0.0), NEOPP_HTTP_PORT /
 #   _GRPC_PORT / _METRICS_PORT (8000-8002), NEOPP_PYTHON (python3): for use outside the image
 # Arguments are passed to tritonserver. Nothing here writes outside $NEOPP_STATE_DIR (the root filesystem
@@ -23,5 +25,5 @@ cd "$home"
 exec "${NEOPP_PYTHON:-python3}" -m neopp.launcher serve --model-repository "$home/model_repository" \
   --host "${NEOPP_HOST:-0.0.0.0}" --http-port "${NEOPP_HTTP_PORT:-8000}" --grpc-port "${NEOPP_GRPC_PORT:-8001}" \
   --metrics-port "${NEOPP_METRICS_PORT:-8002}" --admin-key-file "$state/admin.key" --api-key-file "$state/api.key" \
-  --alive-file "$state/alive" \
+  --alive-file "$state/alive" $([ "${NEOPP_GRPC_FRONT:-on}" = off ] && echo --no-grpc-front) \
   ${NEOPP_STOP_TIMEOUT_S:+--stop-timeout-s "$NEOPP_STOP_TIMEOUT_S"} -- "$@"

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
@@ -25,7 +26,8 @@ from neopp.contract.client_lanes import PARAMETER
 from neopp.engines.fault_point import FAULT_ENV
 from neopp.launcher.door.bounds import DoorLimits
 from neopp.launcher.door.server import DoorServer
-from neopp.ports import LOOPBACK
+from neopp.launcher.grpc_front import GrpcFront
+from neopp.ports import LOOPBACK, free_ports
 from testing.door_attacks import request, trickle_start
 from tests.e2e.small_repo import SmallServer, write_repo
 
@@ -49,9 +51,12 @@ def served(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     limits = DoorLimits(client_inference=LIMIT, read_timeout_s=300, min_upload_rate=1)  # a held upload stays
     door = DoorServer(LOOPBACK, 0, server.server.grpc_url, (LOOPBACK, server.server.http_port), "fair",
                       limits).start()
+    front = GrpcFront(f"{LOOPBACK}:{free_ports(1)[0]}", server.server.grpc_url, 1 << 30,
+                      clients=door.door.clients).start()  # as the launcher pairs them: one count per client
     try:
-        yield server, door.server_address[1], hold
+        yield server, door.server_address[1], hold, front.address
     finally:
+        front.stop()
         door.stop()
         assert server.stop() == [], "the server left processes behind"
 
@@ -84,7 +89,7 @@ def wait_for(check, what: str, timeout: float = TIMEOUT_S) -> None:
 
 
 def test_a_client_past_its_share_gets_429_while_another_client_is_served(served):
-    server, port, _ = served
+    server, port, *_ = served
     holds = [trickle_start(port, f"/v2/models/{MODEL}/infer", 1 << 20) for _ in range(LIMIT)]
     try:
         wait_for(lambda: (status(port)["clients"] or {}).get("in_flight") == LIMIT, "the held uploads")
@@ -105,6 +110,44 @@ def test_a_client_past_its_share_gets_429_while_another_client_is_served(served)
     wait_for(lambda: (status(port)["clients"] or {}).get("in_flight") == 0, "the held uploads to be given back")
     code, _, body = request(port, infer_raw(server, 1))
     assert code == 200, body[:300]
+
+
+def test_grpc_clients_count_against_the_same_share(served):
+    """The gRPC front counts a client's inferences in the door's table: with its share held over
+    HTTP, its gRPC request (unary or in a stream) is refused UNAVAILABLE naming the limit; once
+    given back, both are served and counted nowhere."""
+    server, port, _, grpc_address = served
+    client = grpcclient.InferenceServerClient(grpc_address)
+    holds = [trickle_start(port, f"/v2/models/{MODEL}/infer", 1 << 20) for _ in range(LIMIT)]
+    try:
+        wait_for(lambda: (status(port)["clients"] or {}).get("in_flight") == LIMIT, "the held uploads")
+        with pytest.raises(InferenceServerException) as refused:
+            client.infer(MODEL, server.tensors(), client_timeout=TIMEOUT_S)
+        assert refused.value.status() == "StatusCode.UNAVAILABLE", refused.value.message()
+        assert f"the {LIMIT} one client may have" in refused.value.message()
+        streamed = _streamed(client, server)
+        assert streamed[0].startswith("error:") and "one client may have" in streamed[0], streamed
+    finally:
+        for sock in holds:
+            sock.close()
+    wait_for(lambda: (status(port)["clients"] or {}).get("in_flight") == 0, "the held uploads to be given back")
+    assert client.infer(MODEL, server.tensors(), client_timeout=TIMEOUT_S).as_numpy("IMAGE") is not None
+    assert _streamed(client, server) == ["image"]
+    wait_for(lambda: (status(port)["clients"] or {}).get("in_flight") == 0, "the gRPC requests to be given back")
+    client.close()
+
+
+def _streamed(client: grpcclient.InferenceServerClient, server: SmallServer) -> list[str]:
+    """One request on a stream of its own: what its answers were."""
+    answers: list[str] = []
+    client.start_stream(callback=lambda result, error: answers.append(
+        f"error: {error.message()}" if error else "image"))
+    try:
+        client.async_stream_infer(MODEL, server.tensors())
+        wait_for(lambda: answers, "the stream's answer")
+    finally:
+        client.stop_stream()
+    return answers
 
 
 def metric(server: SmallServer, name: str) -> float:
@@ -146,7 +189,7 @@ def test_a_client_s_first_request_passes_another_client_s_backlog_in_the_engine(
     """With the engine's loop held, A sends three requests, then B one (all four reach the
     engine: one per instance); released, the engine runs A's first, then B's (its lane's turn),
     then the rest of A's."""
-    server, port, hold = served
+    server, port, hold, _ = served
     clients = Clients(server, port)
     hold.write_text("hold")
     try:
@@ -164,7 +207,7 @@ def test_a_client_s_first_request_passes_another_client_s_backlog_in_triton_s_qu
     """A fills the instances and queues two more in Triton's queue, then B sends one: the door
     gives B's first generation the first priority, so Triton hands it on before A's queued ones
     (and the engine gives it the next turn)."""
-    server, port, hold = served
+    server, port, hold, _ = served
     clients = Clients(server, port)
     hold.write_text("hold")
     try:
@@ -183,7 +226,7 @@ def test_a_client_s_first_request_passes_another_client_s_backlog_in_triton_s_qu
 
 
 def test_a_grpc_client_may_name_its_lane_and_a_bad_lane_is_refused_by_name(served):
-    server, _, _ = served
+    server, *_ = served
     ok = server.grpc.infer(MODEL, server.tensors(), parameters={PARAMETER: "lightllm:user-7"},
                            client_timeout=TIMEOUT_S)
     assert ok.as_numpy("IMAGE")[0]

@@ -22,7 +22,6 @@ cancels the relayed call, so Triton cancels the request.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import hmac
 import threading
 import time
@@ -34,7 +33,9 @@ from tritonclient.grpc import service_pb2 as pb
 
 from ..contract.statuses import status_of_message
 from .admin import GRPC_API_KEY_HEADER
-from .health import recovering
+from .door.client_load import ClientLoad
+from .door.door_error import DoorError
+from .health import loop_answers, recovering
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_ANSWER = 1 << 30  # what Triton may send back (images; a model's config)
@@ -58,10 +59,13 @@ def _forwarded(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes
 class Relay:
     """The service's handlers on one event loop: a channel to ``target`` made on first use."""
 
-    def __init__(self, target: str, health: Any | None, api_key: str | None = None) -> None:
+    def __init__(self, target: str, health: Any | None, api_key: str | None = None,
+                 clients: ClientLoad | None = None) -> None:
         """``health``: what the launcher knows (``not_ready``, ``model_unavailable``), or None;
-        ``api_key``: what inference needs, checked here as Triton checks it (None: nothing)."""
-        self.target, self.health = target, health
+        ``api_key``: what inference needs, checked here as Triton checks it (None: nothing);
+        ``clients``: each client's inferences in flight, counted with the HTTP door's (None: not
+        bounded)."""
+        self.target, self.health, self.clients = target, health, clients
         self._keyed = None if api_key is None else f"Bearer {api_key}".encode()
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, Any] = {}
@@ -120,13 +124,33 @@ class Relay:
             model = getattr(request, "model_name", "") if method.name == "ModelInfer" else None
             if model is not None and (why := self.refusal(model)) is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, why)
+            client = peer_host(context.peer()) if model is not None else None
+            if client is not None and (over := self.take(client)) is not None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, over)
             since = time.monotonic()
             try:
                 return await self._call(method)(request, metadata=_forwarded(context),
                                                 timeout=context.time_remaining())
             except grpc.aio.AioRpcError as exc:
                 await context.abort(self._status(exc, model or "", since), exc.details() or exc.code().name)
+            finally:
+                if client is not None:
+                    self.give(client)
         return handle
+
+    def take(self, client: str) -> str | None:
+        """Count one more inference of ``client``; why not, past its share (None: counted)."""
+        if self.clients is None:
+            return None
+        try:
+            self.clients.take(client)
+        except DoorError as refused:
+            return refused.message
+        return None
+
+    def give(self, client: str, count: int = 1) -> None:
+        if self.clients is not None and count:
+            self.clients.give(client, count)
 
     def stream(self, method: Any) -> Callable[..., Any]:
         async def handle(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
@@ -134,14 +158,16 @@ class Relay:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
             out: asyncio.Queue = asyncio.Queue()  # Triton's answers and the front's refusals, in order
             admitted: asyncio.Queue = asyncio.Queue()  # the client's requests Triton is to get
+            client, running = peer_host(context.peer()), [0]  # the client's requests not yet answered in full
 
             async def read() -> None:  # a refused request is answered in the stream
                 async for request in requests:
                     request.DiscardUnknownFields()
-                    if (why := self.refusal(request.model_name)) is not None:
+                    if (why := self.refusal(request.model_name) or self.take(client)) is not None:
                         await out.put(_stream_error(request, why))
-                    else:
-                        await admitted.put(request)
+                        continue
+                    running[0] += 1
+                    await admitted.put(request)
                 await admitted.put(_END)
 
             async def sent() -> AsyncIterator[Any]:
@@ -165,11 +191,15 @@ class Relay:
                     if isinstance(answer, grpc.aio.AioRpcError):
                         failed = answer
                         break
+                    if running[0] and _ends_a_request(answer):
+                        running[0] -= 1
+                        self.give(client)
                     yield answer
             finally:
                 for task in tasks:
                     task.cancel()
                 call.cancel()
+                self.give(client, running[0])
             if failed is not None:  # after the client's requests are no longer read
                 context.set_code(self._status(failed, "", time.monotonic()))
                 context.set_details(failed.details() or failed.code().name)
@@ -189,6 +219,23 @@ class Relay:
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
+def peer_host(peer: str) -> str:
+    """The client's address from gRPC's peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``), as
+    the HTTP door names it."""
+    address = peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    host = address.rsplit(":", 1)[0] if address.count(":") == 1 or address.startswith("[") else address
+    return host.strip("[]")
+
+
+def _ends_a_request(answer: bytes) -> bool:
+    """A stream answer that is its request's last: Triton's final flag, or an error."""
+    parsed = pb.ModelStreamInferResponse.FromString(answer)
+    if parsed.error_message:
+        return True
+    final = parsed.infer_response.parameters.get("triton_final_response")
+    return final is None or final.bool_param
+
+
 def _stream_error(request: Any, why: str) -> bytes:
     """A stream's in-band error, as Triton answers a request of a stream it cannot serve."""
     answer = pb.ModelStreamInferResponse(error_message=why)
@@ -202,10 +249,10 @@ class GrpcFront:
     HTTP door's loop (nor its liveness)."""
 
     def __init__(self, address: str, target: str, max_message: int, health: Any | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, clients: ClientLoad | None = None) -> None:
         """Listen on ``address`` (``host:port``); relay to ``target`` (``unix:<path>`` or ``host:port``)."""
         self.address, self.max_message = address, max_message
-        self.relay = Relay(target, health, api_key)
+        self.relay = Relay(target, health, api_key, clients)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -246,14 +293,7 @@ class GrpcFront:
 
     def answers(self, timeout_s: float) -> bool:
         """True when the front's event loop runs a no-op within ``timeout_s`` (it is not stuck)."""
-        loop = self._loop
-        if loop is None or self._thread is None or not self._thread.is_alive():
-            return False
-        try:
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout_s)
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            return False
-        return True
+        return loop_answers(self._loop, self._thread, timeout_s)
 
     def stop(self) -> None:
         loop, stopped = self._loop, self._stopped

@@ -15,6 +15,8 @@ flood of idle connections on the public port cannot get a healthy pod restarted.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
 import threading
 import time
@@ -97,6 +99,17 @@ class ServerHealth:
         with self._lock:
             reason, self._restart = self._restart, None
             return reason
+
+
+def loop_answers(loop: asyncio.AbstractEventLoop | None, thread: threading.Thread | None, timeout_s: float) -> bool:
+    """True when ``loop``, run by ``thread``, runs a no-op within ``timeout_s`` (it is not stuck)."""
+    if loop is None or thread is None or not thread.is_alive():
+        return False
+    try:
+        asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout_s)
+    except (concurrent.futures.TimeoutError, RuntimeError):
+        return False
+    return True
 
 
 def recovering(why: str) -> str:

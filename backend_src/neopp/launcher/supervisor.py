@@ -94,23 +94,26 @@ class Supervisor:
         from .grpc_front import GrpcFront
 
         self.api_key = api_key_for(ns)
-        limits, inner_grpc = door_limits(ns), grpc_socket_target(self.inner_grpc)
+        limits = door_limits(ns)
+        inner_grpc = grpc_socket_target(self.inner_grpc) if ns.grpc_front else f"{grpc_host}:{ns.grpc_port}"
         self.front = DoorServer(ns.host, ns.http_port, inner_grpc, self.inner_http, None,
                                 limits, health=self.health, admin_key=key,
                                 api_key=self.api_key, metrics_address=(grpc_host, ns.metrics_port),
                                 public_grpc_port=ns.grpc_port)
-        self.grpc_front = GrpcFront(_listen_address(ns.host, ns.grpc_port), inner_grpc, limits.max_body, self.health,
-                                    self.api_key)
+        self.grpc_front = None if not ns.grpc_front else GrpcFront(
+            _listen_address(ns.host, ns.grpc_port), inner_grpc, limits.max_body, self.health, self.api_key,
+            self.front.door.clients)
         self.alive = None if ns.alive_file is None else Poller(
             "neopp-alive", 5.0, lambda: self.answers(2.0) and touch(Path(ns.alive_file)), lambda exc: None)
 
     def answers(self, timeout_s: float) -> bool:
         """True when both fronts' event loops answer (neither is stuck)."""
-        return self.front.answers(timeout_s) and self.grpc_front.answers(timeout_s)
+        return self.front.answers(timeout_s) and (self.grpc_front is None or self.grpc_front.answers(timeout_s))
 
     def _new_server(self) -> TritonServer:
         ns = self.ns
-        return TritonServer(ns.model_repository, grpc_address=self.inner_grpc,
+        return TritonServer(ns.model_repository, grpc_address=self.inner_grpc if ns.grpc_front else None,
+                            grpc_port=ns.grpc_port,
                             metrics_port=ns.metrics_port, host=ns.host, http_address=self.inner_http,
                             backend_dir=ns.backend_dir, extra_args=[*KEEP_GOING_ARGS, *self.extra], admin_key=self.key,
                             shm_sizes=(DEFAULT_REGION_BYTES, GROWTH_BYTES), env=without_keys(os.environ),
@@ -189,7 +192,8 @@ class Supervisor:
 
     def run(self) -> int:
         self.front.start()
-        self.grpc_front.start()
+        if self.grpc_front is not None:
+            self.grpc_front.start()
         if self.alive is not None:
             self.alive.start()
         try:
@@ -198,7 +202,8 @@ class Supervisor:
             if self.alive is not None:
                 self.alive.stop(timeout_s=5)
             self._stop_server()
-            self.grpc_front.stop()
+            if self.grpc_front is not None:
+                self.grpc_front.stop()
             self.front.stop()
             remove_private(self.inner_http)
 
@@ -362,6 +367,10 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--host", default=LOOPBACK, help="bind address (0.0.0.0 exposes the server)")
     s.add_argument("--backend-dir", default=None, help=backend_help)
     s.add_argument("--ready-timeout", type=float, default=600.0)
+    s.add_argument("--grpc-front", action=argparse.BooleanOptionalAction, default=True,
+                   help="serve the public gRPC port through the launcher's gRPC front (neopp.launcher.grpc_front); "
+                        "--no-grpc-front: Triton's own gRPC port is the public one, so a router's retry on a "
+                        "refused connection sends requests past a dead server (deploy/router.py)")
     s.add_argument("--no-watchdog", action="store_true",
                    help="do not replace a model's dead, stopped or hung Python stub (see neopp.launcher.watchdog)")
     s.add_argument("--reload-timeout-s", type=float, default=300.0,

@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -49,30 +50,35 @@ class Turn:
 
 
 class ClientLoad:
-    """Generations in flight per client, at most ``limit`` each (0: no limit)."""
+    """Generations in flight per client, at most ``limit`` each (0: no limit). The HTTP door and
+    the gRPC front count in one table, each from its own thread."""
 
     def __init__(self, limit: int, secret: bytes | None = None) -> None:
         self.limit = limit
         self._secret = secret or secrets.token_bytes(32)
         self.held: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def take(self, client: str, count: int = 1) -> int:
         """Count ``count`` more generations for ``client``, or refuse them all (429); the priority
         of the first of them in Triton's queue."""
-        held = self.held.get(client, 0)
-        if self.limit and held + count > self.limit:
-            raise DoorError(429, f"this client has {held} generation(s) running or queued, and "
-                            f"{held + count} would pass the {self.limit} one client may have; retry once some "
-                            "have finished", reason="client_limit", headers={"Retry-After": str(RETRY_AFTER_S)})
-        self.held[client] = held + count
-        return min(held + 1, PRIORITY_LEVELS)
+        with self._lock:
+            held = self.held.get(client, 0)
+            if self.limit and held + count > self.limit:
+                raise DoorError(429, f"this client has {held} generation(s) running or queued, and "
+                                f"{held + count} would pass the {self.limit} one client may have; retry once "
+                                f"some have finished (retry after {RETRY_AFTER_S} s)", reason="client_limit",
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+            self.held[client] = held + count
+            return min(held + 1, PRIORITY_LEVELS)
 
     def give(self, client: str, count: int = 1) -> None:
-        left = self.held.get(client, 0) - count
-        if left > 0:
-            self.held[client] = left
-        else:
-            self.held.pop(client, None)
+        with self._lock:
+            left = self.held.get(client, 0) - count
+            if left > 0:
+                self.held[client] = left
+            else:
+                self.held.pop(client, None)
 
     def lane(self, client: str) -> str:
         """The lane the door names for ``client``'s requests (``neopp.contract.client_lanes``)."""
@@ -84,9 +90,11 @@ class ClientLoad:
 
     def look(self) -> dict[str, Any]:
         """What ``/status`` shows: the limit, how many clients hold work, the busiest of them."""
-        busiest = sorted(self.held.items(), key=lambda item: -item[1])[:SHOWN]
-        return {"limit_per_client": self.limit or None, "clients": len(self.held),
-                "in_flight": sum(self.held.values()),
+        with self._lock:
+            held = dict(self.held)
+        busiest = sorted(held.items(), key=lambda item: -item[1])[:SHOWN]
+        return {"limit_per_client": self.limit or None, "clients": len(held),
+                "in_flight": sum(held.values()),
                 "busiest": [{"client": self.label(c), "in_flight": n} for c, n in busiest]}
 
     def _mac(self, purpose: str, client: str) -> str:

@@ -10,7 +10,6 @@ door validates with its own strict rules).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import functools
 import logging
 import socket
@@ -19,6 +18,7 @@ import time
 
 import uvicorn
 
+from ..health import loop_answers
 from .app import Door, Health
 from .bounds import HEADER_LIMIT, DoorLimits
 from .browser_guard import BrowserGuard
@@ -101,14 +101,7 @@ class DoorServer:
 
     def answers(self, timeout_s: float) -> bool:
         """True when the door's event loop runs a no-op within ``timeout_s`` (it is not stuck)."""
-        loop = self._loop
-        if loop is None or self._thread is None or not self._thread.is_alive():
-            return False
-        try:
-            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), loop).result(timeout_s)
-        except (concurrent.futures.TimeoutError, RuntimeError):
-            return False
-        return True
+        return loop_answers(self._loop, self._thread, timeout_s)
 
     def stop(self) -> None:
         self._server.should_exit = True
