@@ -9,7 +9,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from neopp.launcher.grpc_front import Relay, _stream_error
+from neopp.launcher.grpc_front import Relay, _ends_a_request, _stream_error
 from neopp.launcher.health import ServerHealth
 
 MODEL = "neopp_dense"
@@ -111,3 +111,14 @@ def test_inference_without_the_api_key_is_refused_as_triton_refuses_it():
         assert not relay.unkeyed(method, _Context((key, "Bearer " + "k" * 20), ("other", "v")))
     assert not relay.unkeyed(live, _Context())  # health stays open
     assert not Relay("unix:/nowhere", None).unkeyed(infer, _Context())
+
+
+def test_a_stream_request_counts_until_its_last_answer():
+    preview = pb.ModelStreamInferResponse()
+    preview.infer_response.parameters["triton_final_response"].bool_param = False
+    last = pb.ModelStreamInferResponse()
+    last.infer_response.parameters["triton_final_response"].bool_param = True
+    assert not _ends_a_request(preview.SerializeToString())
+    assert _ends_a_request(last.SerializeToString())
+    assert _ends_a_request(pb.ModelStreamInferResponse(error_message="x").SerializeToString())
+    assert _ends_a_request(pb.ModelStreamInferResponse().SerializeToString())  # a model that sends one answer

@@ -26,6 +26,7 @@ import hmac
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -164,7 +165,7 @@ class Relay:
                 async for request in requests:
                     request.DiscardUnknownFields()
                     if (why := self.refusal(request.model_name) or self.take(client)) is not None:
-                        await out.put(_stream_error(request, why))
+                        await out.put(_Refused(_stream_error(request, why)))  # counted nowhere
                         continue
                     running[0] += 1
                     await admitted.put(request)
@@ -191,6 +192,9 @@ class Relay:
                     if isinstance(answer, grpc.aio.AioRpcError):
                         failed = answer
                         break
+                    if isinstance(answer, _Refused):
+                        yield answer.answer
+                        continue
                     if running[0] and _ends_a_request(answer):
                         running[0] -= 1
                         self.give(client)
@@ -217,6 +221,13 @@ class Relay:
                 handlers[method.name] = grpc.unary_unary_rpc_method_handler(
                     self.unary(method), request_deserializer=parse, response_serializer=None)
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The front's own answer to a request of a stream it did not send on."""
+
+    answer: bytes
 
 
 def peer_host(peer: str) -> str:
