@@ -1,5 +1,5 @@
 """What the launcher's gRPC front costs: the same gRPC request sent straight to Triton's gRPC port
-and through the front (neopp.launcher.grpc_front) relaying to it, side by side.
+and through the front (neopp.launcher.door.grpc_front) relaying to it, side by side.
 
 The checkpoint has the real KV geometry (36 layers x 8 KV heads x 128 dims; tiny widths
 elsewhere), so a 300-token prefix is the real 44 MB: the worst case for a relay, which parses
@@ -38,7 +38,7 @@ OPTIONS = [("grpc.max_send_message_length", 1 << 30), ("grpc.max_receive_message
 
 
 def start_front(target: str, port: int) -> subprocess.Popen:
-    code = ("import sys; from neopp.launcher.grpc_front import GrpcFront; "
+    code = ("import sys; from neopp.launcher.door.grpc_front import GrpcFront; "
             f"front = GrpcFront({f'{LOOPBACK}:{port}'!r}, {target!r}, 1 << 30).start(); "
             "sys.stdin.read(); front.stop()")
     return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, cwd=REPO)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from neopp.launcher.grpc_front import Relay, _ends_a_request, _stream_error
+from neopp.launcher.door.grpc_front import Relay, _ends_a_request, _stream_error
 from neopp.launcher.health import ServerHealth
 
 MODEL = "neopp_dense"

@@ -25,8 +25,8 @@ from tritonclient.utils import InferenceServerException
 from neopp.contract.client_lanes import PARAMETER
 from neopp.engines.fault_point import FAULT_ENV
 from neopp.launcher.door.bounds import DoorLimits
+from neopp.launcher.door.grpc_front import GrpcFront
 from neopp.launcher.door.server import DoorServer
-from neopp.launcher.grpc_front import GrpcFront
 from neopp.ports import LOOPBACK, free_ports
 from testing.door_attacks import request, trickle_start
 from tests.e2e.small_repo import SmallServer, write_repo

@@ -7,7 +7,7 @@ per-run key given to Triton are on its command line, which every local user can 
 (``--http-address=unix:<path>``): the launcher puts it in a directory of its own, mode 0700, so
 the file system keeps other users out and no secret is needed. :func:`call` speaks to either
 kind of address. Triton's gRPC goes beside it (:func:`grpc_beside`), behind the launcher's gRPC
-front (neopp.launcher.grpc_front).
+front (neopp.launcher.door.grpc_front).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
   operator key (``$NEOPP_ADMIN_KEY`` or a 0600 file created at first start); the stub watchdog
   sends it when it reloads a model.
 * The public HTTP port is the door (neopp.launcher.door): it parses every request itself and sends
-  inference to Triton over gRPC; the public gRPC port is the gRPC front (neopp.launcher.grpc_front),
+  inference to Triton over gRPC; the public gRPC port is the gRPC front (neopp.launcher.door.grpc_front),
   which relays what it parsed. Triton's own HTTP and gRPC listen on Unix sockets in a directory
   only the server's user can enter (neopp.launcher.inner_http), so no other local user reaches them.
 * A server that dies is restarted with backoff, at most ``--max-restarts`` times within
@@ -90,8 +90,8 @@ class Supervisor:
         self.watchdog = None
         self.health = ServerHealth()
         grpc_host = LOOPBACK if ns.host in ("0.0.0.0", "", "::") else ns.host
+        from .door.grpc_front import GrpcFront
         from .door.server import DoorServer  # needs the serve extra (uvicorn, starlette, grpc)
-        from .grpc_front import GrpcFront
 
         self.api_key = api_key_for(ns)
         limits = door_limits(ns)
@@ -368,7 +368,8 @@ def add_arguments(s: argparse.ArgumentParser, default_repo: str, default_key: st
     s.add_argument("--backend-dir", default=None, help=backend_help)
     s.add_argument("--ready-timeout", type=float, default=600.0)
     s.add_argument("--grpc-front", action=argparse.BooleanOptionalAction, default=True,
-                   help="serve the public gRPC port through the launcher's gRPC front (neopp.launcher.grpc_front); "
+                   help="serve the public gRPC port through the launcher's gRPC front "
+                        "(neopp.launcher.door.grpc_front); "
                         "--no-grpc-front: Triton's own gRPC port is the public one, so a router's retry on a "
                         "refused connection sends requests past a dead server (deploy/router.py)")
     s.add_argument("--no-watchdog", action="store_true",

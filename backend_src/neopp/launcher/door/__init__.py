@@ -3,6 +3,8 @@
 It parses every client byte once, strictly, and hands Triton only what it produced itself:
 inference goes to Triton over gRPC on loopback (so a client that hangs up cancels its request),
 the few control routes are re-serialised to Triton's own HTTP, a socket only this door reaches.
-It imports the rest of the package only for the operator-key names (``neopp.launcher.admin``) and
-the form of Triton's socket address (``neopp.launcher.inner_http``).
+The public gRPC port, when the launcher serves one, is here too (``grpc_front``): it needs the
+same extra, and counts clients in the door's table. The package imports the rest of the launcher
+only for the operator-key names (``neopp.launcher.admin``), the form of Triton's socket address
+(``neopp.launcher.inner_http``) and what the launcher knows of the server (``neopp.launcher.health``).
 """

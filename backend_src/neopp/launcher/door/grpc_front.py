@@ -32,11 +32,11 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 
-from ..contract.statuses import status_of_message
-from .admin import GRPC_API_KEY_HEADER
-from .door.client_load import ClientLoad
-from .door.door_error import DoorError
-from .health import loop_answers, recovering
+from ...contract.statuses import status_of_message
+from ..admin import GRPC_API_KEY_HEADER
+from ..health import loop_answers, recovering
+from .client_load import ClientLoad
+from .door_error import DoorError
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_ANSWER = 1 << 30  # what Triton may send back (images; a model's config)
