@@ -9,7 +9,7 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from neopp.launcher.door.grpc_front import Relay, _ends_a_request, _stream_error
+from neopp.launcher.door.grpc_front import Relay, _ends_a_request, _stream_error, peer_host
 from neopp.launcher.health import ServerHealth
 
 MODEL = "neopp_dense"
@@ -122,3 +122,9 @@ def test_a_stream_request_counts_until_its_last_answer():
     assert _ends_a_request(last.SerializeToString())
     assert _ends_a_request(pb.ModelStreamInferResponse(error_message="x").SerializeToString())
     assert _ends_a_request(pb.ModelStreamInferResponse().SerializeToString())  # a model that sends one answer
+
+
+def test_a_client_is_its_address_as_the_http_door_names_it():
+    assert peer_host("ipv4:127.0.0.1:5000") == "127.0.0.1"
+    assert peer_host("ipv6:[::1]:5000") == "::1"
+    assert peer_host("ipv6:%5B::1%5D:41066") == "::1"  # how grpcio writes it: one client, whatever its port

@@ -25,6 +25,7 @@ import asyncio
 import hmac
 import threading
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,7 @@ SERVICE = "inference.GRPCInferenceService"
 MAX_ANSWER = 1 << 30  # what Triton may send back (images; a model's config)
 _DROPPED_HEADERS = ("content-type", "te", "user-agent", "host")
 _END = object()
+_UNPARSED = object()  # a stream's message that did not parse
 INFERENCE = ("ModelInfer", "ModelStreamInfer")
 # Triton's own answer to a restricted protocol without its header, word for word and with its status
 UNKEYED = f"This protocol is restricted, expecting header '{GRPC_API_KEY_HEADER}'"
@@ -161,7 +163,14 @@ class Relay:
             admitted: asyncio.Queue = asyncio.Queue()  # the client's requests Triton is to get
             client, running = peer_host(context.peer()), [0]  # the client's requests not yet answered in full
 
-            async def read() -> None:  # a refused request is answered in the stream
+            async def read() -> None:
+                try:
+                    await admit()
+                except Exception:  # noqa: BLE001 - bytes that do not parse: the stream ends, named
+                    await out.put(_UNPARSED)
+                await admitted.put(_END)
+
+            async def admit() -> None:  # a refused request is answered in the stream
                 async for request in requests:
                     request.DiscardUnknownFields()
                     if (why := self.refusal(request.model_name) or self.take(client)) is not None:
@@ -169,7 +178,6 @@ class Relay:
                         continue
                     running[0] += 1
                     await admitted.put(request)
-                await admitted.put(_END)
 
             async def sent() -> AsyncIterator[Any]:
                 while (request := await admitted.get()) is not _END:
@@ -186,11 +194,14 @@ class Relay:
                 await out.put(_END)
 
             tasks = [asyncio.ensure_future(read()), asyncio.ensure_future(pump())]
-            failed = None
+            failed, unparsed = None, False
             try:
                 while (answer := await out.get()) is not _END:
                     if isinstance(answer, grpc.aio.AioRpcError):
                         failed = answer
+                        break
+                    if answer is _UNPARSED:
+                        unparsed = True
                         break
                     if isinstance(answer, _Refused):
                         yield answer.answer
@@ -204,6 +215,9 @@ class Relay:
                     task.cancel()
                 call.cancel()
                 self.give(client, running[0])
+            if unparsed:
+                context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                context.set_details("a request of this stream is not a ModelInferRequest")
             if failed is not None:  # after the client's requests are no longer read
                 context.set_code(self._status(failed, "", time.monotonic()))
                 context.set_details(failed.details() or failed.code().name)
@@ -233,6 +247,7 @@ class _Refused:
 def peer_host(peer: str) -> str:
     """The client's address from gRPC's peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``), as
     the HTTP door names it."""
+    peer = urllib.parse.unquote(peer)  # grpcio writes ipv6:%5B::1%5D:5000
     address = peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer
     host = address.rsplit(":", 1)[0] if address.count(":") == 1 or address.startswith("[") else address
     return host.strip("[]")
