@@ -194,7 +194,7 @@ class Relay:
                 await out.put(_END)
 
             tasks = [asyncio.ensure_future(read()), asyncio.ensure_future(pump())]
-            failed, unparsed = None, False
+            failed, unparsed, since = None, False, time.monotonic()
             try:
                 while (answer := await out.get()) is not _END:
                     if isinstance(answer, grpc.aio.AioRpcError):
@@ -219,7 +219,7 @@ class Relay:
                 context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
                 context.set_details("a request of this stream is not a ModelInferRequest")
             if failed is not None:  # after the client's requests are no longer read
-                context.set_code(self._status(failed, "", time.monotonic()))
+                context.set_code(self._status(failed, "", since))
                 context.set_details(failed.details() or failed.code().name)
         return handle
 
