@@ -9,7 +9,10 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from neopp.launcher.door.grpc_front import Relay, _ends_a_request, _stream_error, peer_host
+from neopp.launcher.door.body import ByteBudget
+from neopp.launcher.door.client_load import ClientLoad
+from neopp.launcher.door.grpc_front import BadMessage, Relay, _ends_a_request, _stream_error, parse_request, peer_host
+from neopp.launcher.door.message_fields import MAX_FIELDS, TooManyFields, check_fields
 from neopp.launcher.health import ServerHealth
 
 MODEL = "neopp_dense"
@@ -83,7 +86,8 @@ def test_every_method_of_the_service_is_relayed():
         details = _CallDetails(f"/inference.GRPCInferenceService/{method.name}")
         relayed = handler.service(details)
         assert relayed is not None, method.name
-        assert relayed.request_streaming == method.client_streaming, method.name
+        # read as bytes, whatever the method's kind, so a call of no message or of garbage is answered
+        assert relayed.request_streaming and relayed.request_deserializer is None, method.name
     assert handler.service(_CallDetails("/inference.GRPCInferenceService/NoSuchMethod")) is None
 
 
@@ -128,3 +132,54 @@ def test_a_client_is_its_address_as_the_http_door_names_it():
     assert peer_host("ipv4:127.0.0.1:5000") == "127.0.0.1"
     assert peer_host("ipv6:[::1]:5000") == "::1"
     assert peer_host("ipv6:%5B::1%5D:41066") == "::1"  # how grpcio writes it: one client, whatever its port
+
+
+def _infer_request(outputs: int = 0, tensor_bytes: int = 16) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name=MODEL, id="r")
+    tensor = request.inputs.add(name="COND_KV", datatype="BF16", shape=[tensor_bytes // 2])
+    tensor.parameters["x"].int64_param = 1
+    request.raw_input_contents.append(b"\0" * tensor_bytes)
+    for _ in range(outputs):
+        request.outputs.add()
+    return request
+
+
+def test_a_request_is_counted_to_its_sub_messages_before_it_is_parsed():
+    check_fields(_infer_request(tensor_bytes=8 << 20).SerializeToString(), pb.ModelInferRequest.DESCRIPTOR)
+    check_fields(_infer_request(outputs=MAX_FIELDS - 16).SerializeToString(), pb.ModelInferRequest.DESCRIPTOR)
+    many = _infer_request(outputs=MAX_FIELDS).SerializeToString()  # two bytes each on the wire
+    with pytest.raises(TooManyFields, match="ModelInferRequest of at most 65536 fields"):
+        check_fields(many, pb.ModelInferRequest.DESCRIPTOR)
+    nested = pb.ModelInferRequest(model_name=MODEL)  # inside an input, in its parameters map
+    for index in range(MAX_FIELDS // 2):
+        nested.inputs.add(name="X").parameters[str(index)].bool_param = True
+    with pytest.raises(TooManyFields):
+        check_fields(nested.SerializeToString(), pb.ModelInferRequest.DESCRIPTOR)
+    with pytest.raises(BadMessage, match="over the bound of a ModelInferRequest of at most"):
+        parse_request(many, pb.ModelInferRequest)
+
+
+def test_bytes_that_are_not_the_message_are_named_and_unknown_fields_dropped():
+    for garbage in (b"\xff\xff\xff", b"\x0a\x05ab", b"\x0a\x80"):
+        check_fields(garbage, pb.ModelInferRequest.DESCRIPTOR)  # the count leaves malformed bytes to the parser
+        with pytest.raises(BadMessage, match="the request is not a ModelInferRequest"):
+            parse_request(garbage, pb.ModelInferRequest)
+    known = _infer_request().SerializeToString()
+    parsed = parse_request(known + b"\xa8\x1f\x01", pb.ModelInferRequest)  # field 501, a varint
+    assert parsed.SerializeToString() == known
+
+
+def test_an_admitted_inference_holds_its_bytes_and_its_clients_turn():
+    budget, clients = ByteBudget(1000, 600), ClientLoad(2)
+    relay = Relay("unix:/nowhere", None, clients=clients, budget=budget)
+    request = _infer_request()
+    assert relay.admit(request, "10.0.0.1", 500) is None
+    assert request.parameters["priority"].uint64_param == 1
+    assert request.parameters["neopp_client"].string_param == clients.lane("10.0.0.1")
+    assert "share" in relay.admit(_infer_request(), "10.0.0.1", 200)  # over the client's bytes
+    assert "does not fit now" in relay.admit(_infer_request(), "10.0.0.2", 501)  # over all bytes
+    assert relay.admit(_infer_request(), "10.0.0.1", 100) is None
+    assert relay.admit(_infer_request(), "10.0.0.1", 0).startswith("this client has 2 generation(s)")
+    assert (budget.used, clients.held) == (600, {"10.0.0.1": 2})  # a refusal holds nothing
+    relay.done("10.0.0.1", 2, 600)
+    assert (budget.used, budget.held, clients.held) == (0, {}, {})

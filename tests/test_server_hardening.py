@@ -154,3 +154,14 @@ def test_keys_reach_argv_but_not_the_command_line() -> None:
         assert _probe(stray, ["--x=@NEOPP_KEY_0000000000000000@"]).returncode == 70  # a marker left: no start
     finally:
         shutil.rmtree(directory)
+
+
+def test_metrics_listen_on_ipv4_beside_an_ipv6_bind() -> None:
+    """Triton's metrics take IPv4 only; given ``::1`` they listened on 255.255.255.255, so the
+    watchdog's traffic poll and the door's /metrics were refused."""
+    from neopp.launcher.tritonserver import metrics_client_host, metrics_host
+
+    assert [metrics_host(host) for host in ("127.0.0.1", "0.0.0.0", "::1", "::", "fd00::5")] == \
+        ["127.0.0.1", "0.0.0.0", "127.0.0.1", "0.0.0.0", "127.0.0.1"]
+    assert [metrics_client_host(host) for host in ("0.0.0.0", "::", "::1", "10.1.2.3")] == \
+        ["127.0.0.1", "127.0.0.1", "127.0.0.1", "10.1.2.3"]

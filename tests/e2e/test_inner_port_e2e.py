@@ -7,7 +7,9 @@ serve`` with an operator key and an API key):
   in the environment of tritonserver or its stubs;
 * Triton's own HTTP and gRPC are Unix sockets in a 0700 directory: tritonserver listens on TCP
   only for metrics; the public gRPC port is the launcher's gRPC front, which takes no message
-  over the door's body bound (RESOURCE_EXHAUSTED, Triton never sees it);
+  over the door's body bound (RESOURCE_EXHAUSTED, Triton never sees it), answers every call it
+  cannot relay (no message, bytes that do not parse, too many fields) with INVALID_ARGUMENT,
+  answers gRPC's health protocol, and holds back a stream client that reads nothing;
 * a ``STEPS`` of shape [1000000000000], which aborts Triton's own HTTP parser, is a 400 naming
   STEPS at the door (JSON and binary), an INVALID_ARG over gRPC, and the server stays up.
 """
@@ -20,9 +22,11 @@ import stat
 import time
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
 from neopp.launcher.admin import GRPC_API_KEY_HEADER
@@ -158,5 +162,86 @@ def test_giant_steps_shape_is_refused_and_the_server_stays(launched, kv):
         assert request(launched.http_port, b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\n\r\n")[0] == 200
         assert client.is_server_ready() and client.is_model_ready(MODEL)
         assert _generate(client, kv)
+    finally:
+        client.close()
+
+
+SERVICE_PATH = "/inference.GRPCInferenceService/"
+KEYED = tuple(GRPC_API.items())
+
+
+def _ended(channel: grpc.Channel, method: str, messages: list[bytes]) -> tuple[grpc.StatusCode, str]:
+    """How a call of raw ``messages`` ends (a deadline, so a call left unanswered fails the test)."""
+    call = channel.stream_stream(SERVICE_PATH + method, request_serializer=None, response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call(iter(messages), metadata=KEYED, timeout=60))
+    return ended.value.code(), ended.value.details()
+
+
+def test_the_grpc_front_answers_every_call_it_cannot_relay(launched, kv):
+    many = pb.ModelInferRequest(model_name=MODEL)
+    for _ in range(70_000):  # 140 kB on the wire, 70,000 messages once parsed
+        many.outputs.add()
+    with grpc.insecure_channel(f"127.0.0.1:{launched.grpc_port}") as channel:
+        # a unary call of no message: grpcio's own unary handling left it unanswered
+        code, details = _ended(channel, "ModelInfer", [])
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "sent no ModelInferRequest" in details
+        code, details = _ended(channel, "ModelInfer", [b"\xff\xff\xff"])
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a ModelInferRequest" in details, details
+        code, details = _ended(channel, "ModelInfer", [many.SerializeToString()])
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "at most 65536 fields" in details, details
+        code, details = _ended(channel, "ModelStreamInfer", [b"\xff"])
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "a request of this stream" in details, details
+        code, details = _ended(channel, "ServerLive", [b"\x0a\x80"])
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "not a ServerLiveRequest" in details, details
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                    response_deserializer=None)
+        assert check(b"", timeout=30) == b"\x08\x01"  # SERVING
+        with pytest.raises(grpc.RpcError) as unknown:
+            check(b"\x0a\x05other", timeout=30)
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    try:
+        assert _generate(client, kv)
+    finally:
+        client.close()
+
+
+def _bytes_held(port: int) -> int:
+    _, _, text = request(port, b"GET /metrics HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+    held = [line for line in text.decode().splitlines() if line.startswith("neopp_http_body_bytes_held ")]
+    return int(float(held[0].split()[1]))
+
+
+def test_a_stream_client_that_reads_nothing_is_held_back(launched, kv):
+    """Its answers stop being read from Triton, then its requests from it: before, the front read
+    them all and queued every answer, so the launcher's memory grew with what the client sent."""
+    sent, total = [0], 4000
+    ident = "x" * (32 << 10)  # each answer echoes it: 4000 of them would be 128 MB
+
+    def requests():
+        for _ in range(total):
+            sent[0] += 1
+            yield pb.ModelInferRequest(model_name="no_such_model", id=ident).SerializeToString()
+
+    with grpc.insecure_channel(f"127.0.0.1:{launched.grpc_port}") as channel:
+        call = channel.stream_stream(SERVICE_PATH + "ModelStreamInfer", request_serializer=None,
+                                     response_deserializer=None)(requests(), metadata=KEYED)
+        last, unchanged = -1, 0
+        for _ in range(360):  # until the client has been unable to send for 5 s (at most 3 minutes)
+            time.sleep(0.5)
+            unchanged, last = (unchanged + 1 if sent[0] == last else 0), sent[0]
+            if unchanged >= 10 or last >= total:
+                break
+        assert sent[0] < total // 2, f"the front read {sent[0]} requests of a client that reads nothing"
+        call.cancel()
+    for _ in range(120):  # the stream's requests held by the front are given back
+        if _bytes_held(launched.http_port) == 0:
+            break
+        time.sleep(0.25)
+    assert _bytes_held(launched.http_port) == 0
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    try:  # the stream's count of this client was given back: its generations are served
+        assert _generate(client, kv) and _generate(client, kv)
     finally:
         client.close()

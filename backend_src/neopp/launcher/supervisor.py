@@ -38,7 +38,7 @@ from .inner_http import grpc_beside, private_address, remove_private
 from .model_states import KEEP_GOING_ARGS, repository_index, state_table
 from .poller import Poller
 from .shm_regions import DEFAULT_REGION_BYTES, GROWTH_BYTES
-from .tritonserver import TritonServer, grpc_socket_target
+from .tritonserver import TritonServer, grpc_socket_target, metrics_client_host
 
 API_KEY_ENV = "NEOPP_API_KEY"
 ALLOWED_HOSTS_ENV = "NEOPP_ALLOWED_HOSTS"
@@ -98,11 +98,11 @@ class Supervisor:
         inner_grpc = grpc_socket_target(self.inner_grpc) if ns.grpc_front else f"{grpc_host}:{ns.grpc_port}"
         self.front = DoorServer(ns.host, ns.http_port, inner_grpc, self.inner_http, None,
                                 limits, health=self.health, admin_key=key,
-                                api_key=self.api_key, metrics_address=(grpc_host, ns.metrics_port),
+                                api_key=self.api_key, metrics_address=(metrics_client_host(ns.host), ns.metrics_port),
                                 public_grpc_port=ns.grpc_port)
         self.grpc_front = None if not ns.grpc_front else GrpcFront(
             _listen_address(ns.host, ns.grpc_port), inner_grpc, limits.max_body, self.health, self.api_key,
-            self.front.door.clients)
+            self.front.door.clients, self.front.door.budget, max_calls=limits.max_connections)
         self.alive = None if ns.alive_file is None else Poller(
             "neopp-alive", 5.0, lambda: self.answers(2.0) and touch(Path(ns.alive_file)), lambda exc: None)
 

@@ -65,6 +65,21 @@ def _terminate_with_parent() -> None:
         _PRCTL(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
 
 
+def metrics_host(host: str) -> str:
+    """Where Triton's metrics listen for a server bound to ``host``. They take IPv4 only (given an
+    IPv6 address, Triton 2.51 listens on 255.255.255.255), so an IPv6 bind gets its IPv4 twin: every
+    address for ``::``, loopback for any other."""
+    if ":" not in host:
+        return host
+    return "0.0.0.0" if host == "::" else LOOPBACK
+
+
+def metrics_client_host(host: str) -> str:
+    """Where a local client reaches those metrics (a wildcard bind over loopback)."""
+    bound = metrics_host(host)
+    return LOOPBACK if bound in ("0.0.0.0", "") else bound
+
+
 def grpc_socket_target(address: str) -> str:
     """Where Triton's gRPC on ``unix:<path>`` listens: it appends ``:<port>`` (0) to the name."""
     return f"{address}:0"
@@ -161,7 +176,7 @@ class TritonServer:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.client_host}:{self.metrics_port}/metrics"
+        return f"http://{metrics_client_host(self.host)}:{self.metrics_port}/metrics"
 
     def _grpc_args(self) -> list[str]:
         if self.grpc_address is not None:  # a socket: Triton appends ":<port>" to its name
@@ -178,7 +193,7 @@ class TritonServer:
                 f"--backend-directory={self.backend_dir}",
                 f"--http-address={self.http_address}", f"--http-port={self.http_port}",
                 *self._grpc_args(),
-                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
+                f"--metrics-address={metrics_host(self.host)}", f"--metrics-port={self.metrics_port}",
                 *backend_args(self.shm_prefix, *(self.shm_sizes or ())),
                 *(restriction_args(*keys) if self.admin_key else []),
                 *([] if any(a.startswith(GRPC_POOL_ARG) for a in self.extra_args) else [f"{GRPC_POOL_ARG}=0"]),

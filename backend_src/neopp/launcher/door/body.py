@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -30,11 +31,13 @@ INFLATE_STEP = MiB  # inflated bytes per step between two turns of the event loo
 
 class ByteBudget:
     """Bytes reserved by bodies in flight, all clients and each; a reservation that does not fit
-    is refused, not queued."""
+    is refused, not queued. The HTTP door and the gRPC front reserve in one budget, each from its
+    own thread."""
 
     def __init__(self, total: int, per_client: int | None = None) -> None:
         self.total, self.per_client, self.used = total, per_client or total, 0
         self.held: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def check_size(self, size: int) -> None:
         """A 413 for a body that could never fit, however long its client waited."""
@@ -56,17 +59,19 @@ class ByteBudget:
                             reason="client_bodies", headers={"Retry-After": "1"})
 
     def reserve(self, size: int, client: str = "") -> None:
-        self.room(size, client)
-        self.used += size
-        self.held[client] = self.held.get(client, 0) + size
+        with self._lock:
+            self.room(size, client)
+            self.used += size
+            self.held[client] = self.held.get(client, 0) + size
 
     def release(self, size: int, client: str = "") -> None:
-        self.used -= size
-        left = self.held.get(client, 0) - size
-        if left > 0:
-            self.held[client] = left
-        else:
-            self.held.pop(client, None)
+        with self._lock:
+            self.used -= size
+            left = self.held.get(client, 0) - size
+            if left > 0:
+                self.held[client] = left
+            else:
+                self.held.pop(client, None)
 
 
 class _Inflater:

@@ -31,19 +31,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
+from ...contract.client_lanes import PARAMETER as LANE_PARAMETER
 from ...contract.statuses import status_of_message
 from ..admin import GRPC_API_KEY_HEADER
 from ..health import loop_answers, recovering
+from .body import ByteBudget
 from .client_load import ClientLoad
 from .door_error import DoorError
+from .grpc_health import health_handler
+from .message_fields import TooManyFields, check_fields
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_ANSWER = 1 << 30  # what Triton may send back (images; a model's config)
 _DROPPED_HEADERS = ("content-type", "te", "user-agent", "host")
 _END = object()
-_UNPARSED = object()  # a stream's message that did not parse
+STREAM_BACKLOG = 16  # a stream's answers waiting for its client to read them
+STREAM_IN_FLIGHT = 64  # a stream's requests sent on and not answered in full; the next one waits
 INFERENCE = ("ModelInfer", "ModelStreamInfer")
 # Triton's own answer to a restricted protocol without its header, word for word and with its status
 UNKEYED = f"This protocol is restricted, expecting header '{GRPC_API_KEY_HEADER}'"
@@ -59,16 +65,38 @@ def _forwarded(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes
             if not key.startswith((":", "grpc-")) and key not in _DROPPED_HEADERS]
 
 
+class BadMessage(ValueError):
+    """A client's message the front does not send on: it does not parse, or holds too much."""
+
+
+def parse_request(data: bytes, message: type) -> Any:
+    """``data`` as a ``message``, its unknown fields dropped; BadMessage names the rule it breaks."""
+    try:
+        check_fields(data, message.DESCRIPTOR)
+        request = message.FromString(data)
+    except TooManyFields as exc:
+        raise BadMessage(f"the request is over the bound of {exc}") from None
+    except DecodeError:
+        raise BadMessage(f"the request is not a {message.DESCRIPTOR.name}") from None
+    request.DiscardUnknownFields()
+    return request
+
+
 class Relay:
-    """The service's handlers on one event loop: a channel to ``target`` made on first use."""
+    """The service's handlers on one event loop: a channel to ``target`` made on first use.
+
+    Every method is received as a stream of bytes and parsed here, so that a call that sends no
+    message, two, or bytes that do not parse is answered (grpcio leaves a unary call with no
+    message unanswered) and a message's fields are counted before it is parsed."""
 
     def __init__(self, target: str, health: Any | None, api_key: str | None = None,
-                 clients: ClientLoad | None = None) -> None:
+                 clients: ClientLoad | None = None, budget: ByteBudget | None = None) -> None:
         """``health``: what the launcher knows (``not_ready``, ``model_unavailable``), or None;
         ``api_key``: what inference needs, checked here as Triton checks it (None: nothing);
         ``clients``: each client's inferences in flight, counted with the HTTP door's (None: not
+        bounded); ``budget``: the request bytes held, shared with the HTTP door's bodies (None: not
         bounded)."""
-        self.target, self.health, self.clients = target, health, clients
+        self.target, self.health, self.clients, self.budget = target, health, clients, budget
         self._keyed = None if api_key is None else f"Bearer {api_key}".encode()
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, Any] = {}
@@ -119,122 +147,182 @@ class Relay:
             return grpc.StatusCode.UNAVAILABLE
         return code
 
+    async def first(self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext, message: type) -> Any:
+        """The call's request, parsed; a call that sent none, or bytes that do not parse, is ended
+        with INVALID_ARGUMENT. A unary call's messages after its first are not read."""
+        async for data in messages:
+            try:
+                return parse_request(data, message)
+            except BadMessage as bad:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(bad))
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the call sent no {message.DESCRIPTOR.name}")
+
     def unary(self, method: Any) -> Callable[..., Any]:
-        async def handle(request: Any, context: grpc.aio.ServicerContext) -> bytes:
+        message = _message_class(method.input_type.name)
+
+        async def handle(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             if self.unkeyed(method, context):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
-            request.DiscardUnknownFields()
-            model = getattr(request, "model_name", "") if method.name == "ModelInfer" else None
+            request = await self.first(messages, context, message)
+            model = request.model_name if method.name == "ModelInfer" else None
             if model is not None and (why := self.refusal(model)) is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, why)
             client = peer_host(context.peer()) if model is not None else None
-            if client is not None and (over := self.take(client)) is not None:
+            size = request.ByteSize() if client is not None else 0
+            if client is not None and (over := self.admit(request, client, size)) is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, over)
             since = time.monotonic()
             try:
-                return await self._call(method)(request, metadata=_forwarded(context),
-                                                timeout=context.time_remaining())
+                yield await self._call(method)(request, metadata=_forwarded(context),
+                                               timeout=context.time_remaining())
             except grpc.aio.AioRpcError as exc:
                 await context.abort(self._status(exc, model or "", since), exc.details() or exc.code().name)
             finally:
                 if client is not None:
-                    self.give(client)
+                    self.done(client, 1, size)
         return handle
 
-    def take(self, client: str) -> str | None:
-        """Count one more inference of ``client``; why not, past its share (None: counted)."""
+    def admit(self, request: Any, client: str, size: int) -> str | None:
+        """Count one more inference of ``client`` holding ``size`` bytes, and give it its client's
+        turn in Triton's queue (lane and priority, as the HTTP door does); why not, past its share
+        or the bytes the server holds (None: admitted)."""
+        try:
+            if self.budget is not None:
+                self.budget.reserve(size, client)
+        except DoorError as refused:
+            return refused.message
         if self.clients is None:
             return None
         try:
-            self.clients.take(client)
+            priority = self.clients.take(client)
         except DoorError as refused:
+            if self.budget is not None:
+                self.budget.release(size, client)
             return refused.message
+        request.parameters[LANE_PARAMETER].string_param = self.clients.lane(client)
+        request.parameters["priority"].uint64_param = priority
         return None
 
-    def give(self, client: str, count: int = 1) -> None:
+    def done(self, client: str, count: int = 0, size: int = 0) -> None:
+        """``count`` of ``client``'s inferences answered in full, ``size`` of its bytes sent on."""
         if self.clients is not None and count:
             self.clients.give(client, count)
+        if self.budget is not None and size:
+            self.budget.release(size, client)
 
     def stream(self, method: Any) -> Callable[..., Any]:
-        async def handle(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async def handle(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             if self.unkeyed(method, context):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
-            out: asyncio.Queue = asyncio.Queue()  # Triton's answers and the front's refusals, in order
-            admitted: asyncio.Queue = asyncio.Queue()  # the client's requests Triton is to get
-            client, running = peer_host(context.peer()), [0]  # the client's requests not yet answered in full
-
-            async def read() -> None:
-                try:
-                    await admit()
-                except Exception:  # noqa: BLE001 - bytes that do not parse: the stream ends, named
-                    await out.put(_UNPARSED)
-                await admitted.put(_END)
-
-            async def admit() -> None:  # a refused request is answered in the stream
-                async for request in requests:
-                    request.DiscardUnknownFields()
-                    if (why := self.refusal(request.model_name) or self.take(client)) is not None:
-                        await out.put(_Refused(_stream_error(request, why)))  # counted nowhere
-                        continue
-                    running[0] += 1
-                    await admitted.put(request)
-
-            async def sent() -> AsyncIterator[Any]:
-                while (request := await admitted.get()) is not _END:
-                    yield request
-
-            call = self._call(method)(sent(), metadata=_forwarded(context), timeout=context.time_remaining())
-
-            async def pump() -> None:  # the call ends after the client's last request: refusals come first
-                try:
-                    async for answer in call:
-                        await out.put(answer)
-                except grpc.aio.AioRpcError as exc:
-                    await out.put(exc)
-                await out.put(_END)
-
-            tasks = [asyncio.ensure_future(read()), asyncio.ensure_future(pump())]
-            failed, unparsed, since = None, False, time.monotonic()
+            relayed = _Stream(self, peer_host(context.peer()))
+            call = self._call(method)(relayed.sent(), metadata=_forwarded(context), timeout=context.time_remaining())
             try:
-                while (answer := await out.get()) is not _END:
-                    if isinstance(answer, grpc.aio.AioRpcError):
-                        failed = answer
-                        break
-                    if answer is _UNPARSED:
-                        unparsed = True
-                        break
-                    if isinstance(answer, _Refused):
-                        yield answer.answer
-                        continue
-                    if running[0] and _ends_a_request(answer):
-                        running[0] -= 1
-                        self.give(client)
+                async for answer in relayed.answers(messages, call):
                     yield answer
             finally:
-                for task in tasks:
-                    task.cancel()
-                call.cancel()
-                self.give(client, running[0])
-            if unparsed:
-                context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
-                context.set_details("a request of this stream is not a ModelInferRequest")
-            if failed is not None:  # after the client's requests are no longer read
-                context.set_code(self._status(failed, "", since))
-                context.set_details(failed.details() or failed.code().name)
+                relayed.close()
+            if relayed.failed is not None:  # after the client's requests are no longer read
+                code, details = relayed.failed
+                context.set_code(code)
+                context.set_details(details)
         return handle
 
     def handler(self) -> grpc.GenericRpcHandler:
-        """Every method of the service, relayed."""
+        """Every method of the service, relayed; each received as bytes (see the class)."""
         handlers = {}
         for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
-            parse = _message_class(method.input_type.name).FromString
-            if method.client_streaming:
-                handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                    self.stream(method), request_deserializer=parse, response_serializer=None)
-            else:
-                handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-                    self.unary(method), request_deserializer=parse, response_serializer=None)
+            handle = self.stream(method) if method.client_streaming else self.unary(method)
+            handlers[method.name] = grpc.stream_stream_rpc_method_handler(
+                handle, request_deserializer=None, response_serializer=None)
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
+
+
+class _Stream:
+    """One relayed ``ModelStreamInfer``: the client's requests admitted one by one and sent on,
+    Triton's answers and the front's refusals back in order. Both ways are bounded: a client that
+    does not read its answers stops Triton's being read, then new requests being sent on (Triton
+    would keep their answers), then its own requests being read."""
+
+    def __init__(self, relay: Relay, client: str) -> None:
+        self.relay, self.client = relay, client
+        self.out: asyncio.Queue = asyncio.Queue(STREAM_BACKLOG)  # answers and refusals, in order
+        self.admitted: asyncio.Queue = asyncio.Queue(1)  # requests Triton is to get, with their sizes
+        self.running = 0  # the client's requests not yet answered in full
+        self.slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # one held by each of them
+        self.held = 0  # bytes of admitted requests not yet sent on
+        self.failed: tuple[grpc.StatusCode, str] | None = None
+        self.since = time.monotonic()
+        self.closed = False
+        self.tasks: list[asyncio.Future] = []
+        self.call: Any = None
+
+    async def read(self, messages: AsyncIterator[bytes]) -> None:
+        try:
+            async for data in messages:
+                try:
+                    request = parse_request(data, pb.ModelInferRequest)
+                except BadMessage as bad:
+                    self.failed = (grpc.StatusCode.INVALID_ARGUMENT, f"a request of this stream: {bad}")
+                    await self.out.put(_END)
+                    return
+                await self.admit(request)
+        except Exception:  # noqa: BLE001 - the client's stream broke: the relayed one ends
+            pass
+        await self.admitted.put((_END, 0))
+
+    async def admit(self, request: Any) -> None:
+        """Send ``request`` on, or answer its refusal in the stream (counted nowhere)."""
+        size = request.ByteSize()
+        await self.slots.acquire()
+        why = self.relay.refusal(request.model_name) or self.relay.admit(request, self.client, size)
+        if why is not None:
+            self.slots.release()
+            await self.out.put(_Refused(_stream_error(request, why)))
+            return
+        self.running += 1
+        self.held += size
+        await self.admitted.put((request, size))
+
+    async def sent(self) -> AsyncIterator[Any]:
+        while (item := await self.admitted.get())[0] is not _END:
+            yield item[0]
+            if self.closed:  # close() gave back what was held
+                return
+            self.held -= item[1]
+            self.relay.done(self.client, 0, item[1])
+
+    async def pump(self, call: Any) -> None:  # the call ends after the client's last request: refusals come first
+        try:
+            async for answer in call:
+                await self.out.put(answer)
+        except grpc.aio.AioRpcError as exc:
+            self.failed = (self.relay._status(exc, "", self.since), exc.details() or exc.code().name)
+        await self.out.put(_END)
+
+    async def answers(self, messages: AsyncIterator[bytes], call: Any) -> AsyncIterator[bytes]:
+        self.call = call
+        self.tasks = [asyncio.ensure_future(self.read(messages)), asyncio.ensure_future(self.pump(call))]
+        while (answer := await self.out.get()) is not _END:
+            if isinstance(answer, _Refused):
+                yield answer.answer
+                continue
+            if self.running and _ends_a_request(answer):
+                self.running -= 1
+                self.slots.release()
+                self.relay.done(self.client, 1)
+            yield answer
+
+    def close(self) -> None:
+        """Stop both ways and give back what the stream still counts (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self.tasks:
+            task.cancel()
+        if self.call is not None:
+            self.call.cancel()
+        self.relay.done(self.client, self.running, self.held)
+        self.running = self.held = 0
 
 
 @dataclass(frozen=True)
@@ -275,10 +363,12 @@ class GrpcFront:
     HTTP door's loop (nor its liveness)."""
 
     def __init__(self, address: str, target: str, max_message: int, health: Any | None = None,
-                 api_key: str | None = None, clients: ClientLoad | None = None) -> None:
-        """Listen on ``address`` (``host:port``); relay to ``target`` (``unix:<path>`` or ``host:port``)."""
-        self.address, self.max_message = address, max_message
-        self.relay = Relay(target, health, api_key, clients)
+                 api_key: str | None = None, clients: ClientLoad | None = None, budget: ByteBudget | None = None,
+                 max_calls: int | None = None) -> None:
+        """Listen on ``address`` (``host:port``); relay to ``target`` (``unix:<path>`` or ``host:port``);
+        at most ``max_calls`` calls open at once, all clients (beyond: RESOURCE_EXHAUSTED)."""
+        self.address, self.max_message, self.max_calls = address, max_message, max_calls
+        self.relay = Relay(target, health, api_key, clients, budget)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -299,8 +389,9 @@ class GrpcFront:
         self._stopped = asyncio.Event()
         options = [("grpc.max_receive_message_length", self.max_message),
                    ("grpc.max_send_message_length", MAX_ANSWER), ("grpc.so_reuseport", 0)]
-        server = grpc.aio.server(options=options)
-        server.add_generic_rpc_handlers((self.relay.handler(),))
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=self.max_calls)
+        server.add_generic_rpc_handlers((self.relay.handler(),
+                                         health_handler(self.relay.first, lambda: self.relay.refusal(""))))
         try:
             self.port = server.add_insecure_port(self.address)
             if not self.port:
