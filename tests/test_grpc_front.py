@@ -11,8 +11,9 @@ from tritonclient.grpc import service_pb2 as pb
 
 from neopp.launcher.door.body import ByteBudget
 from neopp.launcher.door.client_load import ClientLoad
-from neopp.launcher.door.grpc_front import BadMessage, Relay, _ends_a_request, _stream_error, parse_request, peer_host
-from neopp.launcher.door.message_fields import MAX_FIELDS, TooManyFields, check_fields
+from neopp.launcher.door.grpc_front import Relay, peer_host
+from neopp.launcher.door.grpc_stream import ends_a_request, stream_error
+from neopp.launcher.door.message_fields import MAX_FIELDS, BadMessage, TooManyFields, check_fields, parse_request
 from neopp.launcher.health import ServerHealth
 
 MODEL = "neopp_dense"
@@ -37,28 +38,28 @@ def health() -> ServerHealth:
 def test_a_gone_instance_is_unavailable_and_other_errors_keep_their_status(health):
     relay = Relay("unix:/nowhere", health)
     gone = _error(grpc.StatusCode.INTERNAL, f"Stub process '{MODEL}_0_0' is not healthy.")
-    assert relay._status(gone, MODEL, _now()) == grpc.StatusCode.UNAVAILABLE
-    assert relay._status(_error(grpc.StatusCode.INTERNAL, "internal error: a bug"), MODEL, _now()) \
+    assert relay.status_of(gone, MODEL, _now()) == grpc.StatusCode.UNAVAILABLE
+    assert relay.status_of(_error(grpc.StatusCode.INTERNAL, "internal error: a bug"), MODEL, _now()) \
         == grpc.StatusCode.INTERNAL
     planted = _error(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected inference input 'Stub process '{MODEL}_0_0' "
                                                        "is not healthy.'")
-    assert relay._status(planted, MODEL, _now()) == grpc.StatusCode.INVALID_ARGUMENT
+    assert relay.status_of(planted, MODEL, _now()) == grpc.StatusCode.INVALID_ARGUMENT
     for code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
-        assert relay._status(_error(code, "x"), MODEL, _now()) == code
+        assert relay.status_of(_error(code, "x"), MODEL, _now()) == code
 
 
 def test_an_internal_error_while_the_launcher_knew_of_a_recovery_is_unavailable(health):
     relay = Relay("unix:/nowhere", health)
     sent = _now() - 10.0  # before the server came up: it was recovering while the request ran
-    assert relay._status(_error(grpc.StatusCode.INTERNAL, "x"), "another_model", sent) == grpc.StatusCode.UNAVAILABLE
+    assert relay.status_of(_error(grpc.StatusCode.INTERNAL, "x"), "another_model", sent) == grpc.StatusCode.UNAVAILABLE
     bug = _error(grpc.StatusCode.INTERNAL, "internal error: the pipe broke")
-    assert relay._status(bug, MODEL, _now()) == grpc.StatusCode.INTERNAL
+    assert relay.status_of(bug, MODEL, _now()) == grpc.StatusCode.INTERNAL
     health.model_broken(MODEL, "no live stub")
-    assert relay._status(bug, MODEL, _now()) == grpc.StatusCode.UNAVAILABLE
-    assert relay._status(bug, "another_model", _now()) == grpc.StatusCode.UNAVAILABLE  # the replica is unready
+    assert relay.status_of(bug, MODEL, _now()) == grpc.StatusCode.UNAVAILABLE
+    assert relay.status_of(bug, "another_model", _now()) == grpc.StatusCode.UNAVAILABLE  # the replica is unready
     health.model_serving(MODEL)
-    assert relay._status(bug, MODEL, _now()) == grpc.StatusCode.INTERNAL
-    assert Relay("unix:/nowhere", None)._status(bug, MODEL, _now()) == grpc.StatusCode.INTERNAL
+    assert relay.status_of(bug, MODEL, _now()) == grpc.StatusCode.INTERNAL
+    assert Relay("unix:/nowhere", None).status_of(bug, MODEL, _now()) == grpc.StatusCode.INTERNAL
 
 
 def test_what_the_launcher_knows_is_refused_before_triton(health):
@@ -74,7 +75,7 @@ def test_what_the_launcher_knows_is_refused_before_triton(health):
 
 def test_a_refused_stream_request_is_answered_in_the_stream():
     request = pb.ModelInferRequest(model_name=MODEL, id="r-7")
-    answer = pb.ModelStreamInferResponse.FromString(_stream_error(request, "not serving now"))
+    answer = pb.ModelStreamInferResponse.FromString(stream_error(request, "not serving now"))
     assert answer.error_message == "not serving now"
     assert (answer.infer_response.id, answer.infer_response.model_name) == ("r-7", MODEL)
 
@@ -122,10 +123,10 @@ def test_a_stream_request_counts_until_its_last_answer():
     preview.infer_response.parameters["triton_final_response"].bool_param = False
     last = pb.ModelStreamInferResponse()
     last.infer_response.parameters["triton_final_response"].bool_param = True
-    assert not _ends_a_request(preview.SerializeToString())
-    assert _ends_a_request(last.SerializeToString())
-    assert _ends_a_request(pb.ModelStreamInferResponse(error_message="x").SerializeToString())
-    assert _ends_a_request(pb.ModelStreamInferResponse().SerializeToString())  # a model that sends one answer
+    assert not ends_a_request(preview.SerializeToString())
+    assert ends_a_request(last.SerializeToString())
+    assert ends_a_request(pb.ModelStreamInferResponse(error_message="x").SerializeToString())
+    assert ends_a_request(pb.ModelStreamInferResponse().SerializeToString())  # a model that sends one answer
 
 
 def test_a_client_is_its_address_as_the_http_door_names_it():

@@ -52,7 +52,7 @@ def served(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     door = DoorServer(LOOPBACK, 0, server.server.grpc_url, (LOOPBACK, server.server.http_port), "fair",
                       limits).start()
     front = GrpcFront(f"{LOOPBACK}:{free_ports(1)[0]}", server.server.grpc_url, 1 << 30,
-                      clients=door.door.clients).start()  # as the launcher pairs them: one count per client
+                      clients=door.door.clients, budget=door.door.budget).start()  # as the launcher pairs them
     try:
         yield server, door.server_address[1], hold, front.address
     finally:

@@ -347,7 +347,8 @@ _DOOR_BOUNDS: tuple[tuple[str, type, float, str], ...] = (
     ("--idle-timeout-s", float, 15.0,
      "an HTTP connection's wait for a complete request head, after opening or its last answer"),
     ("--max-connections", int, 1024,
-     "open HTTP connections; at the cap a new one replaces an idle one (none idle: 503)"),
+     "open HTTP connections; at the cap a new one replaces an idle one (none idle: 503); also the gRPC "
+     "front's open calls (beyond: RESOURCE_EXHAUSTED)"),
     ("--max-client-connections", int, 512,
      "open HTTP connections of one client address; at the cap as --max-connections"),
     ("--max-inference", int, 768,

@@ -12,11 +12,14 @@ Why a relay rather than Triton's gRPC port itself:
 * Triton takes gRPC messages up to 2 GiB with no option to lower it; the front takes at most the
   door's body bound.
 
-Each request is parsed once (protobuf, unknown fields dropped) and Triton gets the message the
-front serialised from it, never the client's bytes; Triton's answers, which the server produced,
+Each request is parsed once, here, after its fields are counted (neopp.launcher.door.message_fields;
+protobuf, unknown fields dropped), and Triton gets the message the front serialised from it,
+never the client's bytes; Triton's answers, which the server produced,
 pass as they are. Every header a client sent that is not gRPC's own goes on, so Triton's
 restricted protocols (the operator and API keys) judge it as before. A client that hangs up
-cancels the relayed call, so Triton cancels the request.
+cancels the relayed call, so Triton cancels the request. What a client holds here is bounded: its
+inferences and their bytes (shared with the HTTP door's counts), a stream's queues both ways, and
+the calls open at once.
 """
 
 from __future__ import annotations
@@ -27,11 +30,9 @@ import threading
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as pb
 
 from ...contract.client_lanes import PARAMETER as LANE_PARAMETER
@@ -42,14 +43,12 @@ from .body import ByteBudget
 from .client_load import ClientLoad
 from .door_error import DoorError
 from .grpc_health import health_handler
-from .message_fields import TooManyFields, check_fields
+from .grpc_stream import RelayedStream
+from .message_fields import BadMessage, parse_request
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_ANSWER = 1 << 30  # what Triton may send back (images; a model's config)
 _DROPPED_HEADERS = ("content-type", "te", "user-agent", "host")
-_END = object()
-STREAM_BACKLOG = 16  # a stream's answers waiting for its client to read them
-STREAM_IN_FLIGHT = 64  # a stream's requests sent on and not answered in full; the next one waits
 INFERENCE = ("ModelInfer", "ModelStreamInfer")
 # Triton's own answer to a restricted protocol without its header, word for word and with its status
 UNKEYED = f"This protocol is restricted, expecting header '{GRPC_API_KEY_HEADER}'"
@@ -63,23 +62,6 @@ def _forwarded(context: grpc.aio.ServicerContext) -> list[tuple[str, str | bytes
     """The client's headers without gRPC's and HTTP/2's own (the channel writes those)."""
     return [(key, value) for key, value in context.invocation_metadata() or ()
             if not key.startswith((":", "grpc-")) and key not in _DROPPED_HEADERS]
-
-
-class BadMessage(ValueError):
-    """A client's message the front does not send on: it does not parse, or holds too much."""
-
-
-def parse_request(data: bytes, message: type) -> Any:
-    """``data`` as a ``message``, its unknown fields dropped; BadMessage names the rule it breaks."""
-    try:
-        check_fields(data, message.DESCRIPTOR)
-        request = message.FromString(data)
-    except TooManyFields as exc:
-        raise BadMessage(f"the request is over the bound of {exc}") from None
-    except DecodeError:
-        raise BadMessage(f"the request is not a {message.DESCRIPTOR.name}") from None
-    request.DiscardUnknownFields()
-    return request
 
 
 class Relay:
@@ -134,7 +116,7 @@ class Relay:
         why = self.health.model_unavailable(model) if model else self.health.not_ready()
         return None if why is None else recovering(why)
 
-    def _status(self, exc: grpc.aio.AioRpcError, model: str, since: float) -> grpc.StatusCode:
+    def status_of(self, exc: grpc.aio.AioRpcError, model: str, since: float) -> grpc.StatusCode:
         """Triton's status, but UNAVAILABLE for a server-side failure of an instance that was going
         or being replaced while the request ran (the client's retry is served)."""
         code = exc.code()
@@ -176,7 +158,7 @@ class Relay:
                 yield await self._call(method)(request, metadata=_forwarded(context),
                                                timeout=context.time_remaining())
             except grpc.aio.AioRpcError as exc:
-                await context.abort(self._status(exc, model or "", since), exc.details() or exc.code().name)
+                await context.abort(self.status_of(exc, model or "", since), exc.details() or exc.code().name)
             finally:
                 if client is not None:
                     self.done(client, 1, size)
@@ -214,7 +196,7 @@ class Relay:
         async def handle(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
             if self.unkeyed(method, context):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
-            relayed = _Stream(self, peer_host(context.peer()))
+            relayed = RelayedStream(self, peer_host(context.peer()))
             call = self._call(method)(relayed.sent(), metadata=_forwarded(context), timeout=context.time_remaining())
             try:
                 async for answer in relayed.answers(messages, call):
@@ -237,101 +219,6 @@ class Relay:
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
-class _Stream:
-    """One relayed ``ModelStreamInfer``: the client's requests admitted one by one and sent on,
-    Triton's answers and the front's refusals back in order. Both ways are bounded: a client that
-    does not read its answers stops Triton's being read, then new requests being sent on (Triton
-    would keep their answers), then its own requests being read."""
-
-    def __init__(self, relay: Relay, client: str) -> None:
-        self.relay, self.client = relay, client
-        self.out: asyncio.Queue = asyncio.Queue(STREAM_BACKLOG)  # answers and refusals, in order
-        self.admitted: asyncio.Queue = asyncio.Queue(1)  # requests Triton is to get, with their sizes
-        self.running = 0  # the client's requests not yet answered in full
-        self.slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # one held by each of them
-        self.held = 0  # bytes of admitted requests not yet sent on
-        self.failed: tuple[grpc.StatusCode, str] | None = None
-        self.since = time.monotonic()
-        self.closed = False
-        self.tasks: list[asyncio.Future] = []
-        self.call: Any = None
-
-    async def read(self, messages: AsyncIterator[bytes]) -> None:
-        try:
-            async for data in messages:
-                try:
-                    request = parse_request(data, pb.ModelInferRequest)
-                except BadMessage as bad:
-                    self.failed = (grpc.StatusCode.INVALID_ARGUMENT, f"a request of this stream: {bad}")
-                    await self.out.put(_END)
-                    return
-                await self.admit(request)
-        except Exception:  # noqa: BLE001 - the client's stream broke: the relayed one ends
-            pass
-        await self.admitted.put((_END, 0))
-
-    async def admit(self, request: Any) -> None:
-        """Send ``request`` on, or answer its refusal in the stream (counted nowhere)."""
-        size = request.ByteSize()
-        await self.slots.acquire()
-        why = self.relay.refusal(request.model_name) or self.relay.admit(request, self.client, size)
-        if why is not None:
-            self.slots.release()
-            await self.out.put(_Refused(_stream_error(request, why)))
-            return
-        self.running += 1
-        self.held += size
-        await self.admitted.put((request, size))
-
-    async def sent(self) -> AsyncIterator[Any]:
-        while (item := await self.admitted.get())[0] is not _END:
-            yield item[0]
-            if self.closed:  # close() gave back what was held
-                return
-            self.held -= item[1]
-            self.relay.done(self.client, 0, item[1])
-
-    async def pump(self, call: Any) -> None:  # the call ends after the client's last request: refusals come first
-        try:
-            async for answer in call:
-                await self.out.put(answer)
-        except grpc.aio.AioRpcError as exc:
-            self.failed = (self.relay._status(exc, "", self.since), exc.details() or exc.code().name)
-        await self.out.put(_END)
-
-    async def answers(self, messages: AsyncIterator[bytes], call: Any) -> AsyncIterator[bytes]:
-        self.call = call
-        self.tasks = [asyncio.ensure_future(self.read(messages)), asyncio.ensure_future(self.pump(call))]
-        while (answer := await self.out.get()) is not _END:
-            if isinstance(answer, _Refused):
-                yield answer.answer
-                continue
-            if self.running and _ends_a_request(answer):
-                self.running -= 1
-                self.slots.release()
-                self.relay.done(self.client, 1)
-            yield answer
-
-    def close(self) -> None:
-        """Stop both ways and give back what the stream still counts (once)."""
-        if self.closed:
-            return
-        self.closed = True
-        for task in self.tasks:
-            task.cancel()
-        if self.call is not None:
-            self.call.cancel()
-        self.relay.done(self.client, self.running, self.held)
-        self.running = self.held = 0
-
-
-@dataclass(frozen=True)
-class _Refused:
-    """The front's own answer to a request of a stream it did not send on."""
-
-    answer: bytes
-
-
 def peer_host(peer: str) -> str:
     """The client's address from gRPC's peer (``ipv4:127.0.0.1:5000``, ``ipv6:[::1]:5000``), as
     the HTTP door names it."""
@@ -339,23 +226,6 @@ def peer_host(peer: str) -> str:
     address = peer.split(":", 1)[1] if peer.startswith(("ipv4:", "ipv6:")) else peer
     host = address.rsplit(":", 1)[0] if address.count(":") == 1 or address.startswith("[") else address
     return host.strip("[]")
-
-
-def _ends_a_request(answer: bytes) -> bool:
-    """A stream answer that is its request's last: Triton's final flag, or an error."""
-    parsed = pb.ModelStreamInferResponse.FromString(answer)
-    if parsed.error_message:
-        return True
-    final = parsed.infer_response.parameters.get("triton_final_response")
-    return final is None or final.bool_param
-
-
-def _stream_error(request: Any, why: str) -> bytes:
-    """A stream's in-band error, as Triton answers a request of a stream it cannot serve."""
-    answer = pb.ModelStreamInferResponse(error_message=why)
-    answer.infer_response.id = request.id
-    answer.infer_response.model_name = request.model_name
-    return answer.SerializeToString()
 
 
 class GrpcFront:

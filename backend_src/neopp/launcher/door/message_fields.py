@@ -1,4 +1,4 @@
-"""A protobuf message's fields counted from its bytes, before anything parses it.
+"""A client's protobuf message: its fields counted from its bytes, then parsed once.
 
 Why: a field costs its parser an object, whatever its size on the wire. Two bytes make an empty
 ``outputs`` entry of a ModelInferRequest, so 100 MiB within the size bound would become about 50
@@ -8,7 +8,10 @@ stops at the limit, and a large field (a tensor's bytes) is skipped in one step.
 
 from __future__ import annotations
 
+from typing import Any
+
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
 
 MAX_FIELDS = 1 << 16  # fields of one request, its sub-messages' included (a request of ours has ~100)
 MAX_DEPTH = 32  # sub-messages followed this deep (the service's requests are at most 4 deep)
@@ -74,3 +77,20 @@ def _varint(view: memoryview, pos: int) -> tuple[int, int]:
             return value, pos
         shift += 7
     return 0, end
+
+
+class BadMessage(ValueError):
+    """A client's message the front does not send on: it does not parse, or holds too much."""
+
+
+def parse_request(data: bytes, message: type) -> Any:
+    """``data`` as a ``message``, its unknown fields dropped; BadMessage names the rule it breaks."""
+    try:
+        check_fields(data, message.DESCRIPTOR)
+        request = message.FromString(data)
+    except TooManyFields as exc:
+        raise BadMessage(f"the request is over the bound of {exc}") from None
+    except DecodeError:
+        raise BadMessage(f"the request is not a {message.DESCRIPTOR.name}") from None
+    request.DiscardUnknownFields()
+    return request

@@ -1,0 +1,136 @@
+"""One relayed ``ModelStreamInfer`` of the gRPC front (neopp.launcher.door.grpc_front).
+
+Why its own queues: a stream's requests and answers flow independently, and a client may send
+and never read. Each way is bounded, so such a client stops the relay rather than filling the
+launcher's memory (or Triton's, which would keep the answers of every request sent on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
+
+from .message_fields import BadMessage, parse_request
+
+STREAM_BACKLOG = 16  # a stream's answers waiting for its client to read them
+STREAM_IN_FLIGHT = 64  # a stream's requests sent on and not answered in full; the next one waits
+_END = object()
+
+
+class RelayedStream:
+    """One relayed ``ModelStreamInfer``: the client's requests admitted one by one and sent on,
+    Triton's answers and the front's refusals back in order. Both ways are bounded: a client that
+    does not read its answers stops Triton's being read, then new requests being sent on (Triton
+    would keep their answers), then its own requests being read."""
+
+    def __init__(self, relay: Any, client: str) -> None:
+        """``relay``: the front's Relay (``refusal``, ``admit``, ``done``, ``status_of``)."""
+        self.relay, self.client = relay, client
+        self.out: asyncio.Queue = asyncio.Queue(STREAM_BACKLOG)  # answers and refusals, in order
+        self.admitted: asyncio.Queue = asyncio.Queue(1)  # requests Triton is to get, with their sizes
+        self.running = 0  # the client's requests not yet answered in full
+        self.slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # one held by each of them
+        self.held = 0  # bytes of admitted requests not yet sent on
+        self.failed: tuple[grpc.StatusCode, str] | None = None
+        self.since = time.monotonic()
+        self.closed = False
+        self.tasks: list[asyncio.Future] = []
+        self.call: Any = None
+
+    async def read(self, messages: AsyncIterator[bytes]) -> None:
+        try:
+            async for data in messages:
+                try:
+                    request = parse_request(data, pb.ModelInferRequest)
+                except BadMessage as bad:
+                    self.failed = (grpc.StatusCode.INVALID_ARGUMENT, f"a request of this stream: {bad}")
+                    await self.out.put(_END)
+                    return
+                await self.admit(request)
+        except Exception:  # noqa: BLE001 - the client's stream broke: the relayed one ends
+            pass
+        await self.admitted.put((_END, 0))
+
+    async def admit(self, request: Any) -> None:
+        """Send ``request`` on, or answer its refusal in the stream (counted nowhere)."""
+        size = request.ByteSize()
+        await self.slots.acquire()
+        why = self.relay.refusal(request.model_name) or self.relay.admit(request, self.client, size)
+        if why is not None:
+            self.slots.release()
+            await self.out.put(_Refused(stream_error(request, why)))
+            return
+        self.running += 1
+        self.held += size
+        await self.admitted.put((request, size))
+
+    async def sent(self) -> AsyncIterator[Any]:
+        while (item := await self.admitted.get())[0] is not _END:
+            yield item[0]
+            if self.closed:  # close() gave back what was held
+                return
+            self.held -= item[1]
+            self.relay.done(self.client, 0, item[1])
+
+    async def pump(self, call: Any) -> None:  # the call ends after the client's last request: refusals come first
+        try:
+            async for answer in call:
+                await self.out.put(answer)
+        except grpc.aio.AioRpcError as exc:
+            self.failed = (self.relay.status_of(exc, "", self.since), exc.details() or exc.code().name)
+        await self.out.put(_END)
+
+    async def answers(self, messages: AsyncIterator[bytes], call: Any) -> AsyncIterator[bytes]:
+        self.call = call
+        self.tasks = [asyncio.ensure_future(self.read(messages)), asyncio.ensure_future(self.pump(call))]
+        while (answer := await self.out.get()) is not _END:
+            if isinstance(answer, _Refused):
+                yield answer.answer
+                continue
+            if self.running and ends_a_request(answer):
+                self.running -= 1
+                self.slots.release()
+                self.relay.done(self.client, 1)
+            yield answer
+
+    def close(self) -> None:
+        """Stop both ways and give back what the stream still counts (once)."""
+        if self.closed:
+            return
+        self.closed = True
+        for task in self.tasks:
+            task.cancel()
+        if self.call is not None:
+            self.call.cancel()
+        self.relay.done(self.client, self.running, self.held)
+        self.running = self.held = 0
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """The front's own answer to a request of a stream it did not send on."""
+
+    answer: bytes
+
+
+def ends_a_request(answer: bytes) -> bool:
+    """A stream answer that is its request's last: Triton's final flag, or an error."""
+    parsed = pb.ModelStreamInferResponse.FromString(answer)
+    if parsed.error_message:
+        return True
+    final = parsed.infer_response.parameters.get("triton_final_response")
+    return final is None or final.bool_param
+
+
+def stream_error(request: Any, why: str) -> bytes:
+    """A stream's in-band error, as Triton answers a request of a stream it cannot serve."""
+    answer = pb.ModelStreamInferResponse(error_message=why)
+    answer.infer_response.id = request.id
+    answer.infer_response.model_name = request.model_name
+    return answer.SerializeToString()
