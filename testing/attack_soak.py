@@ -47,7 +47,15 @@ from neopp.model.kv_cache import load_kv_file
 from neopp.ports import LOOPBACK
 from neopp.procs import descendants, model_stubs, rss_bytes
 from testing import REPO
-from testing.attacks import ClientFlood, IdleConnections, LargeJson, PlantedUnhealthy, SessionFlood, TrickledUploads
+from testing.attacks import (
+    ClientFlood,
+    GrpcAbuse,
+    IdleConnections,
+    LargeJson,
+    PlantedUnhealthy,
+    SessionFlood,
+    TrickledUploads,
+)
 from testing.faults import signal_own, stub_pid
 from testing.launched import Launched, launch
 from testing.loadgen import grpc_inputs, valid_inputs
@@ -198,7 +206,7 @@ def start_attacks(launcher: Launched, workload: Workload) -> list[Any]:
     port = launcher.http_port
     return [IdleConnections(port).start(), TrickledUploads(port).start(), LargeJson(port).start(),
             PlantedUnhealthy(port, PLANTED).start(), SessionFlood(open_session).start(),
-            ClientFlood(port, PROMPT).start()]
+            ClientFlood(port, PROMPT).start(), GrpcAbuse(f"{LOOPBACK}:{launcher.grpc_port}").start()]
 
 
 def small_session_table(launcher: Launched, key: str) -> None:
@@ -241,6 +249,8 @@ def goals(report: dict[str, Any]) -> list[tuple[str, bool]]:
              (kill.get("serving_again_s") or 1e9) <= 30
              and all(one_replacement(m == KILLED_MODEL, n) for m, n in stubs.items())
              and kill["actions"]["stubs killed"] == 0 and kill["actions"]["reloads"] <= 1),
+            ("every malformed gRPC call of the attack refused before its deadline (none left waiting, none served)",
+             not any(k.endswith(("deadline", "OK")) for k in report["attacks_sent"].get("grpc-abuse", {}))),
             ("the door's /v2/health/live p99 under attack below 100 ms",
              (attack["health_live"]["p99_ms"] or 1e9) < 100 and set(attack["health_live"]["answers"]) == {"200"})]
 

@@ -7,7 +7,9 @@ can say what was tried. None of them needs the server's cooperation or a key:
 * ``TrickledUploads``: bodies that declare 128 MiB and send a byte every 10 s;
 * ``LargeJson``: JSON objects of 450,000 keys (about 9 MB) posted one after another;
 * ``PlantedUnhealthy``: requests whose input name is the text Triton prints for a dead stub;
-* ``SessionFlood``: sessions opened and never ended, as many as the server takes.
+* ``SessionFlood``: sessions opened and never ended, as many as the server takes;
+* ``GrpcAbuse``: gRPC calls of no message, of bytes that do not parse, of 70,000 empty fields, and
+  streams that send and never read their answers.
 
 Every wait is bounded and every socket is closed at ``stop()``.
 """
@@ -25,6 +27,9 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
+
+import grpc
+from tritonclient.grpc import service_pb2 as pb
 
 from neopp.ports import LOOPBACK
 
@@ -261,3 +266,56 @@ class ClientFlood(Attack):
         while not self._stop.is_set():
             if self._post(self.port, "/v1/images/generations", self.body, timeout=300, source=self.source) != 200:
                 self._stop.wait(self.pause_s)
+
+
+class GrpcAbuse(Attack):
+    """Calls the gRPC port must answer, each with a deadline so that one left unanswered is counted
+    ("deadline"), and streams whose client sends and never reads, cancelled after ``hold_s``."""
+
+    name = "grpc-abuse"
+    threads = 2
+    SERVICE = "/inference.GRPCInferenceService/"
+
+    def __init__(self, target: str, hold_s: float = 10.0, deadline_s: float = 60.0,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        """``metadata``: headers of every call (an API key, to reach past the key check)."""
+        super().__init__()
+        self.target, self.hold_s, self.deadline_s, self.metadata = target, hold_s, deadline_s, metadata
+        many = pb.ModelInferRequest(model_name="neopp_dense")
+        for _ in range(70_000):
+            many.outputs.add()
+        self.calls = {"no message": [], "garbage": [b"\xff\xff\xff"], "70,000 fields": [many.SerializeToString()]}
+
+    def _run(self, index: int) -> None:
+        with grpc.insecure_channel(self.target) as channel:
+            while not self._stop.is_set():
+                if index == 0:
+                    for what, messages in self.calls.items():
+                        self._call(channel, "ModelInfer", what, messages)
+                    self._stop.wait(0.5)
+                else:
+                    self._unread_stream(channel)
+
+    def _call(self, channel: grpc.Channel, method: str, what: str, messages: list[bytes]) -> None:
+        call = channel.stream_stream(self.SERVICE + method, request_serializer=None, response_deserializer=None)
+        try:
+            list(call(iter(messages), timeout=self.deadline_s, metadata=self.metadata))
+            self.count(f"{what}: OK")
+        except grpc.RpcError as exc:
+            code = exc.code()
+            self.count(f"{what}: {'deadline' if code == grpc.StatusCode.DEADLINE_EXCEEDED else code.name}")
+
+    def _unread_stream(self, channel: grpc.Channel) -> None:
+        sent = [0]
+
+        def requests() -> Any:
+            for _ in range(4000):
+                sent[0] += 1
+                yield pb.ModelInferRequest(model_name="no_such_model", id="x" * (32 << 10)).SerializeToString()
+
+        call = channel.stream_stream(self.SERVICE + "ModelStreamInfer", request_serializer=None,
+                                     response_deserializer=None)(requests(), metadata=self.metadata)
+        self._stop.wait(self.hold_s)
+        call.cancel()
+        self.count("unread streams")
+        self.count("unread stream requests sent", sent[0])

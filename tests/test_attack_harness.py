@@ -50,12 +50,15 @@ def test_the_goals_read_the_report():
                   "neopp watchdog: neopp_dense: no live stub for ['neopp_dense_0_0']; reloading the model\n")},
               # four instances each; the killed model's reload replaced all four
               "stubs_during_attack": {"neopp_dense": {"at_start": 4, "seen": 8, "lost": 4, "alive": 4},
-                                      "neopp_t2i": {"at_start": 4, "seen": 4, "lost": 0, "alive": 4}}}
+                                      "neopp_t2i": {"at_start": 4, "seen": 4, "lost": 0, "alive": 4}},
+              "attacks_sent": {"grpc-abuse": {"no message: INVALID_ARGUMENT": 9, "unread streams": 2}}}
     assert all(held for _, held in goals(report))
     slow_and_failing = [*fine, Outcome("grpc", 0.0, 5.0, "ok"), Outcome("grpc", 0.0, 9.0, "server-error", "gRPC x")]
     report["attack"] = {**summary(slow_and_failing, 0, 10.0),
                         "health_live": {"p99_ms": 900.0, "answers": {"200": 3, "503": 9}}}
-    assert [held for _, held in goals(report)] == [False, False, True, False]
+    assert [held for _, held in goals(report)] == [False, False, True, True, False]
+    report["attacks_sent"]["grpc-abuse"]["garbage: deadline"] = 1  # a call left unanswered
+    assert not goals(report)[3][1]
     report["stubs_during_attack"]["neopp_t2i"] = {"at_start": 4, "seen": 5, "lost": 1, "alive": 4}  # one replaced
     assert not goals(report)[2][1]
     report["stubs_during_attack"]["neopp_dense"] = {"at_start": 4, "seen": 12, "lost": 8, "alive": 4}  # reloaded twice

@@ -34,7 +34,9 @@ from neopp.launcher.inner_http import grpc_beside, socket_path
 from neopp.launcher.key_shim import compiler
 from neopp.launcher.tritonserver import grpc_socket_target
 from neopp.procs import cmdline, descendants, process_group_members
+from testing.attacks import GrpcAbuse
 from testing.door_attacks import post, request
+from testing.faults import wait_for
 from testing.launched import serving
 
 MODEL = "neopp_dense"
@@ -243,5 +245,24 @@ def test_a_stream_client_that_reads_nothing_is_held_back(launched, kv):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
     try:  # the stream's count of this client was given back: its generations are served
         assert _generate(client, kv) and _generate(client, kv)
+    finally:
+        client.close()
+
+
+def test_the_soaks_grpc_attack_is_refused_in_every_form(launched, kv):
+    """The soak's gRPC attack (testing.attacks.GrpcAbuse), a small dose: each kind of call is
+    answered INVALID_ARGUMENT and no stream is left with what it held."""
+    attack = GrpcAbuse(f"127.0.0.1:{launched.grpc_port}", hold_s=2.0, metadata=KEYED).start()
+    kinds = ("no message", "garbage", "70,000 fields")
+    done = wait_for(lambda: attack.counts["unread streams"] >= 1
+                    and all(attack.counts[f"{kind}: INVALID_ARGUMENT"] >= 1 for kind in kinds), timeout=120)
+    counts = attack.stop()
+    assert done, counts
+    assert set(counts) == {*(f"{kind}: INVALID_ARGUMENT" for kind in kinds), "unread streams",
+                           "unread stream requests sent"}, counts
+    assert counts["unread stream requests sent"] < 2000 * counts["unread streams"], counts
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    try:
+        assert _generate(client, kv)
     finally:
         client.close()
