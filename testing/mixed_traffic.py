@@ -32,6 +32,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
+from neopp.contract.statuses import status_of_message
 from neopp.ports import LOOPBACK
 from testing.fuzz import Inputs
 from testing.loadgen import grpc_inputs, valid_inputs, with_token
@@ -56,6 +57,8 @@ class Outcome:
 def grpc_label(exc: InferenceServerException) -> tuple[str, str]:
     """(label, detail) of a gRPC error."""
     status, message = str(exc.status() or "").removeprefix("StatusCode."), exc.message() or ""
+    if not status:  # a stream's error: text alone, read as a BLS model reads a called model's
+        status = {"INVALID_ARG": "INVALID_ARGUMENT"}.get(status_of_message(message), status_of_message(message))
     detail = f"gRPC {status}: {message[:100]}"
     if status == "UNAVAILABLE" and not any(m in message for m in ("failed to connect", "Socket closed")):
         return "refused", detail

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import threading
 
+from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import InferenceServerException
 
+from neopp.launcher.door.grpc_stream import stream_error
 from testing.attack_soak import goals, summary, watchdog_actions
 from testing.attacks import SessionFlood
 from testing.faults import wait_for
@@ -19,6 +21,12 @@ def test_outcomes_are_labelled_by_what_a_client_can_do_with_them():
     assert grpc_label(InferenceServerException("Stub process 'x' is not healthy.", "StatusCode.INTERNAL"))[0] == \
         "server-error"
     assert grpc_label(InferenceServerException("COND_KV: bad", "StatusCode.INVALID_ARGUMENT"))[0] == "client-error"
+    # a stream's errors carry no status: the front's refusal says to retry, another is the server's
+    refusal = stream_error(pb.ModelInferRequest(model_name="m"), "this client has 32 generation(s) running")
+    text = pb.ModelStreamInferResponse.FromString(refusal).error_message
+    assert grpc_label(InferenceServerException(text))[0] == "refused"
+    assert grpc_label(InferenceServerException("COND_KV: bad"))[0] == "client-error"
+    assert grpc_label(InferenceServerException("internal error: x"))[0] == "server-error"
     assert grpc_label(InferenceServerException("failed to connect to all addresses",
                                                "StatusCode.UNAVAILABLE"))[0] == "transport"
     assert http_label(429, {"Retry-After": "1"}, b"")[0] == "refused"

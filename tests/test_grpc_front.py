@@ -9,12 +9,14 @@ import grpc
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
+from neopp.contract.statuses import status_of_message
 from neopp.launcher.door.body import ByteBudget
 from neopp.launcher.door.client_load import ClientLoad
+from neopp.launcher.door.door_error import DoorError
 from neopp.launcher.door.grpc_front import Relay, peer_host
 from neopp.launcher.door.grpc_stream import ends_a_request, stream_error
 from neopp.launcher.door.message_fields import MAX_FIELDS, BadMessage, TooManyFields, check_fields, parse_request
-from neopp.launcher.health import ServerHealth
+from neopp.launcher.health import ServerHealth, recovering
 
 MODEL = "neopp_dense"
 
@@ -75,9 +77,23 @@ def test_what_the_launcher_knows_is_refused_before_triton(health):
 
 def test_a_refused_stream_request_is_answered_in_the_stream():
     request = pb.ModelInferRequest(model_name=MODEL, id="r-7")
-    answer = pb.ModelStreamInferResponse.FromString(stream_error(request, "not serving now"))
-    assert answer.error_message == "not serving now"
+    answer = pb.ModelStreamInferResponse.FromString(stream_error(request, recovering("reloading")))
+    assert answer.error_message == "not serving now, try again shortly: reloading"  # said once
     assert (answer.infer_response.id, answer.infer_response.model_name) == ("r-7", MODEL)
+    # the text alone tells the client to retry: a stream's error has no status
+    share = ClientLoad(1)
+    share.take("c")
+    budget = ByteBudget(10, 5)
+    for refusal in (_refusal(lambda: share.take("c")), _refusal(lambda: budget.reserve(11, "c")),
+                    _refusal(lambda: budget.reserve(6, "c"))):
+        text = pb.ModelStreamInferResponse.FromString(stream_error(request, refusal)).error_message
+        assert text.endswith(refusal) and status_of_message(text) == "UNAVAILABLE", text
+
+
+def _refusal(call) -> str:
+    with pytest.raises(DoorError) as refused:
+        call()
+    return refused.value.message
 
 
 def test_every_method_of_the_service_is_relayed():
@@ -149,7 +165,7 @@ def test_a_request_is_counted_to_its_sub_messages_before_it_is_parsed():
     check_fields(_infer_request(tensor_bytes=8 << 20).SerializeToString(), pb.ModelInferRequest.DESCRIPTOR)
     check_fields(_infer_request(outputs=MAX_FIELDS - 16).SerializeToString(), pb.ModelInferRequest.DESCRIPTOR)
     many = _infer_request(outputs=MAX_FIELDS).SerializeToString()  # two bytes each on the wire
-    with pytest.raises(TooManyFields, match="ModelInferRequest of at most 65536 fields"):
+    with pytest.raises(TooManyFields, match=f"ModelInferRequest of at most {MAX_FIELDS} fields"):
         check_fields(many, pb.ModelInferRequest.DESCRIPTOR)
     nested = pb.ModelInferRequest(model_name=MODEL)  # inside an input, in its parameters map
     for index in range(MAX_FIELDS // 2):

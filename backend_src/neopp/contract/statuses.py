@@ -35,6 +35,9 @@ INTERNAL = ErrorClass("internal", "INTERNAL", "internal error")
 NOT_FOUND = ErrorClass("not_found", "NOT_FOUND", "")
 # Every session of neopp_session is in use: try again later (the HTTP door answers 429 with Retry-After).
 SESSIONS_FULL = ErrorClass("sessions_full", "UNAVAILABLE", "session limit reached")
+# What the launcher's fronts cannot take now (a model being replaced, a client past its share, the
+# bytes held): in a gRPC stream, where an error is text alone, this prefix tells the client to retry.
+RETRY_LATER = ErrorClass("retry_later", "UNAVAILABLE", "not serving now, try again shortly")
 
 _INPUT_NAMED = re.compile(r"^[A-Z][A-Z0-9_/]*: ")  # "COND_KV: ...": an input error of our models
 _CORE_INPUT_ERRORS = ("for input '", "unexpected inference input", "expected input", "inference input")
@@ -47,7 +50,7 @@ _GONE = re.compile(r"^Stub process '[\w.-]+' is not healthy\.?$|the engine of [\
 def status_of_message(message: str) -> str:
     """The status a generation model (or Triton itself) sent with ``message``."""
     text = re.sub(r"^\[request id: [^\]]*\] ", "", message.strip())
-    for cls in (CANCELLED, WORKERS_DOWN, ENGINE_DOWN, MISCONFIGURED, INTERNAL, SESSIONS_FULL):
+    for cls in (CANCELLED, WORKERS_DOWN, ENGINE_DOWN, MISCONFIGURED, INTERNAL, SESSIONS_FULL, RETRY_LATER):
         if text.startswith(cls.prefix):
             return cls.status
     if "unknown model" in text or " is not found" in text or ": unknown session" in text:

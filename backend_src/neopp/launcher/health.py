@@ -24,6 +24,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from ..contract.statuses import RETRY_LATER
+
 
 class ServerHealth:
     """The server's state and every model the launcher knows to be broken, with the reason."""
@@ -114,7 +116,7 @@ def loop_answers(loop: asyncio.AbstractEventLoop | None, thread: threading.Threa
 
 def recovering(why: str) -> str:
     """How a refusal of what cannot be served now reads, on every port: the client should retry."""
-    return f"not serving now, try again shortly: {why}"
+    return RETRY_LATER.message(why)
 
 
 def touch(path: Path) -> None:

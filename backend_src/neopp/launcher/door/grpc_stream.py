@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 from tritonclient.grpc import service_pb2 as pb
 
+from ...contract.statuses import RETRY_LATER, status_of_message
 from .message_fields import BadMessage, parse_request
 
 STREAM_BACKLOG = 16  # a stream's answers waiting for its client to read them
@@ -129,8 +130,10 @@ def ends_a_request(answer: bytes) -> bool:
 
 
 def stream_error(request: Any, why: str) -> bytes:
-    """A stream's in-band error, as Triton answers a request of a stream it cannot serve."""
-    answer = pb.ModelStreamInferResponse(error_message=why)
+    """A stream's in-band refusal, as Triton answers a request of a stream it cannot serve. It has
+    no status, so its text starts with the words that tell a client to retry."""
+    text = why if status_of_message(why) == RETRY_LATER.status else RETRY_LATER.message(why)
+    answer = pb.ModelStreamInferResponse(error_message=text)
     answer.infer_response.id = request.id
     answer.infer_response.model_name = request.model_name
     return answer.SerializeToString()
