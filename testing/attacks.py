@@ -309,9 +309,9 @@ class GrpcAbuse(Attack):
         sent = [0]
 
         def requests() -> Any:
-            for _ in range(4000):
+            for _ in range(64_000):
                 sent[0] += 1
-                yield pb.ModelInferRequest(model_name="no_such_model", id="x" * (32 << 10)).SerializeToString()
+                yield pb.ModelInferRequest(model_name="no_such_model", id="x" * 4000).SerializeToString()
 
         call = channel.stream_stream(self.SERVICE + "ModelStreamInfer", request_serializer=None,
                                      response_deserializer=None)(requests(), metadata=self.metadata)

@@ -15,7 +15,16 @@ from neopp.launcher.door.client_load import ClientLoad
 from neopp.launcher.door.door_error import DoorError
 from neopp.launcher.door.grpc_front import Relay, peer_host
 from neopp.launcher.door.grpc_stream import ends_a_request, stream_error
-from neopp.launcher.door.message_fields import MAX_FIELDS, BadMessage, TooManyFields, check_fields, parse_request
+from neopp.launcher.door.message_fields import (
+    MAX_FIELDS,
+    MAX_NAME_BYTES,
+    MAX_PACKED,
+    BadMessage,
+    TooManyFields,
+    check_fields,
+    name_problem,
+    parse_request,
+)
 from neopp.launcher.health import ServerHealth, recovering
 
 MODEL = "neopp_dense"
@@ -200,3 +209,35 @@ def test_an_admitted_inference_holds_its_bytes_and_its_clients_turn():
     assert (budget.used, clients.held) == (600, {"10.0.0.1": 2})  # a refusal holds nothing
     relay.done("10.0.0.1", 2, 600)
     assert (budget.used, budget.held, clients.held) == (0, {}, {})
+
+
+def test_a_group_cannot_hide_fields_from_the_count():
+    """A parser keeps an unknown group; the count stopped at one, so what followed went uncounted."""
+    group = bytes([0x9B, 0x06, 0x9C, 0x06])  # field 99: a group's start and end
+    hidden = group + b"\x0a\x01m" + b"\x32\x00" * (MAX_FIELDS + 1)
+    with pytest.raises(BadMessage, match="the request is not a ModelInferRequest"):
+        parse_request(hidden, pb.ModelInferRequest)
+    assert parse_request(group, pb.ModelInferRequest) == pb.ModelInferRequest()  # too short to hide much: dropped
+
+
+def test_packed_integers_have_a_bound_of_their_own():
+    """A byte on the wire each, eight once parsed: counted apart from the fields."""
+    wide = pb.ModelInferRequest(model_name=MODEL)
+    wide.inputs.add(name="X", datatype="INT64", shape=[1] * (MAX_PACKED + 1))
+    with pytest.raises(BadMessage, match=f"at most {MAX_FIELDS} fields and {MAX_PACKED} packed integers"):
+        parse_request(wide.SerializeToString(), pb.ModelInferRequest)
+    fits = pb.ModelInferRequest(model_name=MODEL)
+    tensor = fits.inputs.add(name="X", datatype="INT64", shape=[MAX_PACKED])
+    tensor.contents.int64_contents.extend([1] * (MAX_PACKED // 2))
+    fits.inputs.add(name="Y", datatype="FP32").contents.fp32_contents.extend([1.0] * (2 * MAX_PACKED))  # no growth
+    assert parse_request(fits.SerializeToString(), pb.ModelInferRequest) == fits
+
+
+def test_an_id_or_model_name_every_answer_would_echo_is_bounded():
+    assert name_problem(pb.ModelInferRequest(model_name=MODEL, id="r" * MAX_NAME_BYTES)) is None
+    assert name_problem(pb.ModelInferRequest(model_name=MODEL, id="r" * (MAX_NAME_BYTES + 1))) == \
+        f"id: at most {MAX_NAME_BYTES} bytes, got {MAX_NAME_BYTES + 1}"
+    assert name_problem(pb.ModelInferRequest(model_name="é" * MAX_NAME_BYTES)).startswith("model_name: at most")
+    long_id = pb.ModelInferRequest(model_name=MODEL, id="r" * (MAX_NAME_BYTES + 1))
+    answer = pb.ModelStreamInferResponse.FromString(stream_error(long_id, "id: too long", retry=False))
+    assert (answer.error_message, answer.infer_response.id) == ("id: too long", "")  # refused, not echoed

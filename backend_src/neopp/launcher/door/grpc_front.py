@@ -44,7 +44,7 @@ from .client_load import ClientLoad
 from .door_error import DoorError
 from .grpc_health import health_handler
 from .grpc_stream import RelayedStream
-from .message_fields import BadMessage, parse_request
+from .message_fields import BadMessage, name_problem, parse_request
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_ANSWER = 1 << 30  # what Triton may send back (images; a model's config)
@@ -147,6 +147,8 @@ class Relay:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
             request = await self.first(messages, context, message)
             model = request.model_name if method.name == "ModelInfer" else None
+            if model is not None and (fault := self.input_problem(request)) is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, fault)
             if model is not None and (why := self.refusal(model)) is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, why)
             client = peer_host(context.peer()) if model is not None else None
@@ -163,6 +165,11 @@ class Relay:
                 if client is not None:
                     self.done(client, 1, size)
         return handle
+
+    @staticmethod
+    def input_problem(request: Any) -> str | None:
+        """What of an inference the front refuses as the client's fault (None: nothing)."""
+        return name_problem(request)
 
     def admit(self, request: Any, client: str, size: int) -> str | None:
         """Count one more inference of ``client`` holding ``size`` bytes, and give it its client's

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,9 +18,10 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from ...contract.statuses import RETRY_LATER, status_of_message
-from .message_fields import BadMessage, parse_request
+from .message_fields import MAX_NAME_BYTES, BadMessage, parse_request
 
 STREAM_BACKLOG = 16  # a stream's answers waiting for its client to read them
+STREAM_BACKLOG_BYTES = 64 << 20  # and their bytes (one answer is always let through)
 STREAM_IN_FLIGHT = 64  # a stream's requests sent on and not answered in full; the next one waits
 _END = object()
 
@@ -28,7 +30,9 @@ class RelayedStream:
     """One relayed ``ModelStreamInfer``: the client's requests admitted one by one and sent on,
     Triton's answers and the front's refusals back in order. Both ways are bounded: a client that
     does not read its answers stops Triton's being read, then new requests being sent on (Triton
-    would keep their answers), then its own requests being read."""
+    would keep their answers), then its own requests being read. A request's bytes stay counted in
+    the body budget until it is answered in full: Triton holds it (and the answers that echo its
+    id) until then."""
 
     def __init__(self, relay: Any, client: str) -> None:
         """``relay``: the front's Relay (``refusal``, ``admit``, ``done``, ``status_of``)."""
@@ -37,7 +41,9 @@ class RelayedStream:
         self.admitted: asyncio.Queue = asyncio.Queue(1)  # requests Triton is to get, with their sizes
         self.running = 0  # the client's requests not yet answered in full
         self.slots = asyncio.Semaphore(STREAM_IN_FLIGHT)  # one held by each of them
-        self.held = 0  # bytes of admitted requests not yet sent on
+        self.unanswered: deque[int] = deque()  # the bytes of each of them, oldest first
+        self.queued = 0  # bytes of Triton's answers in ``out``
+        self.drained = asyncio.Event()  # set as the client takes answers
         self.failed: tuple[grpc.StatusCode, str] | None = None
         self.since = time.monotonic()
         self.closed = False
@@ -62,26 +68,30 @@ class RelayedStream:
         """Send ``request`` on, or answer its refusal in the stream (counted nowhere)."""
         size = request.ByteSize()
         await self.slots.acquire()
+        if (fault := self.relay.input_problem(request)) is not None:
+            self.slots.release()
+            await self.out.put(_Refused(stream_error(request, fault, retry=False)))
+            return
         why = self.relay.refusal(request.model_name) or self.relay.admit(request, self.client, size)
         if why is not None:
             self.slots.release()
             await self.out.put(_Refused(stream_error(request, why)))
             return
         self.running += 1
-        self.held += size
+        self.unanswered.append(size)
         await self.admitted.put((request, size))
 
     async def sent(self) -> AsyncIterator[Any]:
         while (item := await self.admitted.get())[0] is not _END:
             yield item[0]
-            if self.closed:  # close() gave back what was held
-                return
-            self.held -= item[1]
-            self.relay.done(self.client, 0, item[1])
 
     async def pump(self, call: Any) -> None:  # the call ends after the client's last request: refusals come first
         try:
             async for answer in call:
+                while self.queued >= STREAM_BACKLOG_BYTES:
+                    self.drained.clear()
+                    await self.drained.wait()
+                self.queued += len(answer)
                 await self.out.put(answer)
         except grpc.aio.AioRpcError as exc:
             self.failed = (self.relay.status_of(exc, "", self.since), exc.details() or exc.code().name)
@@ -94,10 +104,12 @@ class RelayedStream:
             if isinstance(answer, _Refused):
                 yield answer.answer
                 continue
+            self.queued -= len(answer)
+            self.drained.set()
             if self.running and ends_a_request(answer):
                 self.running -= 1
                 self.slots.release()
-                self.relay.done(self.client, 1)
+                self.relay.done(self.client, 1, self.unanswered.popleft())
             yield answer
 
     def close(self) -> None:
@@ -109,8 +121,9 @@ class RelayedStream:
             task.cancel()
         if self.call is not None:
             self.call.cancel()
-        self.relay.done(self.client, self.running, self.held)
-        self.running = self.held = 0
+        self.relay.done(self.client, self.running, sum(self.unanswered))
+        self.running = 0
+        self.unanswered.clear()
 
 
 @dataclass(frozen=True)
@@ -129,11 +142,12 @@ def ends_a_request(answer: bytes) -> bool:
     return final is None or final.bool_param
 
 
-def stream_error(request: Any, why: str) -> bytes:
+def stream_error(request: Any, why: str, retry: bool = True) -> bytes:
     """A stream's in-band refusal, as Triton answers a request of a stream it cannot serve. It has
-    no status, so its text starts with the words that tell a client to retry."""
-    text = why if status_of_message(why) == RETRY_LATER.status else RETRY_LATER.message(why)
+    no status, so the text of one to retry starts with the words that say so."""
+    text = why if not retry or status_of_message(why) == RETRY_LATER.status else RETRY_LATER.message(why)
     answer = pb.ModelStreamInferResponse(error_message=text)
-    answer.infer_response.id = request.id
-    answer.infer_response.model_name = request.model_name
+    if len(request.id) <= MAX_NAME_BYTES and len(request.model_name) <= MAX_NAME_BYTES:  # else not echoed
+        answer.infer_response.id = request.id
+        answer.infer_response.model_name = request.model_name
     return answer.SerializeToString()

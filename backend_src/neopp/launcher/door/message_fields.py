@@ -5,7 +5,10 @@ Why: a field costs its parser an object, whatever its size on the wire. Two byte
 million messages, in the front that parses it and again in Triton. Counting is bounded work: a
 message too short to pass the bound is not counted, counting stops at the bound, and a large
 field (a tensor's bytes) is skipped in one step. The bound is low because counting runs in the
-launcher's interpreter, beside the HTTP door: 8,192 fields cost a few milliseconds.
+launcher's interpreter, beside the HTTP door: 8,192 fields cost a few milliseconds. Integers packed
+in a repeated field grow up to eightfold once parsed (a byte on the wire, an int64 in memory), so
+they have a bound of their own. The service's messages have no groups; a message that holds one is
+refused (a parser keeps an unknown group, and would have stopped the count before what follows).
 """
 
 from __future__ import annotations
@@ -17,32 +20,49 @@ from google.protobuf.message import DecodeError
 
 MAX_FIELDS = 8192  # fields of one request, its sub-messages' included (a request of ours has ~100)
 MIN_FIELD_BYTES = 2  # a key and the shortest value
+MAX_PACKED = 1 << 20  # integers packed in repeated fields, all of one request's together
+MAX_NAME_BYTES = 4096  # an inference's id and model name: Triton echoes both in every answer
 MAX_DEPTH = 32  # sub-messages followed this deep (the service's requests are at most 4 deep)
+_GROWING = {FieldDescriptor.TYPE_INT32, FieldDescriptor.TYPE_INT64, FieldDescriptor.TYPE_UINT32,
+            FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_SINT32, FieldDescriptor.TYPE_SINT64,
+            FieldDescriptor.TYPE_ENUM}  # varints: one byte on the wire, four or eight parsed
+_CONTINUED = bytes(range(0x80, 0x100))  # a varint's bytes but its last
 
 
 class TooManyFields(ValueError):
-    """A message holding more fields than the bound."""
+    """A message holding more fields (or packed integers) than the bound."""
 
 
-def check_fields(data: bytes, descriptor: Descriptor, limit: int = MAX_FIELDS) -> None:
+class NotTheMessage(ValueError):
+    """Bytes that cannot be a message of the service (a group, or a kind of field no encoder writes)."""
+
+
+class _Budget:
+    def __init__(self, fields: int, packed: int) -> None:
+        self.fields, self.packed = fields, packed
+
+
+def check_fields(data: bytes, descriptor: Descriptor, limit: int = MAX_FIELDS, packed: int = MAX_PACKED) -> None:
     """Raise TooManyFields when ``data``, read as ``descriptor``'s message, holds more than ``limit``
-    fields, counted through the sub-messages the descriptor names. Bytes that are not a well-formed
-    message end the count early: the parser that follows judges them."""
-    if len(data) < MIN_FIELD_BYTES * (limit + 1):
+    fields or ``packed`` packed integers, counted through the sub-messages the descriptor names;
+    NotTheMessage for a group. Other malformed bytes end the count early: the parser that follows
+    refuses them."""
+    if len(data) < MIN_FIELD_BYTES * (limit + 1) and len(data) <= packed:
         return
     try:
-        _count(memoryview(data), descriptor, limit, 0)
+        _count(memoryview(data), descriptor, _Budget(limit, packed), 0)
     except TooManyFields:
-        raise TooManyFields(f"a {descriptor.name} of at most {limit} fields (its sub-messages' included)") from None
+        raise TooManyFields(f"a {descriptor.name} of at most {limit} fields and {packed} packed integers "
+                            "(its sub-messages' included)") from None
 
 
-def _count(view: memoryview, descriptor: Descriptor | None, left: int, depth: int) -> int:
-    """``left`` less the fields of ``view``; raises once it would go below 0."""
+def _count(view: memoryview, descriptor: Descriptor | None, budget: _Budget, depth: int) -> None:
+    """Take the fields of ``view`` from ``budget``; raises once either part would go below 0."""
     pos, end = 0, len(view)
     while pos < end:
         key, pos = _varint(view, pos)
-        left -= 1
-        if left < 0:
+        budget.fields -= 1
+        if budget.fields < 0:
             raise TooManyFields
         kind = key & 7
         if kind == 0:
@@ -54,21 +74,27 @@ def _count(view: memoryview, descriptor: Descriptor | None, left: int, depth: in
         elif kind == 2:
             length, pos = _varint(view, pos)
             if pos + length > end:
-                return left
-            inner = _sub_message(descriptor, key >> 3)
-            if inner is not None and depth < MAX_DEPTH:
-                left = _count(view[pos:pos + length], inner, left, depth + 1)
+                return
+            _count_inside(view[pos:pos + length], _field(descriptor, key >> 3), budget, depth)
             pos += length
-        else:  # groups and reserved kinds: none of the service's messages has them
-            return left
-    return left
+        else:
+            raise NotTheMessage(f"a field of wire type {kind} (a group or no type at all)")
 
 
-def _sub_message(descriptor: Descriptor | None, number: int) -> Descriptor | None:
-    field = None if descriptor is None else descriptor.fields_by_number.get(number)
-    if field is None or field.type != FieldDescriptor.TYPE_MESSAGE:
-        return None
-    return field.message_type
+def _count_inside(view: memoryview, field: FieldDescriptor | None, budget: _Budget, depth: int) -> None:
+    """A length-delimited field: a sub-message's fields, or a packed field's integers."""
+    if field is None:
+        return
+    if field.type == FieldDescriptor.TYPE_MESSAGE and depth < MAX_DEPTH:
+        _count(view, field.message_type, budget, depth + 1)
+    elif field.type in _GROWING and field.label == FieldDescriptor.LABEL_REPEATED:
+        budget.packed -= len(view.tobytes().translate(None, _CONTINUED))
+        if budget.packed < 0:
+            raise TooManyFields
+
+
+def _field(descriptor: Descriptor | None, number: int) -> FieldDescriptor | None:
+    return None if descriptor is None else descriptor.fields_by_number.get(number)
 
 
 def _varint(view: memoryview, pos: int) -> tuple[int, int]:
@@ -95,7 +121,16 @@ def parse_request(data: bytes, message: type) -> Any:
         request = message.FromString(data)
     except TooManyFields as exc:
         raise BadMessage(f"the request is over the bound of {exc}") from None
-    except DecodeError:
+    except (DecodeError, NotTheMessage):
         raise BadMessage(f"the request is not a {message.DESCRIPTOR.name}") from None
     request.DiscardUnknownFields()
     return request
+
+
+def name_problem(request: Any) -> str | None:
+    """Why an inference's id or model name is refused (None: neither is): each answer echoes them."""
+    for field in ("id", "model_name"):
+        size = len(getattr(request, field).encode())
+        if size > MAX_NAME_BYTES:
+            return f"{field}: at most {MAX_NAME_BYTES} bytes, got {size}"
+    return None
