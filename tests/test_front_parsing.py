@@ -114,6 +114,14 @@ def test_the_grpc_request_carries_only_checked_values() -> None:
     assert plan.wants_binary("IMAGE") and not plan.wants_binary("NEXT_RNG_STATE")
 
 
+def test_an_outputs_classification_is_refused_before_triton() -> None:
+    """Triton 2.51 dies (SIGFPE) classifying a BYTES output, and every output here is a picture."""
+    for value in (1, 0):
+        with _refused("output 'IMAGE': parameters.classification is not served"):
+            _infer({"inputs": [{"name": "N", "datatype": "INT64", "shape": [1], "data": [1]}],
+                    "outputs": [{"name": "IMAGE", "parameters": {"classification": value}}]})
+
+
 def test_responses_are_json_unless_binary_is_asked_or_needed() -> None:
     response = pb.ModelInferResponse(model_name="m", model_version="1")
     response.outputs.add(name="IMAGE", datatype="BYTES", shape=[1])

@@ -22,7 +22,7 @@ from neopp.launcher.door.message_fields import (
     BadMessage,
     TooManyFields,
     check_fields,
-    name_problem,
+    inference_problem,
     parse_request,
 )
 from neopp.launcher.health import ServerHealth, recovering
@@ -234,10 +234,17 @@ def test_packed_integers_have_a_bound_of_their_own():
 
 
 def test_an_id_or_model_name_every_answer_would_echo_is_bounded():
-    assert name_problem(pb.ModelInferRequest(model_name=MODEL, id="r" * MAX_NAME_BYTES)) is None
-    assert name_problem(pb.ModelInferRequest(model_name=MODEL, id="r" * (MAX_NAME_BYTES + 1))) == \
+    assert inference_problem(pb.ModelInferRequest(model_name=MODEL, id="r" * MAX_NAME_BYTES)) is None
+    assert inference_problem(pb.ModelInferRequest(model_name=MODEL, id="r" * (MAX_NAME_BYTES + 1))) == \
         f"id: at most {MAX_NAME_BYTES} bytes, got {MAX_NAME_BYTES + 1}"
-    assert name_problem(pb.ModelInferRequest(model_name="é" * MAX_NAME_BYTES)).startswith("model_name: at most")
+    assert inference_problem(pb.ModelInferRequest(model_name="é" * MAX_NAME_BYTES)).startswith("model_name: at most")
     long_id = pb.ModelInferRequest(model_name=MODEL, id="r" * (MAX_NAME_BYTES + 1))
     answer = pb.ModelStreamInferResponse.FromString(stream_error(long_id, "id: too long", retry=False))
     assert (answer.error_message, answer.infer_response.id) == ("id: too long", "")  # refused, not echoed
+
+
+def test_an_outputs_classification_is_refused_on_the_grpc_port_too():
+    request = pb.ModelInferRequest(model_name=MODEL)
+    request.outputs.add(name="IMAGE").parameters["classification"].int64_param = 1
+    assert inference_problem(request) == ("output 'IMAGE': parameters.classification is not served: the outputs "
+                                          "of this server are pictures, not scores")

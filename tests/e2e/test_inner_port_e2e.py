@@ -276,3 +276,25 @@ def test_the_soaks_grpc_attack_is_refused_in_every_form(launched, kv):
         assert _generate(client, kv)
     finally:
         client.close()
+
+
+def test_an_outputs_classification_never_reaches_triton(launched, kv):
+    """Triton 2.51 dies with SIGFPE classifying a BYTES output (every output of ours is one):
+    both ports refuse it, and the server stays."""
+    pid = launched.server_pid
+    body = json.dumps({"inputs": [{"name": "STEPS", "datatype": "INT64", "shape": [1], "data": [2]}],
+                       "outputs": [{"name": "IMAGE", "parameters": {"classification": 1}}]}).encode()
+    status, _, answer = post(launched.http_port, f"/v2/models/{MODEL}/infer", body,
+                             extra=f"Authorization: Bearer {API}\r\n")
+    assert status == 400 and "classification is not served" in json.loads(answer)["error"], answer
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+    try:
+        request = pb.ModelInferRequest(model_name=MODEL)
+        request.outputs.add(name="IMAGE").parameters["classification"].int64_param = 1
+        with grpc.insecure_channel(f"127.0.0.1:{launched.grpc_port}") as channel:
+            code, details = _ended(channel, "ModelInfer", [request.SerializeToString()])
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "classification is not served" in details, details
+        assert launched.server_pid == pid and process_group_members(pid), "the server died"
+        assert _generate(client, kv)
+    finally:
+        client.close()

@@ -16,6 +16,12 @@ from dataclasses import dataclass
 MAX_PROMPT_CHARS = 8192
 MAX_PROMPT_BYTES = 4 * MAX_PROMPT_CHARS
 
+# An output's ``classification`` parameter (Triton's classification extension): every output here
+# is a picture or its bytes, and Triton 2.51 dies (SIGFPE) classifying a BYTES output, so both
+# ports refuse it before Triton sees it.
+CLASSIFICATION_REFUSED = ("parameters.classification is not served: the outputs of this server are "
+                          "pictures, not scores")
+
 @dataclass(frozen=True)
 class TensorSpec:
     """One row of the contract's input or output table."""

@@ -44,7 +44,7 @@ from .client_load import ClientLoad
 from .door_error import DoorError
 from .grpc_health import health_handler
 from .grpc_stream import RelayedStream
-from .message_fields import BadMessage, name_problem, parse_request
+from .message_fields import BadMessage, inference_problem, parse_request
 
 SERVICE = "inference.GRPCInferenceService"
 MAX_ANSWER = 1 << 30  # what Triton may send back (images; a model's config)
@@ -169,7 +169,7 @@ class Relay:
     @staticmethod
     def input_problem(request: Any) -> str | None:
         """What of an inference the front refuses as the client's fault (None: nothing)."""
-        return name_problem(request)
+        return inference_problem(request)
 
     def admit(self, request: Any, client: str, size: int) -> str | None:
         """Count one more inference of ``client`` holding ``size`` bytes, and give it its client's

@@ -14,6 +14,7 @@ from typing import Any
 
 from tritonclient.grpc import service_pb2 as pb
 
+from ...contract.inputs import CLASSIFICATION_REFUSED
 from . import strict_json, tensors
 from .bounds import BYTE_COUNT
 from .door_error import DoorError, invalid
@@ -183,9 +184,7 @@ def _outputs(header: InferHeader, outputs: Any) -> None:
                 raise invalid(f"output '{name}': parameters.binary_data must be true or false")
             plan.binary[name] = params["binary_data"]
         if "classification" in params:
-            if type(params["classification"]) is not int or params["classification"] < 0:
-                raise invalid(f"output '{name}': parameters.classification must be a non-negative integer")
-            set_parameter(out.parameters["classification"], params["classification"], name)
+            raise invalid(f"output '{name}': {CLASSIFICATION_REFUSED}")
         if _shm_parameters(out, params, f"output '{name}'", header.regions):
             plan.in_region.add(name)
 

@@ -18,6 +18,8 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
 
+from ...contract.inputs import CLASSIFICATION_REFUSED
+
 MAX_FIELDS = 8192  # fields of one request, its sub-messages' included (a request of ours has ~100)
 MIN_FIELD_BYTES = 2  # a key and the shortest value
 MAX_PACKED = 1 << 20  # integers packed in repeated fields, all of one request's together
@@ -127,10 +129,14 @@ def parse_request(data: bytes, message: type) -> Any:
     return request
 
 
-def name_problem(request: Any) -> str | None:
-    """Why an inference's id or model name is refused (None: neither is): each answer echoes them."""
+def inference_problem(request: Any) -> str | None:
+    """Why an inference is refused before Triton sees it (None: it is not): an id or model name
+    every answer would echo, or an output's classification (Triton 2.51 dies on it)."""
     for field in ("id", "model_name"):
         size = len(getattr(request, field).encode())
         if size > MAX_NAME_BYTES:
             return f"{field}: at most {MAX_NAME_BYTES} bytes, got {size}"
+    for output in request.outputs:
+        if "classification" in output.parameters:
+            return f"output '{output.name[:64]}': {CLASSIFICATION_REFUSED}"
     return None
