@@ -3,6 +3,7 @@ what it refuses before Triton, and that it relays every method of the service.""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -13,6 +14,7 @@ from neopp.contract.statuses import status_of_message
 from neopp.launcher.door.body import ByteBudget
 from neopp.launcher.door.client_load import ClientLoad
 from neopp.launcher.door.door_error import DoorError
+from neopp.launcher.door.grpc_calls import OpenCalls
 from neopp.launcher.door.grpc_front import Relay, peer_host
 from neopp.launcher.door.grpc_stream import ends_a_request, stream_error
 from neopp.launcher.door.message_fields import (
@@ -248,3 +250,38 @@ def test_an_outputs_classification_is_refused_on_the_grpc_port_too():
     request.outputs.add(name="IMAGE").parameters["classification"].int64_param = 1
     assert inference_problem(request) == ("output 'IMAGE': parameters.classification is not served: the outputs "
                                           "of this server are pictures, not scores")
+
+
+def test_a_call_over_a_cap_replaces_the_call_idle_longest():
+    async def scenario() -> None:
+        calls = OpenCalls(total=3, per_client=2)
+        waiting = [asyncio.ensure_future(asyncio.sleep(60)) for _ in range(3)]
+
+        def enter(client: str, task: asyncio.Task) -> tuple[int, object] | str:
+            entered = calls.enter(client)
+            if not isinstance(entered, str):
+                entered[1].task = task
+            return entered
+
+        first = enter("a", waiting[0])
+        second = enter("a", waiting[1])
+        second[1].busy()  # its request came: not given up
+        third = enter("a", waiting[2])  # a's cap: a's idle call goes
+        assert not isinstance(third, str) and len(calls) == 2
+        await asyncio.sleep(0)
+        assert waiting[0].cancelled() and not waiting[1].cancelled()
+        calls.leave(first[0])  # the given-up call's own ending counts nothing twice
+        assert len(calls) == 2
+        third[1].busy()
+        assert calls.enter("a").startswith("this client has 2 gRPC calls open")  # none idle
+        other = calls.enter("b")
+        assert not isinstance(other, str) and len(calls) == 3
+        other[1].busy()
+        assert calls.enter("c").startswith("the server has 3 gRPC calls open")
+        for key in (second[0], third[0], other[0]):
+            calls.leave(key)
+        assert len(calls) == 0 and not isinstance(calls.enter("c"), str)
+        for task in waiting:
+            task.cancel()
+
+    asyncio.run(scenario())

@@ -165,3 +165,9 @@ def test_metrics_listen_on_ipv4_beside_an_ipv6_bind() -> None:
         ["127.0.0.1", "0.0.0.0", "127.0.0.1", "0.0.0.0", "127.0.0.1"]
     assert [metrics_client_host(host) for host in ("0.0.0.0", "::", "::1", "10.1.2.3")] == \
         ["127.0.0.1", "127.0.0.1", "127.0.0.1", "10.1.2.3"]
+
+
+def test_the_launcher_maps_large_buffers_on_their_own() -> None:
+    """glibc otherwise serves them from arenas that a run of large requests fragments for good."""
+    code = "from neopp.launcher.allocator import return_large_buffers as r; import sys; sys.exit(0 if r() else 1)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0, "mallopt refused"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -45,6 +46,7 @@ API = "inner-api-key-0123456789abcdef"
 GRPC_API = {GRPC_API_KEY_HEADER: f"Bearer {API}"}
 HUGE = 1_000_000_000_000
 MAX_BODY_MIB = 4
+CLIENT_CALLS = 16  # gRPC calls (and HTTP connections) one address may hold open
 RESTRICTION_FLAGS = ("--http-restricted-api=", "--grpc-restricted-protocol=")
 
 
@@ -52,7 +54,8 @@ RESTRICTION_FLAGS = ("--http-restricted-api=", "--grpc-restricted-protocol=")
 def launched(tiny_dense: Path, tmp_path_factory: pytest.TempPathFactory):
     log = tmp_path_factory.mktemp("inner") / "serve.log"
     with serving(log, {"NEOPP_CHECKPOINT": str(tiny_dense), "NEOPP_ADMIN_KEY": KEY, "NEOPP_API_KEY": API},
-                 (MODEL,), launcher_args=("--max-body-mib", str(MAX_BODY_MIB))) as handle:
+                 (MODEL,), launcher_args=("--max-body-mib", str(MAX_BODY_MIB), "--max-connections", "64",
+                                          "--max-client-connections", str(CLIENT_CALLS))) as handle:
         yield handle
     for _, address, _ in handle.servers():
         assert not socket_path(address).parent.exists(), "the private directory was left behind"
@@ -298,3 +301,37 @@ def test_an_outputs_classification_never_reaches_triton(launched, kv):
         assert _generate(client, kv)
     finally:
         client.close()
+
+
+def test_idle_grpc_calls_give_way_and_health_is_always_answered(launched, kv):
+    """A client holding calls that send nothing: at its cap the one idle longest is given up for
+    a new call, and gRPC's health check counts in no cap. Compressed messages are refused whole."""
+    release = threading.Event()
+
+    def nothing():
+        release.wait(120)
+        return
+        yield
+
+    with grpc.insecure_channel(f"127.0.0.1:{launched.grpc_port}") as channel:
+        idle = channel.stream_stream(SERVICE_PATH + "ModelInfer", request_serializer=None, response_deserializer=None)
+        held = [idle(nothing(), metadata=KEYED) for _ in range(CLIENT_CALLS)]
+        check = channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None,
+                                    response_deserializer=None)
+        assert check(b"", timeout=30) == b"\x08\x01"
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
+        try:
+            assert _generate(client, kv)  # its call replaced the oldest idle one
+        finally:
+            client.close()
+        with pytest.raises(grpc.RpcError) as given_up:
+            list(held[0])
+        assert given_up.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, given_up.value
+        assert given_up.value.details().startswith("given up for a newer call"), given_up.value
+        zipped = channel.unary_unary(SERVICE_PATH + "ServerLive", request_serializer=None, response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as refused:
+            zipped(b"", timeout=30, compression=grpc.Compression.Gzip)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED, refused.value
+        release.set()
+        for call in held:
+            call.cancel()

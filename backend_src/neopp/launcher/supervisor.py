@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..ports import LOOPBACK
 from .admin import GRPC_API_KEY_HEADER, KEY_ENV, KEY_HEADER, check_key, load_or_create_key
+from .allocator import return_large_buffers
 from .door.bounds import DoorLimits, KiB, MiB
 from .health import ServerHealth, touch
 from .inner_http import grpc_beside, private_address, remove_private
@@ -102,7 +103,8 @@ class Supervisor:
                                 public_grpc_port=ns.grpc_port)
         self.grpc_front = None if not ns.grpc_front else GrpcFront(
             _listen_address(ns.host, ns.grpc_port), inner_grpc, limits.max_body, self.health, self.api_key,
-            self.front.door.clients, self.front.door.budget, max_calls=limits.max_connections)
+            self.front.door.clients, self.front.door.budget, max_calls=limits.max_connections,
+            max_client_calls=limits.max_client_connections)
         self.alive = None if ns.alive_file is None else Poller(
             "neopp-alive", 5.0, lambda: self.answers(2.0) and touch(Path(ns.alive_file)), lambda exc: None)
 
@@ -319,6 +321,7 @@ def _start_watchdog(server: TritonServer, extra: Sequence[str], ns: argparse.Nam
 
 
 def serve(ns: argparse.Namespace) -> int:
+    return_large_buffers()
     extra = ns.extra[1:] if ns.extra[:1] == ["--"] else list(ns.extra)
     key, where = load_or_create_key(Path(ns.admin_key_file))
     log(f"admin key (header '{KEY_HEADER}' for model load/unload, config, shared memory) from {where}")

@@ -42,11 +42,16 @@ from ..health import loop_answers, recovering
 from .body import ByteBudget
 from .client_load import ClientLoad
 from .door_error import DoorError
+from .grpc_calls import OpenCall, OpenCalls
 from .grpc_health import health_handler
 from .grpc_stream import RelayedStream
 from .message_fields import BadMessage, inference_problem, parse_request
 
 SERVICE = "inference.GRPCInferenceService"
+HEALTH_CALLS = 64  # room for health checks beside a full table of calls (grpcio's own cap)
+# Messages are taken uncompressed only: grpcio inflates a compressed one to the size bound before
+# refusing it, so a 1 MB gzip bomb cost 128 MiB a call (clients compress nothing by default).
+IDENTITY_ONLY = 1
 MAX_ANSWER = 1 << 30  # what Triton may send back (images; a model's config)
 _DROPPED_HEADERS = ("content-type", "te", "user-agent", "host")
 INFERENCE = ("ModelInfer", "ModelStreamInfer")
@@ -72,13 +77,15 @@ class Relay:
     message unanswered) and a message's fields are counted before it is parsed."""
 
     def __init__(self, target: str, health: Any | None, api_key: str | None = None,
-                 clients: ClientLoad | None = None, budget: ByteBudget | None = None) -> None:
+                 clients: ClientLoad | None = None, budget: ByteBudget | None = None,
+                 calls: OpenCalls | None = None) -> None:
         """``health``: what the launcher knows (``not_ready``, ``model_unavailable``), or None;
         ``api_key``: what inference needs, checked here as Triton checks it (None: nothing);
         ``clients``: each client's inferences in flight, counted with the HTTP door's (None: not
         bounded); ``budget``: the request bytes held, shared with the HTTP door's bodies (None: not
-        bounded)."""
+        bounded); ``calls``: the calls open at once (None: not bounded)."""
         self.target, self.health, self.clients, self.budget = target, health, clients, budget
+        self.calls = calls
         self._keyed = None if api_key is None else f"Bearer {api_key}".encode()
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, Any] = {}
@@ -129,23 +136,29 @@ class Relay:
             return grpc.StatusCode.UNAVAILABLE
         return code
 
-    async def first(self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext, message: type) -> Any:
+    async def first(self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext, message: type,
+                    call: OpenCall | None = None) -> Any:
         """The call's request, parsed; a call that sent none, or bytes that do not parse, is ended
         with INVALID_ARGUMENT. A unary call's messages after its first are not read."""
         async for data in messages:
+            if call is not None:
+                call.busy()
             try:
                 return parse_request(data, message)
             except BadMessage as bad:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(bad))
+        if call is not None and call.given_up is not None:  # its wait for a message was cut short
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, call.given_up)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the call sent no {message.DESCRIPTOR.name}")
 
     def unary(self, method: Any) -> Callable[..., Any]:
         message = _message_class(method.input_type.name)
 
-        async def handle(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async def handle(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                         call: OpenCall | None) -> AsyncIterator[bytes]:
             if self.unkeyed(method, context):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
-            request = await self.first(messages, context, message)
+            request = await self.first(messages, context, message, call)
             model = request.model_name if method.name == "ModelInfer" else None
             if model is not None and (fault := self.input_problem(request)) is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, fault)
@@ -200,10 +213,11 @@ class Relay:
             self.budget.release(size, client)
 
     def stream(self, method: Any) -> Callable[..., Any]:
-        async def handle(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        async def handle(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                         call: OpenCall | None) -> AsyncIterator[bytes]:
             if self.unkeyed(method, context):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
-            relayed = RelayedStream(self, peer_host(context.peer()))
+            relayed = RelayedStream(self, peer_host(context.peer()), call)
             call = self._call(method)(relayed.sent(), metadata=_forwarded(context), timeout=context.time_remaining())
             try:
                 async for answer in relayed.answers(messages, call):
@@ -216,13 +230,36 @@ class Relay:
                 context.set_details(details)
         return handle
 
+    def counted(self, handle: Callable[..., Any]) -> Callable[..., Any]:
+        """``handle`` holding one of the open calls while it runs (neopp.launcher.door.grpc_calls)."""
+        async def in_its_slot(messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext,
+                              ) -> AsyncIterator[bytes]:
+            if self.calls is None:
+                async for answer in handle(messages, context, None):
+                    yield answer
+                return
+            entered = self.calls.enter(peer_host(context.peer()))
+            if isinstance(entered, str):
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, entered)
+            key, call = entered
+            try:
+                async for answer in handle(messages, context, call):
+                    yield answer
+            except asyncio.CancelledError:
+                if call.given_up is None:  # the client went away
+                    raise
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, call.given_up)
+            finally:
+                self.calls.leave(key)
+        return in_its_slot
+
     def handler(self) -> grpc.GenericRpcHandler:
         """Every method of the service, relayed; each received as bytes (see the class)."""
         handlers = {}
         for method in pb.DESCRIPTOR.services_by_name["GRPCInferenceService"].methods:
             handle = self.stream(method) if method.client_streaming else self.unary(method)
             handlers[method.name] = grpc.stream_stream_rpc_method_handler(
-                handle, request_deserializer=None, response_serializer=None)
+                self.counted(handle), request_deserializer=None, response_serializer=None)
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
 
@@ -241,11 +278,13 @@ class GrpcFront:
 
     def __init__(self, address: str, target: str, max_message: int, health: Any | None = None,
                  api_key: str | None = None, clients: ClientLoad | None = None, budget: ByteBudget | None = None,
-                 max_calls: int | None = None) -> None:
+                 max_calls: int | None = None, max_client_calls: int | None = None) -> None:
         """Listen on ``address`` (``host:port``); relay to ``target`` (``unix:<path>`` or ``host:port``);
-        at most ``max_calls`` calls open at once, all clients (beyond: RESOURCE_EXHAUSTED)."""
+        at most ``max_calls`` calls open at once, all clients, and ``max_client_calls`` of one
+        address (see neopp.launcher.door.grpc_calls; None: not bounded)."""
         self.address, self.max_message, self.max_calls = address, max_message, max_calls
-        self.relay = Relay(target, health, api_key, clients, budget)
+        calls = None if max_calls is None else OpenCalls(max_calls, max_client_calls or max_calls)
+        self.relay = Relay(target, health, api_key, clients, budget, calls)
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopped: asyncio.Event | None = None
@@ -265,8 +304,10 @@ class GrpcFront:
         self._loop = asyncio.get_running_loop()
         self._stopped = asyncio.Event()
         options = [("grpc.max_receive_message_length", self.max_message),
-                   ("grpc.max_send_message_length", MAX_ANSWER), ("grpc.so_reuseport", 0)]
-        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=self.max_calls)
+                   ("grpc.max_send_message_length", MAX_ANSWER), ("grpc.so_reuseport", 0),
+                   ("grpc.compression_enabled_algorithms_bitset", IDENTITY_ONLY)]
+        backstop = None if self.max_calls is None else self.max_calls + HEALTH_CALLS  # health is never counted
+        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=backstop)
         server.add_generic_rpc_handlers((self.relay.handler(),
                                          health_handler(self.relay.first, lambda: self.relay.refusal(""))))
         try:

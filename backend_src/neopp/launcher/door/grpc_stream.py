@@ -34,9 +34,10 @@ class RelayedStream:
     the body budget until it is answered in full: Triton holds it (and the answers that echo its
     id) until then."""
 
-    def __init__(self, relay: Any, client: str) -> None:
-        """``relay``: the front's Relay (``refusal``, ``admit``, ``done``, ``status_of``)."""
-        self.relay, self.client = relay, client
+    def __init__(self, relay: Any, client: str, call: Any = None) -> None:
+        """``relay``: the front's Relay (``refusal``, ``admit``, ``done``, ``status_of``); ``call``:
+        its open call (``busy``, ``idle``: idle while no request is in flight), or None."""
+        self.relay, self.client, self.open_call = relay, client, call
         self.out: asyncio.Queue = asyncio.Queue(STREAM_BACKLOG)  # answers and refusals, in order
         self.admitted: asyncio.Queue = asyncio.Queue(1)  # requests Triton is to get, with their sizes
         self.running = 0  # the client's requests not yet answered in full
@@ -78,6 +79,8 @@ class RelayedStream:
             await self.out.put(_Refused(stream_error(request, why)))
             return
         self.running += 1
+        if self.open_call is not None:
+            self.open_call.busy()
         self.unanswered.append(size)
         await self.admitted.put((request, size))
 
@@ -110,6 +113,8 @@ class RelayedStream:
                 self.running -= 1
                 self.slots.release()
                 self.relay.done(self.client, 1, self.unanswered.popleft())
+                if not self.running and self.open_call is not None:
+                    self.open_call.idle()
             yield answer
 
     def close(self) -> None:
@@ -124,6 +129,12 @@ class RelayedStream:
         self.relay.done(self.client, self.running, sum(self.unanswered))
         self.running = 0
         self.unanswered.clear()
+        while True:  # the request iterator Triton's call reads ends, rather than being closed while it waits
+            try:
+                self.admitted.put_nowait((_END, 0))
+                break
+            except asyncio.QueueFull:
+                self.admitted.get_nowait()
 
 
 @dataclass(frozen=True)
