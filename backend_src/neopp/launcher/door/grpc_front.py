@@ -168,16 +168,26 @@ class Relay:
             size = request.ByteSize() if client is not None else 0
             if client is not None and (over := self.admit(request, client, size)) is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, over)
-            since = time.monotonic()
             try:
-                yield await self._call(method)(request, metadata=_forwarded(context),
-                                               timeout=context.time_remaining())
-            except grpc.aio.AioRpcError as exc:
-                await context.abort(self.status_of(exc, model or "", since), exc.details() or exc.code().name)
+                answer, failure = await self._relayed(method, request, context, model or "")
             finally:
                 if client is not None:
                     self.done(client, 1, size)
+            del request  # not held by an aborted call's traceback
+            if failure is not None:
+                await context.abort(*failure)
+            yield answer
         return handle
+
+    async def _relayed(self, method: Any, request: Any, context: grpc.aio.ServicerContext,
+                       model: str) -> tuple[bytes | None, tuple[grpc.StatusCode, str] | None]:
+        """Triton's answer to ``request``, or the status and words to end the client's call with."""
+        since = time.monotonic()
+        try:
+            return await self._call(method)(request, metadata=_forwarded(context),
+                                            timeout=context.time_remaining()), None
+        except grpc.aio.AioRpcError as exc:
+            return None, (self.status_of(exc, model, since), exc.details() or exc.code().name)
 
     @staticmethod
     def input_problem(request: Any) -> str | None:
