@@ -335,3 +335,19 @@ def test_idle_grpc_calls_give_way_and_health_is_always_answered(launched, kv):
         release.set()
         for call in held:
             call.cancel()
+
+
+def test_refused_large_requests_leave_the_launcher_as_it_was(launched):
+    """Each relayed request is held several times over (received, parsed, sent on); a refused one
+    was kept alive by its aborted call's traceback, and the allocator kept what was freed."""
+    from neopp.procs import rss_bytes
+
+    big = pb.ModelInferRequest(model_name="no_such_model", raw_input_contents=[b"\0" * (3 << 20)]).SerializeToString()
+    with grpc.insecure_channel(f"127.0.0.1:{launched.grpc_port}") as channel:
+        for _ in range(3):  # the front's own first allocations
+            assert _ended(channel, "ModelInfer", [big])[0] == grpc.StatusCode.NOT_FOUND
+        before = rss_bytes([launched.proc.pid])
+        for _ in range(40):  # 40 x 3 MiB, each received, parsed and sent on: ~360 MiB if kept
+            assert _ended(channel, "ModelInfer", [big])[0] == grpc.StatusCode.NOT_FOUND
+        grown = rss_bytes([launched.proc.pid]) - before
+    assert grown < 96 << 20, f"the launcher kept {grown >> 20} MiB of 40 refused requests"
