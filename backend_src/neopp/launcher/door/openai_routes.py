@@ -198,13 +198,16 @@ class ImagesRoutes:
                 yield _sse("image_generation.completed", event)
             finished = True
         except DoorError as exc:
-            finished = exc.reason == "client_gone"  # counted where it was seen
-            raise
+            finished = True
+            if exc.reason == "client_gone":  # counted where it was seen
+                raise
+            # the answer has begun: a later image's failure (its engine replaced, say) is an event
+            yield _sse("error", _error_event(exc))
         finally:
-            if not finished:  # the client left: the images still to come are not drawn
+            if not finished:  # the client left: counted here
                 self.door.metrics.cancel()
-                for image in images:
-                    image.cancel()
+            for image in images:  # the images still to come are not drawn
+                image.cancel()
 
     async def _streamed(self, request: Request, req: oa.ImagesRequest) -> Response:
         """Partial images: the prompt encoder, then the model's streamed twin with previews."""
@@ -248,8 +251,7 @@ class ImagesRoutes:
                     sent += 1
                 event = None if final else await self.door.next_event(call)
             if isinstance(event, DoorError):
-                yield _sse("error", {"error": {"message": event.message, "type": "server_error", "param": None,
-                                               "code": None}})
+                yield _sse("error", _error_event(event))
             finished = True
         finally:
             self.door.stream_closed(call, finished)
@@ -337,6 +339,11 @@ def _datum(req: oa.ImagesRequest, drawn: Drawn) -> dict[str, str]:
 
 def _b64(image: bytes) -> str:
     return base64.b64encode(image).decode()
+
+
+def _error_event(exc: DoorError) -> dict[str, Any]:
+    """A failure after a stream's answer began, in OpenAI's error shape."""
+    return {"error": {"message": exc.message, "type": "server_error", "param": None, "code": None}}
 
 
 def _sse(kind: str, doc: dict) -> bytes:
