@@ -353,7 +353,7 @@ _DOOR_BOUNDS: tuple[tuple[str, type, float, str], ...] = (
      "open HTTP connections; at the cap a new one replaces an idle one (none idle: 503); also the gRPC "
      "front's open calls (beyond: RESOURCE_EXHAUSTED)"),
     ("--max-client-connections", int, 512,
-     "open HTTP connections of one client address; at the cap as --max-connections"),
+     "open HTTP connections (and gRPC front calls) of one client address; at the cap as --max-connections"),
     ("--max-inference", int, 768,
      "HTTP inference requests in flight (beyond: 503, Retry-After); health and metrics not counted"),
     ("--client-inference", int, DoorLimits.client_inference,

@@ -160,7 +160,7 @@ class Relay:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
             request = await self.first(messages, context, message, call)
             model = request.model_name if method.name == "ModelInfer" else None
-            if model is not None and (fault := self.input_problem(request)) is not None:
+            if model is not None and (fault := inference_problem(request)) is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, fault)
             if model is not None and (why := self.refusal(model)) is not None:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, why)
@@ -189,11 +189,6 @@ class Relay:
         except grpc.aio.AioRpcError as exc:
             return None, (self.status_of(exc, model, since), exc.details() or exc.code().name)
 
-    @staticmethod
-    def input_problem(request: Any) -> str | None:
-        """What of an inference the front refuses as the client's fault (None: nothing)."""
-        return inference_problem(request)
-
     def admit(self, request: Any, client: str, size: int) -> str | None:
         """Count one more inference of ``client`` holding ``size`` bytes, and give it its client's
         turn in Triton's queue (lane and priority, as the HTTP door does); why not, past its share
@@ -216,7 +211,7 @@ class Relay:
         return None
 
     def done(self, client: str, count: int = 0, size: int = 0) -> None:
-        """``count`` of ``client``'s inferences answered in full, ``size`` of its bytes sent on."""
+        """``count`` of ``client``'s inferences answered in full, giving back ``size`` of its bytes."""
         if self.clients is not None and count:
             self.clients.give(client, count)
         if self.budget is not None and size:
@@ -228,9 +223,10 @@ class Relay:
             if self.unkeyed(method, context):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, UNKEYED)
             relayed = RelayedStream(self, peer_host(context.peer()), call)
-            call = self._call(method)(relayed.sent(), metadata=_forwarded(context), timeout=context.time_remaining())
+            upstream = self._call(method)(relayed.sent(), metadata=_forwarded(context),
+                                          timeout=context.time_remaining())
             try:
-                async for answer in relayed.answers(messages, call):
+                async for answer in relayed.answers(messages, upstream):
                     yield answer
             finally:
                 relayed.close()

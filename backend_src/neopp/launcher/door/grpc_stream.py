@@ -18,7 +18,7 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 
 from ...contract.statuses import RETRY_LATER, status_of_message
-from .message_fields import MAX_NAME_BYTES, BadMessage, parse_request
+from .message_fields import MAX_NAME_BYTES, BadMessage, inference_problem, parse_request
 
 STREAM_BACKLOG = 16  # a stream's answers waiting for its client to read them
 STREAM_BACKLOG_BYTES = 64 << 20  # and their bytes (one answer is always let through)
@@ -69,14 +69,11 @@ class RelayedStream:
         """Send ``request`` on, or answer its refusal in the stream (counted nowhere)."""
         size = request.ByteSize()
         await self.slots.acquire()
-        if (fault := self.relay.input_problem(request)) is not None:
-            self.slots.release()
-            await self.out.put(_Refused(stream_error(request, fault, retry=False)))
-            return
-        why = self.relay.refusal(request.model_name) or self.relay.admit(request, self.client, size)
+        fault = inference_problem(request)  # the client's fault; the rest are to retry
+        why = fault or self.relay.refusal(request.model_name) or self.relay.admit(request, self.client, size)
         if why is not None:
             self.slots.release()
-            await self.out.put(_Refused(stream_error(request, why)))
+            await self.out.put(_Refused(stream_error(request, why, retry=fault is None)))
             return
         self.running += 1
         if self.open_call is not None:
