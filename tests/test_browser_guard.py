@@ -12,7 +12,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from neopp.launcher.door.browser_guard import BrowserGuard, allowed, host_name, parse_hosts
-from neopp.launcher.supervisor import ALLOWED_HOSTS_ENV, allowed_hosts
+from neopp.launcher.serve_options import ALLOWED_HOSTS_ENV, allowed_hosts
 
 
 @pytest.mark.parametrize(("header", "name"), [

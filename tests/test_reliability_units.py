@@ -70,7 +70,8 @@ def test_a_stop_timeout_gives_triton_the_same_exit_timeout():
     """--stop-timeout-s: running requests get that long at a stop, and tritonserver waits as long."""
     import argparse
 
-    from neopp.launcher.supervisor import add_arguments, server_args
+    from neopp.launcher.serve_options import add_arguments
+    from neopp.launcher.supervisor import server_args
 
     parser = argparse.ArgumentParser()
     add_arguments(parser, "model_repository", "build/admin.key", "")

@@ -19,8 +19,9 @@ import pytest
 from neopp.launcher.admin import FRONT_HEADER, KEY_ENV, KEY_HEADER, AdminKeyError, load_or_create_key, restriction_args
 from neopp.launcher.inner_http import call, clear_socket, private_address, remove_private, socket_path
 from neopp.launcher.key_shim import HiddenKeys, build, compiler, private_build_dir
+from neopp.launcher.serve_options import API_KEY_ENV
 from neopp.launcher.shm_regions import backend_args, new_prefix, regions, remove_regions
-from neopp.launcher.supervisor import API_KEY_ENV, without_keys
+from neopp.launcher.supervisor import without_keys
 
 
 def test_key_file_is_created_private_once(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .admin import AdminKeyError
-from .supervisor import add_arguments, serve
+from .serve_options import add_arguments
+from .supervisor import serve
 from .triton_install import DEFAULT_BACKEND_DIR, TritonLaunchError, prepare_backend_dir
 
 
