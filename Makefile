@@ -112,15 +112,20 @@ SERVE_CONFIG = $(if $(GPUS),gpus$(GPUS),$(CONFIG))
 comma := ,
 BENCH_ARGS ?=
 
+# What serve and bench-serve check before they start anything (a canned recipe: one line each).
+define check_serve_inputs
+@test -n "$(SERVE_MODELS)" || { echo "error: PROFILE=$(PROFILE): expected full or small" >&2; exit 2; }
+@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
+  "(make train-demo writes the demo one, make tiny the tiny test ones in $(TINY_DIR);" \
+  "or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
+@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no tokenizer.json:" \
+  "neopp_prompt_encoder and neopp_t2i are not loaded")
+endef
+
 .PHONY: serve bench-serve train-demo
 
 serve: setup
-	@test -n "$(SERVE_MODELS)" || { echo "error: PROFILE=$(PROFILE): expected full or small" >&2; exit 2; }
-	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
-	  "(make train-demo writes the demo one, make tiny the tiny test ones in $(TINY_DIR);" \
-	  "or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
-	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no tokenizer.json:" \
-	  "neopp_prompt_encoder and neopp_t2i are not loaded")
+	$(check_serve_inputs)
 	$(if $(and $(GPUS),$(CONFIG)),@echo "error: give GPUS (writes and serves gpus$(GPUS)) or CONFIG (a written layout)$(comma) not both" >&2; exit 2)
 	$(if $(GPUS),$(PY) -m neopp.tools.gpu_layout $(GPU_LAYOUT_ARGS))
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) NEOPP_CHECKPOINT_NEOPP_MOE=$(NEOPP_MOE_CHECKPOINT) \
@@ -145,12 +150,7 @@ train-demo: setup
 # It measures exactly 30 requests (a stability wait may never end on a busy machine); BENCH_ARGS="-- FLAGS"
 # passes perf_analyzer flags that override it (docs/local-triton.md).
 bench-serve: setup
-	@test -n "$(SERVE_MODELS)" || { echo "error: PROFILE=$(PROFILE): expected full or small" >&2; exit 2; }
-	@test -f $(NEOPP_CHECKPOINT)/config.json || { echo "error: no checkpoint in $(NEOPP_CHECKPOINT)" \
-	  "(make train-demo writes the demo one, make tiny the tiny test ones in $(TINY_DIR);" \
-	  "or NEOPP_CHECKPOINT=/path/to/checkpoint)" >&2; exit 2; }
-	@$(if $(NEOPP_PROMPT_CHECKPOINT),true,echo "note: $(NEOPP_CHECKPOINT) has no tokenizer.json:" \
-	  "neopp_prompt_encoder and neopp_t2i are not loaded")
+	$(check_serve_inputs)
 	NEOPP_CHECKPOINT=$(NEOPP_CHECKPOINT) $(PY) -m bench.perf_analyzer --model neopp_dense \
 	  $(if $(NEOPP_URL),,--grpc-url 127.0.0.1:$(GRPC_PORT)) $(BENCH_ARGS)
 

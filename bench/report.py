@@ -14,49 +14,56 @@ import datetime
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.common import REPO, command_line, machine
 
-# (key, module, arguments given the output folder, file it writes, title)
+
+@dataclass(frozen=True)
+class Section:
+    """One benchmark module and the file of the report it writes (``<module>.md`` unless named);
+    ``to_file``: its ``--out`` takes that file, not the folder."""
+
+    key: str
+    module: str
+    title: str
+    file: str = ""
+    to_file: bool = False
+
+    @property
+    def filename(self) -> str:
+        return self.file or f"{self.module}.md"
+
+    def args(self, out: Path) -> list[str]:
+        return ["--out", str(out / self.filename if self.to_file else out)]
+
+
 SECTIONS = [
-    ("step_efficiency", "step_efficiency", lambda out: ["--out", out], "step_efficiency.md",
-     "Denoising-step efficiency against the machine's matmul rate"),
-    ("scaling", "scaling", lambda out: ["--out", out], "scaling.md", "Growth with image and prefix length; memory"),
-    ("cfg", "cfg_bench", lambda out: ["--out", out], "cfg.md", "Sequential vs batched vs CFG-parallel guidance"),
-    ("cfg_layout", "cfg_layout", lambda out: ["--out", out], "cfg_layout.md",
-     "Three-branch guidance on 2 CFG ranks: branch pairing"),
-    ("modes", "modes_bench", lambda out: ["--out", out], "modes.md", "Modes: FP8 memory, step time, MoE dispatch"),
-    ("lora", "lora_adapters", lambda out: ["--out", out], "lora_adapters.md",
-     "LoRA per request: step cost of mixed adapters, adapter memory"),
-    ("step_cache", "step_cache", lambda out: ["--out", out], "step_cache.md",
-     "Step caches: quality and speed against full compute"),
-    ("kv_ingest", "kv_ingest", lambda out: ["--out", str(Path(out) / "kv_ingest.md")], "kv_ingest.md",
-     "KV ingest: gRPC vs system shared memory"),
-    ("http_door", "http_door", lambda out: ["--out", str(Path(out) / "http_door.md")], "http_door.md",
-     "HTTP door: its cost next to the old front and gRPC"),
-    ("grpc_front", "grpc_front", lambda out: ["--out", str(Path(out) / "grpc_front.md")], "grpc_front.md",
-     "gRPC front: its cost next to gRPC straight to Triton"),
-    ("serving", "serving_bench", lambda out: ["--out", out], "serving.md",
-     "Triton end to end vs in-process; throughput per instance count"),
-    ("batched_serving", "batched_serving", lambda out: ["--out", out], "batched_serving.md",
-     "Step batching through Triton: batched plain models vs one at a time"),
-    ("startup", "startup", lambda out: ["--out", out], "startup.md",
-     "Start time and the first request (warm-up at load)"),
-    ("prompt_path", "prompt_path", lambda out: ["--out", out], "prompt_path.md",
-     "A prompt to a picture: first sign of life and picture"),
-    ("prompt_encoder", "prompt_encoder", lambda out: ["--out", out], "prompt_encoder.md",
-     "Prompt encoder at the 8B geometry"),
-    ("serve_memory", "serve_memory", lambda out: ["--out", out], "serve_memory.md",
-     "What each serving profile costs"),
-    ("failover", "failover", lambda out: ["--out", out], "failover.md", "Replicas: a crash under load"),
-    ("8b", "eight_b", lambda out: ["--out", out], "eight_b.md", "8B geometry"),
-    ("demo_quality", "demo_quality", lambda out: ["--out", str(Path(out) / "demo_quality.md")], "demo_quality.md",
-     "Demo model: what each mode draws, judged on held-out prompts"),
-    ("demo_shape_probe", "demo_shape_probe", lambda out: ["--out", str(Path(out) / "demo_shape_probe.md")],
-     "demo_shape_probe.md", "Demo model: where the shape is decided"),
-    ("demo_train_speed", "demo_train_speed", lambda out: ["--out", out], "demo_train_speed.md",
-     "Demo model: training throughput"),
+    Section("step_efficiency", "step_efficiency", "Denoising-step efficiency against the machine's matmul rate"),
+    Section("scaling", "scaling", "Growth with image and prefix length; memory"),
+    Section("cfg", "cfg_bench", "Sequential vs batched vs CFG-parallel guidance", file="cfg.md"),
+    Section("cfg_layout", "cfg_layout", "Three-branch guidance on 2 CFG ranks: branch pairing"),
+    Section("modes", "modes_bench", "Modes: FP8 memory, step time, MoE dispatch", file="modes.md"),
+    Section("lora", "lora_adapters", "LoRA per request: step cost of mixed adapters, adapter memory"),
+    Section("step_cache", "step_cache", "Step caches: quality and speed against full compute"),
+    Section("kv_ingest", "kv_ingest", "KV ingest: gRPC vs system shared memory", to_file=True),
+    Section("http_door", "http_door", "HTTP door: its cost next to the old front and gRPC", to_file=True),
+    Section("grpc_front", "grpc_front", "gRPC front: its cost next to gRPC straight to Triton", to_file=True),
+    Section("serving", "serving_bench",
+            "Triton end to end vs in-process; throughput per instance count", file="serving.md"),
+    Section("batched_serving", "batched_serving",
+            "Step batching through Triton: batched plain models vs one at a time"),
+    Section("startup", "startup", "Start time and the first request (warm-up at load)"),
+    Section("prompt_path", "prompt_path", "A prompt to a picture: first sign of life and picture"),
+    Section("prompt_encoder", "prompt_encoder", "Prompt encoder at the 8B geometry"),
+    Section("serve_memory", "serve_memory", "What each serving profile costs"),
+    Section("failover", "failover", "Replicas: a crash under load"),
+    Section("8b", "eight_b", "8B geometry"),
+    Section("demo_quality", "demo_quality",
+            "Demo model: what each mode draws, judged on held-out prompts", to_file=True),
+    Section("demo_shape_probe", "demo_shape_probe", "Demo model: where the shape is decided", to_file=True),
+    Section("demo_train_speed", "demo_train_speed", "Demo model: training throughput"),
 ]
 # Run only when named in --only (`make bench-8b`): it writes and reads a 14 GB checkpoint.
 ON_REQUEST = {"8b"}
@@ -83,18 +90,18 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     wanted = {k for k in args.only.split(",") if k}
     timings = []
-    for key, module, make_args, _, _ in SECTIONS:
-        if (wanted and key not in wanted) or (key in ON_REQUEST and key not in wanted):
+    for section in SECTIONS:
+        if (wanted and section.key not in wanted) or (section.key in ON_REQUEST and section.key not in wanted):
             continue
         start = time.monotonic()
-        subprocess.run([sys.executable, "-m", f"bench.{module}", *make_args(str(out))], check=True, cwd=REPO)
-        timings.append(f"{key} {time.monotonic() - start:.0f} s")
+        subprocess.run([sys.executable, "-m", f"bench.{section.module}", *section.args(out)], check=True, cwd=REPO)
+        timings.append(f"{section.key} {time.monotonic() - start:.0f} s")
     parts = [f"# NeoPP benchmark report\n\nMade by `make bench` (`python -m bench.report --out bench`); "
              f"last assembled on {datetime.date.today().isoformat()} by `{command_line()}`.\n\n"
              f"Machine: {machine()}\n\nEvery comparison below was "
              "measured side by side in one run of its section; sections ran one after the other. Each section "
              "names the command that reproduces it alone."]
-    for filename, title in [(f, t) for _k, _m, _a, f, t in SECTIONS] + BY_HAND:
+    for filename, title in [(s.filename, s.title) for s in SECTIONS] + BY_HAND:
         path = out / filename
         if path.is_file():
             parts.append(f"## {title}\n\n{body_of(path)}")

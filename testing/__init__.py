@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 REPO = Path(__file__).resolve().parents[1]
+MODEL_REPOSITORY = REPO / "model_repository"
 
 
 def lightllm_client_module() -> ModuleType:

@@ -29,15 +29,15 @@ from neopp.ports import LOOPBACK
 class SmallDoor:
     """The bounds the e2e tests run the launcher's door with: small, so that each is reached quickly."""
 
-    key: str = "door-operator-key-0123456789abcdef"
-    budget_mib: int = 64
-    client_mib: int = 48
-    read_timeout_s: float = 6.0
-    min_rate_kib: int = 4096
-    idle_s: float = 2.0
-    per_client: int = 32
-    connections: int = 96
-    inference: int = 12
+    key: str = "door-operator-key-0123456789abcdef"  # the admin key the tests' launcher is given
+    budget_mib: int = 64  # --bodies-in-flight-mib
+    client_mib: int = 48  # --client-bodies-mib
+    read_timeout_s: float = 6.0  # --read-timeout-s
+    min_rate_kib: int = 4096  # --min-upload-kib-s
+    idle_s: float = 2.0  # --idle-timeout-s
+    per_client: int = 32  # --max-client-connections
+    connections: int = 96  # --max-connections
+    inference: int = 12  # --max-inference
 
     def args(self) -> list[str]:
         return ["--bodies-in-flight-mib", str(self.budget_mib), "--client-bodies-mib", str(self.client_mib),

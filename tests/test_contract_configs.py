@@ -25,9 +25,9 @@ from neopp.modes import load_mode
 from neopp.serving.model_io import T2I_PASSED_INPUTS as T2I_PASSED
 from neopp.serving.model_io import generation_models
 from neopp.tools import contract_configs
+from testing import MODEL_REPOSITORY as REPO
+from testing import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-REPO = ROOT / "model_repository"
 ALL_MODELS = sorted(p.parent.name for p in REPO.glob("*/config.pbtxt"))
 STREAM_MODELS = [m for m in ALL_MODELS if m.endswith("_stream")]  # decoupled twins of plain models
 BLS_AND_TEXT_MODELS = ("neopp_session", "neopp_t2i", "neopp_prompt_encoder")  # no generation inputs of their own

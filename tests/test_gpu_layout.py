@@ -40,11 +40,11 @@ from neopp.tools.gpu_memory import (
     language_tower,
     rank_need,
 )
+from testing import MODEL_REPOSITORY as REPO
+from testing import REPO as ROOT
 from testing.tiny_checkpoint import write_tiny_checkpoint
 from testing.tiny_u1 import write_tiny_u1_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
-REPO = ROOT / "model_repository"
 COUNTS, MEMORIES = (1, 2, 4, 8), (24, 80, 141)
 
 

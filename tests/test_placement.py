@@ -26,9 +26,9 @@ from neopp.serving.placement import (
     read_placement_fields,
 )
 from neopp.tools.gpu_layout import WRITTEN_NAME
+from testing import MODEL_REPOSITORY as REPO
+from testing import REPO as ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
-REPO = ROOT / "model_repository"
 # The layouts kept in git; `make serve GPUS=N` writes gpus<N> beside them for its machine (ignored by git).
 SHIPPED = sorted(p for p in REPO.glob("*/configs/*.pbtxt") if not WRITTEN_NAME.fullmatch(p.stem))
 LAYOUT_ONLY = {"layout", "gpus", "share_gpus", "device"}  # what a layout may change in config.pbtxt's parameters

@@ -38,6 +38,7 @@ from testing.door_attacks import SMALL_DOOR
 from testing.faults import wait_for
 from testing.kept_server import KeptServer
 from testing.launched import serving
+from testing.loadgen import grpc_inputs, http_inputs
 from testing.tiny_checkpoint import tiny_config, tiny_tensors, write_sample_kv, write_tiny_checkpoint
 from testing.tiny_lora import write_tiny_loras
 
@@ -112,20 +113,10 @@ class TritonHandle:
         return self.grpc.infer(MODEL, self.grpc_tensors(**overrides), client_timeout=timeout)
 
     def infer_http(self, **overrides: Any) -> httpclient.InferResult:
-        tensors = []
-        for name, (arr, dtype) in self.inputs(**overrides).items():
-            t = httpclient.InferInput(name, list(arr.shape), dtype)
-            t.set_data_from_numpy(arr, binary_data=True)
-            tensors.append(t)
-        return self.http.infer(MODEL, tensors)
+        return self.http.infer(MODEL, http_inputs(self.inputs(**overrides)))
 
     def grpc_tensors(self, **overrides: Any) -> list[grpcclient.InferInput]:
-        tensors = []
-        for name, (arr, dtype) in self.inputs(**overrides).items():
-            t = grpcclient.InferInput(name, list(arr.shape), dtype)
-            t.set_data_from_numpy(arr)
-            tensors.append(t)
-        return tensors
+        return grpc_inputs(self.inputs(**overrides))
 
     @staticmethod
     def image(result: Any) -> Image.Image:

@@ -15,6 +15,7 @@ from neopp.launcher.tritonserver import TritonServer
 from neopp.model.kv_cache import load_kv_file
 from neopp.procs import process_group_members
 from testing import REPO as REPO_ROOT
+from testing.loadgen import grpc_inputs
 
 COND_TOKENS, UNCOND_TOKENS = 24, 7  # the fixture's sample KV lengths, used as offsets
 
@@ -78,9 +79,4 @@ class SmallServer:
 
     def tensors(self, **overrides) -> list[grpcclient.InferInput]:
         """``inputs`` as gRPC tensors."""
-        out = []
-        for name, (arr, dtype) in self.inputs(**overrides).items():
-            t = grpcclient.InferInput(name, list(arr.shape), dtype)
-            t.set_data_from_numpy(arr)
-            out.append(t)
-        return out
+        return grpc_inputs(self.inputs(**overrides))

@@ -39,15 +39,12 @@ class Listing:
     names: tuple[str, ...]
     total: int
 
-    @property
-    def more(self) -> int:
-        return self.total - len(self.names)
-
     def text(self) -> str:
         """The listing as an error message quotes it: the names, then ``and K more``."""
         if not self.total:
             return "none"
-        return ", ".join(self.names) + (f" and {self.more} more" if self.more else "")
+        more = self.total - len(self.names)
+        return ", ".join(self.names) + (f" and {more} more" if more else "")
 
 
 def _offered(folder: Path, entry: os.DirEntry) -> bool:

@@ -80,10 +80,10 @@ class LoraPair:
 class PairPlan:
     """One target's factors as the header describes them, before a byte of them is read."""
 
-    base: str
-    up: TensorEntry
-    down: TensorEntry
-    alpha: TensorEntry | None = None
+    base: str  # the weight the pair adds to
+    up: TensorEntry  # (out, rank)
+    down: TensorEntry  # (rank, in)
+    alpha: TensorEntry | None = None  # a scalar; None: scale 1
 
     @property
     def numel(self) -> int:

@@ -34,9 +34,9 @@ DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "f
 class Turn:
     """One image: its prefixes, their offsets, and its seed (None: continue the stream)."""
 
-    cond: Path
-    offset_cond: int
-    uncond: Path | None = None
+    cond: Path  # the prompt's prefix file
+    offset_cond: int  # the first position after it
+    uncond: Path | None = None  # the unconditional prefix file, where guidance has one
     offset_uncond: int | None = None
     seed: int | None = None
     image: Path | None = None  # image editing: the input images without the prompt
