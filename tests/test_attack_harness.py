@@ -52,8 +52,9 @@ def test_the_session_flood_keeps_trying_at_its_pace():
 def test_the_goals_read_the_report():
     fine = [Outcome("grpc", 0.0, 0.1, "ok"), Outcome("v1", 0.0, 0.3, "refused", "HTTP 429: x")]
     base = summary(fine, 0, 10.0)
-    report = {"baseline": base, "attack": {**summary(fine, 0, 10.0), "health_live": {"p99_ms": 20.0,
-                                                                                     "answers": {"200": 40}}},
+    report = {"baseline": base, "attack": {**summary(fine, 0, 10.0),
+                                           "health_live": {"p99_ms": 20.0, "answers": {"200": 40}},
+                                           "health_floor": {"p99_ms": 15.0, "answers": {"200": 40}}},
               "stub_kill": {"serving_again_s": 8.0, "actions": watchdog_actions(
                   "neopp watchdog: neopp_dense: no live stub for ['neopp_dense_0_0']; reloading the model\n")},
               # four instances each; the killed model's reload replaced all four
@@ -63,8 +64,11 @@ def test_the_goals_read_the_report():
     assert all(held for _, held in goals(report))
     slow_and_failing = [*fine, Outcome("grpc", 0.0, 5.0, "ok"), Outcome("grpc", 0.0, 9.0, "server-error", "gRPC x")]
     report["attack"] = {**summary(slow_and_failing, 0, 10.0),
-                        "health_live": {"p99_ms": 900.0, "answers": {"200": 3, "503": 9}}}
-    assert [held for _, held in goals(report)] == [False, False, True, True, False]
+                        "health_live": {"p99_ms": 900.0, "answers": {"200": 3, "503": 9}},
+                        "health_floor": {"p99_ms": 500.0, "answers": {"200": 12}}}
+    assert [held for _, held in goals(report)] == [False, False, True, True, False, False]
+    report["attack"]["health_floor"]["p99_ms"] = 600.0  # a busier machine: 900 ms is its floor's 1.5x
+    assert [held for _, held in goals(report)][4:] == [False, True]
     report["attacks_sent"]["grpc-abuse"]["garbage: deadline"] = 1  # a call left unanswered
     assert not goals(report)[3][1]
     report["stubs_during_attack"]["neopp_t2i"] = {"at_start": 4, "seen": 5, "lost": 1, "alive": 4}  # one replaced
@@ -79,30 +83,20 @@ def test_the_goals_read_the_report():
     assert not goals(report)[2][1]  # the watchdog killed a stub of its own accord
 
 
-def test_the_process_probe_measures_from_its_own_process_until_stopped():
-    import http.server
+def test_the_process_probe_measures_the_floor_server_from_its_own_process_until_stopped():
     import os
 
-    from testing.probe_process import ProcessProbe
+    from testing.probe_process import FloorServer, ProcessProbe
 
-    class Live(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the handler's name
-            self.send_response(200 if self.path == "/v2/health/live" else 404)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Live)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    floor = FloorServer()
     try:
-        probe = ProcessProbe(server.server_address[1], interval_s=0.05).start()
+        probe = ProcessProbe(floor.port, interval_s=0.05).start()
         assert probe._proc is not None and probe._proc.pid != os.getpid()
         wait_for(lambda: probe._proc.poll() is None, timeout=10)
         threading.Event().wait(0.5)
         probe.stop()
     finally:
-        server.shutdown()
+        floor.stop()
+    assert floor._proc.poll() is not None  # stopped by its process id
     assert probe.statuses.get("200", 0) >= 2 and set(probe.statuses) == {"200"}
     assert len(probe.latencies) == sum(probe.statuses.values()) and all(0 <= t < 30 for t in probe.latencies)
