@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 
+import torch
+
 from ..errors import EngineDown
 from ..request import GenerationRequest
 from ..sampling.batching import StepBatcher
@@ -34,6 +36,7 @@ from .engine import (
     send,
 )
 from .fault_point import FaultPoint
+from .intra_op import own_threads
 from .scheduler import Scheduler
 from .spec import DEFAULT_MAX_QUEUED, DEFAULT_TOKEN_BUDGET
 from .step_loop import StepLoop
@@ -58,8 +61,11 @@ class BatchingEngine(PipelineFacts, QueuedEngine):
         self._failure: str | None = None  # why the loop stopped, once it has
         self._fault = FaultPoint()
         self.loader = AdapterLoader(lambda: self.pipe.adapters, self._enqueue)
-        self._thread = threading.Thread(target=self._run, name="neopp-batching", daemon=True)
+        self.threads = torch.get_num_threads()  # the step thread's, whatever the process sets later
+        threads_set = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(threads_set,), name="neopp-batching", daemon=True)
         self._thread.start()
+        threads_set.wait()
 
     # ---- the Engine face (the pipeline's facts come from PipelineFacts) ----------------------
     @property
@@ -123,8 +129,12 @@ class BatchingEngine(PipelineFacts, QueuedEngine):
             self.scheduler.enqueue(ticket.job, ticket.req.lane)
         return True
 
-    def _run(self) -> None:
+    def _run(self, threads_set: threading.Event) -> None:
         try:
+            try:
+                own_threads(self.threads)
+            finally:
+                threads_set.set()  # the constructor goes on either way; a failure is the loop's
             while self._take_incoming():
                 self._fault.check()
                 self._pass()

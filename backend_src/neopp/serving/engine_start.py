@@ -25,6 +25,7 @@ def start_host(pb: Any, model_name: str, settings: TritonModelSettings, model_co
     """Load the mode and its engine on this instance's devices, warm it up, open the socket."""
     from ..engines.engine import EngineHooks
     from ..engines.factory import build_engine
+    from ..engines.intra_op import on_passing_thread, single_threaded_here_on
     from ..engines.warmup import warm_up
     from ..parallel.mesh import check_world
     from ..procs import restore_malloc_defaults
@@ -47,11 +48,13 @@ def start_host(pb: Any, model_name: str, settings: TritonModelSettings, model_co
                         step_seconds=observe("step_time"))
     devices = engine_devices(settings, mode, model_config, model_dir, args)
     spec = replace(settings.engine_spec(), mode=mode, devices=devices, threads=engine_threads(settings, mode))
-    engine = build_engine(spec, hooks)
+    engine = on_passing_thread(lambda: build_engine(spec, hooks))
+    threads = getattr(engine, "threads", torch.get_num_threads())  # a rank pool's ranks set their own
+    single_threaded_here_on()  # the stub's thread parses requests; the engine's thread steps
     warmed = warm_up(engine, mode) if settings.warmup else None
     counting.set()  # the warm-up leaves the metrics untouched
     pb.Logger.log_info(f"{model_name}: loaded {settings.checkpoint} mode={mode.name} device={engine.device} "
-                       f"dtype={engine.dtype} kv_dims={engine.config.kv_dims} threads={torch.get_num_threads()} "
+                       f"dtype={engine.dtype} kv_dims={engine.config.kv_dims} threads={threads} "
                        f"token_budget={spec.token_budget} max_queued={spec.max_queued}"
                        f"{'' if warmed is None else f' warm-up {warmed:.2f}s'}")
     return EngineHost(model_name, engine, settings, mode, stopping, pb.Logger.log_error, metrics.held)
