@@ -20,6 +20,7 @@ import torch
 
 from ..engines.engine import Engine
 from ..engines.factory import build_engine
+from ..engines.intra_op import on_passing_thread
 from ..engines.spec import EngineSpec
 from ..errors import ConfigError, InputError
 from ..model.checkpoint import default_dtype
@@ -95,7 +96,9 @@ class LightX2VPipeline:
         if mode.world_size > 1 and "WORLD_SIZE" in os.environ:  # one rank of a torchrun launch
             spec = EngineSpec(self.model_path, mode, (str(dev),), dtype=run_dtype, torchrun_rank=True)
             return build_engine(spec), dev
-        return build_engine(EngineSpec.local(self.model_path, mode, str(dev), dtype=run_dtype)), dev
+        # loaded on a thread that ends, so that only the engine's step thread keeps a CPU thread team
+        spec = EngineSpec.local(self.model_path, mode, str(dev), dtype=run_dtype)
+        return on_passing_thread(lambda: build_engine(spec)), dev
 
     def modify_config(self, config_modify: dict[str, Any]) -> None:
         """Change the runner's config (it may be locked); LightLLM turns the debug saving off here."""
