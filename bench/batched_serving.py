@@ -292,6 +292,7 @@ def link_section(steps: int, rounds: int) -> str:
     import torch
 
     from neopp.engines.batch_engine import BatchingEngine
+    from neopp.engines.intra_op import on_passing_thread, single_threaded_here_on
     from neopp.modes import load_mode
     from neopp.request import GenerationRequest
     from neopp.sampling.pipeline import NeoPPPipeline
@@ -302,7 +303,11 @@ def link_section(steps: int, rounds: int) -> str:
     from testing.local_tensors import request_tensors
 
     mode = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json")
-    pipe = NeoPPPipeline.from_pretrained(DEMO / "dense", mode, "cpu", torch.float32)
+    threads = torch.get_num_threads()
+    engine = on_passing_thread(  # as a stub builds it: the step thread is the one with a thread team
+        lambda: BatchingEngine(NeoPPPipeline.from_pretrained(DEMO / "dense", mode, "cpu", torch.float32)))
+    single_threaded_here_on()
+    pipe = engine.pipe
     layers, kv_heads, head_dim = pipe.config.kv_dims
     cfg = {"llm_config": {"num_hidden_layers": layers, "num_key_value_heads": kv_heads, "head_dim": head_dim}}
     req = GenerationRequest(cond_kv=random_kv(cfg, PREFIX[0], 1), uncond_kv=random_kv(cfg, PREFIX[1], 2),
@@ -312,7 +317,6 @@ def link_section(steps: int, rounds: int) -> str:
                                    lora_dir=Path("-"), device_param="cpu", dtype_name="float32", num_threads=0,
                                    worker_processes=0, collective_timeout_s=60.0, default_task="t2i",
                                    limits=pipe.rules.limits)
-    engine = BatchingEngine(pipe)
     host = EngineHost(f"bench_link_{os.getpid()}", engine, settings, pipe.mode, threading.Event(), print)
     link = EngineLink(host.owner, "bench", "plain")
     direct, linked = [], []
@@ -332,6 +336,7 @@ def link_section(steps: int, rounds: int) -> str:
         link.close()
         host.close()
         engine.close()
+        torch.set_num_threads(threads)
     d, k = statistics.median(direct[1:]), statistics.median(linked[1:])
     return "\n".join([
         "### The hop from an instance to the engine, demo 256x256",

@@ -15,6 +15,8 @@ same batch). It knows requests only by job number and asks the caller what a req
   Once the first request considered that does not fit has waited ``patience`` steps, nothing
   passes it any more:
   running requests leave one by one and it starts as soon as it fits, so no size starves.
+* **Which running requests step** is the step loop's fair share between sizes
+  (``neopp.engines.step_loop.fair_turn``); the budget counts every running request.
 * **Cancellation** takes effect at the next step boundary, queued or running.
 * **Close** stops everything at the next boundary.
 """

@@ -7,6 +7,16 @@ guidance, the layers run once for all) and finished or failed requests leave. Wh
 between a thread and a rank group is passed in: where a request's data comes from (``fetch``),
 how a dropped request that never started is forgotten (``forget``) and where events go
 (``report``; a rank other than 0 reports nothing).
+
+**Fair share between sizes.** A step costs every request in it the whole step's time, so a small
+request batched with large ones would be charged for their tokens at every step. Each running
+request counts what it has been stepped for (``served``: tokens x branches, the same count the
+scheduler's budget uses); a step takes the requests within one smallest step of the least served
+(``fair_turn``). Requests of one size all step every time, as before; a 256x256 request beside
+512x512 ones steps about four times for each of their steps, and theirs carry on alone once it
+is done. A request joins at the least served count running, so it gets no credit for the time it
+waited, and the least served request always steps, so none starves. Every rank holds the same
+requests in the same state, so every rank picks the same turn without a word exchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +45,22 @@ class Entry:
 
 
 ReportFn = Callable[[int, StepEvent], bool]  # False: the caller is gone, stop computing for it
+
+
+def planned_cost(pipe: NeoPPPipeline, a: Active) -> int:
+    """Tokens x branches of a request's next step by its plan (a step cache's skips left out: every
+    rank counts the same)."""
+    return a.prep.grid.num_tokens * len(pipe.step_branch_names(a.prep, a.k))
+
+
+def fair_turn(active: list[Active], cost: Callable[[Active], int]) -> list[Active]:
+    """The running requests that take the next step: those served less than the least served one
+    plus the smallest step."""
+    if not active:
+        return []
+    least = min(a.served for a in active)
+    smallest = min(cost(a) for a in active)
+    return [a for a in active if a.served < least + smallest]
 
 
 def queued_cost(pipe: NeoPPPipeline, req: GenerationRequest) -> int:
@@ -79,6 +105,7 @@ class StepLoop:
         for job in decision.drop:
             self._drop(job, forget)
         waits = []
+        joined_at = min((a.served for a in self.active), default=0)
         for job in decision.admit:
             entry = fetch(job)
             try:
@@ -87,6 +114,7 @@ class StepLoop:
                 # meets the same error here, the request fails alone and its host logs an unexpected one once
                 self.report(job, StepEvent(0, entry.req.sampling.infer_steps, error=exc))
                 continue
+            a.served = joined_at
             self.active.append(a)
             waits.append(time.monotonic() - entry.submitted)
         return waits
@@ -105,23 +133,26 @@ class StepLoop:
                                        error=GenerationCancelled("cancelled before it started")))
 
     def step(self) -> StepStats:
-        """One batched step; finished, failed and abandoned requests leave."""
+        """One batched step of the requests whose turn it is; finished, failed and abandoned
+        requests leave."""
         began = time.perf_counter()
-        batch = len(self.active)
-        events = self.batcher.step(self.active)
+        turn = fair_turn(self.active, lambda a: planned_cost(self.pipe, a))
+        for a in turn:
+            a.served += planned_cost(self.pipe, a)
+        events = self.batcher.step(turn)
         seconds = time.perf_counter() - began
-        staying = []
-        for a, ev in zip(self.active, events):
+        leaving = set()
+        for a, ev in zip(turn, events):
             ev.seconds = seconds
-            if self.report(a.job, ev) and not ev.last:
-                staying.append(a)
-            else:
+            if not self.report(a.job, ev) or ev.last:
+                leaving.add(a.job)
                 self.pipe.release(a.prep)
-        self.active = staying
-        return StepStats([], batch, seconds)
+        self.active = [a for a in self.active if a.job not in leaving]
+        return StepStats([], len(turn), seconds)
 
     def fail_all(self, exc: Exception) -> None:
-        """A failure of the shared pass fails its whole batch (the loop goes on)."""
+        """A failure of the shared pass fails every running request, those that sat out this turn
+        too (a failure that would recur could otherwise never end); the loop goes on."""
         for a in self.active:
             self.report(a.job, StepEvent(a.k, a.total, error=exc))
             self.pipe.release(a.prep)

@@ -43,6 +43,7 @@ class Active:
     submitted: float = field(default_factory=time.monotonic)
     adapter: Adapter | None = None  # the request's LoRA, held while it runs (even once evicted)
     cache: RequestCache | None = None  # its step cache (None: off)
+    served: int = 0  # tokens x branches stepped, counted from where it joined (the fair share's clock)
 
     @property
     def total(self) -> int:
