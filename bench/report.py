@@ -54,6 +54,7 @@ SECTIONS = [
             "Triton end to end vs in-process; throughput per instance count", file="serving.md"),
     Section("batched_serving", "batched_serving",
             "Step batching through Triton: batched plain models vs one at a time"),
+    Section("fair_share", "fair_share", "Fair share between sizes: small requests beside large ones"),
     Section("startup", "startup", "Start time and the first request (warm-up at load)"),
     Section("prompt_path", "prompt_path", "A prompt to a picture: first sign of life and picture"),
     Section("prompt_encoder", "prompt_encoder", "Prompt encoder at the 8B geometry"),
