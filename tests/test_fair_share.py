@@ -95,3 +95,17 @@ def test_a_request_joining_later_starts_at_the_least_served(tmp_path):
     loop.step(), loop.step()
     loop.apply(Decision(admit=(1,)), entries.__getitem__, entries.get)
     assert [a.served for a in loop.active] == [loop.active[0].served] * 2 > [0]
+
+
+def test_the_benchmark_runs_both_policies_on_the_demo(tmp_path):
+    import torch
+
+    from bench import fair_share
+
+    threads = torch.get_num_threads()
+    try:
+        fair_share.main(["--out", str(tmp_path), "--rounds", "1", "--per-client", "1", "--steps", "2"])
+    finally:
+        torch.set_num_threads(threads)  # the benchmark leaves its own thread single-threaded, as a stub does
+    text = (tmp_path / "fair_share.md").read_text()
+    assert "| fair share |" in text and "| all step |" in text and "Mix throughput" in text
