@@ -8,13 +8,23 @@ have fixed its own count before; a thread that only set it (the control) loses i
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
 
 from neopp.engines.batch_engine import BatchingEngine
 from neopp.engines.engine import EngineHooks
-from neopp.engines.intra_op import on_passing_thread, own_threads, single_threaded_here_on
+from neopp.engines.factory import build_engine
+from neopp.engines.intra_op import (
+    fastest_threads,
+    on_passing_thread,
+    own_threads,
+    single_threaded_here_on,
+    thread_counts,
+)
+from neopp.engines.spec import EngineSpec
+from neopp.modes import ModeSpec
 from testing.stream_requests import make, tiny_setup
 
 
@@ -71,3 +81,30 @@ def test_the_step_thread_keeps_its_count_once_the_stub_goes_single_threaded(tmp_
     finally:
         engine.close()
     assert engine.threads == 2 and seen == [2, 2]
+
+
+def test_the_counts_timed_are_powers_of_two_and_the_cores():
+    assert [thread_counts(n) for n in (1, 2, 6, 8)] == [[1], [1, 2], [1, 2, 4, 6], [1, 2, 4, 8]]
+
+
+def test_the_fastest_count_is_kept_and_a_slow_step_on_every_core_is_not_timed_on_fewer(process_threads):
+    cost = {1: 0.03, 2: 0.01, 4: 0.02}
+    best, timings = fastest_threads(lambda: time.sleep(cost[torch.get_num_threads()]), 4, repeats=1)
+    assert best == 2 and torch.get_num_threads() == 2 and sorted(timings) == [1, 2, 4]
+    assert timings[2] < timings[4] < timings[1]
+    best, timings = fastest_threads(lambda: time.sleep(0.05), 4, repeats=1, slow_s=0.01)
+    assert best == 4 and list(timings) == [4]
+
+
+def test_an_engine_on_the_cpu_measures_its_count_at_load(tmp_path, process_threads):
+    ckpt, pipe, kvs = tiny_setup(tmp_path)
+    spec = EngineSpec.local(ckpt, ModeSpec(), "cpu", threads=2, measure_threads=True)
+    engine = on_passing_thread(lambda: build_engine(spec))
+    try:
+        assert sorted(engine.thread_timings) == [1, 2] and all(t > 0 for t in engine.thread_timings.values())
+        assert engine.threads == min(engine.thread_timings, key=engine.thread_timings.get)
+    finally:
+        engine.close()
+    unmeasured = on_passing_thread(lambda: build_engine(EngineSpec.local(ckpt, ModeSpec(), "cpu", threads=2)))
+    unmeasured.close()
+    assert unmeasured.thread_timings is None and unmeasured.threads == 2

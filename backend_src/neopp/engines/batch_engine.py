@@ -62,6 +62,7 @@ class BatchingEngine(PipelineFacts, QueuedEngine):
         self._fault = FaultPoint()
         self.loader = AdapterLoader(lambda: self.pipe.adapters, self._enqueue)
         self.threads = torch.get_num_threads()  # the step thread's, whatever the process sets later
+        self.thread_timings: dict[int, float] | None = None  # a probe step's seconds per count, where measured
         threads_set = threading.Event()
         self._thread = threading.Thread(target=self._run, args=(threads_set,), name="neopp-batching", daemon=True)
         self._thread.start()

@@ -12,11 +12,15 @@ loading thread. Hence:
 * the step thread fixes its own thread count before its first step (``own_threads``);
 * every other thread of the process (the stub's, which parses requests) then runs torch
   single-threaded, so it never starts a team of its own.
+
+How many threads the step thread gets can be measured at load (``fastest_threads``), since more
+is not always faster.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -59,3 +63,43 @@ def single_threaded_here_on() -> None:
     """The calling thread, and every thread that starts torch work from now on, run torch on one
     thread. A thread that set its own count before (the step thread) keeps it."""
     torch.set_num_threads(1)
+
+
+def thread_counts(most: int) -> list[int]:
+    """The counts worth timing: 1, 2, 4, ... below ``most``, and ``most`` itself."""
+    counts, n = [], 1
+    while n < most:
+        counts.append(n)
+        n *= 2
+    return [*counts, max(1, most)]
+
+
+def fastest_threads(run_step: Callable[[], object], most: int, repeats: int = 2,
+                    slow_s: float = 2.0) -> tuple[int, dict[int, float]]:
+    """The thread count, up to ``most``, whose ``run_step`` is fastest (each count timed
+    ``repeats`` times after one untimed run, its best kept), and every count's seconds.
+
+    More threads are not always faster: a small model's step is thousands of short parallel
+    regions, and past a few threads their start-up costs more than the split saves. A step slower
+    than ``slow_s`` on ``most`` threads is not timed on fewer (a large model uses them all)."""
+    timings: dict[int, float] = {}
+    for n in sorted(thread_counts(most), reverse=True):
+        torch.set_num_threads(n)
+        run_step()
+        timings[n] = min(_seconds(run_step) for _ in range(repeats))
+        if n == most and timings[n] > slow_s:
+            break
+    best = min(timings, key=lambda n: (timings[n], -n))
+    torch.set_num_threads(best)
+    return best, dict(sorted(timings.items()))
+
+
+def timings_text(timings: dict[int, float]) -> str:
+    """``1: 13.1 ms, 2: 8.0 ms``: what a log line says of a measurement."""
+    return ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in timings.items())
+
+
+def _seconds(run: Callable[[], object]) -> float:
+    began = time.perf_counter()
+    run()
+    return time.perf_counter() - began

@@ -29,6 +29,7 @@ class EngineSpec:
     dtype: torch.dtype | None = None     # None: bf16 on a GPU, float32 on the CPU
     limits: Limits = Limits()
     threads: int | None = None           # torch CPU threads per process
+    measure_threads: bool = False        # one CPU process: time a step on 1, 2, 4... up to threads, keep the fastest
     collective_timeout_s: float = 120.0
     load_timeout_s: float = 600.0
     speed: SpeedOptions = SpeedOptions()

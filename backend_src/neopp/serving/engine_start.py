@@ -25,7 +25,7 @@ def start_host(pb: Any, model_name: str, settings: TritonModelSettings, model_co
     """Load the mode and its engine on this instance's devices, warm it up, open the socket."""
     from ..engines.engine import EngineHooks
     from ..engines.factory import build_engine
-    from ..engines.intra_op import on_passing_thread, single_threaded_here_on
+    from ..engines.intra_op import on_passing_thread, single_threaded_here_on, timings_text
     from ..engines.warmup import warm_up
     from ..parallel.mesh import check_world
     from ..procs import restore_malloc_defaults
@@ -47,14 +47,17 @@ def start_host(pb: Any, model_name: str, settings: TritonModelSettings, model_co
     hooks = EngineHooks(queue_wait=observe("queue_wait"), batch_size=observe("batch"),
                         step_seconds=observe("step_time"))
     devices = engine_devices(settings, mode, model_config, model_dir, args)
-    spec = replace(settings.engine_spec(), mode=mode, devices=devices, threads=engine_threads(settings, mode))
+    spec = replace(settings.engine_spec(), mode=mode, devices=devices, threads=engine_threads(settings, mode),
+                   measure_threads=not settings.num_threads and mode.world_size == 1 and devices[0] == "cpu")
     engine = on_passing_thread(lambda: build_engine(spec, hooks))
     threads = getattr(engine, "threads", torch.get_num_threads())  # a rank pool's ranks set their own
+    timings = getattr(engine, "thread_timings", None)
+    measured = "" if not timings else f" (a step on {timings_text(timings)})"
     single_threaded_here_on()  # the stub's thread parses requests; the engine's thread steps
     warmed = warm_up(engine, mode) if settings.warmup else None
     counting.set()  # the warm-up leaves the metrics untouched
     pb.Logger.log_info(f"{model_name}: loaded {settings.checkpoint} mode={mode.name} device={engine.device} "
-                       f"dtype={engine.dtype} kv_dims={engine.config.kv_dims} threads={threads} "
+                       f"dtype={engine.dtype} kv_dims={engine.config.kv_dims} threads={threads}{measured} "
                        f"token_budget={spec.token_budget} max_queued={spec.max_queued}"
                        f"{'' if warmed is None else f' warm-up {warmed:.2f}s'}")
     return EngineHost(model_name, engine, settings, mode, stopping, pb.Logger.log_error, metrics.held)

@@ -17,8 +17,9 @@ See :data:`PARAMETER_DEFAULTS`:
   ``(instance index * world size) mod device count`` (so the KIND_CPU instances of a group
   land on disjoint GPUs), and the CPU when there is no CUDA;
 * ``dtype``: ``auto`` (the pipeline's choice: bf16 on GPU, fp32 on CPU) | ``float32`` |
-  ``bfloat16`` | ``float16``; ``num_threads``: torch CPU threads per process, 0 shares the cores out over the
-  model's instances and ranks (on CPUs);
+  ``bfloat16`` | ``float16``; ``num_threads``: torch CPU threads per process; 0 on CPUs shares the cores out
+  over a mode's ranks, and for a one-process mode times a step on 1, 2, 4... of them at load and
+  keeps the fastest;
 * ``gpus``, ``share_gpus``, ``layout``: a multi-GPU layout (``configs/<layout>.pbtxt``, see
   :mod:`neopp.serving.placement`): instance ``i`` of a KIND_MODEL group takes the ``i``-th slice of
   ``gpus``, and models of one layout on the same GPU are refused unless both share;
