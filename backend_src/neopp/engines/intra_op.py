@@ -74,22 +74,29 @@ def thread_counts(most: int) -> list[int]:
     return [*counts, max(1, most)]
 
 
-def fastest_threads(run_step: Callable[[], object], most: int, repeats: int = 2,
-                    slow_s: float = 2.0) -> tuple[int, dict[int, float]]:
-    """The thread count, up to ``most``, whose ``run_step`` is fastest (each count timed
-    ``repeats`` times after one untimed run, its best kept), and every count's seconds.
+def fastest_threads(run_step: Callable[[], object], most: int, repeats: int = 2, slow_s: float = 2.0,
+                    margin: float = 0.1) -> tuple[int, dict[int, float]]:
+    """The thread count, up to ``most``, whose ``run_step`` is fastest, and every count's best
+    seconds. The counts take turns, one run each per round after an untimed round, so a burst of
+    load (other models loading beside this one) falls on all of them alike; fewer threads than
+    ``most`` are chosen only when ``margin`` faster.
 
     More threads are not always faster: a small model's step is thousands of short parallel
     regions, and past a few threads their start-up costs more than the split saves. A step slower
     than ``slow_s`` on ``most`` threads is not timed on fewer (a large model uses them all)."""
+    counts = sorted(thread_counts(most), reverse=True)
     timings: dict[int, float] = {}
-    for n in sorted(thread_counts(most), reverse=True):
-        torch.set_num_threads(n)
-        run_step()
-        timings[n] = min(_seconds(run_step) for _ in range(repeats))
-        if n == most and timings[n] > slow_s:
-            break
-    best = min(timings, key=lambda n: (timings[n], -n))
+    for round_ in range(repeats + 1):
+        for n in counts:
+            torch.set_num_threads(n)
+            seconds = _seconds(run_step)
+            if round_:
+                timings[n] = min(seconds, timings.get(n, seconds))
+            elif n == most and seconds > slow_s:
+                torch.set_num_threads(most)
+                return most, {most: seconds}
+    fewer = [n for n in counts if timings[n] < (1 - margin) * timings[most]]
+    best = min(fewer, key=timings.__getitem__) if fewer else most
     torch.set_num_threads(best)
     return best, dict(sorted(timings.items()))
 

@@ -10,8 +10,9 @@ how a dropped request that never started is forgotten (``forget``) and where eve
 
 **Fair share between sizes.** A step costs every request in it the whole step's time, so a small
 request batched with large ones would be charged for their tokens at every step. Each running
-request counts what it has been stepped for (``served``: tokens x branches, the same count the
-scheduler's budget uses); a step takes the requests within one smallest step of the least served
+request counts what it has been stepped for (``served``: tokens x branches of its plan, as the
+scheduler's budget counts them but for a step cache's skips, which could differ between ranks);
+a step takes the requests within one smallest step of the least served
 (``fair_turn``). Requests of one size all step every time, as before; a 256x256 request beside
 512x512 ones steps about four times for each of their steps, and theirs carry on alone once it
 is done. A request joins at the least served count running, so it gets no credit for the time it
