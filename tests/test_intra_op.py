@@ -119,3 +119,13 @@ def test_an_engine_on_the_cpu_measures_its_count_at_load(tmp_path, process_threa
     unmeasured = on_passing_thread(lambda: build_engine(EngineSpec.local(ckpt, ModeSpec(), "cpu", threads=2)))
     unmeasured.close()
     assert unmeasured.thread_timings is None and unmeasured.threads == 2
+
+
+def test_num_threads_takes_a_count_or_auto():
+    from neopp.errors import ConfigError
+    from neopp.serving.model_settings import AUTO_THREADS, threads_param
+
+    assert [threads_param(v) for v in ("0", "3", "auto")] == [0, 3, AUTO_THREADS]
+    for bad in ("-2", "two", "Auto"):
+        with pytest.raises(ConfigError, match="num_threads"):
+            threads_param(bad)

@@ -17,7 +17,7 @@ import torch
 from ..errors import ConfigError
 from ..modes import ModeSpec
 from .engine_host import EngineHost
-from .model_settings import TritonModelSettings
+from .model_settings import AUTO_THREADS, TritonModelSettings
 
 
 def start_host(pb: Any, model_name: str, settings: TritonModelSettings, model_config: dict[str, Any],
@@ -48,7 +48,8 @@ def start_host(pb: Any, model_name: str, settings: TritonModelSettings, model_co
                         step_seconds=observe("step_time"))
     devices = engine_devices(settings, mode, model_config, model_dir, args)
     spec = replace(settings.engine_spec(), mode=mode, devices=devices, threads=engine_threads(settings, mode),
-                   measure_threads=not settings.num_threads and mode.world_size == 1 and devices[0] == "cpu")
+                   measure_threads=settings.num_threads == AUTO_THREADS and mode.world_size == 1
+                   and devices[0] == "cpu")
     engine = on_passing_thread(lambda: build_engine(spec, hooks))
     threads = getattr(engine, "threads", torch.get_num_threads())  # a rank pool's ranks set their own
     timings = getattr(engine, "thread_timings", None)
@@ -83,8 +84,8 @@ def engine_devices(settings: TritonModelSettings, mode: ModeSpec, model_config: 
 
 
 def engine_threads(settings: TritonModelSettings, mode: ModeSpec) -> int | None:
-    """`num_threads`, or with 0 on a CPU: the cores shared out over the engine's ranks (the model's
-    other instances only forward requests)."""
-    if settings.num_threads or torch.cuda.is_available():
-        return settings.num_threads or None
+    """`num_threads`, or with 0 or ``auto`` on a CPU: the cores shared out over the engine's ranks
+    (the model's other instances only forward requests; ``auto`` then measures up to that)."""
+    if settings.num_threads > 0 or torch.cuda.is_available():
+        return max(settings.num_threads, 0) or None
     return max(1, (os.cpu_count() or 1) // mode.world_size)

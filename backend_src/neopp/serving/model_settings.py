@@ -18,8 +18,8 @@ See :data:`PARAMETER_DEFAULTS`:
   land on disjoint GPUs), and the CPU when there is no CUDA;
 * ``dtype``: ``auto`` (the pipeline's choice: bf16 on GPU, fp32 on CPU) | ``float32`` |
   ``bfloat16`` | ``float16``; ``num_threads``: torch CPU threads per process; 0 on CPUs shares the cores out
-  over a mode's ranks, and for a one-process mode times a step on 1, 2, 4... of them at load and
-  keeps the fastest;
+  over a mode's ranks; ``auto`` does too, and a one-process mode on a CPU then times a step on
+  1, 2, 4... of its cores at load and keeps the fastest;
 * ``gpus``, ``share_gpus``, ``layout``: a multi-GPU layout (``configs/<layout>.pbtxt``, see
   :mod:`neopp.serving.placement`): instance ``i`` of a KIND_MODEL group takes the ``i``-th slice of
   ``gpus``, and models of one layout on the same GPU are refused unless both share;
@@ -169,6 +169,19 @@ def choose_device(param: str, instance_kind: str, device_id: int, instance_index
     return f"cuda:{(instance_index * world_size) % torch.cuda.device_count()}"
 
 
+AUTO_THREADS = -1  # ``num_threads: auto``: measured at load where the mode runs in one CPU process
+
+
+def threads_param(value: str) -> int:
+    """``num_threads``: a count of 0 or more, or ``auto`` (``AUTO_THREADS``)."""
+    if value.strip() == "auto":
+        return AUTO_THREADS
+    threads = int_param({"num_threads": value}, "num_threads")
+    if threads < 0:
+        raise ConfigError(f"parameter num_threads: 0 or more, or auto, got {value!r}")
+    return threads
+
+
 def int_param(params: Mapping[str, str], key: str) -> int:
     try:
         return int(params[key])
@@ -224,7 +237,7 @@ class TritonModelSettings:
             mode_file=mode_file if mode_file.is_absolute() else root / mode_file,
             lora_dir=resolve_lora_dir(params, name, root),
             device_param=params["device"], dtype_name=_DTYPES[dtype_key],
-            num_threads=int_param(params, "num_threads"), default_task=task, limits=limits,
+            num_threads=threads_param(params["num_threads"]), default_task=task, limits=limits,
             worker_processes=int_param(params, "worker_processes"),
             collective_timeout_s=float(int_param(params, "collective_timeout_s")),
             warmup=_bool_param(params, "warmup"),
