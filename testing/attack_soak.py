@@ -227,7 +227,9 @@ def phase(workload: Workload, rate: float, seconds: float, port: int, on_tick: A
     try:
         load.run(seconds, on_tick)
     finally:
-        probe.stop(), floor_probe.stop(), floor.stop()
+        probe.stop()
+        floor_probe.stop()
+        floor.stop()
     result = summary(load.outcomes, load.not_sent, time.monotonic() - began)
     result["health_live"], result["health_floor"] = probed(probe), probed(floor_probe)
     return result

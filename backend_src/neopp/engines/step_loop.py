@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from ..errors import GenerationCancelled
 from ..request import GenerationRequest
-from ..sampling.batching import Active, StepBatcher, start, step_cost
+from ..sampling.batching import Active, StepBatcher, planned_cost, start, step_cost
 from ..sampling.pipeline import NeoPPPipeline
 from ..sampling.plan import step_plan
 from ..sampling.sampler import StepEvent
@@ -46,12 +46,6 @@ class Entry:
 
 
 ReportFn = Callable[[int, StepEvent], bool]  # False: the caller is gone, stop computing for it
-
-
-def planned_cost(pipe: NeoPPPipeline, a: Active) -> int:
-    """Tokens x branches of a request's next step by its plan (a step cache's skips left out: every
-    rank counts the same)."""
-    return a.prep.grid.num_tokens * len(pipe.step_branch_names(a.prep, a.k))
 
 
 def fair_turn(active: list[Active], cost: Callable[[Active], int]) -> list[Active]:
@@ -137,9 +131,10 @@ class StepLoop:
         """One batched step of the requests whose turn it is; finished, failed and abandoned
         requests leave."""
         began = time.perf_counter()
-        turn = fair_turn(self.active, lambda a: planned_cost(self.pipe, a))
+        costs = {a.job: planned_cost(self.pipe, a) for a in self.active}
+        turn = fair_turn(self.active, lambda a: costs[a.job])
         for a in turn:
-            a.served += planned_cost(self.pipe, a)
+            a.served += costs[a.job]
         events = self.batcher.step(turn)
         seconds = time.perf_counter() - began
         leaving = set()

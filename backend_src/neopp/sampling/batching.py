@@ -67,11 +67,16 @@ def start(pipe: NeoPPPipeline, job: int, req: GenerationRequest, preview_every: 
                   adapter, new_cache(req.sampling))
 
 
+def planned_cost(pipe: NeoPPPipeline, a: Active) -> int:
+    """Tokens x branches of a request's next step by its plan, a step cache's skips not taken off
+    (every rank counts the same)."""
+    return a.prep.grid.num_tokens * len(pipe.step_branch_names(a.prep, a.k))
+
+
 def step_cost(pipe: NeoPPPipeline, a: Active) -> int:
     """Tokens the layers carry for this request at its next step: tokens x branches that run them
     (a branch that reuses its cached residual carries none)."""
-    branches = len(pipe.step_branches(a.prep, a.k)) - skipping_branches(pipe, a.cache, a.x, a.prep, a.k)
-    return a.prep.grid.num_tokens * branches
+    return planned_cost(pipe, a) - a.prep.grid.num_tokens * skipping_branches(pipe, a.cache, a.x, a.prep, a.k)
 
 
 def tower_input(pipe: NeoPPPipeline, a: Active) -> torch.Tensor:
