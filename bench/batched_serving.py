@@ -312,7 +312,7 @@ def link_section(steps: int, rounds: int) -> str:
     cfg = {"llm_config": {"num_hidden_layers": layers, "num_key_value_heads": kv_heads, "head_dim": head_dim}}
     req = GenerationRequest(cond_kv=random_kv(cfg, PREFIX[0], 1), uncond_kv=random_kv(cfg, PREFIX[1], 2),
                             index_offset_cond=PREFIX[0], index_offset_uncond=PREFIX[1], height=256, width=256,
-                            sampling=mode.sampling.replace(infer_steps=steps, output_format="png"))
+                            sampling_params=mode.sampling_params.replace(infer_steps=steps, output_format="png"))
     settings = TritonModelSettings(model_name="bench", checkpoint=DEMO / "dense", mode_file=Path("-"),
                                    lora_dir=Path("-"), device_param="cpu", dtype_name="float32", num_threads=0,
                                    worker_processes=0, collective_timeout_s=60.0, default_task="t2i",

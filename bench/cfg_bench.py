@@ -45,7 +45,7 @@ def bench_request(geo: BenchGeometry, size: int, steps: int) -> GenerationReques
     return GenerationRequest(cond_kv=random_kv(raw, PREFIX, 1), uncond_kv=random_kv(raw, UNCOND_PREFIX, 2),
                              index_offset_cond=PREFIX, index_offset_uncond=UNCOND_PREFIX, height=size, width=size,
                              noise=NoiseStream(0).draw(size, size),
-                             sampling=SamplingParams(infer_steps=steps + 1))
+                             sampling_params=SamplingParams(infer_steps=steps + 1))
 
 
 def per_step(run) -> list[float]:

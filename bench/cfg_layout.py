@@ -45,7 +45,8 @@ def bench_request(size: int, steps: int) -> GenerationRequest:
                              uncond_kv=random_kv(raw, n["uncond"], 2), index_offset_uncond=n["uncond"],
                              image_kv=random_kv(raw, n["image"], 3), index_offset_image=n["image"],
                              height=size, width=size, noise=NoiseStream(0).draw(size, size),
-                             sampling=SamplingParams(infer_steps=steps + 1, cfg_scale=4.0, image_guidance_scale=2.0))
+                             sampling_params=SamplingParams(infer_steps=steps + 1, cfg_scale=4.0,
+                                                            image_guidance_scale=2.0))
 
 
 def _rank(rank: int, port: int, ckpt: str, size: int, steps: int, repeats: int, out) -> None:

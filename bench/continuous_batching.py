@@ -62,7 +62,7 @@ def load(name: str, dtype: torch.dtype, device: str) -> tuple[NeoPPPipeline, dic
 def requests(raw: dict, n: int, size: int, steps: int) -> list[GenerationRequest]:
     return [GenerationRequest(cond_kv=random_kv(raw, PREFIX + i, 10 + i), uncond_kv=random_kv(raw, 8, 50 + i),
                               index_offset_cond=PREFIX + i, index_offset_uncond=8, height=size, width=size,
-                              noise=NoiseStream(i).draw(size, size), sampling=SamplingParams(infer_steps=steps))
+                              noise=NoiseStream(i).draw(size, size), sampling_params=SamplingParams(infer_steps=steps))
             for i in range(n)]
 
 

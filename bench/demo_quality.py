@@ -56,7 +56,9 @@ ROWS = (
 
 def mode_of(row: Row, lora_dir: Path) -> ModeSpec:
     mode = load_mode(MODES / row.mode_file, lora_dir=lora_dir)
-    return dataclasses.replace(mode, sampling=mode.sampling.replace(**row.overrides)) if row.overrides else mode
+    if not row.overrides:
+        return mode
+    return dataclasses.replace(mode, sampling_params=mode.sampling_params.replace(**row.overrides))
 
 
 def draw(row: Row, ckpt: Path, lora_dir: Path, scenes: list, size: tuple[int, int]) -> tuple[list, float]:
@@ -71,7 +73,7 @@ def draw(row: Row, ckpt: Path, lora_dir: Path, scenes: list, size: tuple[int, in
             cond, off_c = tower.encode(scene.prompt)
             req = GenerationRequest(cond_kv=cond, index_offset_cond=off_c, uncond_kv=uncond,
                                     index_offset_uncond=off_u, height=size[0], width=size[1],
-                                    noise=NoiseStream(i).draw(*size), sampling=mode.sampling)
+                                    noise=NoiseStream(i).draw(*size), sampling_params=mode.sampling_params)
             images.append(engine.generate(req))
     finally:
         engine.close()

@@ -37,7 +37,7 @@ from neopp.sampling.guidance import COND, UNCOND, combine
 from neopp.sampling.schedule import initial_noise_scale, shifted_timesteps
 
 SIZE = 256
-SAMPLING = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json").sampling
+SAMPLING = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json").sampling_params
 
 
 class Sampler:

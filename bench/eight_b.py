@@ -83,7 +83,7 @@ def child(path: str, ckpt: Path, size: int, steps: int, layers: int) -> dict:
         height=size,
         width=size,
         noise=NoiseStream(200).draw(size, size),
-        sampling=SamplingParams(infer_steps=steps),
+        sampling_params=SamplingParams(infer_steps=steps),
     )
     pipe.validate(req)
     first: list[float] = []

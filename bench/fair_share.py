@@ -51,7 +51,7 @@ def requester(engine: BatchingEngine, cfg: dict, steps: int):
         return GenerationRequest(cond_kv=random_kv(cfg, PREFIX[0], 1), uncond_kv=random_kv(cfg, PREFIX[1], 2),
                                  index_offset_cond=PREFIX[0], index_offset_uncond=PREFIX[1], height=size,
                                  width=size, noise=NoiseStream(seed).draw(size, size),
-                                 sampling=engine.pipe.mode.sampling.replace(infer_steps=steps))
+                                 sampling_params=engine.pipe.mode.sampling_params.replace(infer_steps=steps))
     return request
 
 

@@ -70,7 +70,7 @@ def report_line(run: ModeRun, out: dict, spec: CheckSpec) -> str:
         return f"{run.name:<22} FAILED (below)"
     steps = sorted(out["steps"])
     median = steps[len(steps) // 2]
-    cfg_on = run.mode.sampling.enable_cfg
+    cfg_on = run.mode.sampling_params.enable_cfg
     batched = out.get("batched") and cfg_on and run.mode.world_size == 1
     return (
         f"{run.name:<22} {len(steps):>3} steps  {median * 1e3:9.1f} ms/step  {out['total_s']:7.2f} s/image  "
@@ -149,7 +149,7 @@ def goal_lines(results: dict, spec: CheckSpec, runs: list[ModeRun], matmul: floa
     def tflops(name: str, path: str) -> float | None:
         step = step_s(name, path)
         run = by_name.get(name)
-        return None if step is None else step_tflop(spec, run, run.mode.sampling.enable_cfg) / step
+        return None if step is None else step_tflop(spec, run, run.mode.sampling_params.enable_cfg) / step
 
     def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a is not None and b else None

@@ -78,7 +78,7 @@ def mode_runs(spec: CheckSpec, devices: int) -> list[ModeRun]:
         ModeRun("fp8", ModeSpec(name="fp8", dit_quantized=True, dit_quant_scheme="fp8-sgl")),
         ModeRun(
             "8-step LoRA",
-            ModeSpec(name="8steps", lora_configs=lora_file, sampling=SamplingParams(enable_cfg=False)),
+            ModeSpec(name="8steps", lora_configs=lora_file, sampling_params=SamplingParams(enable_cfg=False)),
             steps=spec.lora_steps,
         ),
         ModeRun("MoE", ModeSpec(name="moe", version="moe"), moe=True, steps=spec.moe_steps),
@@ -152,7 +152,7 @@ def request(
         shape = (cfg.num_layers, 2, tokens, cfg.num_kv_heads, cfg.head_dim)
         return torch.randn(shape, generator=gen, device=dev, dtype=torch.float32).to(dtype)
 
-    sampling = dataclasses.replace(run.mode.sampling, infer_steps=steps or run.steps or spec.steps)
+    sampling = dataclasses.replace(run.mode.sampling_params, infer_steps=steps or run.steps or spec.steps)
     return GenerationRequest(
         cond_kv=kv(spec.prefix),
         uncond_kv=kv(PREFIX_UNCOND),
@@ -161,7 +161,7 @@ def request(
         height=spec.size,
         width=spec.size,
         noise=NoiseStream(200).draw(spec.size, spec.size),
-        sampling=sampling,
+        sampling_params=sampling,
     )
 
 

@@ -41,7 +41,7 @@ def requests(raw_config: dict, size: int, adapters: list[str | None]) -> list[Ge
         kv = random_kv(raw_config, 64, seed=i)
         out.append(GenerationRequest(cond_kv=kv, index_offset_cond=64, height=size, width=size,
                                      noise=NoiseStream(i).draw(size, size), lora=name,
-                                     sampling=SamplingParams(infer_steps=1000, enable_cfg=False)))
+                                     sampling_params=SamplingParams(infer_steps=1000, enable_cfg=False)))
     return out
 
 

@@ -79,7 +79,7 @@ def write_mid_checkpoints(root: Path) -> dict[str, Path]:
 def request(cfg: dict, size: int, steps: int, sampling) -> GenerationRequest:
     return GenerationRequest(cond_kv=random_kv(cfg, PREFIX_TOKENS, 1), index_offset_cond=PREFIX_TOKENS,
                              height=size, width=size, noise=NoiseStream(0).draw(size, size),
-                             sampling=sampling.replace(infer_steps=steps + 1),
+                             sampling_params=sampling.replace(infer_steps=steps + 1),
                              uncond_kv=random_kv(cfg, PREFIX_TOKENS // 4, 2), index_offset_uncond=PREFIX_TOKENS // 4)
 
 
@@ -100,7 +100,7 @@ def bench_modes(ckpts: dict[str, Path], size: int, steps: int, device: str, thre
         gen = build_engine(EngineSpec.local(ckpts[ckpt], mode, device, dtype=dtype, threads=per_rank))
         load_s = time.perf_counter() - start
         try:
-            req = request(mid_config(ckpt == "moe"), size, steps, mode.sampling)
+            req = request(mid_config(ckpt == "moe"), size, steps, mode.sampling_params)
             times = step_times(gen, req)
             guided = sum(step_plan(req).guided_steps[1:])
         finally:

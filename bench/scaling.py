@@ -38,7 +38,7 @@ def step_ms(pipe, size: int, prefix: int, steps: int) -> tuple[float, float, flo
                           "head_dim": pipe.config.head_dim}}
     req = GenerationRequest(cond_kv=random_kv(raw, prefix, 0), index_offset_cond=prefix, height=size, width=size,
                             noise=NoiseStream(0).draw(size, size),
-                            sampling=SamplingParams(infer_steps=steps + 1, enable_cfg=False))
+                            sampling_params=SamplingParams(infer_steps=steps + 1, enable_cfg=False))
     times: list[float] = []
     pipe.sample(req, on_step=lambda k, s: times.append(s))
     return tuple(t * 1e3 for t in stats(times[1:]))
@@ -100,7 +100,7 @@ def memory_child(ckpt: str, layers: int, dtype_name: str, size: int, prefix: int
     raw = geo.config()
     req = GenerationRequest(cond_kv=random_kv(raw, prefix, 0), uncond_kv=random_kv(raw, 12, 1),
                             index_offset_cond=prefix, index_offset_uncond=12, height=size, width=size,
-                            noise=NoiseStream(0).draw(size, size), sampling=SamplingParams(infer_steps=2))
+                            noise=NoiseStream(0).draw(size, size), sampling_params=SamplingParams(infer_steps=2))
     gc.collect()
     base = rss_bytes()
     pipe = NeoPPPipeline.from_pretrained(ckpt, device="cpu", dtype=dtype)

@@ -94,11 +94,11 @@ def server_threads(server: TritonServer) -> int:
 
 def inprocess_request(pipe: NeoPPPipeline, kv: torch.Tensor, size: int, steps: int) -> Callable[[], bytes]:
     """What the model does with a parsed request, called directly: validate, generate, encode."""
-    sampling = pipe.mode.sampling.replace(infer_steps=steps, cfg_scale=1.0, output_format="png")
+    sampling = pipe.mode.sampling_params.replace(infer_steps=steps, cfg_scale=1.0, output_format="png")
 
     def run() -> bytes:
         req = GenerationRequest(cond_kv=kv, index_offset_cond=kv.shape[2], height=size, width=size,
-                                noise=NoiseStream(SEED).draw(size, size), sampling=sampling)
+                                noise=NoiseStream(SEED).draw(size, size), sampling_params=sampling)
         pipe.validate(req)
         return encode_image(pipe.generate(req), "png")
 

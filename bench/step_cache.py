@@ -79,7 +79,7 @@ def run(pipe: NeoPPPipeline, req: GenerationRequest, tally: Tally, repeats: int)
     reused = passes - computed
     tally.computed += computed
     tally.passes += passes
-    tally.layers += computed * depth + (reused * PROBE_LAYERS if req.sampling.cache == "fbcache" else 0)
+    tally.layers += computed * depth + (reused * PROBE_LAYERS if req.sampling_params.cache == "fbcache" else 0)
 
 
 def once(pipe: NeoPPPipeline, req: GenerationRequest) -> tuple[Active, StepEvent]:
@@ -96,9 +96,9 @@ def measure(pipe: NeoPPPipeline, reqs: list[GenerationRequest], repeats: int) ->
     once(pipe, reqs[0])  # warm-up: the process's first run pays for allocations and thread start
     for i, req in enumerate(reqs):
         for method, threshold in CONFIGS:
-            sampling = req.sampling if method == "off" else \
-                req.sampling.replace(cache=method, cache_threshold=threshold)
-            run(pipe, replace(req, sampling=sampling), tallies[method, threshold], repeats)
+            sampling = req.sampling_params if method == "off" else \
+                req.sampling_params.replace(cache=method, cache_threshold=threshold)
+            run(pipe, replace(req, sampling_params=sampling), tallies[method, threshold], repeats)
         print(f"prompt {i + 1}/{len(reqs)}", flush=True)
     return tallies
 
@@ -131,13 +131,13 @@ def demo_requests(n: int, size: int, steps: int) -> tuple[NeoPPPipeline, list[Ge
     pipe = NeoPPPipeline.from_pretrained(DEMO, mode, device="cpu", dtype=torch.float32)
     tower, scenes = LanguageTower.from_pretrained(DEMO), shapes.held_out_scenes()[:n]
     uncond, off_u = tower.encode("")
-    sampling = mode.sampling.replace(infer_steps=steps)
+    sampling = mode.sampling_params.replace(infer_steps=steps)
     reqs = []
     for i, scene in enumerate(scenes):
         cond, off_c = tower.encode(scene.prompt)
         reqs.append(GenerationRequest(cond_kv=cond, index_offset_cond=off_c, uncond_kv=uncond,
                                       index_offset_uncond=off_u, height=size, width=size,
-                                      noise=NoiseStream(i).draw(size, size), sampling=sampling))
+                                      noise=NoiseStream(i).draw(size, size), sampling_params=sampling))
     return pipe, reqs, scenes
 
 
@@ -146,7 +146,7 @@ def slice_requests(layers: int, n: int, size: int, steps: int) -> tuple[NeoPPPip
     pipe, raw = build_pipeline(geo, torch.float32), geo.config()
     reqs = [GenerationRequest(cond_kv=random_kv(raw, 120 + i, 10 + i), uncond_kv=random_kv(raw, 8, 50 + i),
                               index_offset_cond=120 + i, index_offset_uncond=8, height=size, width=size,
-                              noise=NoiseStream(i).draw(size, size), sampling=SamplingParams(infer_steps=steps))
+                              noise=NoiseStream(i).draw(size, size), sampling_params=SamplingParams(infer_steps=steps))
             for i in range(n)]
     return pipe, reqs
 

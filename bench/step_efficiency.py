@@ -78,7 +78,7 @@ def step_seconds(pipe: NeoPPPipeline, size: int, prefix: int, repeats: int) -> l
                                        "head_dim": pipe.config.head_dim}}, prefix, 0, torch.float32)
     req = GenerationRequest(cond_kv=raw_kv, index_offset_cond=prefix, height=size, width=size,
                             noise=NoiseStream(0).draw(size, size),
-                            sampling=SamplingParams(infer_steps=repeats + 1, enable_cfg=False))
+                            sampling_params=SamplingParams(infer_steps=repeats + 1, enable_cfg=False))
     per_step: list[float] = []
     pipe.sample(req, on_step=lambda k, s: per_step.append(s))
     return per_step[1:]  # the first step warms caches up

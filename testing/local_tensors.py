@@ -35,7 +35,7 @@ def request_tensors(req: GenerationRequest, seed: int, output_format: bytes = b"
     values: dict[str, Any] = {"COND_KV": req.cond_kv.contiguous(),
                               "INDEX_OFFSET_COND": np.array([req.index_offset_cond]),
                               "SIZE": np.array([req.height, req.width]),
-                              "STEPS": np.array([req.sampling.infer_steps]), "SEED": np.array([seed]),
+                              "STEPS": np.array([req.sampling_params.infer_steps]), "SEED": np.array([seed]),
                               "OUTPUT_FORMAT": np.array([output_format], dtype=np.object_)}
     if req.uncond_kv is not None:
         values.update(UNCOND_KV=req.uncond_kv.contiguous(), INDEX_OFFSET_UNCOND=np.array([req.index_offset_uncond]))

@@ -49,7 +49,7 @@ def make(kvs, i: int, height: int, width: int, steps: int, seed: int, **sampling
     return GenerationRequest(cond_kv=load_kv_file(kv["cond_pt"]), uncond_kv=load_kv_file(kv["uncond_pt"]),
                              index_offset_cond=30 + i, index_offset_uncond=4 + i, height=height, width=width,
                              noise=NoiseStream(seed).draw(height, width),
-                             sampling=SamplingParams(infer_steps=steps, **sampling))
+                             sampling_params=SamplingParams(infer_steps=steps, **sampling))
 
 
 def mixed(kvs) -> list[GenerationRequest]:

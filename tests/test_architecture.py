@@ -98,3 +98,33 @@ def test_the_layer_check_fails_on_an_import_that_climbs_a_storey(tmp_path):
     result = lint_imports(copy)
     assert result.returncode != 0
     assert "neopp.model.layers -> neopp.engines.scheduler" in result.stdout, result.stdout[-2000:]
+
+
+# Words a package shares with the clients' own: a served model's name is Triton's and OpenAI's
+# "model", and a message's words are "text" in every API the project answers.
+CLIENT_WORDS = frozenset({"model", "text"})
+
+
+def fields_named_like_packages(root: Path) -> list[str]:
+    """Class fields (annotated names in a class body) that share a name with a package of ``root``:
+    ``req.sampling`` read beside ``neopp.sampling`` made one word mean a value and a storey."""
+    import ast
+
+    packages = {p.parent.name for p in root.glob("*/__init__.py")}
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                found += [f"{path.relative_to(root)}: {node.name}.{s.target.id}" for s in node.body
+                          if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+                          and s.target.id in packages - CLIENT_WORDS]
+    return found
+
+
+def test_no_field_shares_its_name_with_a_package(tmp_path):
+    planted = tmp_path / "pkg"
+    (planted / "sampling").mkdir(parents=True)
+    (planted / "sampling" / "__init__.py").write_text("")
+    (planted / "request.py").write_text("class Request:\n    sampling: dict\n    height: int\n")
+    assert fields_named_like_packages(planted) == ["request.py: Request.sampling"]
+    assert fields_named_like_packages(REPO / "backend_src" / "neopp") == []

@@ -24,12 +24,12 @@ def test_batched_and_sequential_cfg_agree(tmp_path):
         req = GenerationRequest(cond_kv=load_kv_file(kv["cond_pt"]), uncond_kv=load_kv_file(kv["uncond_pt"]),
                                 index_offset_cond=20, index_offset_uncond=3, height=64, width=96,
                                 noise=NoiseStream(3).draw(64, 96),
-                                sampling=SamplingParams(infer_steps=3, cfg_norm="channel"))
+                                sampling_params=SamplingParams(infer_steps=3, cfg_norm="channel"))
         results = {}
         for mode in ("on", "off"):
             pipe.cfg_batching = mode
             results[mode] = pipe.sample(req)
         assert (results["on"] - results["off"]).abs().max().item() < 1e-5
-        unguided = pipe.sample(GenerationRequest(**{**req.__dict__, "sampling": SamplingParams(infer_steps=3,
+        unguided = pipe.sample(GenerationRequest(**{**req.__dict__, "sampling_params": SamplingParams(infer_steps=3,
                                                                                                enable_cfg=False)}))
         assert (results["on"] - unguided).abs().max().item() > 1e-2

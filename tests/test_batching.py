@@ -84,10 +84,10 @@ def test_engine_cancels_one_of_three_and_the_others_stay_exact(setup):
     waits, sizes, steps = run_engine(pipe, reqs, collectors)
     for i in (0, 1):
         evs = collectors[i].events
-        assert [e.step for e in evs] == list(range(1, reqs[i].sampling.infer_steps + 1))
+        assert [e.step for e in evs] == list(range(1, reqs[i].sampling_params.infer_steps + 1))
         assert_pixels_match(evs[-1].final, solo[i])
     last = collectors[2].events[-1]
-    assert isinstance(last.error, GenerationCancelled) and last.step < reqs[2].sampling.infer_steps
+    assert isinstance(last.error, GenerationCancelled) and last.step < reqs[2].sampling_params.infer_steps
     assert len(waits) == 3 and max(sizes) >= 2 and len(steps) == len(sizes)
 
 
@@ -104,7 +104,7 @@ def test_budget_runs_an_oversized_request_alone(setup):
 
 def reference_previews(ckpt, req) -> list[np.ndarray]:
     """Preview pixels after each step from the independent float64 reference."""
-    s, out = req.sampling, []
+    s, out = req.sampling_params, []
     ref.reference_generate(ckpt, req.cond_kv, req.uncond_kv, req.index_offset_cond, req.index_offset_uncond,
                            req.height, req.width, req.noise, s.infer_steps, s.timestep_shift, s.cfg_scale,
                            s.cfg_interval, s.cfg_norm, s.enable_cfg, previews=out)

@@ -59,7 +59,7 @@ def write_shape(root: Path, name: str) -> Path:
 @pytest.mark.parametrize("name", sorted(SHAPES))
 def test_the_shape_loads_unchanged_and_draws_as_the_reference(tmp_path: Path, name: str):
     path = write_shape(tmp_path, name)
-    mode = ModeSpec(name="catalog", version=SHAPES[name][0], sampling=SamplingParams(infer_steps=2))
+    mode = ModeSpec(name="catalog", version=SHAPES[name][0], sampling_params=SamplingParams(infer_steps=2))
     pipe = NeoPPPipeline.from_pretrained(path, mode, device="cpu", dtype=torch.float32)
     model = ref.RefModel(path)
     cond = random_kv(tiny_config(SHAPES[name][0]), 9, 3, dtype=torch.float32)
@@ -74,7 +74,7 @@ def test_u1_5_s_noise_scale_reaches_past_8_up_to_16_and_its_float32_branch_serve
     path = write_shape(tmp_path, "U1.5 8B MoT")
     stored = load_file(str(path / "model.safetensors"))
     assert {v.dtype for k, v in stored.items() if _generation_branch(k)} == {torch.float32}
-    mode = ModeSpec(name="catalog", version="pixel", sampling=SamplingParams(infer_steps=2))
+    mode = ModeSpec(name="catalog", version="pixel", sampling_params=SamplingParams(infer_steps=2))
     pipe = NeoPPPipeline.from_pretrained(path, mode, device="cpu", dtype=torch.float32)
     assert pipe.config.use_pixel_head and pipe.config.noise_scale_max_value == 16.0
     assert initial_noise_scale(pipe.config, TOKENS) == pytest.approx(40.0 * (TOKENS / 64) ** 0.5, rel=1e-12)

@@ -49,7 +49,7 @@ CHECKPOINTS = {  # name: (variant, config.json overrides)
 class Loaded:
     def __init__(self, path, variant):
         self.path, self.ref = path, ref.RefModel(path)
-        mode = ModeSpec(name="test", version=variant, sampling=SamplingParams(infer_steps=2))
+        mode = ModeSpec(name="test", version=variant, sampling_params=SamplingParams(infer_steps=2))
         self.pipe = NeoPPPipeline.from_pretrained(path, mode, device="cpu", dtype=torch.float32)
 
 
@@ -193,7 +193,7 @@ def test_sample_with_noise_mode_matches_reference(ckpts, name):
     cond, uncond = random_kv(cfg, 10, 1, dtype=torch.float32), random_kv(cfg, 4, 2, dtype=torch.float32)
     req = GenerationRequest(cond_kv=cond, index_offset_cond=12, height=H, width=W, uncond_kv=uncond,
                             index_offset_uncond=3, noise=NoiseStream(7).draw(H, W),
-                            sampling=SamplingParams(infer_steps=2))
+                            sampling_params=SamplingParams(infer_steps=2))
     x_run = m.pipe.sample(req).double()
     x_ref = ref.reference_generate(m.ref, cond, uncond, 12, 3, H, W, req.noise, 2, 3.0, 4.0, (-1.0, 2.0),
                                    "global", True)
@@ -206,7 +206,7 @@ def test_a_checkpoint_s_default_image_size_becomes_its_models_default():
     mode = ModeSpec(default_size=(1024, 1024))
     assert CheckpointConfig.from_dict(raw).fit(mode) is mode
     fitted = CheckpointConfig.from_dict({**raw, "default_image_size": [256, 320]}).fit(mode)
-    assert fitted.default_size == (256, 320) and fitted.sampling == mode.sampling
+    assert fitted.default_size == (256, 320) and fitted.sampling_params == mode.sampling_params
     for bad in ([256], [250, 256], [0, 256], "256x256", [256.0, 256], [True, 256]):
         with pytest.raises(ConfigError, match="default_image_size must be"):
             CheckpointConfig.from_dict({**raw, "default_image_size": bad})

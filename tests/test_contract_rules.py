@@ -133,10 +133,12 @@ def test_admission_carries_every_request_field_it_does_not_decide():
     for f in dataclasses.fields(GenerationRequest):
         assert f.name in DECIDED_HERE or f.name in parsed_names or f.default is not dataclasses.MISSING or \
             f.default_factory is not dataclasses.MISSING, f"{f.name}: neither parsed nor decided by admission"
-    parsed = ParsedRequest(cond_kv="cond", index_offset_cond=7, lora="a", lora_scale=0.5, lane="l", image_kv="img")
+    parsed = ParsedRequest(cond_kv="cond", index_offset_cond=7, lora="a", lora_scale=0.5, lane="l", image_kv="img",
+                           sampling_params="sp")
     carried = carried_fields(parsed)
-    assert {k: carried[k] for k in ("cond_kv", "index_offset_cond", "lora", "lora_scale", "lane", "image_kv")} == \
-        {"cond_kv": "cond", "index_offset_cond": 7, "lora": "a", "lora_scale": 0.5, "lane": "l", "image_kv": "img"}
+    names = ("cond_kv", "index_offset_cond", "lora", "lora_scale", "lane", "image_kv", "sampling_params")
+    assert {k: carried[k] for k in names} == {"cond_kv": "cond", "index_offset_cond": 7, "lora": "a", "lora_scale": 0.5,
+                                             "lane": "l", "image_kv": "img", "sampling_params": "sp"}
     assert not DECIDED_HERE & set(carried)
 
 

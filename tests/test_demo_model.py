@@ -125,7 +125,7 @@ def test_training_draws_its_times_as_the_sampler_spaces_its_steps():
     """The loss's times and `neopp_dense`'s step grid come from one shift: a share k/50 of the
     training times falls below the grid's k-th time (the training spends its steps where the
     served sampler does)."""
-    sampling = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json").sampling
+    sampling = load_mode(REPO / "configs" / "neopp" / "neopp_dense.json").sampling_params
     grid = shifted_timesteps(sampling.infer_steps, sampling.timestep_shift)
     times = Batches(0, 64).times(40000)
     for k in (5, 10, 25, 40, 49):

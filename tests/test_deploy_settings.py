@@ -64,7 +64,7 @@ def test_file_name_in_mode_file_resolves_in_lora_dir(tiny: Path, monkeypatch: py
     settings = settings_for(monkeypatch, tiny / "dense", tiny / "lora")
     mode = load_model_mode(settings)
     assert [e["path"] for e in mode.lora_configs] == [str((tiny / "lora" / LORA).resolve())]
-    assert mode.sampling.infer_steps == 8
+    assert mode.sampling_params.infer_steps == 8
 
 
 def refusal(settings: TritonModelSettings) -> str:
@@ -134,7 +134,7 @@ def test_warm_up_runs_the_default_size_and_leaves_the_engine_exact(tiny: Path) -
         kv = tiny / "dense" / "sample_kv"
         req = GenerationRequest(cond_kv=load_kv_file(kv / "cond_kv.pt"), uncond_kv=load_kv_file(kv / "uncond_kv.pt"),
                                 index_offset_cond=24, index_offset_uncond=7, height=64, width=64,
-                                sampling=mode.sampling.replace(infer_steps=2))
+                                sampling_params=mode.sampling_params.replace(infer_steps=2))
         req.noise = NoiseStream(5).draw(64, 64)
         return torch.as_tensor(engine.generate(req))
 

@@ -38,8 +38,8 @@ from testing.tiny_checkpoint import random_kv, tiny_config, write_tiny_checkpoin
 from tests.reference import neopp_reference as ref
 
 SAMPLING = SamplingParams(infer_steps=4)
-FP32 = ModeSpec(name="fp32", sampling=SAMPLING)
-FP8 = ModeSpec(name="fp8", sampling=SAMPLING, dit_quantized=True, dit_quant_scheme="fp8-sgl")
+FP32 = ModeSpec(name="fp32", sampling_params=SAMPLING)
+FP8 = ModeSpec(name="fp8", sampling_params=SAMPLING, dit_quantized=True, dit_quant_scheme="fp8-sgl")
 H = W = 64
 
 
@@ -61,7 +61,7 @@ def pipes(ckpts):
 def request(seed: int = 0) -> GenerationRequest:
     cfg = tiny_config("dense")
     return GenerationRequest(cond_kv=random_kv(cfg, 12, 1), index_offset_cond=13, height=H, width=W,
-                             noise=NoiseStream(seed).draw(H, W), sampling=SAMPLING,
+                             noise=NoiseStream(seed).draw(H, W), sampling_params=SAMPLING,
                              uncond_kv=random_kv(cfg, 5, 2), index_offset_uncond=6)
 
 
@@ -174,7 +174,7 @@ def test_fp8_dequant_path_equals_reference_of_the_stored_weights(ckpts, pipes):
 
 
 def test_moe_fp8_quantises_experts_not_router(ckpts):
-    pipe = NeoPPPipeline.from_pretrained(ckpts["moe"], ModeSpec(name="m", version="moe", sampling=SAMPLING,
+    pipe = NeoPPPipeline.from_pretrained(ckpts["moe"], ModeSpec(name="m", version="moe", sampling_params=SAMPLING,
                                          dit_quantized=True, dit_quant_scheme="fp8-sgl"), "cpu", torch.float32)
     moe = pipe.transformer.layers[0].mlp
     assert not isinstance(moe.router, FP8Linear) and moe.router.weight.dtype == torch.float32

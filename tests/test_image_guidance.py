@@ -56,7 +56,7 @@ def image_request(case: str, prefixes=PREFIXES, noise_seed: int = 9) -> Generati
     (c, oc), (u, ou), (i, oi) = prefixes["cond"], prefixes["uncond"], prefixes["image"]
     return GenerationRequest(cond_kv=c, index_offset_cond=oc, uncond_kv=u, index_offset_uncond=ou,
                              image_kv=i, index_offset_image=oi, height=H, width=W,
-                             noise=NoiseStream(noise_seed).draw(H, W), sampling=sampling)
+                             noise=NoiseStream(noise_seed).draw(H, W), sampling_params=sampling)
 
 
 def reference_image(case: str, prefixes=PREFIXES, noise_seed: int = 9):

@@ -183,10 +183,10 @@ def test_debug_saving_writes_the_file_and_returns_the_image(ckpt, short_mode, tm
 def test_omitted_parameters_keep_the_modes_values(ckpt, short_mode):
     pipe = make_pipe(ckpt, short_mode)
     pipe.runner.set_inference_params(index_offset_cond=12, index_offset_uncond=5, cfg_scale=2.0)
-    first = pipe.runner.sampling
+    first = pipe.runner.sampling_params
     assert (first.cfg_scale, first.cfg_norm, first.infer_steps, first.timestep_shift) == (2.0, "global", STEPS, 3.0)
     pipe.runner.set_inference_params(index_offset_cond=12, index_offset_uncond=5, infer_steps=2)
-    assert (pipe.runner.sampling.cfg_scale, pipe.runner.sampling.infer_steps) == (4.0, 2)
+    assert (pipe.runner.sampling_params.cfg_scale, pipe.runner.sampling_params.infer_steps) == (4.0, 2)
     with pytest.raises(InputError, match="cfg_norm"):
         pipe.runner.set_inference_params(index_offset_cond=12, cfg_norm="sideways")
 

@@ -62,7 +62,7 @@ def expected_deltas(path, scheme: str, strength: float) -> dict[str, torch.Tenso
 
 
 def mode(*loras, quantized: bool = False) -> ModeSpec:
-    return ModeSpec(name="lora", sampling=SamplingParams(infer_steps=8, enable_cfg=False),
+    return ModeSpec(name="lora", sampling_params=SamplingParams(infer_steps=8, enable_cfg=False),
                       lora_configs=tuple({"path": str(p), "strength": s} for p, s in loras),
                       dit_quantized=quantized, dit_quant_scheme="fp8-sgl" if quantized else None)
 
@@ -151,7 +151,7 @@ def test_fp8_after_merge(tiny, ckpt):
 
 def test_8steps_mode_file_and_tiny_command(tiny):
     mode_8 = load_mode("configs/neopp/neopp_dense_8steps.json", lora_dir=tiny / "lora")
-    assert mode_8.sampling.infer_steps == 8 and not mode_8.sampling.enable_cfg
+    assert mode_8.sampling_params.infer_steps == 8 and not mode_8.sampling_params.enable_cfg
     assert mode_8.lora_configs[0]["path"] == str((tiny / "lora" / "neopp_8steps_lora.safetensors").resolve())
     for name in ("neopp_8steps_lora", "lora_up_down", "lora_B_A", "lora_peft"):
         assert (tiny / "lora" / f"{name}.safetensors").is_file()
@@ -162,7 +162,7 @@ def test_8steps_runs_no_uncond_pass_even_with_uncond(tiny):
     pipe = NeoPPPipeline.from_pretrained(tiny / "dense", mode((path, 1.0)), "cpu", torch.float32)
     cfg = tiny_config("dense")
     req = GenerationRequest(cond_kv=random_kv(cfg, 10, 3), index_offset_cond=11, height=H, width=W,
-                            noise=NoiseStream(4).draw(H, W), sampling=pipe.mode.sampling,
+                            noise=NoiseStream(4).draw(H, W), sampling_params=pipe.mode.sampling_params,
                             uncond_kv=random_kv(cfg, 6, 9), index_offset_uncond=7)
     pipe.validate(req)
     assert pipe.guidance_plan(req) == [False] * 8

@@ -184,5 +184,5 @@ def test_adapters_and_step_caches_share_a_batch_each_request_its_solo_bytes(setu
         r.lora, r.lora_scale = name, scale
     solo = [run_batch(pipe, [r])[0] for r in reqs]
     for i, got in enumerate(run_batch(pipe, reqs, {0: [0, 1], 2: [2, 3]})):
-        assert_pixels_match(got, solo[i], f"request {i} ({reqs[i].lora}, {reqs[i].sampling.cache})")
+        assert_pixels_match(got, solo[i], f"request {i} ({reqs[i].lora}, {reqs[i].sampling_params.cache})")
     assert (solo[0] != run_batch(pipe, [replace(reqs[0], lora=None)])[0]).mean() > 0.2  # the adapter matters

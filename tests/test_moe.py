@@ -134,7 +134,7 @@ def moe_ckpts(tmp_path_factory):
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_moe_tower_velocity_against_float64_reference(moe_ckpts, norm_topk_prob):
-    mode = ModeSpec(name="moe", version="moe", sampling=SamplingParams(infer_steps=2))
+    mode = ModeSpec(name="moe", version="moe", sampling_params=SamplingParams(infer_steps=2))
     pipe = NeoPPPipeline.from_pretrained(moe_ckpts[norm_topk_prob], mode, "cpu", torch.float32)
     assert pipe.config.norm_topk_prob is norm_topk_prob
     cfg = tiny_config("moe")
@@ -205,6 +205,6 @@ def test_a_moe_tower_draws_the_same_image_grouped(moe_ckpts, monkeypatch):
         cfg = tiny_config("moe")
         req = GenerationRequest(cond_kv=random_kv(cfg, 7, 1), uncond_kv=random_kv(cfg, 3, 2), index_offset_cond=7,
                                 index_offset_uncond=3, height=64, width=64, noise=NoiseStream(4).draw(64, 64),
-                                sampling=SamplingParams(infer_steps=3))
+                                sampling_params=SamplingParams(infer_steps=3))
         images[dispatch] = pipe.sample(req)
     torch.testing.assert_close(images["grouped"], images["loop"], rtol=1e-5, atol=1e-5)

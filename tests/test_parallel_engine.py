@@ -36,10 +36,10 @@ def ckpt(tmp_path_factory):
 
 
 def _request(kv: dict, mode_path: str, interval, height=96, width=160) -> GenerationRequest:
-    sampling = load_mode(mode_path).sampling.replace(infer_steps=STEPS, cfg_interval=interval)
+    sampling = load_mode(mode_path).sampling_params.replace(infer_steps=STEPS, cfg_interval=interval)
     return GenerationRequest(cond_kv=load_kv_file(kv["cond_pt"]), uncond_kv=load_kv_file(kv["uncond_pt"]),
                              index_offset_cond=40, index_offset_uncond=7, height=height, width=width,
-                             noise=NoiseStream(11).draw(height, width), sampling=sampling)
+                             noise=NoiseStream(11).draw(height, width), sampling_params=sampling)
 
 
 def _rank(rank: int, world: int, port: int, ckpt: str, kv: dict, mode_path: str, interval, out) -> None:
@@ -57,7 +57,7 @@ def _rank(rank: int, world: int, port: int, ckpt: str, kv: dict, mode_path: str,
 
     z = patchify(x, prep.grid.token_size)
     with torch.inference_mode():
-        vs = [pipe.step_velocity(prep, x, z, k, req.sampling) for k in range(STEPS)]
+        vs = [pipe.step_velocity(prep, x, z, k, req.sampling_params) for k in range(STEPS)]
         final = pipe.sample(req)
     out.put((rank, torch.stack(vs).numpy(), final.numpy()))  # by value: the rank exits next
 
@@ -81,7 +81,7 @@ def test_parallel_velocities_match_sequential(ckpt, name, world, interval):
     x = req.noise * prep.noise_scale
     z = patchify(x, prep.grid.token_size)
     with torch.inference_mode():
-        expected = torch.stack([seq.step_velocity(prep, x, z, k, req.sampling) for k in range(STEPS)])
+        expected = torch.stack([seq.step_velocity(prep, x, z, k, req.sampling_params) for k in range(STEPS)])
         expected_final = seq.sample(_request(kv, mode_path, interval))
     results = _run_ranks(world, path, kv, mode_path, interval)
     assert sorted(results) == list(range(world))

@@ -27,7 +27,7 @@ OFF_ONE_SEQ = "seq_parallel=off(reason=one_seq_rank)"
 
 
 def status(mode, has_uncond=True, **sampling):
-    s = mode.sampling.replace(**sampling)
+    s = mode.sampling_params.replace(**sampling)
     return ps.parallel_status(mode, s, has_uncond, list(StepPlan.of(s).guided_steps))
 
 
@@ -94,7 +94,8 @@ LINE = re.compile(r"^(?P<name>\S+): (?P<h>\d+)x(?P<w>\d+) task=t2i prefix=(?P<sc
 def test_request_line_fields():
     kv = torch.zeros(2, 2, 30, 2, 32)
     req = GenerationRequest(cond_kv=kv, index_offset_cond=30, height=64, width=96, uncond_kv=kv[:, :, :5],
-                            index_offset_uncond=5, sampling=CFG.sampling.replace(output_format="png", **FOUR))
+                            index_offset_uncond=5,
+                            sampling_params=CFG.sampling_params.replace(output_format="png", **FOUR))
     line = request_line("neopp_dense_cfg", CFG, req, 1234, 0.0876)
     m = LINE.match(line)
     assert m, line
@@ -102,7 +103,7 @@ def test_request_line_fields():
                              "bytes": "1234", "ms": "88", "cfg": "cfg_parallel=on",
                              "seq": OFF_ONE_SEQ}
     no_uncond = GenerationRequest(cond_kv=kv, index_offset_cond=30, height=64, width=96,
-                                  sampling=CFG.sampling.replace(output_format="png", cfg_scale=1.0))
+                                  sampling_params=CFG.sampling_params.replace(output_format="png", cfg_scale=1.0))
     line = request_line("neopp_dense_cfg", CFG, no_uncond, 10, 2.0)
     assert "prefix=30+0 tokens" in line and "e2e_time_ms=2000 cfg_parallel=off(reason=cfg_scale<=1)" in line
 

@@ -90,7 +90,7 @@ def models(tmp_path_factory):
 
 def request(H, W, cond, off_c, uncond=None, off_u=None, noise_seed=5, **sampling):
     return GenerationRequest(cond_kv=cond, index_offset_cond=off_c, height=H, width=W,
-                             noise=NoiseStream(noise_seed).draw(H, W), sampling=SamplingParams(**sampling),
+                             noise=NoiseStream(noise_seed).draw(H, W), sampling_params=SamplingParams(**sampling),
                              uncond_kv=uncond, index_offset_uncond=off_u)
 
 
@@ -204,7 +204,7 @@ def test_sample_matches_reference(models, case):
                   timestep_shift=shift, cfg_scale=scale, cfg_interval=interval, cfg_norm=norm, enable_cfg=enable)
     ts = ref.shifted_timesteps(steps, shift)
     want_plan = [ref.uses_guidance(t, enable, scale, interval) for t in ts[:-1]]
-    assert guidance_plan(req.sampling, ts) == want_plan  # takes t_0..t_N, one flag per step
+    assert guidance_plan(req.sampling_params, ts) == want_plan  # takes t_0..t_N, one flag per step
     if enable and scale > 1 and interval != (-1.0, 2.0):
         assert any(want_plan) and not all(want_plan)  # the interval really covers only some steps
 

@@ -76,10 +76,10 @@ def test_values_at_the_bounds_pass():
     ok = parse_request(_inputs(TIMESTEP_SHIFT=np.array([1e-3], F32), CFG_SCALE=np.array([-100.0], F32),
                                SIZE=np.array([2048, 2048], I64), RESIZE=np.array([1, 2048], I64),
                                INDEX_OFFSET_COND=np.array([1_000_000], I64)), Limits())
-    assert ok.size == (2048, 2048) and ok.sampling["cfg_scale"] == -100.0
+    assert ok.size == (2048, 2048) and ok.sampling_overrides["cfg_scale"] == -100.0
     # An interval only gates steps by comparison: extreme but ordered bounds are harmless.
     wide = parse_request(_inputs(CFG_INTERVAL=np.array([-3e38, 3e38], F32)), Limits())
-    assert wide.sampling["cfg_interval"][0] < 0 < wide.sampling["cfg_interval"][1]
+    assert wide.sampling_overrides["cfg_interval"][0] < 0 < wide.sampling_overrides["cfg_interval"][1]
 
 
 @pytest.mark.parametrize("name", ["OUTPUT_FORMAT", "CFG_NORM", "TASK"])
@@ -136,7 +136,7 @@ def _request(pipe, fill: float | None, steps: int = 3) -> GenerationRequest:
         kv.fill_(fill)
     return GenerationRequest(cond_kv=kv.to(torch.bfloat16), index_offset_cond=6, height=32, width=32,
                              noise=torch.randn(1, 3, 32, 32, generator=g),
-                             sampling=SamplingParams(infer_steps=steps, cfg_scale=1.0))
+                             sampling_params=SamplingParams(infer_steps=steps, cfg_scale=1.0))
 
 
 def test_a_finite_but_absurd_kv_fails_naming_the_step(pipe):
@@ -155,10 +155,10 @@ def test_a_request_s_step_plan_is_computed_once_and_follows_its_values():
     """Validation, the engine and the log line read the same plan object."""
     kv = torch.zeros(1, 2, 3, 1, 8)
     req = GenerationRequest(cond_kv=kv, index_offset_cond=3, height=64, width=64,
-                            sampling=SamplingParams(infer_steps=4, cfg_interval=(0.2, 0.8)))
+                            sampling_params=SamplingParams(infer_steps=4, cfg_interval=(0.2, 0.8)))
     assert step_plan(req) is step_plan(req)
-    assert step_plan(req) == StepPlan.of(req.sampling)
-    assert step_plan(req).times == tuple(shifted_timesteps(4, req.sampling.timestep_shift))
+    assert step_plan(req) == StepPlan.of(req.sampling_params)
+    assert step_plan(req).times == tuple(shifted_timesteps(4, req.sampling_params.timestep_shift))
     assert step_plan(req).guided_steps == (False, False, True, True)  # t = 0, 0.1, 0.25, 0.5
-    req.sampling = req.sampling.replace(enable_cfg=False)
+    req.sampling_params = req.sampling_params.replace(enable_cfg=False)
     assert step_plan(req).guided_steps == (False,) * 4 and step_plan(req).branch_names(1) == ("cond",)

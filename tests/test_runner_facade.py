@@ -41,8 +41,8 @@ OFF_C, OFF_U = 15, 3
 
 
 def make_runner(ckpt, **kw):
-    mode = ModeSpec(name="test", version="dense", sampling=SamplingParams(infer_steps=STEPS, output_format="png"),
-                      default_size=DEFAULT_SIZE)
+    mode = ModeSpec(name="test", version="dense", default_size=DEFAULT_SIZE,
+                    sampling_params=SamplingParams(infer_steps=STEPS, output_format="png"))
     runner = InProcessRunner(ckpt, mode, device="cpu", dtype=torch.float32, **kw)
     runner.set_kvcache(COND, UNCOND)
     runner.set_inference_params(OFF_C, OFF_U)
@@ -185,7 +185,7 @@ def test_load_kvcache_from_replay_files(ckpt, tmp_path):
 
 
 def test_generate_before_kv_is_refused(ckpt):
-    mode = ModeSpec(name="test", version="dense", sampling=SamplingParams(infer_steps=STEPS))
+    mode = ModeSpec(name="test", version="dense", sampling_params=SamplingParams(infer_steps=STEPS))
     runner = InProcessRunner(ckpt, mode, device="cpu", dtype=torch.float32)
     with pytest.raises(InputError):
         runner.generate(seed=1)

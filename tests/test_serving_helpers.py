@@ -98,7 +98,7 @@ def test_parse_request_types_values():
                                 CFG_NORM=np.array([b"Channel"], np.object_), STEPS=np.array([3], np.int64),
                                 CFG_INTERVAL=np.array([0.0, 0.5], np.float32)), Limits())
     assert (req.size, req.seed, req.index_offset_cond, req.prefix_tokens) == ((64, 96), 7, 5, 3)
-    assert req.sampling == {"cfg_norm": "channel", "infer_steps": 3, "cfg_interval": (0.0, 0.5)}
+    assert req.sampling_overrides == {"cfg_norm": "channel", "infer_steps": 3, "cfg_interval": (0.0, 0.5)}
 
 
 @pytest.mark.parametrize("overrides,message", [

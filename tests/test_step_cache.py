@@ -44,7 +44,7 @@ def rel(new, old):
 
 def reference(pipe, req, method, threshold):
     """One request, one branch at a time, the cache rules written out; (pixels, computed, reused)."""
-    prep, tower, steps = pipe.prepare(req), pipe.transformer, req.sampling.infer_steps
+    prep, tower, steps = pipe.prepare(req), pipe.transformer, req.sampling_params.infer_steps
     depth, t_size = len(tower.layers), prep.grid.token_size
     x = prep.sampler.start(req, pipe.device)
     z = patchify(x, t_size)
@@ -81,7 +81,7 @@ def reference(pipe, req, method, threshold):
                     m.update(res=res, at=k, drift=0.0, run=0)
                     computed += 1
             vs.append(pipe.head_velocity(out, z, prep, k))
-        prep.sampler.step(z, pipe.combine_step(prep, k, vs, req.sampling), k)
+        prep.sampler.step(z, pipe.combine_step(prep, k, vs, req.sampling_params), k)
         x = unpatchify(z, req.height, req.width, t_size)
     return to_pixels(x), computed, reused
 

@@ -24,11 +24,11 @@ def _inputs(**overrides):
     return base
 
 
-def test_cache_inputs_reach_the_sampling_values():
+def test_cache_inputs_reach_the_sampling_params():
     req = parse_request(_inputs(CACHE=np.array([b"FBCache"], np.object_),
                                 CACHE_THRESHOLD=np.array([0.25], np.float32)), Limits())
-    assert (req.sampling_values.cache, req.sampling_values.cache_threshold) == ("fbcache", 0.25)
-    plain = parse_request(_inputs(), Limits()).sampling_values
+    assert (req.sampling_params.cache, req.sampling_params.cache_threshold) == ("fbcache", 0.25)
+    plain = parse_request(_inputs(), Limits()).sampling_params
     assert (plain.cache, plain.cache_threshold) == ("off", None)
 
 

@@ -43,7 +43,7 @@ def test_dims_match_the_tiny_checkpoint():
 
 def test_plain_inputs_parse_as_the_plain_models_and_options_default_off():
     parsed, options = parse_stream_request(inputs(STEPS=np.array([7], np.int64)), LIMITS, DIMS)
-    assert parsed.sampling["infer_steps"] == 7 and parsed.prefix_tokens == 5
+    assert parsed.sampling_overrides["infer_steps"] == 7 and parsed.prefix_tokens == 5
     assert options == StreamOptions()
 
 

@@ -60,7 +60,8 @@ def test_pool_equals_single_process_batching(setup, name):
     run(pool, reqs, collectors, preview_every=2)
     for i in range(kept):
         got, want = collectors[i].events, single[i].events
-        assert [e.step for e in got] == [e.step for e in want] == list(range(1, reqs[i].sampling.infer_steps + 1))
+        steps = reqs[i].sampling_params.infer_steps
+        assert [e.step for e in got] == [e.step for e in want] == list(range(1, steps + 1))
         assert_pixels_match(got[-1].final, want[-1].final, f"request {i} final")
         for g, w in zip(got, want):
             assert (g.preview is None) == (w.preview is None)

@@ -43,10 +43,10 @@ def setup(tmp_path_factory):
 
 
 def _req(kv, steps: int, seed: int = 1) -> GenerationRequest:
-    sampling = load_mode(CFG_MODE).sampling.replace(infer_steps=steps)
+    sampling = load_mode(CFG_MODE).sampling_params.replace(infer_steps=steps)
     return GenerationRequest(cond_kv=load_kv_file(kv["cond_pt"]), uncond_kv=load_kv_file(kv["uncond_pt"]),
                              index_offset_cond=12, index_offset_uncond=4, height=64, width=64,
-                             noise=NoiseStream(seed).draw(64, 64), sampling=sampling)
+                             noise=NoiseStream(seed).draw(64, 64), sampling_params=sampling)
 
 
 def test_world_size_must_match_parallel_sizes():

@@ -112,7 +112,7 @@ class ModeSpec:
 
     name: str = "neopp_dense"
     version: str = "dense"
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
     cfg_p_size: int = 1
     seq_p_size: int = 1
     seq_p_attn_type: str = "ulysses"
@@ -191,7 +191,7 @@ def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None,
         loras.append(entry)
     size = raw.get("target_shape") or raw.get("default_size") or [1024, 1024]
     mode = ModeSpec(
-        name=name, version=raw.get("version", "dense"), sampling=sampling,
+        name=name, version=raw.get("version", "dense"), sampling_params=sampling,
         cfg_p_size=int(parallel.get("cfg_p_size", 1)), seq_p_size=int(parallel.get("seq_p_size", 1)),
         seq_p_attn_type=parallel.get("seq_p_attn_type", "ulysses"),
         dit_quantized=bool(raw.get("dit_quantized", False)), dit_quant_scheme=raw.get("dit_quant_scheme"),

@@ -35,7 +35,7 @@ class GenerationRequest:
     height: int
     width: int
     noise: torch.Tensor | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
     uncond_kv: torch.Tensor | None = None
     index_offset_uncond: int | None = None
     task: str = "t2i"

@@ -41,8 +41,8 @@ class InProcessRunner:
         if default_task not in self.support_tasks:
             raise InputError(f"task: default task {default_task!r} is not in support_tasks {self.support_tasks}")
         self.default_task = default_task
-        self.mode_sampling = mode.sampling
-        self.sampling = mode.sampling
+        self.mode_sampling = mode.sampling_params
+        self.sampling_params = mode.sampling_params
         self.default_size = self.pipeline.config.fit(mode).default_size
         self.noise_stream = NoiseStream()
         self._cond: torch.Tensor | None = None
@@ -75,7 +75,7 @@ class InProcessRunner:
                                            timestep_shift=timestep_shift, output_format=output_format,
                                            infer_steps=infer_steps, enable_cfg=enable_cfg,
                                            image_guidance_scale=image_guidance_scale).items() if v is not _KEEP}
-        self.sampling = self.mode_sampling.replace(**overrides)
+        self.sampling_params = self.mode_sampling.replace(**overrides)
         self._offsets = (index_offset_cond, index_offset_uncond)
         self._offset_image = index_offset_image
         if resize is not _KEEP:
@@ -95,11 +95,11 @@ class InProcessRunner:
             self.noise_stream.reseed(seed)
         req = GenerationRequest(cond_kv=self._cond, uncond_kv=self._uncond, index_offset_cond=self._offsets[0],
                                 index_offset_uncond=self._offsets[1], height=height, width=width,
-                                sampling=self.sampling, task=task or self.default_task,
+                                sampling_params=self.sampling_params, task=task or self.default_task,
                                 image_kv=self._image, index_offset_image=self._offset_image)
         self.pipeline.validate(req)  # before drawing, so a refused request does not advance the stream
         req.noise = self.noise_stream.draw(height, width)
-        data = encode_image(self.pipeline.generate(req), self.sampling.output_format, self._resize)
+        data = encode_image(self.pipeline.generate(req), self.sampling_params.output_format, self._resize)
         if save_result_path:  # its folder is made, as for any image file this project writes
             Path(save_result_path).parent.mkdir(parents=True, exist_ok=True)
             Path(save_result_path).write_bytes(data)

@@ -66,10 +66,10 @@ def test_seeded_png_is_identical_across_calls_transports_and_in_process(triton, 
     assert images[0] == images[1] == images[2]
 
     stream = NoiseStream(seed)
-    sampling = pipeline.mode.sampling.replace(infer_steps=4, output_format="png")
+    sampling = pipeline.mode.sampling_params.replace(infer_steps=4, output_format="png")
     req = GenerationRequest(cond_kv=triton.cond, uncond_kv=triton.uncond, index_offset_cond=24,
                             index_offset_uncond=7, height=size[0], width=size[1],
-                            noise=stream.draw(*size), sampling=sampling)
+                            noise=stream.draw(*size), sampling_params=sampling)
     assert encode_image(pipeline.generate(req), "png") == images[0]
     assert served[0].as_numpy("NEXT_RNG_STATE").tobytes() == stream.state()
 

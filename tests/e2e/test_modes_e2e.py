@@ -30,9 +30,9 @@ def pixels(result) -> np.ndarray:
 
 def in_process_png(ckpt, mode_file: str, triton, seed: int, steps: int | None, with_uncond: bool = True) -> bytes:
     pipe = NeoPPPipeline.from_pretrained(ckpt, load_mode(MODES / mode_file, lora_dir=ensure_8steps_lora().parent))
-    sampling = pipe.mode.sampling.replace(infer_steps=steps, output_format="png")
+    sampling = pipe.mode.sampling_params.replace(infer_steps=steps, output_format="png")
     req = GenerationRequest(cond_kv=triton.cond, index_offset_cond=COND_TOKENS, height=64, width=64,
-                            noise=NoiseStream(seed).draw(64, 64), sampling=sampling,
+                            noise=NoiseStream(seed).draw(64, 64), sampling_params=sampling,
                             uncond_kv=triton.uncond if with_uncond else None,
                             index_offset_uncond=UNCOND_TOKENS if with_uncond else None)
     return encode_image(pipe.generate(req), "png")

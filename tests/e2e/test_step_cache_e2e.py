@@ -31,8 +31,8 @@ def request(triton, pipeline, **sampling) -> GenerationRequest:
     return GenerationRequest(cond_kv=triton.cond, uncond_kv=triton.uncond, index_offset_cond=COND_TOKENS,
                              index_offset_uncond=UNCOND_TOKENS, height=64, width=64,
                              noise=NoiseStream(SEED).draw(64, 64),
-                             sampling=pipeline.mode.sampling.replace(infer_steps=STEPS, output_format="png",
-                                                                     **sampling))
+                             sampling_params=pipeline.mode.sampling_params.replace(
+                                 infer_steps=STEPS, output_format="png", **sampling))
 
 
 def batcher_png(pipeline, req: GenerationRequest) -> tuple[bytes, int]:

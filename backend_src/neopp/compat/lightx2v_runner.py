@@ -92,9 +92,9 @@ class NeoppRunner:
     def __init__(self, config: LockedConfig, mode: ModeSpec, engine: Engine,
                  noise_device: torch.device) -> None:
         self.config, self.mode, self.engine, self.noise_device = config, mode, engine, noise_device
-        self.scheduler = SchedulerState(mode.sampling.infer_steps, mode.sampling.timestep_shift)
-        self.sampling: SamplingParams = mode.sampling
-        self.output_format = mode.sampling.output_format
+        self.scheduler = SchedulerState(mode.sampling_params.infer_steps, mode.sampling_params.timestep_shift)
+        self.sampling_params: SamplingParams = mode.sampling_params
+        self.output_format = mode.sampling_params.output_format
         self.target_shape: tuple[int, int] | None = None  # delivered size (set_resolution)
         self.input_info: SimpleNamespace | None = None
         self.index_offset_cond: int | None = None
@@ -109,15 +109,15 @@ class NeoppRunner:
                              infer_steps: int | None = None, image_guidance_scale: float | None = None,
                              index_offset_image: int | None = None, enable_cfg: bool | None = None) -> None:
         """Offsets and sampling values of the next generation; omitted ones keep the mode's."""
-        self.sampling = self.mode.sampling.replace(
+        self.sampling_params = self.mode.sampling_params.replace(
             cfg_interval=cfg_interval, cfg_scale=cfg_scale, cfg_norm=cfg_norm, timestep_shift=timestep_shift,
             output_format=output_format, infer_steps=infer_steps, image_guidance_scale=image_guidance_scale,
             enable_cfg=enable_cfg)
         self.index_offset_cond, self.index_offset_uncond = index_offset_cond, index_offset_uncond
         self.index_offset_image = index_offset_image
-        self.output_format = self.sampling.output_format
-        self.scheduler.infer_steps, self.scheduler.timestep_shift = self.sampling.infer_steps, \
-            self.sampling.timestep_shift
+        self.output_format = self.sampling_params.output_format
+        self.scheduler.infer_steps, self.scheduler.timestep_shift = self.sampling_params.infer_steps, \
+            self.sampling_params.timestep_shift
 
     def set_kvcache(self, to_x2v_cond_kv: torch.Tensor, to_x2v_uncond_kv: torch.Tensor | None = None) -> None:
         """Prefixes in the online layout [layers, 2, seq, kv_heads, head_dim]."""
@@ -183,7 +183,7 @@ class NeoppRunner:
             req = self._request(input_info)
             self.engine.validate(req)  # before the draw: a refused request leaves the global RNG alone
             req.noise, req.noise_scaled = self._draw(req), True
-            hooks = StepHooks(self._run_infer_step, req.sampling.infer_steps)
+            hooks = StepHooks(self._run_infer_step, req.sampling_params.infer_steps)
             try:
                 pixels = self.engine.generate(req, should_stop=hooks.should_stop, on_step=hooks.on_step)
             except GenerationCancelled as exc:
@@ -207,7 +207,7 @@ class NeoppRunner:
         height, width = info.size
         req = GenerationRequest(
             cond_kv=self.past_key_values_cond, index_offset_cond=self.index_offset_cond, height=height, width=width,
-            sampling=self.sampling, uncond_kv=self.past_key_values_uncond,
+            sampling_params=self.sampling_params, uncond_kv=self.past_key_values_uncond,
             index_offset_uncond=self.index_offset_uncond, task=info.task)
         if self.past_key_values_img_uncond is not None:
             req.image_kv, req.index_offset_image = self.past_key_values_img_uncond, self.index_offset_image

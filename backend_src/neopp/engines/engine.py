@@ -71,7 +71,7 @@ def submit_in_caller(generate: Callable[..., np.ndarray], req: GenerationRequest
                      cancelled: CancelledFn) -> None:
     """``submit`` of an engine that runs a request in the caller's thread: its ``generate``,
     reported as events (no previews: those come from the batching engines)."""
-    total = req.sampling.infer_steps
+    total = req.sampling_params.infer_steps
     last = [0.0]
 
     def on_step(k: int, seconds: float) -> None:
@@ -132,7 +132,7 @@ class Ticket:
 
     def end(self, error: Exception, done: int = 0) -> None:
         """The request's last event: ``error`` after ``done`` steps."""
-        send(self, StepEvent(done, self.req.sampling.infer_steps, error=error))
+        send(self, StepEvent(done, self.req.sampling_params.infer_steps, error=error))
 
 
 def send(ticket: Ticket, event: StepEvent) -> bool:

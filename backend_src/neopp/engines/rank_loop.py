@@ -174,7 +174,7 @@ class RankLoop:
             for n, (job, req) in enumerate(joining) if bool(high[n, 0]) or not torch.equal(low[n, 1:], high[n, 1:])}
         for job, exc in refused.items():
             entry = self.received.pop(job)
-            self._report(job, StepEvent(0, entry.req.sampling.infer_steps, error=exc))
+            self._report(job, StepEvent(0, entry.req.sampling_params.infer_steps, error=exc))
         return Decision(decision.stop, tuple(j for j in decision.admit if j not in refused), decision.drop)
 
     def _report(self, job: int, event: StepEvent) -> bool:

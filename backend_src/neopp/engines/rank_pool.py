@@ -186,7 +186,7 @@ class RankPool(QueuedEngine):
     # ---- requests -----------------------------------------------------------------------
     def validate(self, req: GenerationRequest) -> None:
         self.rules.validate(req)
-        check_cache(self.mode, req.sampling)
+        check_cache(self.mode, req.sampling_params)
 
     def submit(self, req: GenerationRequest, emit: EmitFn, cancelled: CancelledFn, preview_every: int = 0) -> None:
         ticket = self._ticket(req, emit, cancelled, preview_every)

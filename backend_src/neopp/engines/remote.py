@@ -65,7 +65,7 @@ class TritonEngine:
 
         call = self.client.async_infer(self.model, request_inputs(req), finished, headers=self.headers,
                                        client_timeout=self.timeout_s)
-        self._wait(call, done, should_stop, on_step, req.sampling.infer_steps)
+        self._wait(call, done, should_stop, on_step, req.sampling_params.infer_steps)
         if outcome.get("error") is not None:
             raise remote_error(outcome["error"])
         data = outcome["result"].as_numpy("IMAGE").reshape(-1)[0]
@@ -91,7 +91,7 @@ class TritonEngine:
 
 def request_inputs(req: GenerationRequest) -> list[Any]:
     """The contract's inputs for ``req``: prefixes, offsets, size, NOISE and every sampling value."""
-    s = req.sampling
+    s = req.sampling_params
     inputs = [_bf16("COND_KV", req.cond_kv), _array("INDEX_OFFSET_COND", np.array([req.index_offset_cond]))]
     if req.uncond_kv is not None:
         inputs += [_bf16("UNCOND_KV", req.uncond_kv),

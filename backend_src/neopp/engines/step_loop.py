@@ -107,7 +107,7 @@ class StepLoop:
                 a = start(self.pipe, job, entry.req, entry.preview_every, entry.submitted)
             except Exception as exc:  # noqa: BLE001 - ours or not (an adapter torch cannot apply): every rank
                 # meets the same error here, the request fails alone and its host logs an unexpected one once
-                self.report(job, StepEvent(0, entry.req.sampling.infer_steps, error=exc))
+                self.report(job, StepEvent(0, entry.req.sampling_params.infer_steps, error=exc))
                 continue
             a.served = joined_at
             self.active.append(a)
@@ -124,7 +124,7 @@ class StepLoop:
             return
         entry = forget(job)
         if entry is not None:
-            self.report(job, StepEvent(0, entry.req.sampling.infer_steps,
+            self.report(job, StepEvent(0, entry.req.sampling_params.infer_steps,
                                        error=GenerationCancelled("cancelled before it started")))
 
     def step(self) -> StepStats:
@@ -161,4 +161,4 @@ class StepLoop:
             self.pipe.release(a.prep)
         self.active = []
         for job, entry in queued:
-            self.report(job, StepEvent(0, entry.req.sampling.infer_steps, error=GenerationCancelled(reason)))
+            self.report(job, StepEvent(0, entry.req.sampling_params.infer_steps, error=GenerationCancelled(reason)))

@@ -34,7 +34,7 @@ def warm_up_request(engine: Engine, mode: ModeSpec, prefix_tokens: int = PREFIX_
     height, width = mode.default_size
     req = GenerationRequest(cond_kv=kv(), uncond_kv=kv(), index_offset_cond=prefix_tokens,
                             index_offset_uncond=prefix_tokens, height=height, width=width,
-                            sampling=mode.sampling.replace(infer_steps=1, cfg_interval=(0.0, 1.0)))
+                            sampling_params=mode.sampling_params.replace(infer_steps=1, cfg_interval=(0.0, 1.0)))
     engine.validate(req)
     req.noise = NoiseStream(0).draw(height, width)
     return req
@@ -44,5 +44,5 @@ def warm_up(engine: Engine, mode: ModeSpec, prefix_tokens: int = PREFIX_TOKENS) 
     """Seconds one warm-up generation took (through a batching engine's loop and ranks too)."""
     start = time.perf_counter()
     req = warm_up_request(engine, mode, prefix_tokens)
-    encode_image(engine.generate(req), mode.sampling.output_format, None)
+    encode_image(engine.generate(req), mode.sampling_params.output_format, None)
     return time.perf_counter() - start

@@ -29,7 +29,8 @@ def rank_request(mode: ModeSpec, req: GenerationRequest, rank: int,
     if mode.cfg_p_size < 2:
         return req
     cfg_rank = rank // mode.seq_p_size
-    mine = branches_by_rank(guided_branches(req.sampling, req.image_editing), three or THREE_BRANCH_SPLIT)[cfg_rank]
+    guided = guided_branches(req.sampling_params, req.image_editing)
+    mine = branches_by_rank(guided, three or THREE_BRANCH_SPLIT)[cfg_rank]
     if cfg_rank == 0:
         mine = (COND, *mine)  # unguided steps run cond on CFG rank 0
     return replace(req, **{f"{name}_kv": getattr(req, f"{name}_kv") if name in mine else None

@@ -33,17 +33,17 @@ class RequestFacts:
     """What decides the status: the mode, the request's sampling values, its prefixes, its plan."""
 
     mode: ModeSpec
-    sampling: SamplingParams
+    sampling_params: SamplingParams
     has_uncond: bool
     plan: list[bool]
 
 
 # (reason, does it hold) in order of precedence: a mode-level cause before a request-level one.
 CFG_OFF_RULES: tuple[tuple[str, Callable[[RequestFacts], bool]], ...] = (
-    (GUIDANCE_OFF_IN_MODE, lambda f: not f.sampling.enable_cfg and not f.mode.sampling.enable_cfg),
+    (GUIDANCE_OFF_IN_MODE, lambda f: not f.sampling_params.enable_cfg and not f.mode.sampling_params.enable_cfg),
     (ONE_CFG_RANK, lambda f: f.mode.cfg_p_size < 2),
-    (GUIDANCE_OFF_BY_OVERRIDE, lambda f: not f.sampling.enable_cfg),
-    (CFG_SCALE_AT_MOST_1, lambda f: f.sampling.cfg_scale <= 1.0),
+    (GUIDANCE_OFF_BY_OVERRIDE, lambda f: not f.sampling_params.enable_cfg),
+    (CFG_SCALE_AT_MOST_1, lambda f: f.sampling_params.cfg_scale <= 1.0),
     (NO_UNCOND_KV, lambda f: not f.has_uncond),
     (NO_STEP_IN_INTERVAL, lambda f: not any(f.plan)),
 )

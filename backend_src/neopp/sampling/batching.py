@@ -58,13 +58,13 @@ def start(pipe: NeoPPPipeline, job: int, req: GenerationRequest, preview_every: 
     """Prepare a request's branches and its starting state (as `NeoPPPipeline.sample` does)."""
     if not isinstance(preview_every, int) or preview_every < 0:
         raise InputError(f"preview_every: must be a non-negative integer, got {preview_every!r}")
-    check_cache(pipe.mode, req.sampling)
+    check_cache(pipe.mode, req.sampling_params)
     adapter = pipe.adapter(req)
     prep = pipe.prepare(req)
     x = prep.sampler.start(req, pipe.device)
     z = patchify(x, prep.grid.token_size)
     return Active(job, req, prep, z, x, preview_every, 0, submitted if submitted is not None else time.monotonic(),
-                  adapter, new_cache(req.sampling))
+                  adapter, new_cache(req.sampling_params))
 
 
 def planned_cost(pipe: NeoPPPipeline, a: Active) -> int:
@@ -157,7 +157,7 @@ class StepBatcher:
     def _advance(self, a: Active, velocities: list[torch.Tensor]) -> StepEvent:
         pipe, prep, k = self.pipe, a.prep, a.k
         try:
-            v = pipe.combine_step(prep, k, velocities, a.req.sampling)
+            v = pipe.combine_step(prep, k, velocities, a.req.sampling_params)
             done, t_size = k + 1, prep.grid.token_size
             preview = None
             if a.wants_preview(done):  # the clean-image prediction behind the guided velocity

@@ -140,7 +140,7 @@ class NeoPPPipeline:
     def validate(self, req: GenerationRequest) -> None:
         """Every rule a request can break, checked before any heavy work (see RequestRules)."""
         self.rules.validate(req)
-        check_cache(self.mode, req.sampling)
+        check_cache(self.mode, req.sampling_params)
 
     def close(self) -> None:
         """Drop the graphs (the worker pool stops its ranks here)."""
@@ -247,8 +247,9 @@ class NeoPPPipeline:
     def sample(self, req: GenerationRequest, should_stop: StopFn | None = None, on_step: StepFn | None = None,
                prep: Prepared | None = None) -> torch.Tensor:
         """Run every step; the state stays float32 whatever the run dtype."""
-        if req.sampling.cache != "off":  # the cache's state lives in the step batcher's requests
-            raise InputError(f"cache: {req.sampling.cache!r} runs only in a step-batching engine; send cache off")
+        if req.sampling_params.cache != "off":  # the cache's state lives in the step batcher's requests
+            raise InputError(f"cache: {req.sampling_params.cache!r} runs only in a step-batching engine; "
+                             "send cache off")
         adapter = self.adapter(req)
         prep = prep or self.prepare(req)
         groups = () if adapter is None else (RowGroup(0, None, adapter, req.lora_scale),)
@@ -267,7 +268,7 @@ class NeoPPPipeline:
             if should_stop is not None and should_stop():
                 raise GenerationCancelled(f"cancelled before step {k + 1} of {sampler.steps}")
             start = time.perf_counter()
-            v = self.step_velocity(prep, x, z, k, req.sampling)
+            v = self.step_velocity(prep, x, z, k, req.sampling_params)
             sampler.step(z, v, k)
             x = unpatchify(z, req.height, req.width, t_size)
             if on_step is not None:

@@ -27,9 +27,9 @@ from .schedule import shifted_timesteps
 def step_plan(req: GenerationRequest) -> StepPlan:
     """The request's steps and guidance, computed once for its sampling values."""
     try:
-        return _step_plan(req.sampling, req.image_editing)
+        return _step_plan(req.sampling_params, req.image_editing)
     except TypeError:  # sampling values that do not hash (built by hand): computed each time
-        return StepPlan.of(req.sampling, req.image_editing)
+        return StepPlan.of(req.sampling_params, req.image_editing)
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ class RequestRules:
         if req.task not in self.support_tasks:
             raise InputError(f"task: unsupported task {shown(req.task)}; supported: {self.support_tasks}")
         self.check_size(req.height, req.width)
-        check_steps(req.sampling.infer_steps, self.limits)
+        check_steps(req.sampling_params.infer_steps, self.limits)
         dims, max_tokens = self.config.kv_dims, self.limits.max_prefix_tokens
         validate_kv(req.cond_kv, dims, "cond_kv", max_tokens)
         check_offset(req.index_offset_cond, self.limits, "index_offset_cond")
@@ -117,15 +117,15 @@ class RequestRules:
             check_offset(req.index_offset_image, self.limits, "index_offset_image")
         elif req.index_offset_image is not None:
             raise InputError("index_offset_image: given without image_kv; send both or neither")
-        elif req.sampling.image_guidance_scale != 1.0:
-            raise InputError(image_branch_refusal(req.sampling))
+        elif req.sampling_params.image_guidance_scale != 1.0:
+            raise InputError(image_branch_refusal(req.sampling_params))
 
     @staticmethod
     def check_branches_present(req: GenerationRequest) -> None:
         """The uncond branch, when a guided step of this request reads it, must have been sent
         (the image branch cannot be missing: sending it is what selects image-editing guidance)."""
         if req.uncond_kv is None and step_plan(req).reads(UNCOND):
-            raise InputError(f"uncond_kv: required because {uncond_reason(req.sampling, req.image_editing)}")
+            raise InputError(f"uncond_kv: required because {uncond_reason(req.sampling_params, req.image_editing)}")
 
     def check_size(self, height: int, width: int, field: str = "size") -> None:
         """Bounds, then what the checkpoint needs: whole tokens and enough vision positions."""

@@ -30,7 +30,7 @@ from .wire import declared_sizes, unpack_tensors
 
 # What admission decides itself; every other field of the request is the parsed field of its name,
 # so a new input reaches the engine through its row, its parse and the request's field alone.
-DECIDED_HERE = frozenset({"height", "width", "sampling", "task", "noise", "noise_scaled", "adapter"})
+DECIDED_HERE = frozenset({"height", "width", "task", "noise", "noise_scaled", "adapter"})
 
 
 def carried_fields(parsed: ParsedRequest) -> dict[str, Any]:
@@ -73,7 +73,7 @@ class Admission:
         return Admitted(req, stream.state(), parsed.resize, options)
 
     def _parse(self, kind: str, inputs: dict[str, Any], parameters: Any) -> tuple[ParsedRequest, StreamOptions]:
-        limits, defaults = self.settings.limits, self.mode.sampling
+        limits, defaults = self.settings.limits, self.mode.sampling_params
         params = request_parameters(parameters)
         if kind == "stream":
             refuse_input_like_parameters(params)
@@ -82,7 +82,7 @@ class Admission:
             parsed, options = parse_request(inputs, limits, defaults), StreamOptions()
         parsed.lane = request_lane(params)
         if parsed.lora is not None:  # what the adapter recommends, for what the request left unset
-            parsed.sampling_values = adapter_sampling(self.adapters, parsed.lora, defaults, parsed.sampling)
+            parsed.sampling_params = adapter_sampling(self.adapters, parsed.lora, defaults, parsed.sampling_overrides)
         return parsed, options
 
     def _ready_request(self, parsed: ParsedRequest) -> tuple[GenerationRequest, NoiseStream]:
@@ -96,7 +96,7 @@ class Admission:
             with self._stream_lock:
                 stream = NoiseStream.from_state(self.noise_stream.state())
         height, width = parsed.size or self.mode.default_size
-        req = GenerationRequest(**carried_fields(parsed), height=height, width=width, sampling=parsed.sampling_values,
+        req = GenerationRequest(**carried_fields(parsed), height=height, width=width,
                                 task=parsed.task or self.settings.default_task)
         self.engine.validate(req)
         self.capabilities.check_size(height, width)  # after the limits and the token multiple: a size it can run

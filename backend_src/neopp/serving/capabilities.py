@@ -46,10 +46,11 @@ class Capabilities:
             raise ConfigError(f"model {model}: default size {list(mode.default_size)} is not a trained size "
                               f"({sizes.describe()}); set the checkpoint's default_image_size or the mode's "
                               "default_size to one, or allow_untrained_sizes")
-        if mode.sampling.infer_steps > limits.max_steps:
-            raise ConfigError(f"model {model}: the mode's infer_steps {mode.sampling.infer_steps} exceeds "
+        if mode.sampling_params.infer_steps > limits.max_steps:
+            raise ConfigError(f"model {model}: the mode's infer_steps {mode.sampling_params.infer_steps} exceeds "
                               f"max_steps {limits.max_steps}")
-        return Capabilities(sizes, mode.default_size, limits.max_steps, mode.sampling.infer_steps, untrained_sizes)
+        steps = mode.sampling_params.infer_steps
+        return Capabilities(sizes, mode.default_size, limits.max_steps, steps, untrained_sizes)
 
     def check_size(self, height: int, width: int, field: str = "SIZE") -> None:
         """Refuse a size the model was not trained at, naming the range (400 at the door)."""

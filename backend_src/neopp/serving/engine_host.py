@@ -139,7 +139,7 @@ class EngineHost:
             return
         req, options = admitted.req, admitted.options
         preview = options.preview_size or default_preview_size(req.height, req.width)
-        conn.send({"type": "accepted", "job": job, "format": req.sampling.output_format,
+        conn.send({"type": "accepted", "job": job, "format": req.sampling_params.output_format,
                    "resize": list(admitted.resize) if admitted.resize else None, "preview_size": list(preview),
                    "base64_output": options.base64_output})
 

@@ -27,7 +27,7 @@ def request_summary(mode: ModeSpec, req: GenerationRequest) -> dict[str, str]:
     """What the log line says of the request, as strings."""
     from ..sampling.plan import step_plan
 
-    s = req.sampling
+    s = req.sampling_params
     uncond_tokens = 0 if req.uncond_kv is None else req.uncond_kv.shape[2]
     status = parallel_status(mode, s, req.uncond_kv is not None, list(step_plan(req).guided_steps))
     return {"size": f"{req.height}x{req.width}", "task": req.task,

@@ -48,8 +48,8 @@ class ParsedRequest:
     noise: np.ndarray | None = None  # the starting state itself, [1, 3, H, W] (LightX2V's draw)
     task: str | None = None
     resize: tuple[int, int] | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams.replace overrides
-    sampling_values: SamplingParams = field(default_factory=SamplingParams)  # the defaults with them, checked
+    sampling_overrides: dict[str, Any] = field(default_factory=dict)  # SamplingParams.replace overrides
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)  # the defaults with them, checked
     lora: str | None = None  # an adapter's name (checked as a name; the model checks it exists)
     lora_scale: float = 1.0
     lane: str = ""  # the client lane (a request parameter, neopp.contract.client_lanes)
@@ -260,7 +260,7 @@ def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limit
     Types are checked here; the values' rules are SamplingParams' and the step bound the
     deployment's, each written once and reported under the input's name.
     """
-    s = req.sampling
+    s = req.sampling_overrides
     if inputs.get("STEPS") is not None:
         s["infer_steps"] = _int("STEPS", inputs["STEPS"])
         check_steps(s["infer_steps"], limits, "STEPS")
@@ -275,7 +275,7 @@ def _parse_sampling(inputs: Mapping[str, Any], req: ParsedRequest, limits: Limit
         if inputs.get(name) is not None:
             s[key] = _string(name, inputs[name], INPUT_SPECS[name]).lower()
     try:
-        req.sampling_values = defaults.replace(**s)
+        req.sampling_params = defaults.replace(**s)
     except InputError as exc:
         raise InputError(exc.named(SAMPLING_INPUT_NAMES)) from None
 

@@ -125,7 +125,7 @@ class Need:
 def rank_need(mode: ModeSpec, tower: TowerSizes, limits: Limits) -> Need:
     """What each rank of ``mode`` holds on its GPU for one request at ``limits``."""
     c = tower.config
-    branches = 1 if mode.cfg_p_size > 1 or not mode.sampling.enable_cfg else 2
+    branches = 1 if mode.cfg_p_size > 1 or not mode.sampling_params.enable_cfg else 2
     prefix, image = limits.max_prefix_tokens, limits.max_pixels // c.token_size ** 2
     per_layer_kv = tower.kv_token_bytes // c.num_layers
     kv = branches * prefix * tower.kv_token_bytes

@@ -149,7 +149,7 @@ class Replayer:
               seconds: float) -> str:
         """The server's per-request line for this image, then where it went and from which seed."""
         req = GenerationRequest(cond_kv=cond, index_offset_cond=turn.offset_cond, height=self.size[0],
-                                width=self.size[1], sampling=self.runner.sampling, uncond_kv=uncond,
+                                width=self.size[1], sampling_params=self.runner.sampling_params, uncond_kv=uncond,
                                 index_offset_uncond=turn.offset_uncond, task=self.task)
         seed = turn.seed if turn.seed is not None else "continued"
         return (f"{request_line(self.mode.name, self.mode, req, size, seconds)} "
