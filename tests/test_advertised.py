@@ -256,3 +256,20 @@ def test_a_cut_metrics_answer_is_not_used():
     address, thread = _serve_once(head + body, 10)
     assert asyncio.run(triton_metrics.fetch(address)) == ""
     thread.join(10)
+
+
+def test_an_adapter_list_is_taken_only_when_its_names_agree_with_its_count():
+    """The names on offer (1) against the count: a list caught mid-update is not taken, a
+    withdrawn name (0) is not listed, and past LISTED the count says how many more."""
+    from neopp.contract.adapter_names import LISTED
+
+    def page(model: str, offered: dict[str, float], total: int) -> list[str]:
+        return [f'neopp_model_adapter{{adapter="{n}",model="{model}"}} {v}' for n, v in offered.items()] + \
+            [f'neopp_model_adapters{{model="{model}"}} {total}']
+
+    many = {f"a{i:03d}": 1.0 for i in range(LISTED)}
+    text = "\n".join(page("steady", {"b": 1.0, "a": 1.0, "gone": 0.0}, 2) + page("mid", {"a": 1.0}, 2)
+                     + page("none", {"gone": 0.0}, 0) + page("many", many, LISTED + 5)
+                     + page("bad", {"../x": 1.0}, 1))
+    assert model_facts.complete_adapter_lists(text) == {"steady": (["a", "b"], 2), "none": ([], 0),
+                                                        "many": (sorted(many), LISTED + 5)}

@@ -197,17 +197,3 @@ def test_the_openai_body_takes_lora_and_lora_scale():
         with pytest.raises(OpenAIError) as info:
             parse_images_request({"prompt": "a cat", **body})
         assert info.value.param == param
-
-
-def test_the_door_lists_the_adapter_directory_as_the_stub_resolves_it(tiny, tmp_path):
-    from neopp.contract.adapter_names import list_adapters
-    from neopp.launcher.door.openai_images import adapter_folder
-
-    _, weights, _ = tiny
-    folder_with(tmp_path, weights, "b", "a")
-    (tmp_path / ".hidden.safetensors").write_bytes(b"")
-    env = {"NEOPP_LORA_DIR": "/elsewhere", "NEOPP_LORA_DIR_NEOPP_DENSE": str(tmp_path)}
-    assert list_adapters(adapter_folder("neopp_dense", env)).names == ("a", "b")
-    assert AdapterDirectory(tmp_path).names() == ["a", "b"]
-    assert adapter_folder("neopp_moe", env) == adapter_folder("neopp_moe", {}, "/elsewhere") != None  # noqa: E711
-    assert adapter_folder("neopp_moe", {}, "checkpoints/lora") is None and list_adapters(None).total == 0

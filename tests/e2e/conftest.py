@@ -68,7 +68,8 @@ class TritonHandle:
         self.grpc = grpcclient.InferenceServerClient(self.server.grpc_url)
         # every binary input through the door's shared-memory region (the launcher: from 1 MiB)
         self.door = DoorServer(LOOPBACK, 0, self.server.grpc_url, (LOOPBACK, self.server.http_port), "e2e",
-                               DoorLimits(region_min_bytes=1)).start()
+                               DoorLimits(region_min_bytes=1),
+                               metrics_address=(LOOPBACK, self.server.metrics_port)).start()
         self.http = httpclient.InferenceServerClient(self.door_url, network_timeout=120.0)
 
     def close(self) -> None:

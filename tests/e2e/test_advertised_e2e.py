@@ -10,7 +10,7 @@ import base64
 import http.client
 import io
 import json
-from pathlib import Path
+import shutil
 from typing import Any
 
 import numpy as np
@@ -19,14 +19,16 @@ import tritonclient.grpc as grpcclient
 from PIL import Image
 from tritonclient.utils import InferenceServerException
 
-from neopp.launcher.door import triton_metrics
+from neopp.launcher.door import model_facts, triton_metrics
 from neopp.ports import LOOPBACK
 from testing import REPO
 from testing.browser import browser as open_browser
 from testing.launched import Launched, serving
 
 DEMO = REPO / "demo" / "checkpoints" / "dense"
-MODELS = ("neopp_dense", "neopp_dense_stream", "neopp_prompt_encoder", "neopp_t2i", "neopp_session")
+MODELS = ("neopp_dense", "neopp_dense_8steps", "neopp_dense_stream", "neopp_prompt_encoder", "neopp_t2i",
+          "neopp_session")
+EIGHT_STEPS = "neopp_8steps_lora"  # the demo's adapter: neopp_dense_8steps merges it at load
 KEY = "advertised-operator-key-0123456789"
 PROMPT = "a red circle on the left on a blue background"
 SIDES = (128, 160, 192, 224, 256, 288, 320)
@@ -35,8 +37,11 @@ TRAINED = [f"{w}x{h}" for h in SIDES for w in SIDES]  # every size of the range,
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Launched:
-    log = tmp_path_factory.mktemp("advertised") / "serve.log"
-    with serving(log, {"NEOPP_CHECKPOINT": str(DEMO), "NEOPP_ADMIN_KEY": KEY}, MODELS, no_traceback=True) as handle:
+    root = tmp_path_factory.mktemp("advertised")
+    (root / "lora").mkdir()
+    shutil.copyfile(DEMO.parent / "lora" / f"{EIGHT_STEPS}.safetensors", root / "lora" / f"{EIGHT_STEPS}.safetensors")
+    env = {"NEOPP_CHECKPOINT": str(DEMO), "NEOPP_ADMIN_KEY": KEY, "NEOPP_LORA_DIR": str(root / "lora")}
+    with serving(root / "serve.log", env, MODELS, no_traceback=True) as handle:
         yield handle
 
 
@@ -61,18 +66,23 @@ def draw(served: Launched, **fields: Any) -> tuple[int, dict[str, str], dict]:
 def test_v1_models_lists_only_the_models_that_draw_with_what_they_were_trained_at(served: Launched):
     status, _, raw = call(served, "GET", "/v1/models")
     doc = json.loads(raw)
-    assert status == 200 and [m["id"] for m in doc["data"]] == ["neopp_dense"], doc  # no session, twin or encoder
+    drawing = [m["id"] for m in doc["data"]]
+    assert status == 200 and drawing == ["neopp_dense", "neopp_dense_8steps"], doc  # no session, twin or encoder
     facts = doc["data"][0]["neopp"]
     assert facts["sizes"] == TRAINED and facts["default_size"] == "256x256" and facts["untrained_sizes"] is False
     assert facts["steps"] == {"min": 1, "max": 200} and facts["default_steps"] == 50
     metrics = http.client.HTTPConnection(LOOPBACK, served.metrics_port, timeout=30)  # for any client too
     try:
         metrics.request("GET", "/metrics")
-        published = triton_metrics.capabilities(metrics.getresponse().read().decode())
+        text = metrics.getresponse().read().decode()
     finally:
         metrics.close()
-    from_the_model = {k: v for k, v in facts.items() if k not in ("loras", "loras_total")}  # the door adds these
+    published = triton_metrics.capabilities(text)
+    from_the_model = {k: v for k, v in facts.items() if k not in ("loras", "loras_total")}  # their own lines
     assert json.loads(published["neopp_dense"]) == from_the_model and "neopp_session" not in published
+    assert model_facts.complete_adapter_lists(text)["neopp_dense"] == ([EIGHT_STEPS], 1)
+    assert facts["loras"] == [EIGHT_STEPS] and facts["loras_total"] == 1
+    assert doc["data"][1]["neopp"]["loras"] == [] and doc["data"][1]["neopp"]["loras_total"] == 0  # merged there
 
 
 def test_a_size_the_model_was_not_trained_at_is_refused_naming_the_range(served: Launched):
@@ -168,7 +178,7 @@ def test_the_openapi_document_lists_the_door_s_routes(served: Launched):
     assert body["required"] == ["prompt"] and "num_inference_steps" in body["properties"]
 
 
-def test_the_playground_offers_only_the_trained_sizes_and_the_step_limit(served: Launched, tmp_path: Path):
+def test_the_playground_offers_the_trained_sizes_the_step_limit_and_each_model_s_adapters(served: Launched):
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
     browser = open_browser()
@@ -181,7 +191,12 @@ def test_the_playground_offers_only_the_trained_sizes_and_the_step_limit(served:
         steps.send_keys("500")
         too_many = browser.execute_script("return document.getElementById('steps').validity.rangeOverflow")
         link = browser.find_element("id", "status-link").get_attribute("href")
+        loras = {}
+        for model in ("neopp_dense_8steps", "neopp_dense"):  # each choice lists that model's adapters
+            Select(browser.find_element("id", "model")).select_by_value(model)
+            loras[model] = [o.get_attribute("value") for o in Select(browser.find_element("id", "lora")).options]
     finally:
         browser.quit()
     assert sizes == ["auto", *TRAINED] and limits == ("1", "200", "model default (50, at most 200)")
     assert too_many is True and link.endswith("/status")
+    assert loras == {"neopp_dense": ["", EIGHT_STEPS], "neopp_dense_8steps": [""]}

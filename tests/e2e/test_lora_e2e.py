@@ -5,7 +5,6 @@ bytes, and every refusal names its input while the server stays ready."""
 
 from __future__ import annotations
 
-import os
 import queue
 
 import numpy as np
@@ -128,18 +127,47 @@ def test_an_adapter_that_misfits_the_tower_is_refused_on_every_rank_and_the_mode
     assert TritonHandle.image(infer(triton, model, LORA=text("lora_up_down"))).size == (64, 64)
 
 
-def test_adapters_are_listed_in_v1_models(triton: TritonHandle, monkeypatch):
-    """The door (here in this process) lists the folder the server's NEOPP_LORA_DIR names."""
+def v1_loras(triton: TritonHandle) -> dict[str, list[str]]:
     import json
     import urllib.request
 
-    offered = ["lora_B_A", "lora_peft", "lora_up_down", "neopp_8steps_lora"]
-    monkeypatch.setenv("NEOPP_LORA_DIR", str(ensure_8steps_lora().parent))
-    for key in [k for k in os.environ if k.startswith("NEOPP_LORA_DIR_")]:
-        monkeypatch.delenv(key)
     with urllib.request.urlopen(f"http://{triton.door_url}/v1/models", timeout=30) as answer:
-        entries = {e["id"]: e for e in json.load(answer)["data"]}
-    assert entries[MODEL]["neopp"]["loras"] == offered
+        return {e["id"]: e["neopp"]["loras"] for e in json.load(answer)["data"]}
+
+
+def test_each_model_lists_the_adapters_it_takes(triton: TritonHandle):
+    """The model judges its folder: neopp_dense takes every file; neopp_dense_8steps has the 8-step
+    adapter merged, and MoE's dense-MLP targets are routed experts there."""
+    attention_only = ["lora_B_A", "lora_peft", "lora_up_down"]
+    listed = v1_loras(triton)
+    assert listed[MODEL] == [*attention_only, "neopp_8steps_lora"]
+    assert listed["neopp_dense_8steps"] == attention_only
+    assert listed["neopp_moe"] == listed["neopp_moe_cfg"] == attention_only
+
+
+def test_an_adapter_copied_in_while_serving_is_offered_and_withdrawn_once_removed(triton: TritonHandle):
+    """One look judges the whole folder: once the fitting copy is listed, the misfit beside it has
+    been judged too, and is not."""
+    import shutil
+    import time
+
+    folder = ensure_8steps_lora().parent
+    misfit = folder / "zz_misfit.safetensors"
+    key = "language_model.model.layers.0.self_attn.q_proj_mot_gen"
+    save_file({key + ".lora_up.weight": torch.zeros(3, 2), key + ".lora_down.weight": torch.zeros(2, 3)}, str(misfit))
+    shutil.copyfile(folder / "lora_up_down.safetensors", folder / "zz_copied.safetensors")  # after the misfit
+    try:
+        deadline = time.monotonic() + 90
+        while "zz_copied" not in v1_loras(triton)[MODEL] and time.monotonic() < deadline:
+            time.sleep(1)
+        assert "zz_copied" in v1_loras(triton)[MODEL] and "zz_misfit" not in v1_loras(triton)[MODEL]
+    finally:
+        (folder / "zz_copied.safetensors").unlink()
+        misfit.unlink()
+    deadline = time.monotonic() + 90
+    while "zz_copied" in v1_loras(triton)[MODEL] and time.monotonic() < deadline:
+        time.sleep(1)
+    assert "zz_copied" not in v1_loras(triton)[MODEL]
 
 
 def test_an_adapter_s_recommended_values_fill_what_the_request_leaves_unset(triton: TritonHandle):

@@ -12,6 +12,7 @@ its batch.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -21,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import ConfigError
-from .checkpoint import layer_prefix
+from .checkpoint import LM, layer_prefix
 from .layers import ROW_ADAPTERS, Linear
 from .safetensors_header import Stamp, key_shown
 
@@ -29,6 +30,12 @@ if TYPE_CHECKING:
     from .lora import LoraHeader
 
 MLP_NAMES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}  # checkpoint name -> SwiGLU part
+ATTENTION_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj")
+# The keys of ``tower_linears``, spelled as one pattern (a test holds the two to one set)
+ADAPTER_TARGET = re.compile(
+    rf"{re.escape(LM)}layers\.[0-9]+\."
+    rf"(self_attn\.({'|'.join(ATTENTION_NAMES)})_mot_gen|mlp_mot_gen\.(experts\.[0-9]+\.)?({'|'.join(MLP_NAMES)}))"
+    r"\.weight")
 
 
 @dataclass
@@ -65,7 +72,7 @@ def tower_linears(tower: object) -> dict[str, Linear]:
     out: dict[str, Linear] = {}
     for i, layer in enumerate(tower.layers):
         attn = layer_prefix(i) + "self_attn."
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        for name in ATTENTION_NAMES:
             out[f"{attn}{name}_mot_gen.weight"] = getattr(layer, name)
         mlp = layer_prefix(i) + "mlp_mot_gen."
         experts = getattr(layer.mlp, "experts", None)
@@ -77,6 +84,29 @@ def tower_linears(tower: object) -> dict[str, Linear]:
     return out
 
 
+def is_adapter_target(key: str) -> bool:
+    """Whether a checkpoint key is the weight of a linear that ``tower_linears`` offers an adapter:
+    lets a model judge adapter files from its checkpoint's headers, before (or without) a tower."""
+    return ADAPTER_TARGET.fullmatch(key) is not None
+
+
+def judge_adapter(header: LoraHeader, shapes: Mapping[str, tuple[int, ...]], itemsize: int,
+                  max_bytes: int | None) -> None:
+    """Whether a judged header is an adapter this tower takes per request: every target one of its
+    attention or dense MLP linears (``shapes``, key -> weight shape) with factors of its shape, and
+    its factors within ``max_bytes`` at ``itemsize`` bytes each. ConfigError naming the rule."""
+    from .lora import check_fit  # lora imports quant, which imports this package's layers
+
+    for plan in header.plans.values():
+        if ".experts." in check_fit(plan, shapes):
+            raise ConfigError(f"key {key_shown(plan.up.key)} targets a routed expert; an adapter applied per "
+                              "request takes attention and dense MLP linears only (merge it in a mode file instead)")
+    need = sum(p.numel for p in header.plans.values()) * itemsize
+    if max_bytes is not None and need > max_bytes:
+        raise ConfigError(f"takes {need} bytes in the model's dtype, over this model's adapter memory bound of "
+                          f"{max_bytes} (parameter lora_max_bytes)")
+
+
 def build_adapter(name: str, path: Path, linears: Mapping[str, Linear], device: torch.device,
                   dtype: torch.dtype, recommended: dict[str, object] | None = None,
                   max_bytes: int | None = None) -> Adapter:
@@ -85,23 +115,11 @@ def build_adapter(name: str, path: Path, linears: Mapping[str, Linear], device: 
     Judged from the header first: every target a dense or attention linear of the tower with
     factors of its shape, and the file and its factors in the model's dtype within ``max_bytes``;
     only then are the factors read. ConfigError naming the key."""
-    from .lora import check_fit, read_lora_file  # lora imports quant, which imports this package's layers
+    from .lora import read_lora_file  # lora imports quant, which imports this package's layers
 
     itemsize = torch.empty(0, dtype=dtype).element_size()
-
-    def judge(header: LoraHeader) -> None:
-        for plan in header.plans.values():
-            if ".experts." in check_fit(plan, linears_shapes):
-                raise ConfigError(f"key {key_shown(plan.up.key)} targets a routed expert; an adapter applied per "
-                                  "request takes attention and dense MLP linears only (merge it in a mode file "
-                                  "instead)")
-        need = sum(p.numel for p in header.plans.values()) * itemsize
-        if max_bytes is not None and need > max_bytes:
-            raise ConfigError(f"takes {need} bytes in the model's dtype, over this model's adapter memory bound of "
-                              f"{max_bytes} (parameter lora_max_bytes)")
-
     linears_shapes = {key: tuple(lin.weight.shape) for key, lin in linears.items()}
-    pairs, header = read_lora_file(path, judge, max_bytes)
+    pairs, header = read_lora_file(path, lambda h: judge_adapter(h, linears_shapes, itemsize, max_bytes), max_bytes)
     factors = {linears[pair.base + ".weight"]: Factors(
         pair.down.to(device=device, dtype=dtype).contiguous(), pair.up.to(device=device, dtype=dtype).contiguous(),
         pair.alpha / pair.rank if pair.alpha is not None else 1.0) for pair in pairs.values()}

@@ -3,23 +3,29 @@
 The checkpoint's trained sizes narrowed by the mode file, the default size, and the one step
 limit (the model's ``max_steps``): the engine's stub refuses a size outside them (unless the
 operator allows untrained sizes), and the model's first instance publishes the same facts on
-Triton's metrics port as the gauge ``neopp_model_capabilities{model, capabilities="<JSON>"} 1``,
-which the door's ``/v1/models`` and the playground read. (Triton keeps only the inputs, outputs
-and batching of an auto-completed config, so its ``parameters`` cannot carry them.)
+Triton's metrics port (``neopp.contract.published_facts``) with the adapters it offers
+(``adapter_offer``), which the door's ``/v1/models``, ``neopp models`` and the playground read.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from dataclasses import dataclass
 from typing import Any
 
+from ..contract.adapter_names import Listing
+from ..contract.published_facts import ADAPTER_METRIC, ADAPTERS_METRIC, CAPABILITIES_METRIC
 from ..errors import ConfigError, InputError
 from ..image_sizes import TrainedSizes
 from ..limits import Limits
 from ..model.checkpoint_config import CheckpointConfig
 from ..modes import ModeSpec, load_mode
+from .adapter_offer import REJUDGE_S, AdapterOffer
 from .model_settings import TritonModelSettings
+
+log = logging.getLogger(__name__)
 
 MIN_STEPS = 1
 
@@ -86,14 +92,69 @@ def model_capabilities(settings: TritonModelSettings) -> Capabilities:
     return Capabilities.of(config, mode, settings.limits, settings.untrained_sizes, settings.model_name)
 
 
-METRIC = "neopp_model_capabilities"
+MAX_PUBLISHED = 1000  # adapter names a model publishes in its life: Triton cannot remove a line
 
 
-def publish(pb_utils: Any, model_name: str, capabilities: Capabilities) -> Any:
-    """The gauge that carries the facts as a label; keep the returned metric (it lives as long)."""
-    family = pb_utils.MetricFamily(name=METRIC, kind=pb_utils.MetricFamily.GAUGE,
-                                   description="What a generation model draws (label capabilities: JSON)")
-    text = json.dumps(capabilities.advertised(), separators=(",", ":"))
-    metric = family.Metric(labels={"model": model_name, "capabilities": text})
-    metric.set(1.0)
-    return family, metric
+class PublishedFacts:
+    """A model's facts on Triton's metrics port: its capabilities as one line that never changes,
+    and the adapters it offers as a line each, judged again every ``REJUDGE_S`` seconds.
+
+    Triton's python backend removes a metric only with its family, so a withdrawn adapter's line
+    stays at 0; after ``MAX_PUBLISHED`` names the list stays as it is until the model reloads.
+    The new names are set before the count and the withdrawn ones after it: a reader checks the
+    names on offer against the count and keeps its last complete list while they disagree."""
+
+    def __init__(self, pb_utils: Any, model_name: str, capabilities: Capabilities,
+                 offer: AdapterOffer | None) -> None:
+        gauge = pb_utils.MetricFamily.GAUGE
+        family = pb_utils.MetricFamily(name=CAPABILITIES_METRIC, kind=gauge,
+                                       description="What a generation model draws (label capabilities: JSON)")
+        self._capabilities = family, family.Metric(labels={
+            "model": model_name, "capabilities": json.dumps(capabilities.advertised(), separators=(",", ":"))})
+        self._capabilities[1].set(1.0)
+        self._adapter = pb_utils.MetricFamily(name=ADAPTER_METRIC, kind=gauge,
+                                              description="An adapter a generation model offers (1), or withdrew (0)")
+        adapters = pb_utils.MetricFamily(name=ADAPTERS_METRIC, kind=gauge,
+                                         description="How many adapters a generation model offers")
+        self._total = adapters, adapters.Metric(labels={"model": model_name})
+        self.model_name, self.offer = model_name, offer
+        self._lines: dict[str, Any] = {}
+        self._full = False
+        self.listing = Listing((), 0)
+        self._publish(offer.listing() if offer is not None else self.listing)
+        self._stop = threading.Event()
+        self._thread = None
+        if offer is not None and offer.directory.folder is not None:
+            self._thread = threading.Thread(target=self._watch, name="neopp-adapter-offer", daemon=True)
+            self._thread.start()
+
+    def _publish(self, listing: Listing) -> None:
+        new = [n for n in listing.names if n not in self._lines or n not in self.listing.names]
+        if len(set(self._lines) | set(new)) > MAX_PUBLISHED:
+            if not self._full:
+                log.warning("%s: over %d adapter names published; the list stays until the model reloads",
+                            self.model_name, MAX_PUBLISHED)
+            self._full = True
+            return
+        for name in new:
+            if name not in self._lines:
+                self._lines[name] = self._adapter.Metric(labels={"model": self.model_name, "adapter": name})
+            self._lines[name].set(1.0)
+        self._total[1].set(float(listing.total))
+        for name in set(self.listing.names) - set(listing.names):
+            self._lines[name].set(0.0)
+        self.listing = listing
+
+    def _watch(self) -> None:
+        while not self._stop.wait(REJUDGE_S):
+            try:
+                listing = self.offer.listing()
+                if listing != self.listing:
+                    self._publish(listing)
+            except Exception:  # noqa: BLE001 - a look that fails leaves the last facts; the next looks again
+                log.exception("%s: judging the adapter folder failed", self.model_name)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * REJUDGE_S)

@@ -31,7 +31,8 @@ from ..contract.statuses import INTERNAL, WORKERS_DOWN
 from ..errors import ConfigError
 from ..image_io import encode_image
 from ..model.checkpoint_config import CheckpointConfig
-from .capabilities import model_capabilities, publish
+from .adapter_offer import model_offer
+from .capabilities import PublishedFacts, model_capabilities
 from .engine_link import EngineLink, EngineUnavailable
 from .metrics import GenerationMetrics
 from .model_settings import TritonModelSettings
@@ -136,11 +137,14 @@ class NeoPPTritonModel:
         self._stopping = stop_on_sigterm(self.logger, self.model_name)
         self.metrics = GenerationMetrics(pb_utils, self.model_name)
         self.host = None
-        # what the model draws, on the metrics port for the door (read from files: no weights needed)
-        self.advertised = publish(pb_utils, self.model_name, model_capabilities(self.settings)) \
-            if first_instance(args) else None
         owner = self.settings.engine_model or self.model_name
-        if not self.settings.engine_model and first_instance(args):
+        engine_stub = owner == self.model_name and first_instance(args)
+        # what the model draws, on the metrics port for the door (read from headers: no weights
+        # needed); the engine's stub also judges the adapters (torch), which a twin forwards to it
+        self.advertised = PublishedFacts(pb_utils, self.model_name, model_capabilities(self.settings),
+                                         model_offer(self.settings, args) if engine_stub else None) \
+            if first_instance(args) else None
+        if engine_stub:
             from .engine_start import start_host
 
             self.host = start_host(pb_utils, self.model_name, self.settings, model_config, model_dir, args,
@@ -152,6 +156,8 @@ class NeoPPTritonModel:
 
     def finalize(self) -> None:
         """Queued and running requests end with CANCELLED, then the engine (and its ranks) stops."""
+        if self.advertised is not None:
+            self.advertised.close()
         if self.host is not None:
             self.host.close()
             self.host.engine.close()

@@ -1,6 +1,9 @@
 """What each generation model advertises, read by the door from Triton's metrics port (each model
-publishes ``neopp_model_capabilities`` at load): the sizes and step limits ``/v1/models`` lists,
-the playground offers, and ``/v1`` holds a request to before it is sent.
+publishes them at load, ``neopp.contract.published_facts``): the sizes and step limits
+``/v1/models`` lists, the playground offers, and ``/v1`` holds a request to before it is sent,
+and the adapters the model judged it takes (``loras``, the first ``LISTED`` names, and
+``loras_total``). A list whose names disagree with its count is one caught mid-update: the last
+complete one stays.
 
 A model that publishes nothing (the prompt encoder, ``neopp_session``, a streamed twin) does not
 draw for ``/v1``. A door without Triton's metrics port (one started on its own, in front of a
@@ -14,6 +17,8 @@ import json
 import time
 from typing import Any
 
+from ...contract.adapter_names import LISTED, is_name
+from ...contract.published_facts import ADAPTER_METRIC, ADAPTERS_METRIC
 from ...contract.sizes import openai_size
 from . import triton_metrics
 from .door_error import DoorError
@@ -31,12 +36,16 @@ class ModelFacts:
                  metrics_address: tuple[str, int] | None = None) -> None:
         self.upstream, self.admin_key, self.metrics_address = upstream, admin_key, metrics_address
         self._read_at, self._published = -KEEP_S, {}
+        self._adapters: dict[str, tuple[list[str], int]] = {}  # model -> (names, total), each complete
 
     async def _all(self) -> dict[str, str]:
         if time.monotonic() - self._read_at >= KEEP_S:
             text = await triton_metrics.fetch(self.metrics_address)
             if text:  # no answer: the last complete facts stay
                 self._published = triton_metrics.capabilities(text)
+                self._adapters = {model: listing for model, listing in self._adapters.items()
+                                  if model in self._published}
+                self._adapters.update(complete_adapter_lists(text))
             self._read_at = time.monotonic()
         return self._published
 
@@ -46,7 +55,11 @@ class ModelFacts:
             return None
         published = await self._all()
         if published:
-            return parse(published.get(model))
+            facts = parse(published.get(model))
+            if facts is not None:
+                names, total = self._adapters.get(model, ([], 0))
+                facts.update(loras=names, loras_total=total)
+            return facts
         metadata = await self.upstream.metadata(model, "")
         return {} if any(item.name == "COND_KV" for item in metadata.inputs) else None
 
@@ -61,6 +74,20 @@ class ModelFacts:
             if facts is not None:
                 found[name] = facts
         return found
+
+
+def complete_adapter_lists(text: str) -> dict[str, tuple[list[str], int]]:
+    """{model: (the first LISTED names on offer, sorted; their count)} of each model whose lines
+    agree: as many names on offer as its count says (up to LISTED)."""
+    totals = triton_metrics.samples(text, {ADAPTERS_METRIC: "total"})
+    lines = triton_metrics.by_label(text, ADAPTER_METRIC, "adapter")
+    found = {}
+    for model, fields in totals.items():
+        total = int(fields["total"])
+        names = sorted(name for name, value in lines.get(model, {}).items() if value == 1.0 and is_name(name))
+        if len(names) == min(total, LISTED):
+            found[model] = (names, total)
+    return found
 
 
 def parse(text: str | None) -> dict[str, Any] | None:

@@ -17,16 +17,13 @@ from __future__ import annotations
 import math
 import re
 import secrets
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from ...contract.adapter_names import MAX_NAME_CHARS, SCALE_MAX_ABS
-from ...contract.deployment import LORA_DIR_ENV, env_override
 from ...contract.inputs import EDIT_OUTPUTS, ENCODER_OUTPUTS, MAX_PROMPT_CHARS, MAX_THINK_TOKENS
 from ...contract.sizes import is_openai_size, openai_size, openai_text
 from . import strict_json
@@ -378,18 +375,4 @@ def _one_bytes(response: pb.ModelInferResponse, name: str) -> bytes:
         if out.name == name:
             return deserialize_bytes(raw, 1, name)[0]
     raise OpenAIError(500, f"{response.model_name or 'the model'} answered without {name}", kind="server_error")
-
-
-def adapter_folder(model: str, environ: Mapping[str, str], lora_dir_param: str = "") -> Path | None:
-    """A model's adapter directory as its stub resolves it: the per-model variable, the server-wide
-    one, else an absolute ``lora_dir`` parameter (a relative one is the stub's to resolve: None)."""
-    given = env_override(environ, LORA_DIR_ENV, model)
-    if given is not None:
-        return Path(given).expanduser()
-    return Path(lora_dir_param) if lora_dir_param and Path(lora_dir_param).is_absolute() else None
-
-
-def extend(entry: dict[str, Any], key: str, value: Any) -> None:
-    """Set ``key`` in a ``/v1/models`` entry's ``neopp`` extension object (created when absent)."""
-    entry.setdefault("neopp", {})[key] = value
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import dataclasses
-import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -32,7 +31,6 @@ from typing import Any, Protocol
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ...contract.adapter_names import Listing, list_adapters
 from ...contract.sizes import height_width
 from . import auth, model_facts, parse_jobs, strict_json
 from . import openai_edits as oe
@@ -294,25 +292,12 @@ class ImagesRoutes:
                                  "ones that do", "model", code="model_not_found")
         return facts
 
-    async def _loras(self, name: str) -> Listing:
-        """The adapters a model offers: the files of its adapter directory (``NEOPP_LORA_DIR_<MODEL>``,
-        else ``NEOPP_LORA_DIR``, else its config's absolute ``lora_dir``), listed off the event loop
-        (the first names and the count, as the model's refusal of an unknown name lists them)."""
-        try:
-            param = await self.door.upstream.config_parameter(name, "lora_dir", self.door.admin_key) or ""
-        except DoorError:  # unloaded since the index was read
-            param = ""
-        return await asyncio.to_thread(list_adapters, oa.adapter_folder(name, os.environ, param))
-
     async def models(self, request: Request) -> Response:
-        """The models that draw, each with what it advertises under ``neopp``."""
+        """The models that draw, each with what it advertises under ``neopp`` (the adapters it
+        offers included: the model judges its own folder)."""
         drawing = sorted((await self.facts.drawing()).items())
         offered = [{"id": name, "object": "model", "created": 0, "owned_by": "neopp",
                     **({"neopp": dict(facts)} if facts else {})} for name, facts in drawing]
-        for entry in offered:
-            listing = await self._loras(entry["id"])
-            oa.extend(entry, "loras", list(listing.names))
-            oa.extend(entry, "loras_total", listing.total)
         return Response(strict_json.dumps({"object": "list", "data": offered}), media_type="application/json")
 
     async def variations(self, request: Request) -> Response:

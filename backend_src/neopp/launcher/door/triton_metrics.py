@@ -7,9 +7,11 @@ from __future__ import annotations
 import asyncio
 import re
 
+from ...contract.published_facts import CAPABILITIES_METRIC
+
 MODEL_LABEL = r'model="([A-Za-z0-9_.-]{1,128})"'
 SAMPLE = re.compile(r'^([a-z_]+)\{[^}]*' + MODEL_LABEL + r'[^}]*\} ([0-9.eE+-]+)$')
-CAPABILITIES = re.compile(r'^neopp_model_capabilities\{(.*)\} 1(?:\.0*)?$')
+CAPABILITIES = re.compile(rf'^{CAPABILITIES_METRIC}\{{(.*)\}} 1(?:\.0*)?$')
 LABEL = re.compile(r'([a-z_]+)="((?:[^"\\]|\\.)*)"')
 MAX_METRICS = 4 << 20  # Triton's exposition for a few dozen models is tens of kilobytes
 TIMEOUT_S = 5.0

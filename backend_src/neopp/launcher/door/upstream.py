@@ -123,16 +123,6 @@ class Upstream:
             raise grpc_error(exc) from None
         return {model.name: model.state for model in index.models}
 
-    async def config_parameter(self, model: str, key: str, admin_key: str | None) -> str | None:
-        """One ``parameters`` value of a model's config (None: the model sets none)."""
-        metadata = [(GRPC_HEADER, admin_key)] if admin_key else None
-        try:
-            answer = await self.stub.ModelConfig(pb.ModelConfigRequest(name=model), metadata=metadata, timeout=30)
-        except grpc.aio.AioRpcError as exc:
-            raise grpc_error(exc) from None
-        value = answer.config.parameters.get(key)
-        return None if value is None else value.string_value
-
     def infer(self, request: WireRequest, turn: Turn) -> grpc.aio.UnaryUnaryCall:
         """The call itself, so that the caller can cancel it; it waits where ``turn`` says."""
         self._connect()
