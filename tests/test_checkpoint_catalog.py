@@ -1,10 +1,10 @@
-"""The SenseNova checkpoints the README lists as served unchanged, each claim on a tiny checkpoint
+"""The SenseNova checkpoints docs/checkpoints.md lists as served unchanged, each claim on a tiny checkpoint
 of that shape: the 8B MoT family (dense generation tower), the A3B MoE family, U1.5 (ConvDecoder
 pixel head, noise scale capped at 16, generation branch stored in float32). Each tiny checkpoint
 is written in the real key layout with the shape's config.json fields, loaded by the serving
 loader, and its velocity checked against the float64 reference, which reads the same files on its
 own. Tolerance VEL_RTOL: that of test_reference_equivalence and test_checkpoint_fidelity (float32
-runner against float64 reference, argued there). The README's table names a shape tested here for
+runner against float64 reference, argued there). Its table names a shape tested here for
 every row, or says "untested".
 """
 
@@ -85,14 +85,14 @@ def test_u1_5_s_noise_scale_reaches_past_8_up_to_16_and_its_float32_branch_serve
 
 
 def catalog_rows(text: str) -> list[list[str]]:
-    """The rows of the README's table of SenseNova checkpoints (between its heading and the next)."""
-    section = text.split("### SenseNova checkpoints this server loads unchanged", 1)[1].split("\n#", 1)[0]
+    """The rows of the checkpoint guide's table of SenseNova checkpoints (between its heading and the next)."""
+    section = text.split("## SenseNova checkpoints this server loads unchanged", 1)[1].split("\n#", 1)[0]
     rows = [line.strip().strip("|").split("|") for line in section.splitlines() if line.startswith("| `")]
     return [[cell.strip() for cell in row] for row in rows]
 
 
-def test_every_checkpoint_the_readme_lists_names_a_shape_tested_here_or_says_untested():
-    rows = catalog_rows((REPO / "README.md").read_text())
+def test_every_checkpoint_the_guide_lists_names_a_shape_tested_here_or_says_untested():
+    rows = catalog_rows((REPO / "docs" / "checkpoints.md").read_text())
     assert len(rows) >= 10, rows
     for row in rows:
         tested = row[-1]

@@ -48,8 +48,9 @@ def test_readme_uses_this_recipe() -> None:
     assert "docker run" not in readme or "neopp-triton:0.1.0" in readme
     # No install at container start: the container's paragraphs install nothing (outside the container
     # the README may say how to get CUDA torch into the venv), nor does its entry point.
-    container = readme.split("On GPU machines run it in NVIDIA's Triton container", 1)[1].split("\nDevices:", 1)[0]
-    assert "pip install" not in container
+    guide = (REPO / "docs" / "deployment.md").read_text()
+    container = guide.split("## NVIDIA's Triton container", 1)[1].split("\n## ", 1)[0]
+    assert "docker compose -f docker/compose.yaml up --build" in container and "pip install" not in container
     assert "pip install" not in (REPO / "docker" / "entrypoint.sh").read_text()
 
 

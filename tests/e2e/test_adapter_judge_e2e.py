@@ -45,7 +45,7 @@ def shapes(tiny_dense: Path) -> dict[str, tuple[int, ...]]:
 
 @pytest.fixture(scope="module")
 def served(tiny_dense: Path, shapes, tmp_path_factory):
-    """The server, its adapter folder and a door in this process (listing the folder it names)."""
+    """The server, its adapter folder and a door in this process (listing what the model offers)."""
     root = tmp_path_factory.mktemp("adapter_judge")
     folder = root / "adapters"
     bad.many_names(folder, MANY)
@@ -57,7 +57,7 @@ def served(tiny_dense: Path, shapes, tmp_path_factory):
         "parameters [\n", f'parameters [\n  {{ key: "lora_max_bytes" value: {{ string_value: "{MAX_BYTES}" }} }},\n'))
     server = SmallServer(repo, tiny_dense, root / "tritonserver.log", {"NEOPP_LORA_DIR": str(folder)}).start()
     door = DoorServer(LOOPBACK, 0, server.server.grpc_url, (LOOPBACK, server.server.http_port), "judge",
-                      DoorLimits()).start()
+                      DoorLimits(), metrics_address=(LOOPBACK, server.server.metrics_port)).start()
     try:
         yield server, folder, f"{LOOPBACK}:{door.server_address[1]}"
     finally:
@@ -126,24 +126,29 @@ def test_links_to_a_system_file_or_a_device_are_not_adapters(served):
 
 
 def listing(door: str, folder: Path) -> dict:
-    """The door's /v1/models entry of the model (the door lists the folder NEOPP_LORA_DIR names)."""
-    os.environ["NEOPP_LORA_DIR"] = str(folder)
-    try:
-        with urllib.request.urlopen(f"http://{door}/v1/models", timeout=60) as answer:
-            return {e["id"]: e for e in json.load(answer)["data"]}[MODEL]["neopp"]
-    finally:
-        del os.environ["NEOPP_LORA_DIR"]
+    """The door's /v1/models entry of the model (what the model judged it takes from its folder)."""
+    with urllib.request.urlopen(f"http://{door}/v1/models", timeout=60) as answer:
+        return {e["id"]: e for e in json.load(answer)["data"]}[MODEL]["neopp"]
 
 
-def test_a_large_folder_is_listed_and_refused_with_a_bounded_list(served):
+def test_a_large_folder_is_listed_and_refused_with_a_bounded_list(served, shapes):
+    """A refusal quotes the folder's first 10 names and the count; /v1/models lists the first 100
+    the model takes and their count, none of the 20,000 empty files among them."""
     server, folder, door = served
     total = sum(1 for p in os.scandir(folder) if p.is_file(follow_symlinks=False) and p.name.endswith(".safetensors")
                 and len(p.name) <= 64 + len(".safetensors"))
     got = refused(server, "no_such_adapter")
     assert re.fullmatch(rf"LORA: no adapter named 'no_such_adapter' on this model; offered: (\S+, ){{9}}\S+ and "
                         rf"{total - 10} more", got), got
+    weights, q = {k: torch.zeros(s) for k, s in shapes.items()}, [k for k in shapes if k.endswith(bad.Q_SUFFIX)]
+    taken = [f"a{i:03d}" for i in range(105)]  # sorted before the empty files and every other adapter
+    for name in taken:
+        write_adapter(folder, name, weights, q)
+    deadline = time.monotonic() + 90  # the model looks again every 5 s, the door reads it every 5 s
+    while listing(door, folder)["loras_total"] < len(taken) and time.monotonic() < deadline:
+        time.sleep(1)
     entry = listing(door, folder)
-    assert len(entry["loras"]) == 100 and entry["loras_total"] == total >= MANY
+    assert entry["loras"] == taken[:100] and len(taken) < entry["loras_total"] < MANY
 
 
 def test_names_longer_than_64_are_neither_listed_nor_served(served, shapes):
