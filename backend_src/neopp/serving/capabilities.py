@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +94,7 @@ def model_capabilities(settings: TritonModelSettings) -> Capabilities:
 
 
 MAX_PUBLISHED = 1000  # adapter names a model publishes in its life: Triton cannot remove a line
+LOOK_SHARE = 20  # a look at the adapter folder waits at least 20 times as long as it took
 
 
 class PublishedFacts:
@@ -146,13 +148,18 @@ class PublishedFacts:
         self.listing = listing
 
     def _watch(self) -> None:
-        while not self._stop.wait(REJUDGE_S):
+        """Look every REJUDGE_S seconds, or less often where a look takes long (a folder of
+        thousands of files): looking never takes more than 1/LOOK_SHARE of this process's time."""
+        wait = REJUDGE_S
+        while not self._stop.wait(wait):
+            started = time.monotonic()
             try:
                 listing = self.offer.listing()
                 if listing != self.listing:
                     self._publish(listing)
             except Exception:  # noqa: BLE001 - a look that fails leaves the last facts; the next looks again
                 log.exception("%s: judging the adapter folder failed", self.model_name)
+            wait = max(REJUDGE_S, LOOK_SHARE * (time.monotonic() - started))
 
     def close(self) -> None:
         self._stop.set()
