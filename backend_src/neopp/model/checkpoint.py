@@ -19,7 +19,8 @@ from typing import BinaryIO
 import torch
 
 from ..errors import ConfigError
-from .checkpoint_config import CheckpointConfig
+from .checkpoint_config import CheckpointConfig, is_gguf
+from .gguf_checkpoint import gguf_shapes, read_gguf_tensors
 
 LM = "language_model.model."
 FM = "fm_modules."
@@ -146,7 +147,9 @@ def _entries(ckpt_dir: Path, file: Path, keys: list[str]) -> dict[str, TensorEnt
 
 def read_generation_tensors(ckpt_dir: str | Path, wanted: KeyFilter = is_generation_key) -> dict[str, torch.Tensor]:
     """All generation-tower tensors (or the ``wanted`` ones) in their stored dtype, on the CPU,
-    memory-mapped (no copy)."""
+    memory-mapped (no copy); from a GGUF file, its quantized weights as ``GGUFWeight``."""
+    if is_gguf(ckpt_dir):
+        return read_gguf_tensors(ckpt_dir, wanted)
     ckpt_dir = Path(ckpt_dir)
     tensors: dict[str, torch.Tensor] = {}
     for file, keys in _keys_by_file(ckpt_dir, wanted).items():
@@ -160,6 +163,8 @@ def read_generation_tensors(ckpt_dir: str | Path, wanted: KeyFilter = is_generat
 def stored_shapes(ckpt_dir: str | Path, wanted: KeyFilter = is_generation_key) -> dict[str, tuple[int, ...]]:
     """The shape of every ``wanted`` tensor, read from the file headers alone: what a tower will
     hold is known (a GPU layout's memory plan) without reading a byte of its weights."""
+    if is_gguf(ckpt_dir):
+        return gguf_shapes(ckpt_dir, wanted)
     ckpt_dir = Path(ckpt_dir)
     return {key: entry.shape
             for file, keys in _keys_by_file(ckpt_dir, wanted).items()

@@ -55,6 +55,19 @@ def _moe_sizes(llm: dict) -> tuple[int, int]:
     return experts, _get(llm, key, L)
 
 
+GGUF_SUFFIX = ".gguf"
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A checkpoint named by its GGUF file (its config.json and tokenizer beside it)."""
+    return Path(path).suffix == GGUF_SUFFIX
+
+
+def checkpoint_folder(path: str | Path) -> Path:
+    """The folder holding ``config.json``: the checkpoint itself, or a GGUF file's folder."""
+    return Path(path).parent if is_gguf(path) else Path(path)
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Geometry and constants of the generation tower, read from the checkpoint's config.json."""
@@ -149,7 +162,8 @@ class CheckpointConfig:
 
     @staticmethod
     def from_checkpoint(ckpt_dir: str | Path) -> CheckpointConfig:
-        return CheckpointConfig.from_dict(read_json_object(Path(ckpt_dir) / "config.json", "checkpoint config"))
+        return CheckpointConfig.from_dict(read_json_object(checkpoint_folder(ckpt_dir) / "config.json",
+                                                           "checkpoint config"))
 
     def check(self) -> None:
         """Reject geometry the computation cannot run, naming the key."""

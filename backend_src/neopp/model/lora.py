@@ -25,6 +25,7 @@ import torch
 
 from ..errors import ConfigError
 from .checkpoint import FP8_DTYPE
+from .gguf_checkpoint import GGUFWeight
 from .quant import dequantize_fp8
 from .safetensors_header import (
     FileChanged,
@@ -237,8 +238,8 @@ def merge_lora_(tensors: dict[str, torch.Tensor], path: str | Path, strength: fl
     """Merge one file into `tensors` in place; returns the merged weight keys.
 
     Everything is checked before anything is changed. A weight stored as FP8 with a scale is
-    expanded to float32 and its scale dropped (the FP8 mode requantises the merged result);
-    other weights keep their dtype.
+    expanded to float32 and its scale dropped (the FP8 mode requantises the merged result), and
+    a GGUF block-quantized weight is held in float32 once merged; other weights keep their dtype.
     """
     path = Path(path)
     pairs = read_lora_pairs(path)
@@ -249,6 +250,8 @@ def merge_lora_(tensors: dict[str, torch.Tensor], path: str | Path, strength: fl
         if scale is not None:
             merged = dequantize_fp8(weight, scale) + pair.delta(strength)
             del tensors[target + "_scale"]
+        elif isinstance(weight, GGUFWeight):  # a merged block-quantized weight is held in float32
+            merged = weight.dequantize() + pair.delta(strength)
         else:
             out_dtype = torch.float32 if weight.dtype == FP8_DTYPE else weight.dtype
             merged = (weight.float() + pair.delta(strength)).to(out_dtype)

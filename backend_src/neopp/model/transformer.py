@@ -10,6 +10,7 @@ from .attention import Attention, grouped_attention
 from .checkpoint import FM, LM, VISION, layer_prefix
 from .checkpoint_config import CheckpointConfig
 from .embeddings import Grid, MLPEmbedder, MLPHead, PatchEmbed, PixelHead
+from .gguf_checkpoint import GGUFLinear, GGUFWeight
 from .layers import DecoderLayer, Linear, MoE, SwiGLU, rms_norm, split_head_norm
 from .rope import Rope3D
 
@@ -127,7 +128,12 @@ class NeoPPTransformer:
         def lin(key: str, bias: bool = False) -> Linear:
             return Linear(dequantised(key, tensors, device, dtype), t(key[: -len("weight")] + "bias") if bias else None)
 
-        make = layer_linear or (lambda key, w, b, all_t: Linear(dequantised(key, all_t, device, dtype)))
+        def plain(key: str, weight: torch.Tensor, bias: torch.Tensor | None, all_t: dict) -> Linear:
+            if isinstance(weight, GGUFWeight):  # stays in its blocks, dequantized per call
+                return GGUFLinear(weight, device)
+            return Linear(dequantised(key, all_t, device, dtype))
+
+        make = layer_linear or plain
 
         def layer_lin(key: str) -> Linear:
             return make(key, tensors[key], None, tensors)

@@ -22,6 +22,7 @@ from ..model.adapters import Adapter, RowGroup, build_adapter, row_adapters, tow
 from ..model.checkpoint import default_dtype, load_checkpoint
 from ..model.checkpoint_config import CheckpointConfig
 from ..model.embeddings import Grid, patchify, unpatchify
+from ..model.gguf_checkpoint import GGUFWeight
 from ..model.layers import ROW_ADAPTERS
 from ..model.lora import apply_loras_
 from ..model.quant import fp8_layer_linear, quantize_layer_linears_
@@ -100,6 +101,9 @@ class NeoPPPipeline:
                               f"({'MoE' if config.is_moe else 'dense'} weights in {ckpt_dir})")
         if mode.lora_configs:  # merged into the weights, before any quantisation
             apply_loras_(tensors, mode.lora_configs)
+        if mode.dit_quantized and any(isinstance(w, GGUFWeight) for w in tensors.values()):
+            raise ConfigError(f"mode {mode.name}: FP8 quantisation of a GGUF checkpoint: its linears are "
+                              "quantized already; serve it with a mode without dit_quantized")
         if mode.dit_quantized:  # FP8 layer linears; quantise in place so originals are freed early
             quantize_layer_linears_(tensors)
             layer_linear = layer_linear or fp8_layer_linear(dev)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from ..errors import ConfigError
 from ..json_file import read_json_object
 from ..model.checkpoint import LM, layer_prefix, read_generation_tensors
-from ..model.checkpoint_config import CheckpointConfig
+from ..model.checkpoint_config import CheckpointConfig, checkpoint_folder
 from ..model.embeddings import Grid, PatchEmbed
 from ..model.layers import DecoderLayer, Linear, SwiGLU, rms_norm, split_head_norm
 from ..model.rope import Rope3D
@@ -87,15 +87,15 @@ class LanguageTower:
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32) -> LanguageTower:
-        ckpt_dir = Path(ckpt_dir)
+        folder = checkpoint_folder(ckpt_dir)  # a GGUF file's tokenizer and config.json lie beside it
         try:
-            prompt_ids = load_prompt_ids(ckpt_dir)
+            prompt_ids = load_prompt_ids(folder)
         except ConfigError as exc:
             raise ConfigError(f"checkpoint {ckpt_dir}: {exc}") from exc
         config = CheckpointConfig.from_checkpoint(ckpt_dir)
-        tensors = read_generation_tensors(ckpt_dir, is_language_key)
+        tensors = read_generation_tensors(ckpt_dir, is_language_key)  # GGUF weights dequantized below
         check_language_shapes(config, tensors, prompt_ids.vocabulary_size())
-        llm = read_json_object(ckpt_dir / "config.json", "config.json").get("llm_config") or {}
+        llm = read_json_object(folder / "config.json", "config.json").get("llm_config") or {}
         tied = llm.get("tie_word_embeddings") is True
         return cls.from_tensors(config, tensors, prompt_ids, torch.device(device), dtype, tied)
 
