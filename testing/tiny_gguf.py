@@ -32,7 +32,7 @@ SCALE_AT = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # float16 scale byt
 SCALE_RANGE = {"Q4_K": 2e-3, "Q5_K": 1e-3, "Q6_K": 2e-4}  # weights of order 0.1
 
 
-def _random_blocks(kind: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
+def random_blocks(kind: str, shape: tuple[int, int], rng: np.random.Generator) -> np.ndarray:
     qtype = getattr(gguf.GGMLQuantizationType, kind)
     size, nbytes = quants.GGML_QUANT_SIZES[qtype]
     count = shape[0] * shape[1] // size
@@ -69,7 +69,7 @@ def write_gguf(checkpoint: Path, out: Path, kind: str, seed: int = 0) -> Path:
         if _is_quantized(key, tensor):
             qtype = getattr(gguf.GGMLQuantizationType, kind)
             raw = quants.quantize(array, qtype) if kind in QUANTIZABLE else \
-                _random_blocks(kind, tuple(array.shape), rng)
+                random_blocks(kind, tuple(array.shape), rng)
             writer.add_tensor(key, raw, raw_shape=raw.shape, raw_dtype=qtype)
         elif "norm" in key and tensor.dim() == 1:
             writer.add_tensor(key, array.astype(np.float16))

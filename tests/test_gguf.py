@@ -181,3 +181,11 @@ def test_a_moe_checkpoint_s_experts_stay_in_blocks_and_draw_as_their_floats(tmp_
     experts = [k for k, lin in tower_linears(pipe.transformer).items() if ".experts." in k]
     assert experts and all(isinstance(tower_linears(pipe.transformer)[k], GGUFLinear) for k in experts)
     assert torch.equal(pipe.sample(request()), draw(reference, mode))
+
+
+def test_the_benchmark_runs_and_reports_each_holding(tmp_path):
+    from bench import gguf_weights
+
+    gguf_weights.main(["--out", str(tmp_path), "--rounds", "1", "--tokens", "4", "--steps", "1"])
+    report = (tmp_path / "gguf_weights.md").read_text()
+    assert all(f"| {name} |" in report for name in ("float32", "Q8_0", "Q4_K", "Q4_0")) and " dB |" in report
