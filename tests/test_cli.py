@@ -171,6 +171,11 @@ def test_models_show_the_advertised_sizes_and_limits_or_say_they_are_not_adverti
     assert model_line({"id": "neopp_dense", "neopp": ext}) == \
         "neopp_dense  sizes 128x128,256x256; default 256x256; steps 1-200; default steps 50"
     assert model_line({"id": "neopp_moe"}) == "neopp_moe  (sizes and step limits not advertised by this server)"
+    grid = [f"{w}x{h}" for h in (128, 160, 192) for w in (128, 160, 192)]
+    ranged = {"sizes": grid, "size_range": {"min": 128, "max": 192, "multiple": 32}}
+    assert model_line({"id": "m", "neopp": ranged}) == "m  sizes WxH, each side 128-192 in steps of 32"
+    gappy = {"sizes": grid[:-1], "size_range": {"min": 128, "max": 192, "multiple": 32}}
+    assert model_line({"id": "m", "neopp": gappy}).startswith("m  sizes 128x128,160x128,")
 
 
 def test_the_status_table_has_a_line_per_model_a_column_per_field_sent_and_a_dash_for_what_is_not():

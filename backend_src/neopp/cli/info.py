@@ -41,7 +41,7 @@ def model_line(entry: dict[str, Any]) -> str:
         return f"{name}  (sizes and step limits not advertised by this server)"
     parts = []
     if isinstance(ext.get("sizes"), list):
-        parts.append("sizes " + ",".join(str(s) for s in ext["sizes"]))
+        parts.append(sizes_text(ext["sizes"], ext.get("size_range")))
     if ext.get("default_size"):
         parts.append(f"default {ext['default_size']}")
     steps = ext.get("steps")
@@ -57,6 +57,18 @@ def model_line(entry: dict[str, Any]) -> str:
         more = f" (of {total})" if isinstance(total, int) and total > len(loras) else ""
         parts.append("loras " + ",".join(str(n) for n in loras) + more)
     return f"{name}  " + "; ".join(parts) if parts else f"{name}  (the neopp extension is empty)"
+
+
+def sizes_text(sizes: list, size_range: Any) -> str:
+    """The sizes as a rule when they are every WxH of the advertised range (49 sizes read badly
+    as a list), else listed."""
+    if isinstance(size_range, dict) and all(isinstance(size_range.get(k), int) and size_range[k] > 0
+                                            for k in ("min", "max", "multiple")):
+        low, high, step = size_range["min"], size_range["max"], size_range["multiple"]
+        sides = range(low, high + 1, step)
+        if sorted(map(str, sizes)) == sorted(f"{w}x{h}" for w in sides for h in sides):
+            return f"sizes WxH, each side {low}-{high} in steps of {step}"
+    return "sizes " + ",".join(str(s) for s in sizes)
 
 
 def status(server: Server, out: TextIO = sys.stdout, as_json: bool = False) -> int:
