@@ -138,10 +138,13 @@ def test_cancelling_the_stream_stops_between_steps_and_the_model_goes_on(triton)
     assert triton.grpc.is_model_ready(STREAM)
 
 
-def _ctrl_c_default() -> None:
-    """A test run started in the background (``make test &``) ignores SIGINT, and a child inherits
-    that: the client would never see the Ctrl-C. Its terminal default is what a user has."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A test run started in the background (``make test &``) ignores SIGINT, and a child inherits that:
+# the client would never see the Ctrl-C. The child sets Python's own handler, what a user's
+# terminal gives it, before the script runs. (Setting it between fork and exec instead runs Python
+# in a child forked from a process with gRPC threads: that child once died before it ran.)
+CTRL_C_DEFAULT = ("import os, runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                  "sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(sys.argv[0])); "
+                  "runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "client-killed"])
@@ -151,11 +154,11 @@ def test_a_client_that_stops_or_dies_stops_the_generation(triton, how, tmp_path)
     cancelled_before = triton.metric("neopp_failures_total", model=STREAM, **CANCELLED)
     kv = triton.checkpoint / "sample_kv"
     client = subprocess.Popen(
-        [sys.executable, str(REPO / "client_examples" / "stream_grpc.py"), "--url", triton.server.grpc_url,
+        [sys.executable, "-c", CTRL_C_DEFAULT, str(REPO / "client_examples" / "stream_grpc.py"), "--url",
+         triton.server.grpc_url,
          "--cond", str(kv / "cond_kv.pt"), "--uncond", str(kv / "uncond_kv.pt"), "--offset-cond", "24",
          "--offset-uncond", "7", "--size", "1024", "1024", "--steps", "200", "--seed", "4",
-         "--out", str(tmp_path / "never.png")], stderr=subprocess.PIPE, cwd=REPO,
-        preexec_fn=_ctrl_c_default)
+         "--out", str(tmp_path / "never.png")], stderr=subprocess.PIPE, cwd=REPO)
     try:
         seen, deadline = b"", time.monotonic() + 180
         while b"1/200" not in seen and time.monotonic() < deadline and client.poll() is None:
