@@ -58,13 +58,12 @@ class AdapterOffer:
 
     def _takes(self, name: str) -> bool:
         path = adapter_file(self.directory.folder, name)
+        if path is None:
+            return False
         sidecar = adapter_file(self.directory.folder, name, ".json")
         try:
-            stamps = (stamp_of(path.stat()), None if sidecar is None else stamp_of(sidecar.stat())) \
-                if path is not None else None
+            stamps = (stamp_of(path.stat()), None if sidecar is None else stamp_of(sidecar.stat()))
         except OSError:
-            return False
-        if stamps is None:
             return False
         held = self._verdicts.get(name)
         if held is not None and held[0] == stamps:
