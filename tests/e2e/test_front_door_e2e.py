@@ -190,42 +190,65 @@ def _load(door, config: dict | None) -> None:
 
 
 def test_a_full_queue_answers_429_over_http_and_unavailable_over_grpc(door, kv):
+    """More gRPC clients than the instances and the queue of one hold keep resubmitting long
+    requests, so the queue is full nearly all the time; each protocol then probes one request at a time until the queue refuses it. A probe
+    the queue took simply waits its turn, so the outcome never rests on which request came first."""
     client = grpcclient.InferenceServerClient(f"{LOOPBACK}:{door.grpc_port}")
     config = client.get_model_config(MODEL, as_json=True, headers=grpc_headers(KEY))["config"]
     config["dynamic_batching"] = {"default_queue_policy": {"max_queue_size": 1}}
     _load(door, config)  # through the door's control route, with the operator key
     answers: list[str] = []
+    stop = threading.Event()
+    long = {"size": (512, 512), "steps": 40}
 
-    def http_one() -> None:
+    def grpc_one() -> str:
+        try:
+            client.infer(MODEL, tensors(grpcclient, kv, **long), client_timeout=300)
+            return "ok"
+        except InferenceServerException as exc:
+            return f"grpc {exc.status()} {exc.message()}"
+
+    def http_one() -> str:
         c = httpclient.InferenceServerClient(f"{LOOPBACK}:{door.http_port}", network_timeout=300.0)
         try:
-            c.infer(MODEL, tensors(httpclient, kv, size=(512, 512), steps=40))
-            answers.append("ok")
+            c.infer(MODEL, tensors(httpclient, kv, **long))
+            return "ok"
         except InferenceServerException as exc:
-            answers.append(f"http {exc.status()} {exc.message()}")
+            return f"http {exc.status()} {exc.message()}"
         finally:
             c.close()
 
-    def grpc_one() -> None:
-        try:
-            client.infer(MODEL, tensors(grpcclient, kv, size=(512, 512), steps=40), client_timeout=300)
-            answers.append("ok")
-        except InferenceServerException as exc:
-            answers.append(f"grpc {exc.status()} {exc.message()}")
+    def keep_busy() -> None:
+        for _ in range(500):
+            if stop.is_set():
+                return
+            answers.append(grpc_one())
+            if answers[-1] != "ok":
+                stop.wait(0.05)  # refused at once: try again without spinning
 
+    def probe(one, refusal: str) -> str:
+        for _ in range(12):
+            answer = one()
+            answers.append(answer)
+            if answer.startswith(refusal):
+                return answer
+        raise AssertionError(f"the queue never refused a {refusal.split()[0]} request: {answers}")
+
+    instances = sum(group.get("count", 1) for group in config["instance_group"])
+    busy = [threading.Thread(target=keep_busy) for _ in range(instances + 2)]
     try:
-        threads = [threading.Thread(target=f) for f in (http_one, grpc_one) * 4]
-        for t in threads:
+        for t in busy:
             t.start()
-        for t in threads:
-            t.join(timeout=300)
-        print(answers)
-        assert "ok" in answers
-        assert any(a.startswith("http 429") and "Exceeds maximum queue size" in a for a in answers), answers
-        assert all(a == "ok" or "Exceeds maximum queue size" in a for a in answers), answers
+        assert "Exceeds maximum queue size" in probe(http_one, "http 429")
+        assert "Exceeds maximum queue size" in probe(grpc_one, "grpc StatusCode.UNAVAILABLE")
     finally:
+        stop.set()
+        for t in busy:
+            t.join(timeout=300)
         _load(door, None)  # back to config.pbtxt
         client.close()
+    assert "ok" in answers
+    assert all(a == "ok" or "Exceeds maximum queue size" in a for a in answers), answers
 
 
 def test_binary_inputs_reach_a_restarted_server_through_the_region_again(door, kv):
