@@ -113,7 +113,7 @@ def test_load_rescue_stops_only_the_stubs_of_a_load_triton_abandoned() -> None:
 
     sleepers = {m: [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"]) for _ in range(n)]
                 for m, n in (("neopp_dense", 1), ("neopp_dense_cfg", 1), ("neopp_moe", 2), ("neopp_session", 1),
-                             ("neopp_prompt_encoder", 1), ("neopp_t2i", 1))}
+                             ("neopp_prompt_encoder", 2), ("neopp_t2i", 1))}
     now = [0.0]
     notes: list[str] = []
     watch = StuckLoadWatch(0, log=notes.append, stuck_s=30, clock=lambda: now[0],
@@ -125,23 +125,24 @@ def test_load_rescue_stops_only_the_stubs_of_a_load_triton_abandoned() -> None:
     try:
         for model in sleepers:
             line(f'model_lifecycle.cc:472] "loading: {model}:1"')
-        line('triton_model.py:309] "neopp_dense: loaded /ckpt mode=neopp_dense device=cpu"')  # abandoned by Triton
+        line('engine_start.py:60] "neopp_dense: loaded /ckpt mode=neopp_dense device=cpu"')  # abandoned by Triton
         line("model_lifecycle.cc:839] \"successfully loaded 'neopp_dense_cfg'\"")  # relayed before our line
-        line('triton_model.py:309] "neopp_dense_cfg: loaded /ckpt mode=neopp_dense_parallel_cfg"')
-        line('triton_model.py:309] "neopp_moe: loaded /ckpt mode=neopp_moe"')  # one of two instances
+        line('engine_start.py:60] "neopp_dense_cfg: loaded /ckpt mode=neopp_dense_parallel_cfg"')
+        line('engine_start.py:60] "neopp_moe: loaded /ckpt mode=neopp_moe"')  # one of two instances
         line('session_model.py:174] "neopp_session: sessions max=1024 idle timeout=600s"')
         line("model_lifecycle.cc:839] \"successfully loaded 'neopp_session'\"")
         line('prompt_encoder_model.py:91] "neopp_prompt_encoder: loaded /ckpt device=cpu kv_dims=(3, 2, 48)"')
-        line("model_lifecycle.cc:839] \"successfully loaded 'neopp_prompt_encoder'\"")
+        line('prompt_encoder_model.py:96] "neopp_prompt_encoder (neopp_prompt_encoder_0_1): hands its requests to '
+             'the tower of its first instance"')  # both instances done, abandoned
         line('t2i_model.py:87] "neopp_t2i: encoder neopp_prompt_encoder, default model neopp_dense"')  # abandoned
         now[0] = 29.0
         assert watch.check() == []  # not yet
         now[0] = 31.0
-        assert sorted(watch.check()) == sorted(watch.rescued) == ["neopp_dense", "neopp_t2i"]
-        assert sleepers["neopp_dense"][0].wait(timeout=30) == -9 and sleepers["neopp_t2i"][0].wait(timeout=30) == -9
-        assert all(p.poll() is None for m in ("neopp_dense_cfg", "neopp_moe", "neopp_session", "neopp_prompt_encoder")
+        assert sorted(watch.check()) == sorted(watch.rescued) == ["neopp_dense", "neopp_prompt_encoder", "neopp_t2i"]
+        assert all(p.wait(timeout=30) == -9 for m in ("neopp_dense", "neopp_prompt_encoder", "neopp_t2i")
                    for p in sleepers[m])
-        assert len(notes) == 2 and all(n.startswith("W ") for n in notes)
+        assert all(p.poll() is None for m in ("neopp_dense_cfg", "neopp_moe", "neopp_session") for p in sleepers[m])
+        assert len(notes) == 3 and all(n.startswith("W ") for n in notes)
         now[0] = 100.0
         assert watch.check() == []  # handled once
     finally:

@@ -191,8 +191,9 @@ def _load(door, config: dict | None) -> None:
 
 def test_a_full_queue_answers_429_over_http_and_unavailable_over_grpc(door, kv):
     """More gRPC clients than the instances and the queue of one hold keep resubmitting long
-    requests, so the queue is full nearly all the time; each protocol then probes one request at a time until the queue refuses it. A probe
-    the queue took simply waits its turn, so the outcome never rests on which request came first."""
+    requests, so the queue is full nearly all the time; each protocol then probes one request at
+    a time until the queue refuses it. A probe the queue took simply waits its turn, so the
+    outcome never rests on which request came first."""
     client = grpcclient.InferenceServerClient(f"{LOOPBACK}:{door.grpc_port}")
     config = client.get_model_config(MODEL, as_json=True, headers=grpc_headers(KEY))["config"]
     config["dynamic_batching"] = {"default_queue_policy": {"max_queue_size": 1}}

@@ -28,12 +28,12 @@ from .poller import Poller
 from .stub_kill import kill_stub
 
 # Triton's first line of a load, and our own last line of initialize (the generation models' and the
-# prompt encoder's "loaded", the session model's settings, neopp_t2i's "encoder"); Triton's last line of a
-# load. Only a load begun and not settled counts: the log relay may deliver a model's "loaded" after
-# Triton's "successfully loaded".
+# prompt encoder's "loaded" in the owner instance, "hands its requests" in each other instance, the session
+# model's settings, neopp_t2i's "encoder"); Triton's last line of a load. Only a load begun and not settled
+# counts: the log relay may deliver a model's "loaded" after Triton's "successfully loaded".
 LOADING = re.compile(r'"loading: (\w+):\d+"')
-INIT_DONE = re.compile(r'(?:triton_model|session_model|prompt_encoder_model|t2i_model)\.py:\d+\] '
-                       r'"(\w+): (?:loaded |sessions max=|encoder )')
+INIT_DONE = re.compile(r'(?:engine_start|triton_model|session_model|prompt_encoder_model|t2i_model)\.py:\d+\] '
+                       r'"(\w+)(?: \(\w+\))?: (?:loaded |hands its requests |sessions max=|encoder )')
 SETTLED = re.compile(r"(?:successfully loaded|failed to load) '(\w+)'")
 
 
