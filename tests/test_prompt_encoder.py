@@ -12,7 +12,7 @@ import torch
 from neopp.contract.inputs import MAX_EDIT_IMAGE_BYTES, MAX_EDIT_IMAGES, MAX_PROMPT_BYTES
 from neopp.errors import ConfigError, InputError
 from neopp.serving.parameters import model_allowlist
-from neopp.serving.prompt_encoder_model import encode_prompts
+from neopp.serving.prompt_encoding import encode_prompts
 from neopp.serving.prompt_parsing import PromptRequest, parse_prompts
 from neopp.serving.t2i_model import chosen_model, default_size
 from neopp.text.language_tower import LanguageTower

@@ -18,7 +18,7 @@ import torch
 from PIL import Image
 
 from neopp.errors import InputError
-from neopp.serving.prompt_encoder_model import encode_prompts
+from neopp.serving.prompt_encoding import encode_prompts
 from neopp.serving.prompt_parsing import PromptRequest
 from neopp.text.edit_images import fitted_size, read_pictures
 from neopp.text.language_tower import LanguageTower

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from neopp.errors import ConfigError, InputError
-from neopp.serving.prompt_encoder_model import encode_prompts
+from neopp.serving.prompt_encoding import encode_prompts
 from neopp.serving.prompt_parsing import PromptRequest
 from neopp.text.language_tower import LanguageTower
 from neopp.text.prompt_ids import U1PromptIds
@@ -66,6 +66,17 @@ def test_each_prefix_is_the_official_one(ckpt, tower, bare, kind, text, pieces):
     kv, offset = getattr(tower, kind)(text)
     assert offset == len(ids)
     close_to_reference(kv, ckpt, ids)
+
+
+def test_prompts_prefilled_together_are_each_the_official_prefix(ckpt, tower, bare):
+    """One forward for several sequences of different lengths: each attends only to its own tokens,
+    at its own positions, so each is the reference's prefix of that sequence alone."""
+    sequences = [expected_ids(bare, cond_pieces(p)) for p in PROMPTS] + [expected_ids(bare, uncond_pieces("blurry"))]
+    assert len({len(ids) for ids in sequences}) == len(sequences)  # ragged: no two alike
+    prefixes = tower.encode_many(sequences)
+    for ids, (kv, offset) in zip(sequences, prefixes, strict=True):
+        assert offset == len(ids)
+        close_to_reference(kv, ckpt, ids)
 
 
 def test_the_plain_unconditional_prefix_is_computed_once(ckpt, bare):

@@ -13,8 +13,6 @@ UNAVAILABLE while the launcher replaces the model.
 
 from __future__ import annotations
 
-import os
-import socket
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -22,104 +20,35 @@ from typing import Any
 import numpy as np
 
 from ..contract.statuses import INTERNAL
-from ..engine_beat import BEAT_S, beat_path, write_beat
 from ..engines.engine import Engine
 from ..errors import EngineDown, GenerationCancelled
 from ..modes import ModeSpec
 from ..sampling.sampler import StepEvent
 from .admission import Admission, Admitted
-from .engine_connection import Connection, same_user
-from .engine_link import socket_path
+from .engine_connection import Connection
 from .error_status import refusal
 from .model_settings import TritonModelSettings
 from .request_log import request_summary
 from .request_parsing import REQUEST_INPUT_NAMES
+from .socket_host import SocketHost
 from .stream_parsing import default_preview_size
 from .wire import WireError, error_header
 
 
-class EngineHost:
+class EngineHost(SocketHost):
     """The owner's engine behind its socket; ``close`` stops listening, then the engine."""
 
     def __init__(self, owner: str, engine: Engine, settings: TritonModelSettings, mode: ModeSpec,
                  stopping: threading.Event, error_log: Any, on_held: Callable[[int], None] | None = None) -> None:
-        self.owner, self.engine, self.settings, self.mode = owner, engine, settings, mode
-        self.stopping, self.error_log = stopping, error_log
+        super().__init__(owner, stopping, error_log)
+        self.engine, self.settings, self.mode = engine, settings, mode
         self._on_held, self._held, self._held_lock = on_held, 0, threading.Lock()
         self.admission = Admission(engine, settings, mode, owner)
-        self._connections: set[Connection] = set()
-        self._closed = threading.Event()
-        self.path = socket_path(owner)
-        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.path.parent, 0o700)
-        if self.path.exists() or self.path.is_symlink():
-            self.path.unlink()  # left by a stub of this model that died: its server (the folder) is ours
-        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(str(self.path))
-        os.chmod(self.path, 0o600)
-        self._inode = self.path.stat().st_ino  # a reload's new owner binds the same path before this one closes
-        self._listener.listen(64)
-        self.beat_path, self._told_failure = beat_path(owner, os.getppid()), False
-        self._beat()
-        threading.Thread(target=self._accept_loop, name="neopp-engine-accept", daemon=True).start()
-        threading.Thread(target=self._beat_loop, name="neopp-engine-beat", daemon=True).start()
+        self.start()
 
     def failure(self) -> str | None:
         """Why the engine can serve no more, or None (an engine without a loop of its own cannot fail so)."""
         return getattr(self.engine, "failure", None)
-
-    def _beat_loop(self) -> None:
-        while not self._closed.wait(BEAT_S):
-            self._beat()
-
-    def _beat(self) -> None:
-        """Publish whether the engine can serve, while the socket is still this host's (a reload's
-        new owner beats at the same path)."""
-        failure = self.failure()
-        if failure is not None and not self._told_failure:
-            self._told_failure = True
-            self.error_log(f"{self.owner}: engine out of service: {failure}; refusing requests until replaced")
-        try:
-            if self.path.stat().st_ino == self._inode:
-                write_beat(self.beat_path, failure)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        """Stop listening. With its engine down, drop every connection too (it holds no request):
-        a linked stub then connects to the engine that replaces this one (a reload binds the same
-        path first) instead of being refused by this one until it exits."""
-        self._closed.set()
-        if self.failure() is not None:
-            for conn in list(self._connections):
-                conn.close()
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self._listener.close()
-        try:
-            if self.path.stat().st_ino == self._inode:  # still ours, not the socket of a reload's new owner
-                self.path.unlink()
-                self.beat_path.unlink(missing_ok=True)
-        except OSError:
-            pass
-
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            if not same_user(sock):
-                sock.close()
-                continue
-            conn = Connection(self, sock)
-            self._connections.add(conn)
-            conn.start()
-
-    def forget(self, conn: Connection) -> None:
-        self._connections.discard(conn)
 
     # ---- one request ---------------------------------------------------------------------------
     def accept(self, conn: Connection, job: int, header: dict[str, Any], blobs: list[bytes], fds: list[int]) -> None:

@@ -89,3 +89,24 @@ class EngineMetrics:
 
     def step_time(self, seconds: float) -> None:
         self._metrics["step_time"].observe(float(seconds))
+
+
+class PrefillMetrics:
+    """The prompt encoder's tower: sequences prefilled together per forward, and the requests it holds."""
+
+    def __init__(self, pb_utils: Any, model_name: str) -> None:
+        labels = {"model": model_name}
+        self._family = pb_utils.MetricFamily(
+            name="neopp_prefill_batch_size", kind=pb_utils.MetricFamily.HISTOGRAM,
+            description="Prompt sequences prefilled together in one forward of the language tower")
+        self._metric = self._family.Metric(labels=labels, buckets=list(BATCH_BUCKETS))
+        self._held_family = pb_utils.MetricFamily(
+            name="neopp_prefill_requests", kind=pb_utils.MetricFamily.GAUGE,
+            description="Requests the prompt encoder's tower holds: waiting, or in its forward")
+        self._held = self._held_family.Metric(labels=labels)
+
+    def batch(self, sequences: int) -> None:
+        self._metric.observe(float(sequences))
+
+    def held(self, requests: int) -> None:
+        self._held.set(float(requests))

@@ -5,36 +5,46 @@ The checkpoint's language tower (:mod:`neopp.text.language_tower`) encodes ``PRO
 ``UNCOND_KV``, each with its index offset: exactly the inputs a generation model takes, in its
 online layout and dtype (BF16), so ``neopp_t2i`` passes them on unchanged.
 
+The model's first instance (the owner) loads the tower once (``prefill_host``); every instance,
+the owner included, hands its requests to it and waits for the answer, so prompts that arrive
+together on several instances are prefilled in one forward.
+
 Parameters (``config.pbtxt``): ``checkpoint`` (env ``NEOPP_CHECKPOINT_NEOPP_PROMPT_ENCODER`` or
 ``NEOPP_CHECKPOINT`` overrides it, as for the generation models; the folder must hold
 ``tokenizer.json`` with ``tokenizer_config.json`` and the language tower), ``device`` (as the
-generation models' parameter), ``num_threads`` (torch CPU threads; 0 keeps torch's default).
+generation models' parameter), ``num_threads`` (torch CPU threads; 0 keeps torch's default),
+``max_prefill_batch`` (the most requests prefilled together; 1: each alone, so a prefix never
+depends on which prompts shared its forward, not even in its last bit).
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import re
-from collections.abc import Callable
+import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..contract.statuses import INVALID_INPUT
-from ..errors import ConfigError, InputError
+from ..contract.statuses import INTERNAL, WORKERS_DOWN
+from ..errors import ConfigError
 from ..model.checkpoint_config import CheckpointConfig
-from ..text.edit_images import read_pictures
-from ..text.language_tower import LanguageTower, cannot_edit
-from ..text.think import think
-from .error_status import error_class, error_response
+from ..text.language_tower import LanguageTower
+from .engine_link import EngineLink, EngineUnavailable
+from .metrics import PrefillMetrics
 from .model_settings import choose_device, int_param, project_root, resolve_checkpoint
 from .parameters import narrow_kv_dims, read_parameters
-from .prompt_parsing import PromptRequest, parse_prompts
+from .prefill_host import PrefillHost
+from .triton_model import ENGINE_LOST_PAUSE_S, ENGINE_LOST_RETRIES, engine_lost, first_instance, stop_on_sigterm
+from .wire import failure_header, unpack_tensors
 
-ENCODER_PARAMETERS = {"checkpoint": "checkpoints/neopp", "device": "auto", "num_threads": "0"}
+ENCODER_PARAMETERS = {"checkpoint": "checkpoints/neopp", "device": "auto", "num_threads": "0",
+                      "max_prefill_batch": "16"}
 KV_OUTPUTS = ("COND_KV", "UNCOND_KV", "IMAGE_KV")
+MAX_PREFILL_BATCH = 256
+MAX_ANSWER_BYTES = 1 << 34  # an answer comes from the owner stub, never from a client
 
 
 def encoder_checkpoint(model_config: dict[str, Any], model_dir: Path | None) -> Path:
@@ -44,33 +54,11 @@ def encoder_checkpoint(model_config: dict[str, Any], model_dir: Path | None) -> 
     return resolve_checkpoint(params, name, project_root(model_dir))
 
 
-def encode_prompts(tower: LanguageTower, req: PromptRequest,
-                   cancelled: Callable[[], bool] | None = None) -> dict[str, torch.Tensor | np.ndarray]:
-    """The outputs: BF16 prefixes (online layout), INT64 [1] offsets, and the reasoning of think
-    mode (its conditional prefix continues from it; "" without THINK), which ``cancelled`` stops.
-    With ``IMAGES``, the pictures sit in the conditional prefix and make the image-only one."""
-    pictures = None
-    if req.images:
-        why = cannot_edit(tower)
-        if why is not None:
-            raise InputError(f"IMAGES: {why}")
-        pictures = tower.embed_pictures(read_pictures(req.images))
-    cond, reasoning = None, ""
-    if req.think:
-        thought = think(tower, req.prompt, req.think_max_tokens, cancelled, pictures)
-        cond, reasoning = (thought.kv, thought.offset), thought.text
-    if pictures is not None:  # think mode wrote its own conditional prefix
-        edited, image_only = tower.edit_prefixes(req.prompt, pictures, with_cond=cond is None)
-        prefixes = {"COND": cond or edited, "IMAGE": image_only}
-    else:
-        prefixes = {"COND": cond or tower.conditional(req.prompt)}
-    prefixes["UNCOND"] = tower.unconditional(req.negative_prompt)
-    outputs: dict[str, torch.Tensor | np.ndarray] = {}
-    for branch, (kv, offset) in prefixes.items():
-        outputs[f"{branch}_KV"] = kv.to(device="cpu", dtype=torch.bfloat16).contiguous()
-        outputs[f"INDEX_OFFSET_{branch}"] = np.array([offset], dtype=np.int64)
-    outputs["THINK_TEXT"] = np.array([reasoning.encode("utf-8")], dtype=np.object_)
-    return outputs
+def max_prefill_batch(params: dict[str, str]) -> int:
+    value = int_param(params, "max_prefill_batch")
+    if not 1 <= value <= MAX_PREFILL_BATCH:
+        raise ConfigError(f"max_prefill_batch: must be 1..{MAX_PREFILL_BATCH}, got {value}")
+    return value
 
 
 class PromptEncoderTritonModel:
@@ -94,13 +82,28 @@ class PromptEncoderTritonModel:
         return auto_complete_model_config
 
     def initialize(self, args: dict[str, str]) -> None:
+        """The owner loads the tower and opens its socket; every instance links to it."""
         import triton_python_backend_utils as pb_utils
 
         self.pb, self.logger = pb_utils, pb_utils.Logger
         config = json.loads(args["model_config"])
-        model_dir = Path(args["model_repository"]) if args.get("model_repository") else self.MODEL_DIR
         self.model_name = args.get("model_name", config.get("name", "neopp_prompt_encoder"))
         params = read_parameters(config, ENCODER_PARAMETERS)
+        batch = max_prefill_batch(params)
+        self._stopping = stop_on_sigterm(self.logger, self.model_name)
+        self.host: PrefillHost | None = None
+        if first_instance(args):
+            self.metrics = PrefillMetrics(pb_utils, self.model_name)
+            tower = self._load_tower(args, config, params)
+            self.host = PrefillHost(self.model_name, tower, batch, self._stopping, self.logger.log_error,
+                                    self.metrics.batch, self.metrics.held)
+        else:
+            self.logger.log_info(f"{self.model_name} ({args.get('model_instance_name', '')}): hands its requests "
+                                 "to the tower of its first instance")
+        self.link = EngineLink(self.model_name, self.model_name, "plain")
+
+    def _load_tower(self, args: dict[str, str], config: dict[str, Any], params: dict[str, str]) -> LanguageTower:
+        model_dir = Path(args["model_repository"]) if args.get("model_repository") else self.MODEL_DIR
         ckpt = encoder_checkpoint(config, model_dir)
         match = re.search(r"_(\d+)$", args.get("model_instance_name", ""))
         device = choose_device(params["device"], args.get("model_instance_kind", "CPU"),
@@ -111,30 +114,68 @@ class PromptEncoderTritonModel:
         try:
             # bf16 on a GPU (an 8B understanding tower is 16 GiB so, 33 in float32); float32 on the CPU
             dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-            self.tower = LanguageTower.from_pretrained(ckpt, device=device, dtype=dtype)
+            tower = LanguageTower.from_pretrained(ckpt, device=device, dtype=dtype)
         except (ConfigError, OSError) as exc:
             raise ConfigError(f"model {self.model_name}: checkpoint {ckpt}: {exc}") from exc
         self.logger.log_info(f"{self.model_name}: loaded {ckpt} device={device} dtype={dtype} "
-                             f"kv_dims={self.tower.config.kv_dims} "
-                             f"prompts={self.tower.prompt_ids.kind} "
-                             f"vocabulary={self.tower.prompt_ids.vocabulary_size()}")
+                             f"kv_dims={tower.config.kv_dims} prompts={tower.prompt_ids.kind} "
+                             f"vocabulary={tower.prompt_ids.vocabulary_size()} "
+                             f"max_prefill_batch={params['max_prefill_batch']}")
+        return tower
 
     def execute(self, requests: list[Any]) -> list[Any]:
-        """One response per request; a refused request never affects the next one."""
-        return [self._serve(request) for request in requests]
+        """Every request to the tower's owner at once; one answer each, in order. A refused request
+        never affects the next one."""
+        answers = [queue.Queue() for _ in requests]
+        for request, answer in zip(requests, answers, strict=True):
+            self._submit(request, answer)
+        return [self._answer(request, answer) for request, answer in zip(requests, answers, strict=True)]
 
     def finalize(self) -> None:
-        self.tower = None
+        if self.host is not None:
+            self.host.close()
+            self.host = None
+        self.link.close()
 
-    def _serve(self, request: Any) -> Any:
-        pb = self.pb
+    def _submit(self, request: Any, answer: queue.Queue) -> None:
+        def cancelled() -> bool:
+            return request.is_cancelled() or self._stopping.is_set()
+
         try:
-            req = parse_prompts({tensor.name(): tensor.as_numpy() for tensor in request.inputs()})
-            outputs = encode_prompts(self.tower, req, request.is_cancelled)
-        except Exception as exc:  # noqa: BLE001 - every failure is answered; the model stays usable
-            if error_class(exc) is INVALID_INPUT:
-                self.logger.log_warn(f"{self.model_name}: refused: {exc}")
-            return error_response(pb, exc, self.logger, self.model_name)
+            self.link.submit(request.inputs(), None, lambda header, blobs: answer.put((header, blobs)), cancelled,
+                             final_only=True)
+        except EngineUnavailable as exc:
+            answer.put((failure_header(WORKERS_DOWN, str(exc)), []))
+
+    def _answer(self, request: Any, answer: queue.Queue) -> Any:
+        """The request's response; one whose owner died while it held it is sent again (the link
+        waits for the owner the launcher's reload brings back)."""
+        retries = ENGINE_LOST_RETRIES
+        while True:
+            header, blobs = answer.get()
+            if retries and engine_lost(header) and not self._stopping.is_set() and not request.is_cancelled():
+                retries -= 1
+                self.logger.log_warn(f"{self.model_name}: {header.get('message')}; sending the request again")
+                time.sleep(ENGINE_LOST_PAUSE_S)
+                self._submit(request, answer)
+                continue
+            try:
+                return self._response(header, blobs)
+            except Exception as exc:  # noqa: BLE001 - the request ends with its error, the model goes on
+                return self._error(failure_header(INTERNAL, INTERNAL.message(f"{type(exc).__name__}: {exc}")))
+
+    def _response(self, header: dict[str, Any], blobs: list[bytes]) -> Any:
+        if header.get("type") != "final":
+            return self._error(header)
+        pb = self.pb
+        outputs = unpack_tensors(header.get("tensors"), blobs, [], MAX_ANSWER_BYTES)
         return pb.InferenceResponse(output_tensors=[
             pb.Tensor.from_dlpack(name, value) if isinstance(value, torch.Tensor) else pb.Tensor(name, value)
             for name, value in outputs.items()])
+
+    def _error(self, header: dict[str, Any]) -> Any:
+        status, message = str(header.get("status", "INTERNAL")), str(header.get("message", ""))
+        if header.get("reason") == "invalid_input":
+            self.logger.log_warn(f"{self.model_name}: refused: {message}")
+        code = getattr(self.pb.TritonError, status, self.pb.TritonError.INTERNAL)
+        return self.pb.InferenceResponse(error=self.pb.TritonError(message, code))

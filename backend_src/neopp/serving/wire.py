@@ -20,6 +20,7 @@ import mmap
 import os
 import socket
 import struct
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +39,8 @@ MAX_ERROR_TEXT = 8192
 PREFIX = struct.Struct("<I")
 
 # The data types the contract uses, and the numpy dtype of each that has one.
-TRITON_TYPES = ("UINT8", "INT64", "FP32", "BYTES", "BF16")
-NUMPY_OF = {"UINT8": np.uint8, "INT64": np.int64, "FP32": np.float32}
+TRITON_TYPES = ("UINT8", "INT64", "FP32", "BOOL", "BYTES", "BF16")
+NUMPY_OF = {"UINT8": np.uint8, "INT64": np.int64, "FP32": np.float32, "BOOL": np.bool_}
 BF16_CODE, BF16_BITS = 4, 16  # DLPack's kDLBfloat, 16 bits
 
 
@@ -310,8 +311,11 @@ def _unpack_one(spec: dict, name: str, datatype: str, shape: tuple[int, ...], si
     if datatype == "BF16":
         import torch
 
-        return torch.frombuffer(view, dtype=torch.bfloat16, count=size // 2).view(shape) if size else \
-            torch.empty(shape, dtype=torch.bfloat16)
+        if not size:
+            return torch.empty(shape, dtype=torch.bfloat16)
+        with warnings.catch_warnings():  # a received blob is immutable bytes: read here, never written
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(view, dtype=torch.bfloat16, count=size // 2).view(shape)
     return np.frombuffer(view, dtype=NUMPY_OF[datatype], count=size // np.dtype(NUMPY_OF[datatype]).itemsize
                          ).reshape(shape)
 

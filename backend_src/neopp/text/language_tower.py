@@ -227,6 +227,35 @@ class LanguageTower:
         batch = torch.tensor([ids], device=self.embed.device)
         return self.prefix_kv(batch)[0], len(ids)
 
+    @torch.inference_mode()
+    def encode_many(self, sequences: list[list[int]]) -> list[tuple[torch.Tensor, int]]:
+        """Several prompts' prefixes in one forward, each as ``encode_ids`` gives it (within float
+        rounding: a matrix product over more rows may sum in another order). The tokens of all of
+        them go side by side through every projection and MLP, one matrix product per weight for
+        the lot; each sequence attends only to its own tokens, at its own positions: nothing is
+        padded, nothing leaks between prompts. One sequence takes ``encode_ids`` itself."""
+        if len(sequences) == 1:
+            return [self.encode_ids(sequences[0])]
+        c, device = self.config, self.embed.device
+        nh, nkv, hd, eps = c.num_heads, c.num_kv_heads, c.head_dim, c.rms_norm_eps
+        lengths = [len(ids) for ids in sequences]
+        total = sum(lengths)
+        rope = Rope3D.concat([Rope3D.text(n, hd, c.rope_theta, c.rope_theta_hw, device) for n in lengths])
+        hid = F.embedding(torch.tensor([i for ids in sequences for i in ids], device=device), self.embed)
+        kv = self.embed.new_empty(c.num_layers, 2, total, nkv, hd)
+        for i, layer in enumerate(self.layers):
+            a = rms_norm(hid, layer.input_norm, eps)
+            q = rope(split_head_norm(layer.q_proj(a).view(total, nh, hd), layer.q_norm, eps))
+            kv[i, 0] = rope(split_head_norm(layer.k_proj(a).view(total, nkv, hd), layer.k_norm, eps))
+            kv[i, 1] = layer.v_proj(a).view(total, nkv, hd)
+            out = torch.cat([F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
+                                                            is_causal=True, scale=hd ** -0.5, enable_gqa=True)
+                             for qs, ks, vs in zip(q.split(lengths), kv[i, 0].split(lengths), kv[i, 1].split(lengths),
+                                                   strict=True)], dim=1)
+            hid = hid + layer.o_proj(out.transpose(0, 1).reshape(total, nh * hd))
+            hid = hid + layer.mlp(rms_norm(hid, layer.post_norm, eps))
+        return [(prefix, n) for prefix, n in zip(kv.split(lengths, dim=2), lengths, strict=True)]
+
     def conditional(self, prompt: str) -> tuple[torch.Tensor, int]:
         """``PROMPT``'s prefix and index offset."""
         return self.encode_ids(self.prompt_ids.conditional(prompt))
