@@ -53,7 +53,9 @@ def write_u1_tokenizer(folder: Path, bare: Tokenizer) -> Path:
 
 
 def understanding_tensors(llm: dict, rows: int, seed: int) -> dict[str, torch.Tensor]:
-    """The understanding tower's weights: linears ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2)."""
+    """The understanding tower's weights: linears ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2). With
+    ``num_experts`` in ``llm``, a layer not in ``mlp_only_layers`` and on a ``decoder_sparse_step``
+    routes over experts (``mlp.gate`` and ``mlp.experts.{j}.*``, ``moe_intermediate_size`` wide)."""
     g = torch.Generator().manual_seed(seed)
     d, hd, nh, nkv = llm["hidden_size"], llm["head_dim"], llm["num_attention_heads"], llm["num_key_value_heads"]
 
@@ -69,9 +71,18 @@ def understanding_tensors(llm: dict, rows: int, seed: int) -> dict[str, torch.Te
         p, a = layer_prefix(i), layer_prefix(i) + "self_attn."
         w.update({p + "input_layernorm.weight": norm(d), p + "post_attention_layernorm.weight": norm(d),
                   a + "q_proj.weight": linear(nh * hd, d), a + "k_proj.weight": linear(nkv * hd, d),
-                  a + "v_proj.weight": linear(nkv * hd, d), a + "o_proj.weight": linear(d, nh * hd),
-                  p + "mlp.gate_proj.weight": linear(U1_MLP, d), p + "mlp.up_proj.weight": linear(U1_MLP, d),
-                  p + "mlp.down_proj.weight": linear(d, U1_MLP)})
+                  a + "v_proj.weight": linear(nkv * hd, d), a + "o_proj.weight": linear(d, nh * hd)})
+        experts = llm.get("num_experts", 0)
+        if experts and i not in llm.get("mlp_only_layers", []) and (i + 1) % llm.get("decoder_sparse_step", 1) == 0:
+            width = llm["moe_intermediate_size"]
+            w[p + "mlp.gate.weight"] = linear(experts, d)
+            for j in range(experts):
+                e = f"{p}mlp.experts.{j}."
+                w.update({e + "gate_proj.weight": linear(width, d), e + "up_proj.weight": linear(width, d),
+                          e + "down_proj.weight": linear(d, width)})
+        else:
+            w.update({p + "mlp.gate_proj.weight": linear(U1_MLP, d), p + "mlp.up_proj.weight": linear(U1_MLP, d),
+                      p + "mlp.down_proj.weight": linear(d, U1_MLP)})
         w.update({f"{a}{n}.weight": norm(hd // 2) for n in ("q_norm", "k_norm", "q_norm_hw", "k_norm_hw")})
     return w
 
@@ -86,9 +97,17 @@ def vision_tensors(config: dict, seed: int) -> dict[str, torch.Tensor]:
             VISION_UND + "dense_embedding.bias": 0.1 * torch.randn(d, generator=g)}
 
 
-def write_tiny_u1_checkpoint(out_dir: str | Path, seed: int = 0, vision: bool = True) -> Path:
-    """A dense tiny checkpoint that draws and encodes its own prompts (and edits, with ``vision``)."""
-    out = write_tiny_checkpoint(out_dir, "dense", seed, overrides={"template": "neo1_0", "llm_config": U1_LLM})
+# A3B's understanding tower in small: experts in layers 0, 1 and 3, a dense MLP in layer 2
+A3B_UNDERSTANDING = {"num_hidden_layers": 4, "num_experts": 3, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                     "mlp_only_layers": [2], "decoder_sparse_step": 1, "norm_topk_prob": True}
+
+
+def write_tiny_u1_checkpoint(out_dir: str | Path, seed: int = 0, vision: bool = True, a3b: bool = False) -> Path:
+    """A tiny checkpoint that draws and encodes its own prompts (and edits, with ``vision``);
+    ``a3b``: both towers route over experts, as SenseNova-U1-A3B's do."""
+    llm = {**U1_LLM, **A3B_UNDERSTANDING} if a3b else U1_LLM
+    out = write_tiny_checkpoint(out_dir, "moe" if a3b else "dense", seed,
+                                overrides={"template": "neo1_0", "llm_config": llm})
     config = json.loads((out / "config.json").read_text())
     tensors = load_file(str(out / "model.safetensors"))
     tensors.update(understanding_tensors(config["llm_config"], max(REAL_IDS.values()) + 1, seed + 1))

@@ -79,9 +79,33 @@ def reference_forward(ckpt_dir: Path, ids: list[int], positions: torch.Tensor | 
                 att[s, n] = softmax(scores) @ v[seen, kvh]
         hid = hid + linear(att.reshape(S, NH * HD), w[p + "self_attn.o_proj.weight"])
         b = rmsnorm(hid, w[p + "post_attention_layernorm.weight"], eps)
-        hid = hid + linear(silu(linear(b, w[p + "mlp.gate_proj.weight"])) * linear(b, w[p + "mlp.up_proj.weight"]),
-                           w[p + "mlp.down_proj.weight"])
+        hid = hid + (routed_mlp(b, w, p + "mlp.", raw) if routes(raw, i) else swiglu(b, w, p + "mlp."))
     if LM + "norm.weight" not in w:
         return out, hid[-1], None
     head = w.get("language_model.lm_head.weight", w[LM + "embed_tokens.weight"])
     return out, hid[-1], linear(rmsnorm(hid[-1:], w[LM + "norm.weight"], eps), head)[0]
+
+
+def swiglu(x: torch.Tensor, w: dict, m: str) -> torch.Tensor:
+    gated = silu(linear(x, w[m + "gate_proj.weight"])) * linear(x, w[m + "up_proj.weight"])
+    return linear(gated, w[m + "down_proj.weight"])
+
+
+def routes(raw: dict, layer: int) -> bool:
+    """The official Qwen3-MoE rule: experts where ``num_experts`` is set, unless the layer is in
+    ``mlp_only_layers`` or off the ``decoder_sparse_step``."""
+    return raw.get("num_experts", 0) > 0 and layer not in (raw.get("mlp_only_layers") or []) \
+        and (layer + 1) % (raw.get("decoder_sparse_step") or 1) == 0
+
+
+def routed_mlp(x: torch.Tensor, w: dict, m: str, raw: dict) -> torch.Tensor:
+    """Per token: softmax over the router's scores, the top ``num_experts_per_tok`` experts,
+    their weights renormalised to sum to 1 (``norm_topk_prob``), the weighted sum of their SwiGLUs."""
+    out = torch.zeros_like(x)
+    for s in range(x.shape[0]):
+        probs = softmax(linear(x[s:s + 1], w[m + "gate.weight"])[0])
+        top = sorted(range(len(probs)), key=lambda j: -float(probs[j]))[:raw["num_experts_per_tok"]]
+        total = sum(float(probs[j]) for j in top) if raw.get("norm_topk_prob", True) else 1.0
+        for j in top:
+            out[s] += float(probs[j]) / total * swiglu(x[s:s + 1], w, f"{m}experts.{j}.")[0]
+    return out

@@ -182,6 +182,9 @@ class MoE:
         return logits.softmax(dim=-1).topk(self.top_k, dim=-1)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., D]: each token routed on its own (the language tower's prefix holds a batch dim)."""
+        if x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1])).view(x.shape)
         weights, ids = self.route(x)
         flat_ids = ids.reshape(-1)
         order = flat_ids.argsort(stable=True)

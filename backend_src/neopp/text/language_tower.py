@@ -20,10 +20,11 @@ from ..json_file import read_json_object
 from ..model.checkpoint import LM, layer_prefix, read_generation_tensors
 from ..model.checkpoint_config import CheckpointConfig, checkpoint_folder
 from ..model.embeddings import Grid, PatchEmbed
-from ..model.layers import DecoderLayer, Linear, SwiGLU, rms_norm, split_head_norm
+from ..model.layers import DecoderLayer, Linear, rms_norm, split_head_norm
 from ..model.rope import Rope3D
 from .edit_images import Picture
 from .prompt_ids import PromptIds, U1PromptIds, load_prompt_ids
+from .understanding_mlp import UnderstandingMLP
 
 EMBED = LM + "embed_tokens.weight"
 FINAL_NORM = LM + "norm.weight"
@@ -39,14 +40,14 @@ def is_language_key(key: str) -> bool:
     return (key.startswith(LM) and "mot_gen" not in key) or key == LM_HEAD or key.startswith(VISION_UND)
 
 
-def language_keys(config: CheckpointConfig) -> list[str]:
+def language_keys(config: CheckpointConfig, mlp: UnderstandingMLP) -> list[str]:
     """Every key the prefix needs (the last layer's MLP and the final norm do not shape a KV)."""
     keys = [EMBED]
     for i in range(config.num_layers):
         p = layer_prefix(i)
         keys += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
         keys += [f"{p}self_attn.{name}.weight" for name in ATTN + NORMS]
-        keys += [f"{p}mlp.{name}.weight" for name in ("gate_proj", "up_proj", "down_proj")]
+        keys += mlp.keys(i)
     return keys
 
 
@@ -94,16 +95,20 @@ class LanguageTower:
             raise ConfigError(f"checkpoint {ckpt_dir}: {exc}") from exc
         config = CheckpointConfig.from_checkpoint(ckpt_dir)
         tensors = read_generation_tensors(ckpt_dir, is_language_key)  # GGUF weights dequantized below
-        check_language_shapes(config, tensors, prompt_ids.vocabulary_size())
         llm = read_json_object(folder / "config.json", "config.json").get("llm_config") or {}
+        mlp = UnderstandingMLP.from_llm_config(llm)
+        check_language_shapes(config, tensors, prompt_ids.vocabulary_size(), mlp)
         tied = llm.get("tie_word_embeddings") is True
-        return cls.from_tensors(config, tensors, prompt_ids, torch.device(device), dtype, tied)
+        return cls.from_tensors(config, tensors, prompt_ids, torch.device(device), dtype, tied, mlp)
 
     @classmethod
     def from_tensors(cls, config: CheckpointConfig, tensors: dict[str, torch.Tensor], prompt_ids: PromptIds,
-                     device: torch.device, dtype: torch.dtype, tied: bool = False) -> LanguageTower:
+                     device: torch.device, dtype: torch.dtype, tied: bool = False,
+                     mlp: UnderstandingMLP | None = None) -> LanguageTower:
         """Tensors already on ``device`` in ``dtype`` (trainable parameters) are used as they are.
-        ``tied``: the checkpoint's lm_head is its token embedding (``tie_word_embeddings``)."""
+        ``tied``: the checkpoint's lm_head is its token embedding (``tie_word_embeddings``);
+        ``mlp``: which layers route over experts (A3B; default: every MLP dense)."""
+        mlp = mlp or UnderstandingMLP()
 
         def t(key: str) -> torch.Tensor:
             return tensors[key].to(device=device, dtype=dtype)
@@ -112,11 +117,10 @@ class LanguageTower:
         for i in range(config.num_layers):
             p, a = layer_prefix(i), layer_prefix(i) + "self_attn."
             lin = {name: Linear(t(f"{a}{name}.weight")) for name in ATTN}
-            mlp = SwiGLU(*(Linear(t(f"{p}mlp.{n}.weight")) for n in ("gate_proj", "up_proj", "down_proj")))
             layers.append(DecoderLayer(
                 input_norm=t(p + "input_layernorm.weight"), post_norm=t(p + "post_attention_layernorm.weight"),
                 q_norm=torch.stack([t(a + "q_norm.weight"), t(a + "q_norm_hw.weight")]),
-                k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]), mlp=mlp, **lin))
+                k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]), mlp=mlp.build(i, t), **lin))
         head = None
         if FINAL_NORM in tensors and (LM_HEAD in tensors or tied):  # the output head, to write text with
             head = (t(FINAL_NORM), t(EMBED) if tied else t(LM_HEAD))
@@ -294,37 +298,37 @@ def vision_problem(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) -
     return None
 
 
-def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor], vocab: int) -> None:
+def check_language_shapes(config: CheckpointConfig, tensors: dict[str, torch.Tensor], vocab: int,
+                          mlp: UnderstandingMLP) -> None:
     """Every key present, with the geometry of the generation tower it feeds; an embedding row for
     every id the tokenizer makes (a real checkpoint pads its table past the tokenizer's ids)."""
     d, hd = config.hidden_size, config.head_dim
     q, kv = config.num_heads * hd, config.num_kv_heads * hd
     rows = tensors[EMBED].shape[0] if EMBED in tensors and tensors[EMBED].dim() == 2 else 0
     want = {EMBED: (max(vocab, rows), d)}
-    if _has_expert_mlp(config, tensors):
-        raise ConfigError("checkpoint: the understanding tower's MLP is a mixture of experts, which this prompt "
-                          "encoder does not run; use a dense checkpoint's prompt encoder, or send KV from LightLLM")
     for i in range(config.num_layers):
         p, a = layer_prefix(i), layer_prefix(i) + "self_attn."
         want.update({p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,),
                      a + "q_proj.weight": (q, d), a + "k_proj.weight": (kv, d), a + "v_proj.weight": (kv, d),
                      a + "o_proj.weight": (d, q)})
         want.update({f"{a}{n}.weight": (hd // 2,) for n in NORMS})
-        width = tensors.get(f"{p}mlp.gate_proj.weight", torch.empty(0, d)).shape[0]
-        want.update({f"{p}mlp.gate_proj.weight": (width, d), f"{p}mlp.up_proj.weight": (width, d),
-                     f"{p}mlp.down_proj.weight": (d, width)})
+        want.update(mlp.shapes(i, d, tensors))
     want.update({FINAL_NORM: (d,), LM_HEAD: (want[EMBED][0], d)})  # the output head, where present
     for key in (FINAL_NORM, LM_HEAD):
         if key in tensors and tuple(tensors[key].shape) != want[key]:
             raise ConfigError(f"checkpoint: '{key}' has shape {tuple(tensors[key].shape)}, expected {want[key]}")
-    for key in language_keys(config):
+    for key in language_keys(config, mlp):
         if key not in tensors:
-            raise ConfigError(f"checkpoint: language-tower tensor '{key}' is missing")
+            raise ConfigError(f"checkpoint: language-tower tensor '{key}' is missing{_dense_or_routed(mlp, key)}")
         if key in want and tuple(tensors[key].shape) != want[key]:
             raise ConfigError(f"checkpoint: '{key}' has shape {tuple(tensors[key].shape)}, expected {want[key]}")
 
 
-def _has_expert_mlp(config: CheckpointConfig, tensors: dict[str, torch.Tensor]) -> bool:
-    """The first layer's understanding MLP is routed experts (``mlp.experts.*``), not one SwiGLU."""
-    prefix = layer_prefix(0) + "mlp.experts."
-    return config.num_layers > 0 and any(key.startswith(prefix) for key in tensors)
+def _dense_or_routed(mlp: UnderstandingMLP, key: str) -> str:
+    """What config.json said that makes ``key`` expected: an MLP it routes, or one it does not."""
+    if ".mlp." not in key:
+        return ""
+    if mlp.num_experts:
+        return (f" (config.json routes this layer over {mlp.num_experts} experts: 'num_experts', "
+                "'mlp_only_layers', 'decoder_sparse_step')")
+    return " (config.json names no understanding experts: 'llm_config.num_experts' is unset)"
