@@ -19,9 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..contract.statuses import INTERNAL
 from ..engines.engine import Engine
-from ..errors import EngineDown, GenerationCancelled
 from ..modes import ModeSpec
 from ..sampling.sampler import StepEvent
 from .admission import Admission, Admitted
@@ -32,7 +30,7 @@ from .request_log import request_summary
 from .request_parsing import REQUEST_INPUT_NAMES
 from .socket_host import SocketHost
 from .stream_parsing import default_preview_size
-from .wire import WireError, error_header
+from .wire import error_header
 
 
 class EngineHost(SocketHost):
@@ -54,17 +52,9 @@ class EngineHost(SocketHost):
     def accept(self, conn: Connection, job: int, header: dict[str, Any], blobs: list[bytes], fds: list[int]) -> None:
         """Admit and submit; a refusal is the request's error event."""
         final_only = header.get("final_only") is True
-        try:
-            if self.stopping.is_set():
-                raise GenerationCancelled("request cancelled before generation started")
-            if (failure := self.failure()) is not None:
-                raise EngineDown(failure)
-            admitted = self.admission.admit(conn.kind, header, blobs, fds)
-        except WireError as exc:
-            conn.refuse(job, INTERNAL.status, INTERNAL.reason, INTERNAL.message(f"malformed request: {exc}"))
-            return
-        except Exception as exc:  # noqa: BLE001 - every refusal is answered; the engine stays usable
-            conn.refuse(job, *self.answer(exc))
+        admitted = self.admit(conn, job, lambda: self.admission.admit(conn.kind, header, blobs, fds),
+                              "generation started")
+        if admitted is None:
             return
         req, options = admitted.req, admitted.options
         preview = options.preview_size or default_preview_size(req.height, req.width)

@@ -21,7 +21,6 @@ import numpy as np
 import torch
 
 from ..contract.inputs import MAX_EDIT_IMAGE_BYTES, MAX_EDIT_IMAGES, MAX_PROMPT_BYTES
-from ..contract.statuses import INTERNAL
 from ..engines.fault_point import FaultPoint
 from ..errors import EngineDown, GenerationCancelled, InputError
 from ..text.language_tower import LanguageTower
@@ -30,7 +29,7 @@ from .error_status import refusal
 from .prompt_encoding import Outputs, encode_prompts, encode_together, prefills_together, prompt_sequences
 from .prompt_parsing import ENCODER_INPUTS, PromptRequest, parse_prompts
 from .socket_host import SocketHost
-from .wire import NUMPY_OF, WireError, bytes_blob, declared_sizes, error_header, unpack_tensors
+from .wire import NUMPY_OF, bytes_blob, declared_sizes, error_header, unpack_tensors
 
 # the most a request's tensors may hold: its prompts and its pictures (each file's 4-byte length too)
 MAX_REQUEST_BYTES = 2 * (MAX_PROMPT_BYTES + 4) + MAX_EDIT_IMAGES * (MAX_EDIT_IMAGE_BYTES + 4) + 64
@@ -82,17 +81,9 @@ class PrefillHost(SocketHost):
     # ---- arrivals ------------------------------------------------------------------------------
     def accept(self, conn: Connection, job: int, header: dict[str, Any], blobs: list[bytes], fds: list[int]) -> None:
         """Parse once and queue; a refusal is the request's answer at once."""
-        try:
-            if self.stopping.is_set():
-                raise GenerationCancelled("request cancelled before its prompt was encoded")
-            if (failure := self.failure()) is not None:
-                raise EngineDown(failure)
-            req = parse_prompts(request_tensors(header, blobs, fds))
-        except WireError as exc:
-            conn.refuse(job, INTERNAL.status, INTERNAL.reason, INTERNAL.message(f"malformed request: {exc}"))
-            return
-        except Exception as exc:  # noqa: BLE001 - every refusal is answered; the tower stays usable
-            conn.refuse(job, *self.answer(exc))
+        req = self.admit(conn, job, lambda: parse_prompts(request_tensors(header, blobs, fds)),
+                         "its prompt was encoded")
+        if req is None:
             return
         with self._wake:
             self._waiting.append(_Job(conn, job, req))

@@ -13,11 +13,17 @@ from __future__ import annotations
 import os
 import socket
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
+from ..contract.statuses import INTERNAL
 from ..engine_beat import BEAT_S, beat_path, write_beat
+from ..errors import EngineDown, GenerationCancelled
 from .engine_connection import Connection, same_user
 from .engine_link import socket_path
+from .wire import WireError
+
+T = TypeVar("T")
 
 
 class SocketHost:
@@ -52,6 +58,25 @@ class SocketHost:
 
     def accept(self, conn: Connection, job: int, header: dict[str, Any], blobs: list[bytes], fds: list[int]) -> None:
         raise NotImplementedError
+
+    def answer(self, exc: BaseException) -> tuple[str, str, str]:
+        """(Triton status, metric reason, message) of a request's error."""
+        raise NotImplementedError
+
+    def admit(self, conn: Connection, job: int, parse: Callable[[], T], work: str) -> T | None:
+        """``parse()``'s request, or None once it is refused on ``conn``: the server stopping, the
+        loop down, or ``parse`` refusing it. ``work``: what a cancelled request did not get to."""
+        try:
+            if self.stopping.is_set():
+                raise GenerationCancelled(f"request cancelled before {work}")
+            if (failure := self.failure()) is not None:
+                raise EngineDown(failure)
+            return parse()
+        except WireError as exc:
+            conn.refuse(job, INTERNAL.status, INTERNAL.reason, INTERNAL.message(f"malformed request: {exc}"))
+        except Exception as exc:  # noqa: BLE001 - every refusal is answered; the loop stays usable
+            conn.refuse(job, *self.answer(exc))
+        return None
 
     def _beat_loop(self) -> None:
         while not self._closed.wait(BEAT_S):

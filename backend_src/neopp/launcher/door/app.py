@@ -274,9 +274,12 @@ class Door:
             self.stream_closed(call, finished)
 
     def stream_closed(self, call: Any, finished: bool) -> None:
-        """A streamed answer is over: counted as cancelled when its client left before the end."""
-        if not finished:  # the client left mid-stream: the generation stops with it
-            self.metrics.cancel()
+        """A streamed answer is over: closed when whole; cancelled, and counted so, when its client
+        left before the end (the generation stops with it)."""
+        if finished:
+            call.close()
+            return
+        self.metrics.cancel()
         call.cancel()
 
     async def until_disconnect(self, request: Request, call: Any) -> Any:

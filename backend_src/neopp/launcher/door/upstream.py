@@ -32,6 +32,42 @@ from .spliced_request import WireRequest
 MAX_MESSAGE = 1 << 30
 CONTROL_TIMEOUT_S = 600.0  # a model load answers when it is done
 RETRY_UNAVAILABLE_S = 2  # a stub is reloaded in seconds, a server restarted in tens of them
+CLOSE_TIMEOUT_S = 10.0  # a closed stream whose call Triton has not ended by then is cancelled
+
+
+class UpstreamStream:
+    """One request's ``ModelStreamInfer`` call. A whole answer is closed, not cancelled: a
+    cancellation that reaches Triton just after the final response can leave that request's
+    state behind, and the model it ran on then never unloads (a stop waits out its exit timeout)."""
+
+    closing: set[asyncio.Task] = set()  # the closes under way, kept until done
+
+    def __init__(self, call: grpc.aio.StreamStreamCall, sent: asyncio.Event) -> None:
+        self.call, self._sent = call, sent
+
+    async def read(self) -> pb.ModelStreamInferResponse | object:
+        return await self.call.read()
+
+    def cancel(self) -> None:
+        """The client left, or the answer was refused: Triton stops the request."""
+        self.call.cancel()
+
+    def close(self) -> None:
+        """The final response came: end the request side and let Triton end the call (bounded)."""
+        self._sent.set()
+        task = asyncio.ensure_future(self._drained())
+        UpstreamStream.closing.add(task)
+        task.add_done_callback(UpstreamStream.closing.discard)
+
+    async def _drained(self) -> None:
+        try:
+            await asyncio.wait_for(self._until_eof(), CLOSE_TIMEOUT_S)
+        except (asyncio.TimeoutError, grpc.aio.AioRpcError, asyncio.CancelledError):
+            self.call.cancel()
+
+    async def _until_eof(self) -> None:
+        while await self.call.read() is not grpc.aio.EOF:
+            pass
 
 
 def grpc_error(exc: grpc.aio.AioRpcError) -> DoorError:
@@ -128,16 +164,16 @@ class Upstream:
         self._connect()
         return self._infer_wire(in_turn(request, turn).serialize(), metadata=self.inference_metadata)
 
-    def stream(self, wire: WireRequest, turn: Turn) -> grpc.aio.StreamStreamCall:
+    def stream(self, wire: WireRequest, turn: Turn) -> UpstreamStream:
         """A stream carrying this one request (waiting where ``turn`` says); its responses end with the final flag."""
-        request = in_turn(wire, turn).serialize()
+        request, sent = in_turn(wire, turn).serialize(), asyncio.Event()
 
         async def one() -> AsyncIterator[bytes]:
             yield request
-            await asyncio.Event().wait()  # keep the stream open until the caller cancels or finishes
+            await sent.wait()  # open until the answer is whole (then closed) or the caller cancels
 
         self._connect()
-        return self._stream_wire(one(), metadata=self.inference_metadata)
+        return UpstreamStream(self._stream_wire(one(), metadata=self.inference_metadata), sent)
 
     async def control(self, method: str, path: str, body: bytes | None, admin_key: str | None) -> ControlResponse:
         """One request to Triton's own HTTP, with the front key if any (and the caller's admin key)."""
