@@ -15,6 +15,8 @@ import os
 import queue
 import socket
 import struct
+import subprocess
+import sys
 import threading
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +34,9 @@ from neopp.serving.model_settings import TritonModelSettings
 from neopp.serving.wire import (
     MAX_HEADER,
     WireError,
+    bf16_capsule,
     bf16_view,
+    exported_tensors,
     memory_file,
     recv_message,
     send_message,
@@ -74,6 +78,32 @@ def test_bf16_is_read_through_dlpack_without_torch():
         bf16_view(to_dlpack(torch.zeros(3)))
     with pytest.raises(WireError, match="contiguous"):
         bf16_view(to_dlpack(t.transpose(0, 2)))
+
+
+def test_bf16_is_handed_out_through_dlpack_without_torch():
+    """A front builds a BF16 output from the bytes it received: a capsule torch (here) or Triton
+    consumes, whose memory is let go when the consumer frees it, or with the capsule if unused."""
+    import gc
+
+    t = torch.randn(3, 2, 5).to(torch.bfloat16)
+    raw = t.view(torch.uint8).numpy().tobytes()
+    held = exported_tensors()
+    tensor = torch.utils.dlpack.from_dlpack(bf16_capsule(raw, [3, 2, 5]))
+    assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, t) and exported_tensors() == held + 1
+    del tensor
+    gc.collect()
+    unused = bf16_capsule(raw, [3, 2, 5])
+    del unused
+    gc.collect()
+    assert exported_tensors() == held
+    with pytest.raises(WireError, match="are not a BF16 tensor of shape"):
+        bf16_capsule(raw[:-2], [3, 2, 5])
+
+
+def test_the_forwarding_stubs_import_no_torch():
+    code = ("import sys, neopp.serving.triton_model, neopp.serving.prompt_encoder_model; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
 @pytest.mark.parametrize("raw, why", [

@@ -24,21 +24,21 @@ import queue
 import re
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..contract.statuses import INTERNAL, WORKERS_DOWN
 from ..errors import ConfigError
 from ..model.checkpoint_config import CheckpointConfig
-from ..text.language_tower import LanguageTower
 from .engine_link import EngineLink, EngineUnavailable
 from .metrics import PrefillMetrics
 from .model_settings import choose_device, int_param, project_root, resolve_checkpoint
 from .parameters import narrow_kv_dims, read_parameters
-from .prefill_host import PrefillHost
 from .triton_model import ENGINE_LOST_PAUSE_S, ENGINE_LOST_RETRIES, engine_lost, first_instance, stop_on_sigterm
 from .wire import failure_header, unpack_tensors
+
+if TYPE_CHECKING:
+    from ..text.language_tower import LanguageTower
+    from .prefill_host import PrefillHost
 
 ENCODER_PARAMETERS = {"checkpoint": "checkpoints/neopp", "device": "auto", "num_threads": "0",
                       "max_prefill_batch": "16"}
@@ -93,6 +93,8 @@ class PromptEncoderTritonModel:
         self._stopping = stop_on_sigterm(self.logger, self.model_name)
         self.host: PrefillHost | None = None
         if first_instance(args):
+            from .prefill_host import PrefillHost  # torch: the owner's alone
+
             self.metrics = PrefillMetrics(pb_utils, self.model_name)
             tower = self._load_tower(args, config, params)
             self.host = PrefillHost(self.model_name, tower, batch, self._stopping, self.logger.log_error,
@@ -103,6 +105,10 @@ class PromptEncoderTritonModel:
         self.link = EngineLink(self.model_name, self.model_name, "plain")
 
     def _load_tower(self, args: dict[str, str], config: dict[str, Any], params: dict[str, str]) -> LanguageTower:
+        import torch
+
+        from ..text.language_tower import LanguageTower
+
         model_dir = Path(args["model_repository"]) if args.get("model_repository") else self.MODEL_DIR
         ckpt = encoder_checkpoint(config, model_dir)
         match = re.search(r"_(\d+)$", args.get("model_instance_name", ""))
@@ -168,9 +174,9 @@ class PromptEncoderTritonModel:
         if header.get("type") != "final":
             return self._error(header)
         pb = self.pb
-        outputs = unpack_tensors(header.get("tensors"), blobs, [], MAX_ANSWER_BYTES)
-        return pb.InferenceResponse(output_tensors=[
-            pb.Tensor.from_dlpack(name, value) if isinstance(value, torch.Tensor) else pb.Tensor(name, value)
+        outputs = unpack_tensors(header.get("tensors"), blobs, [], MAX_ANSWER_BYTES, capsules=True)
+        return pb.InferenceResponse(output_tensors=[  # a BF16 prefix arrives as a DLPack capsule
+            pb.Tensor(name, value) if hasattr(value, "dtype") else pb.Tensor.from_dlpack(name, value)
             for name, value in outputs.items()])
 
     def _error(self, header: dict[str, Any]) -> Any:

@@ -143,9 +143,8 @@ class _DLTensor(ctypes.Structure):
                 ("byte_offset", ctypes.c_uint64)]
 
 
-_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
-_capsule_pointer.restype = ctypes.c_void_p
-_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
 
 
 def bf16_view(capsule: Any) -> tuple[int, tuple[int, ...], int]:
@@ -167,6 +166,62 @@ def bf16_view(capsule: Any) -> tuple[int, tuple[int, ...], int]:
         if any(int(tensor.strides[i]) != expected[i] for i in range(tensor.ndim) if shape[i] > 1):
             raise WireError("a BF16 input must be contiguous")
     return int(tensor.data or 0) + int(tensor.byte_offset), shape, math.prod(shape) * 2
+
+
+class _DLManagedTensor(ctypes.Structure):
+    pass
+
+
+_DELETER = ctypes.CFUNCTYPE(None, ctypes.POINTER(_DLManagedTensor))
+_DLManagedTensor._fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p), ("deleter", _DELETER)]
+_DLTENSOR = b"dltensor"
+_EXPORTED: dict[int, tuple[Any, ...]] = {}  # what an exported tensor's memory lives in, until its consumer lets go
+
+
+@_DELETER
+def _let_go(managed: Any) -> None:
+    _EXPORTED.pop(ctypes.addressof(managed.contents), None)
+
+
+@ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+def _capsule_gone(capsule: int) -> None:
+    """A capsule nobody consumed (still named "dltensor") lets its memory go with it."""
+    if _capsule_valid(capsule, _DLTENSOR):
+        _EXPORTED.pop(_capsule_address(capsule, _DLTENSOR), None)
+
+
+# Own prototypes: setting argtypes on ctypes.pythonapi's shared functions would change them for everyone.
+_capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
+_capsule_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi))
+_capsule_address = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+
+
+def bf16_capsule(data: bytes, shape: Sequence[int]) -> Any:
+    """``data`` as a CPU BF16 tensor [shape] in a DLPack capsule: what ``pb_utils.Tensor.from_dlpack``
+    (or ``torch.from_dlpack``) takes, made without torch. The bytes are copied once, into memory the
+    consumer releases through the capsule's deleter."""
+    if len(data) != math.prod(shape) * 2:
+        raise WireError(f"{len(data)} bytes are not a BF16 tensor of shape {list(shape)}")
+    memory = (ctypes.c_uint8 * max(len(data), 1)).from_buffer_copy(data.ljust(1, b"\0"))
+    dims = (ctypes.c_int64 * len(shape))(*shape)
+    managed = _DLManagedTensor()
+    managed.dl_tensor.data = ctypes.addressof(memory)
+    managed.dl_tensor.device = _DLDevice(1, 0)  # kDLCPU
+    managed.dl_tensor.ndim = len(shape)
+    managed.dl_tensor.dtype = _DLDataType(BF16_CODE, BF16_BITS, 1)
+    managed.dl_tensor.shape = dims
+    managed.deleter = _let_go
+    address = ctypes.addressof(managed)
+    _EXPORTED[address] = (managed, memory, dims)
+    return _capsule_new(address, _DLTENSOR, ctypes.cast(_capsule_gone, ctypes.c_void_p))
+
+
+def exported_tensors() -> int:
+    """How many exported tensors are still held (for tests: each is let go once consumed and freed)."""
+    return len(_EXPORTED)
 
 
 def memory_file(address: int, nbytes: int, name: str) -> int:
@@ -260,15 +315,23 @@ def declared_sizes(specs: Any, blobs: Sequence[bytes]) -> dict[str, int]:
     return sizes
 
 
-def unpack_tensors(specs: Any, blobs: Sequence[bytes], fds: Sequence[int], max_bytes: int) -> dict[str, Any]:
-    """name -> numpy array (a torch bfloat16 tensor for BF16), each checked against its description
-    and all of them together against ``max_bytes``; the fds are the caller's to close."""
+def unpack_tensors(specs: Any, blobs: Sequence[bytes], fds: Sequence[int], max_bytes: int,
+                   capsules: bool = False) -> dict[str, Any]:
+    """name -> numpy array (a torch bfloat16 tensor for BF16; with ``capsules``, a DLPack capsule
+    instead, and no torch), each checked against its description and all of them together against
+    ``max_bytes``; the fds are the caller's to close."""
     if sum(declared_sizes(specs, blobs).values()) > max_bytes:
         raise WireError(f"the request's tensors are over {max_bytes} bytes")
     out: dict[str, Any] = {}
     for spec in specs:
         name, datatype, shape = _description(spec)
-        out[name] = _unpack_one(spec, name, datatype, shape, _size(datatype, shape), blobs, fds)
+        if capsules and datatype == "BF16" and "blob" in spec:
+            index = spec["blob"]
+            if type(index) is not int or not 0 <= index < len(blobs):
+                raise WireError(f"{name}: no such blob")
+            out[name] = bf16_capsule(blobs[index], shape)
+        else:
+            out[name] = _unpack_one(spec, name, datatype, shape, _size(datatype, shape), blobs, fds)
     return out
 
 
