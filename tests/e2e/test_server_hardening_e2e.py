@@ -281,7 +281,7 @@ def test_dead_server_is_restarted_and_its_regions_removed(launched, kv):
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{launched.grpc_port}")
     try:
         deadline = time.monotonic() + 300
-        while not _ready(client) and time.monotonic() < deadline:
+        while not (_ready(client) and _door_ready(launched.http_port)) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert _generate(client, kv)
         print(f"server killed -> serving again after {time.monotonic() - killed_at:.1f}s")
@@ -294,6 +294,20 @@ def _ready(client: grpcclient.InferenceServerClient) -> bool:
         return client.is_model_ready(MODEL)
     except InferenceServerException:
         return False
+
+
+def _door_ready(port: int) -> bool:
+    """The door's readiness, the launcher's facts: after a restart Triton's model may answer ready
+    a moment before the launcher has seen the new server up, and until then the door answers
+    inference UNAVAILABLE ("tritonserver is starting"), as a client would be told to retry."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request("GET", "/v2/health/ready")
+        return conn.getresponse().status == 200
+    except OSError:
+        return False
+    finally:
+        conn.close()
 
 
 def _status(port: int, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:
