@@ -174,3 +174,10 @@ def test_max_prefill_batch_is_bounded_at_load(value):
     with pytest.raises(ConfigError, match=f"max_prefill_batch: must be 1..256, got {value}"):
         max_prefill_batch({"max_prefill_batch": value})
     assert max_prefill_batch({"max_prefill_batch": "16"}) == 16
+
+
+def test_a_request_that_arrives_while_the_model_unloads_is_refused_not_left(served):
+    assert outcome(served.submit("a red circle"))[0]["type"] == "final"  # the link is connected
+    served.host.close()
+    header, _ = outcome(served.submit("a blue circle"))
+    assert header["status"] == "UNAVAILABLE" and "unloading" in header["message"]

@@ -69,7 +69,7 @@ class PrefillHost(SocketHost):
             return len(self._waiting) + len(self._current)
 
     def failure(self) -> str | None:
-        if self._failure is None and self._loop.ident is not None and not self._loop.is_alive():
+        if self._failure is None and not self._closed.is_set() and not self._loop.is_alive():
             return "its prefill loop is gone"
         return self._failure
 
@@ -85,9 +85,14 @@ class PrefillHost(SocketHost):
                          "its prompt was encoded")
         if req is None:
             return
-        with self._wake:
-            self._waiting.append(_Job(conn, job, req))
-            self._wake.notify()
+        with self._wake:  # checked again under the lock the loop drains under: no request is left behind
+            gone = self._failure or ("the prompt encoder is unloading" if self._closed.is_set() else None)
+            if gone is None:
+                self._waiting.append(_Job(conn, job, req))
+                self._wake.notify()
+        if gone is not None:
+            conn.send(error_header(job, *self.answer(EngineDown(gone))))
+            return
         self._report()
 
     def answer(self, exc: BaseException) -> tuple[str, str, str]:
@@ -102,11 +107,11 @@ class PrefillHost(SocketHost):
                     self._current = []
                 self._report()
         except BaseException as exc:  # noqa: BLE001 - the loop is gone: say so, answer all it held
-            self._failure = f"its prefill loop stopped: {type(exc).__name__}: {exc}"
-            self.error_log(f"{self.owner}: {self._failure}")
             with self._wake:
+                self._failure = f"its prefill loop stopped: {type(exc).__name__}: {exc}"
                 held, self._current = [*self._current, *self._waiting], []
                 self._waiting.clear()
+            self.error_log(f"{self.owner}: {self._failure}")
             for job in held:
                 self._refuse(job, EngineDown(self._failure))
             self._report()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,7 +27,7 @@ from .wire import WireError
 T = TypeVar("T")
 
 
-class SocketHost:
+class SocketHost(ABC):
     """Listening, accepting and beating; what a request becomes is the subclass's ``accept``.
     ``close`` stops listening."""
 
@@ -56,12 +57,13 @@ class SocketHost:
         """Why the owner's work loop can serve no more, or None."""
         return None
 
+    @abstractmethod
     def accept(self, conn: Connection, job: int, header: dict[str, Any], blobs: list[bytes], fds: list[int]) -> None:
-        raise NotImplementedError
+        """Take one submitted request: queue it, or refuse it on ``conn``."""
 
+    @abstractmethod
     def answer(self, exc: BaseException) -> tuple[str, str, str]:
         """(Triton status, metric reason, message) of a request's error."""
-        raise NotImplementedError
 
     def admit(self, conn: Connection, job: int, parse: Callable[[], T], work: str) -> T | None:
         """``parse()``'s request, or None once it is refused on ``conn``: the server stopping, the

@@ -83,9 +83,10 @@ class UnderstandingMLP:
 
 
 def _count(llm: dict, key: str, default: int | None) -> int | None:
-    value = llm.get(key, default)
-    if value is None or value is default:
-        return value
+    """A whole number from ``llm_config``; absent or null: ``default``."""
+    value = llm.get(key)
+    if value is None:
+        return default
     if type(value) is not int or value < 0:
         raise ConfigError(f"config.json: 'llm_config.{key}' must be a whole number, got {value!r}")
     return value
