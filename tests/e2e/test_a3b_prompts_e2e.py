@@ -32,7 +32,8 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(ckpt, tmp_path_factory):
     log = tmp_path_factory.mktemp("a3b-serve") / "serve.log"
-    with serving(log, {"NEOPP_CHECKPOINT": str(ckpt)}, MODELS, no_traceback=True) as handle:
+    with serving(log, {"NEOPP_CHECKPOINT": str(ckpt)}, MODELS, max_restarts=1,  # as test_prefill_batch_e2e
+                 no_traceback=True) as handle:
         calls = ModelCalls(f"{LOOPBACK}:{handle.grpc_port}")
         yield calls
         calls.close()
