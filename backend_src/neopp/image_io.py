@@ -16,8 +16,9 @@ _PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 
 def encode_image(pixels: np.ndarray, fmt: str = "jpeg", resize: tuple[int, int] | None = None,
-                 quality: int = 95) -> bytes:
-    """The delivered file, marked as made by a model (:mod:`neopp.image_metadata`)."""
+                 quality: int = 95, record: str | None = None) -> bytes:
+    """The delivered file, marked as made by a model, with the request's record when given
+    (:mod:`neopp.image_metadata`)."""
     fmt = normalise_format(fmt)
     if fmt not in OUTPUT_FORMATS:
         raise InputError(f"output_format: unknown format {fmt!r}; expected one of {OUTPUT_FORMATS}")
@@ -29,5 +30,5 @@ def encode_image(pixels: np.ndarray, fmt: str = "jpeg", resize: tuple[int, int] 
         image = image.resize((width, height), Image.Resampling.LANCZOS)
     buf = io.BytesIO()
     options = {"quality": quality} if fmt in ("jpeg", "webp") else {}
-    image.save(buf, format=_PIL_FORMATS[fmt], **options, **save_options(_PIL_FORMATS[fmt]))
+    image.save(buf, format=_PIL_FORMATS[fmt], **options, **save_options(_PIL_FORMATS[fmt], record))
     return buf.getvalue()

@@ -1,34 +1,68 @@
-"""The marking every delivered picture carries: a model made it.
+"""What every delivered picture says of itself: a model made it, and how.
 
 Every PNG, JPEG and WebP this server writes (final images and previews, from every model and
 from the in-process runners) holds an XMP packet with the IPTC digital source type
 ``trainedAlgorithmicMedia``, the machine-readable form image tools and platforms read to label
-generated pictures. It is the same packet in every file, so a picture's bytes stay the same
-across models, transports and the in-process path, as the tests require.
+generated pictures. A picture a model served also carries its record
+(:mod:`neopp.picture_record`): in a PNG ``iTXt`` chunk of its own, in JPEG and WebP as an
+attribute of the XMP packet (JPEG's XMP segment holds at most 64 KiB; a record too long for it
+leaves its prompts out and says so).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from PIL import PngImagePlugin
 
+from .contract.picture_record import RECORD_KEY, xml_attribute
+
 DIGITAL_SOURCE_TYPE = "http://cv.iptc.org/newscodes/digitalsourcetype/trainedAlgorithmicMedia"
-XMP_PACKET = (f'<?xpacket begin="\ufeff" id="W5M0MpCehiHzreSzNTczkc9d"?>\n'
-              f'<x:xmpmeta xmlns:x="adobe:ns:meta/">\n'
-              f' <rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">\n'
-              f'  <rdf:Description rdf:about=""\n'
-              f'    xmlns:Iptc4xmpExt="http://iptc.org/std/Iptc4xmpExt/2008-02-29/"\n'
-              f'    Iptc4xmpExt:DigitalSourceType="{DIGITAL_SOURCE_TYPE}"/>\n'
-              f' </rdf:RDF>\n'
-              f'</x:xmpmeta>\n'
-              f'<?xpacket end="w"?>')
+RECORD_NAMESPACE = "urn:neopp:record:1/"
+JPEG_XMP_ROOM = 65_000  # an APP1 segment's 65,533 bytes less the XMP signature, with margin
+PROMPTS = ("prompt", "negative_prompt")
 
 
-def save_options(pil_format: str) -> dict[str, Any]:
-    """Pillow's save arguments that write the marking into a file of ``pil_format``."""
+def xmp_packet(record: str | None = None) -> str:
+    """The XMP packet: the digital source type, and the record as ``neopp:Record`` when given."""
+    extra = "" if record is None else (f'\n    xmlns:neopp="{RECORD_NAMESPACE}"\n'
+                                       f'    neopp:Record="{xml_attribute(record)}"')
+    return (f'<?xpacket begin="\ufeff" id="W5M0MpCehiHzreSzNTczkc9d"?>\n'
+            f'<x:xmpmeta xmlns:x="adobe:ns:meta/">\n'
+            f' <rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">\n'
+            f'  <rdf:Description rdf:about=""\n'
+            f'    xmlns:Iptc4xmpExt="http://iptc.org/std/Iptc4xmpExt/2008-02-29/"\n'
+            f'    Iptc4xmpExt:DigitalSourceType="{DIGITAL_SOURCE_TYPE}"{extra}/>\n'
+            f' </rdf:RDF>\n'
+            f'</x:xmpmeta>\n'
+            f'<?xpacket end="w"?>')
+
+
+XMP_PACKET = xmp_packet()
+
+
+def save_options(pil_format: str, record: str | None = None) -> dict[str, Any]:
+    """Pillow's save arguments that write the marking, and the record when given, into a file
+    of ``pil_format``."""
     if pil_format == "PNG":
         info = PngImagePlugin.PngInfo()
         info.add_itxt("XML:com.adobe.xmp", XMP_PACKET, zip=False)
+        if record is not None:
+            info.add_itxt(RECORD_KEY, record, zip=False)
         return {"pnginfo": info}
-    return {"xmp": XMP_PACKET.encode()}
+    packet = xmp_packet(record)
+    if pil_format == "JPEG" and len(packet.encode()) > JPEG_XMP_ROOM and record is not None:
+        packet = xmp_packet(_without_prompts(record))
+    return {"xmp": packet.encode()}
+
+
+def _without_prompts(record: str) -> str:
+    """The record with its prompts left out (a JPEG's XMP room is too small for them): their
+    fields say so instead of holding the text."""
+    doc = json.loads(record)
+    for key in PROMPTS:
+        if doc.get(key) is not None:
+            doc[key] = None
+    doc["prompts_omitted"] = True
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":"))

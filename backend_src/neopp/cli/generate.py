@@ -47,6 +47,7 @@ class Ask:
     image_guidance: float | None = None  # an edit's guidance towards its pictures
     cfg_norm: str | None = None  # the guidance's renormalisation
     shift: float | None = None  # the schedule's time shift
+    cfg_interval: tuple[float, float] | None = None  # the times guidance runs at (a redraw's record gives it)
 
     @property
     def path(self) -> str:
@@ -74,7 +75,8 @@ class Ask:
             optional.update(think=True, think_max_tokens=self.think or None)
         if self.image_guidance is not None:
             optional.update(image_guidance_scale=self.image_guidance)
-        optional.update(cfg_norm=self.cfg_norm, timestep_shift=self.shift)
+        optional.update(cfg_norm=self.cfg_norm, timestep_shift=self.shift,
+                        cfg_interval=list(self.cfg_interval) if self.cfg_interval else None)
         doc.update({k: v for k, v in optional.items() if v is not None})
         if previews:
             doc.update(partial_images=1, progress=True)

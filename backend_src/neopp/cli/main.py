@@ -12,6 +12,7 @@ from ..contract.inputs import CFG_NORMS, MAX_EDIT_IMAGES
 from . import info
 from .client import DEFAULT_URL, CliError, Server
 from .generate import Ask, Bar, check_size, generate, named_number
+from .redraw import picture_record, redraw_ask
 
 EPILOG = (f"The server is --url, else NEOPP_URL, else {DEFAULT_URL} (what `make serve` prints; "
           "`make serve HTTP_PORT=9000` is http://127.0.0.1:9000). An API key is read from NEOPP_API_KEY.")
@@ -23,7 +24,7 @@ def parser() -> argparse.ArgumentParser:
     top.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for an answer (default 600)")
     sub = top.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="draw a prompt into image files", epilog=EPILOG)
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", nargs="?", help="what to draw (with --from: the record's prompt when left out)")
     _drawing(gen, "outputs/neopp.png")
     edit = sub.add_parser("edit", help="edit pictures as a prompt says, into image files (a checkpoint that "
                                        "can edit: SenseNova-U1)", epilog=EPILOG)
@@ -65,6 +66,9 @@ def _drawing(gen: argparse.ArgumentParser, default_out: str) -> None:
     gen.add_argument("--think", type=int, nargs="?", const=0, metavar="MAX_TOKENS",
                      help="think mode (U1 checkpoints): the model reasons before drawing, at most MAX_TOKENS "
                           "tokens (default: the server's, 1024); the reasoning is printed")
+    gen.add_argument("--from", dest="from_file", type=Path, metavar="PICTURE",
+                     help="draw again with the settings a picture this server made records in its file; options "
+                          "given here replace the record's")
     gen.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
 
 
@@ -85,9 +89,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server = Server.from_url(ns.url, ns.timeout)
         if ns.command in ("generate", "edit"):
-            ask = Ask(ns.prompt, ns.out, ns.model, ns.size, ns.steps, ns.seed, ns.guidance, ns.negative_prompt, ns.n,
-                      ns.lora, ns.cache, ns.think, tuple(getattr(ns, "images", ())),
+            ask = Ask(ns.prompt or "", ns.out, ns.model, ns.size, ns.steps, ns.seed, ns.guidance, ns.negative_prompt,
+                      ns.n, ns.lora, ns.cache, ns.think, tuple(getattr(ns, "images", ())),
                       getattr(ns, "image_guidance", None), ns.cfg_norm, ns.shift)
+            if ns.from_file is not None:
+                ask = redraw_ask(ns, picture_record(ns.from_file), ask)
+            elif not ask.prompt:
+                raise CliError(f"{ns.command}: the prompt is required (or --from PICTURE)", 2)
             generate(server, ask, Bar(None if ns.quiet else sys.stderr))
             return 0
         return getattr(info, ns.command)(server, as_json=ns.json)

@@ -58,7 +58,12 @@ INPUT_SPECS: dict[str, TensorSpec] = {
     "LORA_SCALE": TensorSpec("TYPE_FP32", (1,)),
     "CACHE": TensorSpec("TYPE_STRING", (1,)),
     "CACHE_THRESHOLD": TensorSpec("TYPE_FP32", (1,)),
+    **{name: TensorSpec("TYPE_STRING", (1,)) for name in ("RECORD_PROMPT", "RECORD_NEGATIVE_PROMPT")},
+    "RECORD_THINK": TensorSpec("TYPE_INT64", (1,)),
 }
+# Written into the picture's record only, never read to draw it: the prompts the prefixes came from
+# (kept only where the model's ``record_prompt`` allows) and think mode's token cap (0: off).
+RECORD_INPUTS = ("RECORD_PROMPT", "RECORD_NEGATIVE_PROMPT", "RECORD_THINK")
 OUTPUT_SPECS: dict[str, TensorSpec] = {
     "IMAGE": TensorSpec("TYPE_STRING", (1,)),
     "NEXT_RNG_STATE": TensorSpec("TYPE_UINT8", (-1,)),

@@ -24,6 +24,7 @@ from ..sampling.rng import NoiseStream
 from .capabilities import Capabilities
 from .lanes import request_lane, request_parameters
 from .model_settings import TritonModelSettings
+from .picture_records import RecordSource, request_record
 from .request_parsing import ParsedRequest, check_noise, check_request_bytes, parse_request
 from .stream_parsing import StreamOptions, parse_stream_request, refuse_input_like_parameters
 from .wire import declared_sizes, unpack_tensors
@@ -47,6 +48,23 @@ class Admitted:
     rng_state: bytes  # the noise stream's state after this request's draw (NEXT_RNG_STATE)
     resize: tuple[int, int] | None
     options: StreamOptions
+    record: str  # the picture's record (neopp.picture_record), as its file holds it
+
+
+def seed_of(parsed: ParsedRequest) -> int | str:
+    """The seed that redraws a request's noise, or why none does (a continued stream, a client's noise)."""
+    if parsed.seed is not None:
+        return int(parsed.seed)
+    return "noise" if parsed.noise is not None else "stream"
+
+
+def record_source(settings: TritonModelSettings, mode: ModeSpec) -> RecordSource:
+    """What every record of the model says of where its pictures come from (hashing the
+    checkpoint's files, once per file and machine)."""
+    from ..model.checkpoint_digest import checkpoint_digest
+
+    return RecordSource(settings.model_name, mode.name, settings.checkpoint.name,
+                        checkpoint_digest(settings.checkpoint), settings.record_prompt)
 
 
 class Admission:
@@ -57,6 +75,7 @@ class Admission:
         self.kv_dims = engine.config.kv_dims
         self.capabilities = Capabilities.of(engine.config, mode, settings.limits, settings.untrained_sizes, owner)
         self.adapters = AdapterDirectory(settings.lora_dir)
+        self.record_source = record_source(settings, mode)
         self.noise_stream = NoiseStream()  # the mode's own stream, for requests with neither SEED nor RNG_STATE
         self._stream_lock = threading.Lock()
 
@@ -70,7 +89,8 @@ class Admission:
         if parsed.uses_instance_stream:
             with self._stream_lock:  # concurrent requests never share a draw
                 self.noise_stream = stream
-        return Admitted(req, stream.state(), parsed.resize, options)
+        record = request_record(self.record_source, req, seed_of(parsed), parsed.resize, parsed.recorded)
+        return Admitted(req, stream.state(), parsed.resize, options, record)
 
     def _parse(self, kind: str, inputs: dict[str, Any], parameters: Any) -> tuple[ParsedRequest, StreamOptions]:
         limits, defaults = self.settings.limits, self.mode.sampling_params

@@ -60,7 +60,7 @@ class EngineHost(SocketHost):
         preview = options.preview_size or default_preview_size(req.height, req.width)
         conn.send({"type": "accepted", "job": job, "format": req.sampling_params.output_format,
                    "resize": list(admitted.resize) if admitted.resize else None, "preview_size": list(preview),
-                   "base64_output": options.base64_output})
+                   "base64_output": options.base64_output, "record": admitted.record})
 
         def deliver(event: StepEvent) -> None:
             if event.final is not None or event.error is not None:  # every request's one last event

@@ -19,15 +19,21 @@ _COUNTERS = {
     "generation_seconds": ("neopp_generation_seconds_total", "Seconds spent in generation, encoding included"),
     "step_seconds": ("neopp_step_seconds_total", "Seconds spent inside denoising steps"),
 }
+SIGNING_METRIC = "neopp_model_signing"
 _FAILURES = ("neopp_failures_total", "Failed requests by reason: " + ", ".join(FAILURE_REASONS))
 
 
 class GenerationMetrics:
     """Counters for one model; ``pb_utils`` is passed in so this imports outside Triton."""
 
-    def __init__(self, pb_utils: Any, model_name: str) -> None:
+    def __init__(self, pb_utils: Any, model_name: str, signing: bool = False) -> None:
         counter = pb_utils.MetricFamily.COUNTER
         labels = {"model": model_name}
+        # whether final pictures carry a signed C2PA manifest (the door's /status shows it)
+        self._signing_family = pb_utils.MetricFamily(name=SIGNING_METRIC, kind=pb_utils.MetricFamily.GAUGE,
+                                                     description="1: final pictures carry a signed C2PA manifest")
+        self._signing = self._signing_family.Metric(labels=labels)
+        self._signing.set(1.0 if signing else 0.0)
         # Keep the families referenced: a family that is garbage-collected unregisters.
         self._families = {
             key: pb_utils.MetricFamily(name=name, description=desc, kind=counter)

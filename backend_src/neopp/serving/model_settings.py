@@ -33,6 +33,12 @@ See :data:`PARAMETER_DEFAULTS`:
 * ``cache_methods``: the step caches a request may ask for (``CACHE``), comma-separated:
   ``auto`` (default: every method the layout supports, none with Ulysses ranks) or a list,
   ``none`` for none (``neopp_dense_8steps``: eight distilled steps have none to spare);
+* ``record_prompt``: ``false`` (default) leaves the prompts out of each picture's record
+  (:mod:`neopp.picture_record`; prompts can be private); ``true`` writes those a composing
+  model passes (``RECORD_PROMPT``, ``RECORD_NEGATIVE_PROMPT``); env ``NEOPP_RECORD_PROMPT``;
+* ``c2pa_certificate``, ``c2pa_key``: PEM files (a certificate chain, its private key) with which
+  each final picture carries a signed C2PA manifest (:mod:`neopp.serving.c2pa_signing`); empty
+  (default): nothing is signed. Env ``NEOPP_C2PA_CERTIFICATE`` / ``NEOPP_C2PA_KEY``;
 * ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.engines.warmup`),
   so the first request is as fast as the next ones; ``false`` skips it.
 * step batching (docs/performance.md): ``token_budget``, the image tokens x branches one
@@ -91,6 +97,9 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "collective_timeout_s": "120",
     "default_task": "t2i",
     "warmup": "true",
+    "record_prompt": "false",
+    "c2pa_certificate": "",
+    "c2pa_key": "",
     "allow_untrained_sizes": "false",
     "token_budget": str(DEFAULT_TOKEN_BUDGET),
     "max_queued": str(DEFAULT_MAX_QUEUED),
@@ -105,7 +114,9 @@ PARAMETER_DEFAULTS: dict[str, str] = {
 }
 # What the server's environment may set for every model whose config does not: parameter -> variable.
 ENV_DEFAULTS = {"allow_untrained_sizes": "NEOPP_ALLOW_UNTRAINED_SIZES", "cuda_graphs": "NEOPP_CUDA_GRAPHS",
-                "attention_kernel": "NEOPP_ATTENTION_KERNEL", "compile_layers": "NEOPP_COMPILE_LAYERS"}
+                "attention_kernel": "NEOPP_ATTENTION_KERNEL", "compile_layers": "NEOPP_COMPILE_LAYERS",
+                "c2pa_certificate": "NEOPP_C2PA_CERTIFICATE", "c2pa_key": "NEOPP_C2PA_KEY",
+                "record_prompt": "NEOPP_RECORD_PROMPT"}
 _DTYPES = {"auto": None, "": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
            "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}  # -> the torch dtype's name
 
@@ -213,6 +224,9 @@ class TritonModelSettings:
     speed_params: tuple[str, str, int, str] = ("auto", "auto", 8, "off")  # SpeedOptions' fields
     untrained_sizes: bool = False
     cache_methods: tuple[str, ...] | None = None  # None: every method the mode supports
+    record_prompt: bool = False  # the pictures' records keep the prompts they were given
+    c2pa_certificate: Path | None = None  # with c2pa_key: final pictures carry a signed C2PA manifest
+    c2pa_key: Path | None = None
 
     @staticmethod
     def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
@@ -250,6 +264,9 @@ class TritonModelSettings:
             speed_params=(params["cuda_graphs"].strip().lower(), params["attention_kernel"].strip().lower(),
                           int_param(params, "max_graphs"), params["compile_layers"].strip().lower()),
             cache_methods=_cache_methods(params["cache_methods"]),
+            record_prompt=_bool_param(params, "record_prompt"),
+            c2pa_certificate=_optional_path(params["c2pa_certificate"], root),
+            c2pa_key=_optional_path(params["c2pa_key"], root),
         )
 
 
@@ -293,6 +310,14 @@ def _cache_methods(value: str) -> tuple[str, ...] | None:
     if text == "auto":
         return None
     return () if text == "none" else tuple(m.strip() for m in text.split(",") if m.strip())
+
+
+def _optional_path(value: str, root: Path) -> Path | None:
+    """A file the operator names (relative: against the project root); empty: none."""
+    if not value.strip():
+        return None
+    path = Path(value.strip()).expanduser()
+    return path if path.is_absolute() else root / path
 
 
 def _bool_param(params: Mapping[str, str], key: str) -> bool:

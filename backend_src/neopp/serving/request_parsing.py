@@ -19,6 +19,7 @@ from ..limits import Limits, text_value
 from ..model.adapter_store import lora_inputs
 from ..modes import TASKS, SamplingParams
 from ..request import check_offset, check_side_bounds, check_steps
+from .picture_records import RecordedInputs, recorded_inputs
 
 if TYPE_CHECKING:  # torch is imported where a tensor is handled: the session model never needs it
     import torch
@@ -53,6 +54,7 @@ class ParsedRequest:
     lora: str | None = None  # an adapter's name (checked as a name; the model checks it exists)
     lora_scale: float = 1.0
     lane: str = ""  # the client lane (a request parameter, neopp.contract.client_lanes)
+    recorded: RecordedInputs = field(default_factory=lambda: RecordedInputs())  # for the picture's record only
 
     @property
     def uses_instance_stream(self) -> bool:
@@ -198,6 +200,7 @@ def parse_request(inputs: Mapping[str, Any], limits: Limits, defaults: SamplingP
     if inputs.get("TASK") is not None:
         req.task = _choice("TASK", inputs["TASK"], TASKS, "task")
     _parse_sampling(inputs, req, limits, defaults or SamplingParams())
+    req.recorded = recorded_inputs(inputs)
     if inputs.get("LORA") is not None or inputs.get("LORA_SCALE") is not None:
         req.lora, req.lora_scale = lora_inputs(_string("LORA", inputs["LORA"], INPUT_SPECS["LORA"])
                                                if inputs.get("LORA") is not None else None,

@@ -62,7 +62,8 @@ class NeoPPStreamModel(NeoPPTritonModel):
         tensors = self._step_tensors(header)
         if header.get("preview"):
             pixels = np.frombuffer(blobs[0], dtype=np.uint8).reshape(header["preview"])
-            jpeg = encode_image(pixels, "jpeg", tuple(call.options["preview_size"]), quality=PREVIEW_QUALITY)
+            jpeg = encode_image(pixels, "jpeg", tuple(call.options["preview_size"]), quality=PREVIEW_QUALITY,
+                                record=call.options.get("record"))
             tensors.append(self.pb.Tensor("PREVIEW", self._bytes(call, jpeg)))
         return self.pb.InferenceResponse(output_tensors=tensors)
 

@@ -33,7 +33,7 @@ from .error_status import error_response, forwarded_error
 from .lanes import forwarded_lane
 from .model_io import T2I_PASSED_INPUTS as PASSED_INPUTS
 from .parameters import model_allowlist, read_parameters
-from .prompt_parsing import ENCODER_INPUTS, parse_prompts
+from .prompt_parsing import ENCODER_INPUTS, PromptRequest, parse_prompts
 
 T2I_PARAMETERS = {"default_model": "neopp_dense", "allowed_models": "",
                   "encoder_model": "neopp_prompt_encoder", "default_size": ""}
@@ -94,7 +94,7 @@ class T2ITritonModel:
             model = chosen_model(inputs["MODEL"].as_numpy() if "MODEL" in inputs else None,
                                  self.allowed, self.default_model)
             # Checked here too, so an oversized prompt is refused before it is copied to the encoder.
-            parse_prompts({n: inputs[n].as_numpy() for n in ENCODER_INPUTS if n in inputs})
+            prompts = parse_prompts({n: inputs[n].as_numpy() for n in ENCODER_INPUTS if n in inputs})
             lane = forwarded_lane(request)
             self._check_cancelled(request)
             branches = (*ENCODER_OUTPUTS, *(EDIT_OUTPUTS if "IMAGES" in inputs else ()))
@@ -103,7 +103,7 @@ class T2ITritonModel:
             if encoded.has_error():
                 return self._forward_error(self.encoder, encoded.error())
             prefix = [pb.get_output_tensor_by_name(encoded, name) for name in branches]
-            passed = [inputs[n] for n in PASSED_INPUTS if n in inputs]
+            passed = [inputs[n] for n in PASSED_INPUTS if n in inputs] + self._recorded(prompts)
             if "SIZE" not in inputs and self.default_size is not None:
                 passed.append(pb.Tensor("SIZE", self.default_size))
             self._check_cancelled(request)
@@ -121,6 +121,14 @@ class T2ITritonModel:
         """One BLS request; the tensors are passed on without a copy here."""
         return self.pb.InferenceRequest(model_name=model, inputs=tensors, requested_output_names=list(outputs),
                                         parameters=parameters or {}).exec()
+
+    def _recorded(self, prompts: PromptRequest) -> list[Any]:
+        """The picture's record: the prompts (kept where the generation model allows) and think mode."""
+        texts = {"RECORD_PROMPT": prompts.prompt, "RECORD_NEGATIVE_PROMPT": prompts.negative_prompt or None}
+        think = np.array([prompts.think_max_tokens if prompts.think else 0], dtype=np.int64)
+        return [*(self.pb.Tensor(name, np.array([text.encode()], dtype=np.object_))
+                  for name, text in texts.items() if text is not None),
+                self.pb.Tensor("RECORD_THINK", think)]
 
     @staticmethod
     def _check_cancelled(request: Any) -> None:

@@ -32,6 +32,7 @@ from ..errors import ConfigError
 from ..image_io import encode_image
 from ..model.checkpoint_config import CheckpointConfig
 from .adapter_offer import model_offer
+from .c2pa_signing import picture_signer
 from .capabilities import PublishedFacts, model_capabilities
 from .engine_link import EngineLink, EngineUnavailable
 from .metrics import GenerationMetrics
@@ -135,7 +136,8 @@ class NeoPPTritonModel:
         self.settings = TritonModelSettings.from_config(model_config, model_dir)
         self.model_name = args.get("model_name", self.settings.model_name)
         self._stopping = stop_on_sigterm(self.logger, self.model_name)
-        self.metrics = GenerationMetrics(pb_utils, self.model_name)
+        self.signer = picture_signer(self.settings.c2pa_certificate, self.settings.c2pa_key)
+        self.metrics = GenerationMetrics(pb_utils, self.model_name, signing=self.signer is not None)
         self.host = None
         owner = self.settings.engine_model or self.model_name
         engine_stub = owner == self.model_name and first_instance(args)
@@ -235,7 +237,10 @@ class NeoPPTritonModel:
     def _final(self, header: dict[str, Any], blobs: list[bytes], call: Call) -> Any:
         pixels = np.frombuffer(blobs[0], dtype=np.uint8).reshape(header["shape"])
         resize = call.options.get("resize")
-        image = encode_image(pixels, call.options.get("format", "png"), tuple(resize) if resize else None)
+        fmt, record = call.options.get("format", "png"), call.options.get("record")
+        image = encode_image(pixels, fmt, tuple(resize) if resize else None, record=record)
+        if self.signer is not None:
+            image = self.signer.sign(image, fmt, record)
         seconds = time.perf_counter() - call.start
         self.metrics.success(seconds)
         self.logger.log_info(summary_line(self.model_name, header["summary"], len(image), seconds))

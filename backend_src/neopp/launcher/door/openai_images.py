@@ -6,7 +6,7 @@ model (``neopp_t2i``: the prompt encoder, then the generation model named by ``m
 client written for OpenAI draws with NeoPP unchanged. Our extensions ride in the same body:
 ``seed``, ``negative_prompt``, ``num_inference_steps``, ``guidance_scale``, ``cache`` and
 ``cache_threshold`` (the step cache; the model checks the method it offers), ``cfg_norm`` and
-``timestep_shift`` (the model checks their values). Errors have OpenAI's
+``timestep_shift`` and ``cfg_interval`` (the model checks their values). Errors have OpenAI's
 shape (``{"error": {"message", "type", "param", "code"}}``) and name the parameter. An edit is
 the same request with pictures (``openai_edits`` reads its form): the encoder reads them with the
 prompt, and its image-only branch reaches the generation model beside the two prompt branches.
@@ -24,7 +24,13 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from ...contract.adapter_names import MAX_NAME_CHARS, SCALE_MAX_ABS
-from ...contract.inputs import EDIT_OUTPUTS, ENCODER_OUTPUTS, MAX_PROMPT_CHARS, MAX_THINK_TOKENS
+from ...contract.inputs import (
+    DEFAULT_THINK_TOKENS,
+    EDIT_OUTPUTS,
+    ENCODER_OUTPUTS,
+    MAX_PROMPT_CHARS,
+    MAX_THINK_TOKENS,
+)
 from ...contract.sizes import is_openai_size, openai_size, openai_text
 from . import strict_json
 from .spliced_request import WireRequest
@@ -48,7 +54,8 @@ MAX_CACHE_NAME = 32
 PARAMETERS = ("prompt", "model", "n", "size", "response_format", "output_format", "stream", "partial_images",
               "seed", "negative_prompt", "num_inference_steps", "guidance_scale", "progress", "user",
               "output_compression", "style", "lora", "lora_scale", "cache",
-              "cache_threshold", "think", "think_max_tokens", "cfg_norm", "timestep_shift", *ACCEPTED_AND_IGNORED)
+              "cache_threshold", "think", "think_max_tokens", "cfg_norm", "timestep_shift", "cfg_interval",
+              *ACCEPTED_AND_IGNORED)
 EDIT_PARAMETERS = ("image_guidance_scale",)  # an edit's only parameter beyond a generation's (its pictures aside)
 PREFIXES = (*ENCODER_OUTPUTS, *EDIT_OUTPUTS)  # what the encoder answers that a generation model takes
 MAX_LORA_NAME = MAX_NAME_CHARS  # the model checks the name's characters and that the adapter exists
@@ -97,6 +104,7 @@ class ImagesRequest:
     image_guidance_scale: float | None = None  # an edit's guidance towards its pictures (img_cfg_scale)
     cfg_norm: str | None = None  # ours: the guidance's renormalisation (the model checks the name)
     timestep_shift: float | None = None  # ours: the schedule's shift (the model checks its range)
+    cfg_interval: tuple[float, float] | None = None  # ours: the times guidance runs at (the model checks it)
 
     @property
     def size_text(self) -> str:
@@ -168,7 +176,8 @@ def parse_images_request(doc: Any, images: tuple[bytes, ...] = ()) -> tuple[Imag
         guidance_scale=_scale(doc, "guidance_scale"), partial_images=partial, progress=progress,
         lora=lora, lora_scale=lora_scale, cache=cache, cache_threshold=cache_threshold, think=think,
         think_max_tokens=think_max_tokens, images=images, image_guidance_scale=_scale(doc, "image_guidance_scale"),
-        cfg_norm=_text(doc, "cfg_norm", None, MAX_CACHE_NAME), timestep_shift=_shift(doc))
+        cfg_norm=_text(doc, "cfg_norm", None, MAX_CACHE_NAME), timestep_shift=_shift(doc),
+        cfg_interval=_interval(doc))
     return request, stream
 
 
@@ -180,6 +189,17 @@ def _shift(doc: dict[str, Any]) -> float | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise OpenAIError(400, "'timestep_shift' must be a positive number", "timestep_shift")
     return float(value)
+
+
+def _interval(doc: dict[str, Any]) -> tuple[float, float] | None:
+    """``cfg_interval``: two finite numbers [low, high] (the model holds them to its own rules)."""
+    value = doc.get("cfg_interval")
+    if value is None:
+        return None
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(type(v) in (int, float) and math.isfinite(v) for v in value)):
+        raise OpenAIError(400, "'cfg_interval' must be two numbers [low, high]", "cfg_interval")
+    return float(value[0]), float(value[1])
 
 
 def _scale(doc: dict[str, Any], key: str) -> float | None:
@@ -287,7 +307,15 @@ def generation_request(req: ImagesRequest, encoded: pb.ModelInferResponse, index
         if out.name in PREFIXES:  # not THINK_TEXT: the answer carries that
             _add(wire, out.name, out.datatype, list(out.shape), raw)
     _sampling(wire, req, req.size, index)
+    _recorded(wire, req)
     return wire
+
+
+def _recorded(wire: WireRequest, req: ImagesRequest) -> None:
+    """What the picture's record says of the prompts (kept where the model allows) and think mode."""
+    _texts(wire, {"RECORD_PROMPT": req.prompt, "RECORD_NEGATIVE_PROMPT": req.negative_prompt})
+    cap = (req.think_max_tokens or DEFAULT_THINK_TOKENS) if req.think else 0
+    _add(wire, "RECORD_THINK", "INT64", [1], np.array([cap], "<i8").tobytes())
 
 
 def streamed_request(req: ImagesRequest, encoded: pb.ModelInferResponse, preview_every: int) -> WireRequest:
@@ -323,6 +351,8 @@ def _sampling(wire: WireRequest, req: ImagesRequest, size: tuple[int, int] | Non
         _add(wire, "TIMESTEP_SHIFT", "FP32", [1], np.array([req.timestep_shift], "<f4").tobytes())
     if req.cache_threshold is not None:
         _add(wire, "CACHE_THRESHOLD", "FP32", [1], np.array([req.cache_threshold], "<f4").tobytes())
+    if req.cfg_interval is not None:
+        _add(wire, "CFG_INTERVAL", "FP32", [2], np.array(req.cfg_interval, "<f4").tobytes())
 
 
 def preview_plan(partial_images: int, steps: int | None) -> int:
@@ -346,7 +376,7 @@ PARAMETER_OF_INPUT = {"PROMPT": "prompt", "NEGATIVE_PROMPT": "negative_prompt", 
                       "OUTPUT_FORMAT": "output_format", "LORA": "lora", "LORA_SCALE": "lora_scale", "CACHE": "cache",
                       "CACHE_THRESHOLD": "cache_threshold", "THINK": "think", "THINK_MAX_TOKENS": "think_max_tokens",
                       "IMAGES": "image", "IMAGE_GUIDANCE_SCALE": "image_guidance_scale", "CFG_NORM": "cfg_norm",
-                      "TIMESTEP_SHIFT": "timestep_shift"}
+                      "TIMESTEP_SHIFT": "timestep_shift", "CFG_INTERVAL": "cfg_interval"}
 
 
 def refusal(status: int, message: str, headers: dict[str, str]) -> OpenAIError:

@@ -8,7 +8,9 @@ engine; a generation model's own ``neopp_generations_total``/``_seconds_total``:
 and their whole time, a stream's included; ``neopp_failures_total`` by reason: errors of the
 server apart from refused and cancelled requests; for other models Triton's
 ``nv_inference_request_success``/``_duration_us``/``_failure``), and the launcher's health
-(reloads of a model's stubs, restarts of the server). Recent latency is the mean over the
+(reloads of a model's stubs, restarts of the server). ``c2pa_signed`` says whether a generation
+model signs its final pictures with a C2PA manifest (``neopp_model_signing``; null for the
+models that draw nothing). Recent latency is the mean over the
 requests served since the previous look (the mean since start on the first look): a refusal
 never enters it.
 """
@@ -26,7 +28,7 @@ from .upstream import Upstream
 WANTED = {"nv_inference_pending_request_count": "queued", "neopp_engine_requests": "in_flight",
           "nv_inference_request_success": "successes", "nv_inference_request_failure": "failed_in_triton",
           "nv_inference_request_duration_us": "duration_us", "neopp_generations_total": "generations",
-          "neopp_generation_seconds_total": "generation_s"}
+          "neopp_generation_seconds_total": "generation_s", "neopp_model_signing": "signing"}
 FAILURES = "neopp_failures_total"  # a generation model's failed requests, by reason
 SERVER_FAULTS = ("internal", "config", "worker_failure")  # the server's doing; the rest were refused or cancelled
 REFUSALS = ("invalid_input", "queue_full")
@@ -78,7 +80,7 @@ class StatusBoard:
         return {"model": name, "ready": state == "READY", "state": state or "UNLOADED",
                 "in_flight": _int(counts.get("in_flight")), "queued": _int(counts.get("queued")),
                 "recent_latency_ms": latency, "successes": _int(done), **_failures(counts, own),
-                "restarts": reloads}
+                "restarts": reloads, "c2pa_signed": None if "signing" not in counts else counts["signing"] > 0}
 
 
 def _failures(counts: dict[str, float], own: bool) -> dict[str, int | None]:
@@ -102,7 +104,7 @@ def _int(value: float | None) -> int | None:
 def render_html(doc: dict[str, Any]) -> str:
     """The status as a page a person reads; the same figures as the JSON."""
     columns = ("model", "state", "in_flight", "queued", "recent_latency_ms", "successes", "errors", "refused",
-               "cancelled", "restarts")
+               "cancelled", "restarts", "c2pa_signed")
     rows = "".join("<tr>" + "".join(f"<td>{html.escape(_shown(m[c]))}</td>" for c in columns) + "</tr>"
                    for m in doc["models"])
     head = "".join(f"<th>{c.replace('_', ' ')}</th>" for c in columns)
