@@ -131,7 +131,7 @@ def latency(args: argparse.Namespace, ckpt: Path, work: Path) -> list[str]:
             label = f"{args.tokens} tokens"
             result, parts = measure_latency(server, pipe, {label: kv}, size, args.steps, args.rounds)
             base = stats(result["times"][(label, PATHS[0])])[0]
-            lines += [f"{size}x{size}, {args.steps} steps (same PNG bytes on every path: "
+            lines += [f"{size}x{size}, {args.steps} steps (same picture on every path: "
                       f"{'yes' if result['same_bytes'] else 'NO'}):"]
             for (_, path), values in result["times"].items():
                 med = stats(values)[0]

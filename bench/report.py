@@ -62,6 +62,7 @@ SECTIONS = [
     Section("failover", "failover", "Replicas: a crash under load"),
     Section("8b", "eight_b", "8B geometry"),
     Section("gguf", "gguf_weights", "GGUF weights: memory, layer time, the demo's image"),
+    Section("provenance", "provenance", "Provenance: the record and the C2PA signature"),
     Section("demo_quality", "demo_quality",
             "Demo model: what each mode draws, judged on held-out prompts", to_file=True),
     Section("demo_shape_probe", "demo_shape_probe", "Demo model: where the shape is decided", to_file=True),

@@ -20,7 +20,7 @@ def pins(text: str) -> dict[str, str]:
 def test_runtime_pins_equal_the_requirements() -> None:
     required, image = pins((REPO / "requirements.txt").read_text()), pins(DOCKERFILE)
     assert set(image) == {"torch", "numpy", "safetensors", "pillow", "tokenizers", "gguf", "tritonclient", "starlette",
-                          "uvicorn", "h11"}
+                          "uvicorn", "h11", "c2pa-python", "cryptography"}
     assert all(image[name] == required[name] for name in image), (image, required)
 
 

@@ -56,7 +56,8 @@ def t2i(served: Launched, seed: int, model: str = "neopp_dense", size: int = 128
               "OUTPUT_FORMAT": np.array([b"png"], np.object_), **extra}
     tensors = []
     for name, value in inputs.items():
-        tensor = grpcclient.InferInput(name, list(value.shape), "BYTES" if value.dtype == np.object_ else "INT64")
+        kind = {np.dtype(np.object_): "BYTES", np.dtype(np.float32): "FP32"}.get(value.dtype, "INT64")
+        tensor = grpcclient.InferInput(name, list(value.shape), kind)
         tensor.set_data_from_numpy(value)
         tensors.append(tensor)
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{served.grpc_port}")
@@ -236,3 +237,87 @@ def test_the_playground_s_new_controls_in_a_browser(served: Launched):
                                           for seed in (21, 22)]
     assert caption == "seeds 21, 22"
     assert back == (one, "21")
+
+
+def _checkpoint_hash(folder: Path) -> str:
+    """The checkpoint's content hash as the record defines it, computed here from the files."""
+    import hashlib
+
+    combined = hashlib.sha256()
+    for file in [folder / "config.json", *sorted(folder.glob("*.safetensors"))]:
+        combined.update(f"{file.name}\0{hashlib.sha256(file.read_bytes()).hexdigest()}\n".encode())
+    return combined.hexdigest()
+
+
+def test_a_picture_records_how_it_was_drawn_and_generate_from_draws_the_same_bytes(served: Launched,
+                                                                                    tmp_path: Path):
+    from neopp.contract.picture_record import read_record
+
+    done = neopp(served, "generate", PROMPT, "-o", "first.png", "--size", "128x96", "--steps", "3", "--seed", "11",
+                 "--guidance", "5", "--shift", "2.5", "--cfg-norm", "channel", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    first = (tmp_path / "first.png").read_bytes()
+    record = read_record(first)
+    assert {k: record[k] for k in ("model", "mode", "width", "height", "steps", "seed", "guidance_scale",
+                                   "timestep_shift", "guidance_norm", "checkpoint", "think", "edit", "cache")} == {
+        "model": "neopp_dense", "mode": "neopp_dense", "width": 128, "height": 96, "steps": 3, "seed": 11,
+        "guidance_scale": 5.0, "timestep_shift": 2.5, "guidance_norm": "channel", "checkpoint": "dense",
+        "think": False, "edit": False, "cache": "off"}
+    assert record["checkpoint_sha256"] == _checkpoint_hash(DEMO / "dense")
+    assert record["software"].startswith("neopp ") and "prompt" not in record  # prompts kept only when allowed
+    # the same picture through neopp_t2i (the model itself, no streamed twin) has the same record and bytes
+    t2i_png = t2i(served, 11, size=0, SIZE=np.array([96, 128], np.int64), STEPS=np.array([3], np.int64),
+                  CFG_SCALE=np.array([5.0], np.float32), TIMESTEP_SHIFT=np.array([2.5], np.float32),
+                  CFG_NORM=np.array([b"channel"], np.object_))
+    assert t2i_png == first
+
+    refused = neopp(served, "generate", "--from", "first.png", "-o", "again.png", cwd=tmp_path)
+    assert refused.returncode == 2 and "holds no prompt" in refused.stderr and not (tmp_path / "again.png").exists()
+    again = neopp(served, "generate", PROMPT, "--from", "first.png", "-o", "again.png", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert (tmp_path / "again.png").read_bytes() == first
+    other = neopp(served, "generate", PROMPT, "--from", "first.png", "--seed", "12", "-o", "other.png", cwd=tmp_path)
+    assert other.returncode == 0 and read_record((tmp_path / "other.png").read_bytes())["seed"] == 12
+
+
+def test_generate_from_a_file_without_a_record_is_refused_in_words(served: Launched, tmp_path: Path):
+    Image.new("RGB", (8, 8)).save(tmp_path / "plain.png")
+    (tmp_path / "notes.png").write_text("not a picture")
+    for name, words in (("plain.png", "holds no NeoPP record"), ("notes.png", "not a PNG, JPEG or WebP"),
+                        ("absent.png", "cannot read the picture")):
+        done = neopp(served, "generate", PROMPT, "--from", name, cwd=tmp_path)
+        assert done.returncode == 2 and f"--from {name}: " in done.stderr and words in done.stderr, done.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+def test_the_playground_draws_again_from_a_picture_chosen_or_refuses_it(served: Launched, tmp_path: Path):
+    """A picture the CLI drew, chosen in the playground's redraw field: its settings fill the form,
+    and Generate draws the very same bytes; a picture without a record is refused in the status."""
+    from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    done = neopp(served, "generate", PROMPT, "-o", "drawn.png", "--size", "128x128", "--steps", "2", "--seed", "31",
+                 "--shift", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    Image.new("RGB", (8, 8)).save(tmp_path / "plain.png")
+    shown = "return document.getElementById('image').getAttribute('src')"
+    b = open_browser()
+    try:
+        b.get(f"http://127.0.0.1:{served.http_port}/")
+        b.find_element("id", "key").send_keys(KEY, Keys.TAB)
+        WebDriverWait(b, 60).until(lambda b: len(Select(b.find_element("id", "model")).options) > 0)
+        b.find_element("id", "redraw").send_keys(str(tmp_path / "plain.png"))
+        WebDriverWait(b, 30).until(lambda b: "holds no NeoPP record" in b.find_element("id", "status").text)
+        b.find_element("id", "redraw").send_keys(str(tmp_path / "drawn.png"))
+        WebDriverWait(b, 30).until(lambda b: b.find_element("id", "seed").get_attribute("value") == "31")
+        form = {name: b.find_element("id", name).get_attribute("value") for name in ("steps", "size", "model")}
+        note = b.find_element("id", "redraw-note").text
+        b.find_element("id", "prompt").clear()
+        b.find_element("id", "prompt").send_keys(PROMPT, Keys.ENTER)
+        WebDriverWait(b, 180).until(lambda b: b.find_element("id", "caption").text == "seed 31")
+        drawn = b.execute_script(shown)
+    finally:
+        b.quit()
+    assert form == {"steps": "2", "size": "128x128", "model": "neopp_dense"}
+    assert "drawn.png" in note and "its prompt" in note
+    assert base64.b64decode(drawn.split(",", 1)[1]) == (tmp_path / "drawn.png").read_bytes()

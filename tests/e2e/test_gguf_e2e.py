@@ -16,6 +16,7 @@ import pytest
 from neopp.ports import LOOPBACK
 from testing import REPO
 from testing.launched import Launched, serving
+from testing.pictures import same_pixels
 from testing.tiny_gguf import dequantized_reference, write_gguf
 
 DEMO = REPO / "demo" / "checkpoints" / "dense"
@@ -53,4 +54,5 @@ def test_a_prompt_draws_from_a_gguf_file_what_its_floats_draw(checkpoints, tmp_p
             pictures[name] = drawn(served)
             log = served.text()
         assert f"loaded {checkpoint}" in log, log[-3000:]
-    assert pictures["gguf"][:8] == b"\x89PNG\r\n\x1a\n" and pictures["gguf"] == pictures["floats"]
+    assert pictures["gguf"][:8] == b"\x89PNG\r\n\x1a\n"
+    assert same_pixels(pictures["gguf"], pictures["floats"])  # each record names its own checkpoint

@@ -20,7 +20,7 @@ def test_the_serving_check_reports_every_figure(tiny_dense: Path, tmp_path: Path
     report = (tmp_path / "gpu_serving.md").read_text()
     assert "libpython3" in report and "found" in report and "numpy 1." in report
     assert (tmp_path / "work" / "tritonserver_latency.log").is_file()  # kept for a run cut short
-    assert "same PNG bytes on every path: yes" in report
+    assert "same picture on every path: yes" in report
     for path in ("in-process", "Triton gRPC", "Triton shared memory"):
         assert re.search(rf"^  {path} +[\d.]+ ms  x[\d.]+", report, re.MULTILINE), path
     # the second figure is the total less what the server timed: noise can make it a little negative

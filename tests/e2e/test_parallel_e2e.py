@@ -25,6 +25,7 @@ from tritonclient.utils import InferenceServerException
 
 from testing import lightllm_client_module
 from testing.faults import rank_pids, signal_own
+from testing.pictures import same_pixels
 from testing.tiny_checkpoint import random_kv, tiny_config
 
 STEPS_METRIC = "neopp_denoising_steps_total"
@@ -60,12 +61,12 @@ def test_parallel_model_equals_single_device(triton, model, case):
 
 def test_image_editing_gives_the_same_png_on_dense_and_cfg(triton):
     """Three branches (IMAGE_GUIDANCE_SCALE 2 != CFG_SCALE): batched on one device, or spread over
-    2 CFG ranks with one rank carrying two; the same PNG bytes either way."""
+    2 CFG ranks with one rank carrying two; the same pixels either way."""
     image_kv = random_kv(tiny_config("dense"), 15, seed=5).float().numpy()
     edit = {"SEED": np.array([31], np.int64), "IMAGE_KV": (image_kv, "BF16"),
             "INDEX_OFFSET_IMAGE": np.array([15], np.int64), "IMAGE_GUIDANCE_SCALE": np.array([2.0], np.float32)}
     dense = infer(triton, "neopp_dense", **edit).as_numpy("IMAGE")[0]
-    assert infer(triton, "neopp_dense_cfg", **edit).as_numpy("IMAGE")[0] == dense
+    assert same_pixels(infer(triton, "neopp_dense_cfg", **edit).as_numpy("IMAGE")[0], dense)  # records name the model
     assert dense[:8] == b"\x89PNG\r\n\x1a\n"
     # the image branch and its scale enter the result
     assert infer(triton, "neopp_dense", SEED=edit["SEED"]).as_numpy("IMAGE")[0] != dense

@@ -17,6 +17,7 @@ from neopp.sampling.batching import StepBatcher, start
 from neopp.sampling.pipeline import NeoPPPipeline
 from neopp.sampling.rng import NoiseStream
 from testing import REPO as REPO_ROOT
+from testing.pictures import same_pixels
 
 I64, F32 = np.int64, np.float32
 STEPS, SEED, THRESHOLD = 12, 11, 0.3
@@ -52,8 +53,8 @@ def served(triton, model: str = "neopp_dense", **overrides) -> bytes:
 
 def test_cache_off_is_today_s_bytes(triton, pipeline):
     today = encode_image(pipeline.generate(request(triton, pipeline)), "png")
-    assert served(triton) == today
-    assert served(triton, CACHE=np.array([b"off"], np.object_)) == today
+    assert same_pixels(served(triton), today)  # the served file adds its record
+    assert served(triton, CACHE=np.array([b"off"], np.object_)) == served(triton)
 
 
 @pytest.mark.parametrize("method", ["fbcache", "taylorseer"])
@@ -61,8 +62,8 @@ def test_a_cached_request_is_the_step_batcher_s_bytes(triton, pipeline, method):
     want, reused = batcher_png(pipeline, request(triton, pipeline, cache=method, cache_threshold=THRESHOLD))
     assert reused > 0  # the threshold really skips steps on these weights
     got = served(triton, CACHE=np.array([method.encode()], np.object_), CACHE_THRESHOLD=np.array([THRESHOLD], F32))
-    assert got == want
-    assert got != served(triton)  # and the cache changed the picture (a negative control)
+    assert same_pixels(got, want)
+    assert not same_pixels(got, served(triton))  # and the cache changed the picture (a negative control)
 
 
 @pytest.mark.parametrize("model,overrides,message", [

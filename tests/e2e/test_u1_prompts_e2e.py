@@ -34,6 +34,7 @@ from testing import tiny_u1
 from testing.browser import playground
 from testing.launched import serving
 from testing.model_calls import ModelCalls, text
+from testing.pictures import same_pixels
 from tests.e2e.test_openai_edits_e2e import multipart
 from tests.reference.u1_prompts import cond_pieces, expected_ids, uncond_pieces
 
@@ -117,10 +118,11 @@ def test_think_mode_answers_its_reasoning_and_draws_on_the_prefix_continued_from
     assert answer["THINK_TEXT"].tolist() == [thought.text.encode()]
     direct = client.infer("neopp_dense", ("IMAGE",), COND_KV=(out["COND_KV"], "BF16"),
                           UNCOND_KV=(out["UNCOND_KV"], "BF16"), INDEX_OFFSET_COND=out["INDEX_OFFSET_COND"],
-                          INDEX_OFFSET_UNCOND=out["INDEX_OFFSET_UNCOND"], **SMALL)["IMAGE"][0]
-    assert answer["IMAGE"][0] == direct
+                          INDEX_OFFSET_UNCOND=out["INDEX_OFFSET_UNCOND"], RECORD_THINK=np.array([3], np.int64),
+                          **SMALL)["IMAGE"][0]
+    assert answer["IMAGE"][0] == direct  # the record says think mode, as neopp_t2i's does
     plain = client.infer("neopp_t2i", ("IMAGE", "THINK_TEXT"), PROMPT=text(PROMPT), **SMALL)
-    assert plain["THINK_TEXT"].tolist() == [b""] and plain["IMAGE"][0] != direct
+    assert plain["THINK_TEXT"].tolist() == [b""] and not same_pixels(plain["IMAGE"][0], direct)
 
 
 def test_v1_thinks_when_asked_and_answers_the_reasoning_beside_the_image(served, client, ckpt):

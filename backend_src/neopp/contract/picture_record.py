@@ -37,7 +37,7 @@ _FIELDS: dict[str, tuple[type | None, ...]] = {
     "record": (int,), "software": (str,), "model": (str,), "mode": (str,),
     "checkpoint": (str,), "checkpoint_sha256": (str,), "width": (int,), "height": (int,), "resize": (list, None),
     "steps": (int,), "guidance_scale": (float,), "guidance_interval": (list,), "guidance_norm": (str,),
-    "image_guidance_scale": (float, None), "timestep_shift": (float,), "seed": (int, str), "task": (str,),
+    "image_guidance_scale": (float, None), "timestep_shift": (float,), "seed": (int, str),
     "lora": (str, None), "lora_scale": (float, None), "cache": (str,), "cache_threshold": (float, None),
     "think": (bool,), "think_max_tokens": (int, None), "edit": (bool,),
     "prompt": (str, None), "negative_prompt": (str, None), "prompts_omitted": (bool,),

@@ -76,7 +76,7 @@ def request_record(source: RecordSource, req: GenerationRequest, seed: int | str
         "steps": s.infer_steps, "guidance_scale": float(s.cfg_scale),
         "guidance_interval": [float(v) for v in s.cfg_interval], "guidance_norm": s.cfg_norm,
         "image_guidance_scale": float(s.image_guidance_scale) if req.image_editing else None,
-        "timestep_shift": float(s.timestep_shift), "seed": seed, "task": req.task,
+        "timestep_shift": float(s.timestep_shift), "seed": seed,
         "lora": req.lora, "lora_scale": float(req.lora_scale) if req.lora else None,
         "cache": s.cache, "cache_threshold": None if s.cache_threshold is None else float(s.cache_threshold),
         "think": recorded.think_max_tokens > 0,

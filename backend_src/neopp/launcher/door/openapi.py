@@ -71,6 +71,8 @@ IMAGES_REQUEST = {
         "think_max_tokens": {"type": "integer", "minimum": 1, "maximum": oa.MAX_THINK_TOKENS},
         "cfg_norm": {"type": "string", "description": "the guidance's renormalisation: global, channel or none"},
         "timestep_shift": {"type": "number", "exclusiveMinimum": 0, "description": "the schedule's time shift"},
+        "cfg_interval": {"type": "array", "items": {"type": "number"}, "minItems": 2, "maxItems": 2,
+                         "description": "[low, high]: the times guidance runs at"},
         **{key: {"enum": list(values)} for key, values in oa.ACCEPTED_AND_IGNORED.items()}}}
 EDIT_REQUEST = {
     "type": "object", "required": ["image", "prompt"], "additionalProperties": False,
