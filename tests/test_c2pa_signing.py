@@ -20,7 +20,8 @@ from testing.c2pa_pki import validation_state, write_test_pki
 pytest.importorskip("c2pa")
 PIXELS = np.random.default_rng(2).integers(0, 256, (64, 64, 3), dtype=np.uint8)
 RECORD = json.dumps({"record": 1, "model": "neopp_dense", "mode": "neopp_dense", "width": 64, "height": 64,
-                     "steps": 2, "guidance_scale": 4.0, "timestep_shift": 3.0, "seed": 5})
+                     "steps": 2, "guidance_scale": 4.0, "guidance_interval": [-1.0, 2.0], "timestep_shift": 3.0,
+                     "seed": 5})
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_a_signed_picture_validates_against_the_ca_and_keeps_its_record_and_mark
     (action,) = assertions["c2pa.actions.v2"]["actions"]
     assert action["action"] == "c2pa.created" and action["digitalSourceType"] == DIGITAL_SOURCE_TYPE
     assert action["softwareAgent"]["name"] == "neopp"
-    assert assertions[PARAMETERS_LABEL] == json.loads(RECORD)
+    assert json.loads(assertions[PARAMETERS_LABEL]["record"]) == json.loads(RECORD)
     assert read_record(signed) == read_record(plain)  # the record is still where the reader looks
 
 

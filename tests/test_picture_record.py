@@ -248,3 +248,19 @@ def test_a_record_that_cannot_redraw_is_refused_in_words(change, given, words):
 
 def test_a_continued_stream_is_drawn_anew_with_a_seed_given():
     assert _redraw(json.loads(a_record(seed="stream")), seed=9).seed == 9
+
+
+@pytest.mark.parametrize("fmt", ["jpeg", "webp"])
+def test_a_prompt_of_any_characters_keeps_the_xmp_well_formed(fmt):
+    """XML allows no U+FFFF or U+0001 even escaped: the XMP holds the record in ASCII, which JSON
+    reads back as written."""
+    import xml.etree.ElementTree as ET
+
+    prompt = "a \uffff \x01 \u00e9 \U0001f534 </x:xmpmeta> &amp; circle"
+    data = encode_image(PIXELS, fmt, record=a_record(prompt=prompt))
+    assert read_record(data)["prompt"] == prompt
+    xmp = Image.open(io.BytesIO(data)).info["xmp"]
+    packet = xmp if isinstance(xmp, bytes) else xmp.encode()
+    body = packet[packet.index(b"<x:xmpmeta"):packet.index(b"</x:xmpmeta>") + len(b"</x:xmpmeta>")]
+    assert body.isascii()
+    ET.fromstring(body)  # well-formed

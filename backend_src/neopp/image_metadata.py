@@ -27,7 +27,7 @@ PROMPTS = ("prompt", "negative_prompt")
 def xmp_packet(record: str | None = None) -> str:
     """The XMP packet: the digital source type, and the record as ``neopp:Record`` when given."""
     extra = "" if record is None else (f'\n    xmlns:neopp="{RECORD_NAMESPACE}"\n'
-                                       f'    neopp:Record="{xml_attribute(record)}"')
+                                       f'    neopp:Record="{xml_attribute(_ascii(record))}"')
     return (f'<?xpacket begin="\ufeff" id="W5M0MpCehiHzreSzNTczkc9d"?>\n'
             f'<x:xmpmeta xmlns:x="adobe:ns:meta/">\n'
             f' <rdf:RDF xmlns:rdf="http://www.w3.org/1999/02/22-rdf-syntax-ns#">\n'
@@ -40,6 +40,12 @@ def xmp_packet(record: str | None = None) -> str:
 
 
 XMP_PACKET = xmp_packet()
+
+
+def _ascii(record: str) -> str:
+    """The record with every character past ASCII as a JSON escape: XML allows no character of
+    some code points (U+FFFE, U+FFFF) that a prompt may hold, and JSON reads it back the same."""
+    return json.dumps(json.loads(record), separators=(",", ":"))
 
 
 def save_options(pil_format: str, record: str | None = None) -> dict[str, Any]:

@@ -253,20 +253,20 @@ def test_a_picture_records_how_it_was_drawn_and_generate_from_draws_the_same_byt
                                                                                     tmp_path: Path):
     from neopp.contract.picture_record import read_record
 
-    done = neopp(served, "generate", PROMPT, "-o", "first.png", "--size", "128x96", "--steps", "3", "--seed", "11",
+    done = neopp(served, "generate", PROMPT, "-o", "first.png", "--size", "160x128", "--steps", "3", "--seed", "11",
                  "--guidance", "5", "--shift", "2.5", "--cfg-norm", "channel", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     first = (tmp_path / "first.png").read_bytes()
     record = read_record(first)
     assert {k: record[k] for k in ("model", "mode", "width", "height", "steps", "seed", "guidance_scale",
                                    "timestep_shift", "guidance_norm", "checkpoint", "think", "edit", "cache")} == {
-        "model": "neopp_dense", "mode": "neopp_dense", "width": 128, "height": 96, "steps": 3, "seed": 11,
+        "model": "neopp_dense", "mode": "neopp_dense", "width": 160, "height": 128, "steps": 3, "seed": 11,
         "guidance_scale": 5.0, "timestep_shift": 2.5, "guidance_norm": "channel", "checkpoint": "dense",
         "think": False, "edit": False, "cache": "off"}
     assert record["checkpoint_sha256"] == _checkpoint_hash(DEMO / "dense")
     assert record["software"].startswith("neopp ") and "prompt" not in record  # prompts kept only when allowed
     # the same picture through neopp_t2i (the model itself, no streamed twin) has the same record and bytes
-    t2i_png = t2i(served, 11, size=0, SIZE=np.array([96, 128], np.int64), STEPS=np.array([3], np.int64),
+    t2i_png = t2i(served, 11, size=0, SIZE=np.array([128, 160], np.int64), STEPS=np.array([3], np.int64),
                   CFG_SCALE=np.array([5.0], np.float32), TIMESTEP_SHIFT=np.array([2.5], np.float32),
                   CFG_NORM=np.array([b"channel"], np.object_))
     assert t2i_png == first

@@ -2,19 +2,19 @@
 
 The manifest says who made the picture and how: a ``c2pa.created`` action with the digital
 source type ``trainedAlgorithmicMedia`` and this server as its software agent, and the
-picture's record (:mod:`neopp.contract.picture_record`) as the ``org.neopp.parameters``
-assertion. It is made with the ``c2pa-python`` library, whose reader validates it. The
-certificate and key are files the model's config names (``c2pa_certificate``, ``c2pa_key``, or
-env ``NEOPP_C2PA_CERTIFICATE`` / ``NEOPP_C2PA_KEY``), never anything a request says; a pair that
-does not load stops the model from loading, with the reason. Previews are never signed. No
-timestamp authority is asked (nothing leaves the machine), and no thumbnail is embedded (the
-library's default would add a 1024-pixel copy of the picture to every file).
+picture's record (:mod:`neopp.contract.picture_record`), as its JSON text, in the
+``org.neopp.parameters`` assertion (``{"record": "<JSON>"}``). It is made with the
+``c2pa-python`` library, whose reader validates it. The certificate and key are files the
+model's config names (``c2pa_certificate``, ``c2pa_key``, or env ``NEOPP_C2PA_CERTIFICATE`` /
+``NEOPP_C2PA_KEY``), never anything a request says; a pair that does not load stops the model
+from loading, with the reason. Previews are never signed. No timestamp authority is asked
+(nothing leaves the machine), and no thumbnail is embedded (the library's default would add a
+1024-pixel copy of the picture to every file).
 """
 
 from __future__ import annotations
 
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,9 @@ def manifest(record: str | None) -> dict[str, Any]:
         "action": "c2pa.created", "digitalSourceType": DIGITAL_SOURCE_TYPE,
         "softwareAgent": {"name": "neopp", "version": __version__}}]}}]
     if record is not None:
-        assertions.append({"label": PARAMETERS_LABEL, "data": json.loads(record)})
+        # the record as its JSON text: the library stores a list of numbers as a byte string, which
+        # would lose the guidance interval
+        assertions.append({"label": PARAMETERS_LABEL, "data": {"record": record}})
     return {"claim_generator_info": [{"name": "neopp", "version": __version__}], "assertions": assertions}
 
 
