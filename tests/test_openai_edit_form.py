@@ -205,3 +205,15 @@ def test_the_form_s_lengths_are_read_from_the_body_not_from_a_header() -> None:
     head = body.replace(b"Content-Type: application/octet-stream", b"Content-Length: 1")
     req, _ = oe.parse_edit_form(TYPE, head, TEXT_BOUND)
     assert req.images == (PNG,)
+
+
+@pytest.mark.parametrize("text, interval", [("0.1,0.9", (0.1, 0.9)), ("[-1.0, 2.0]", (-1.0, 2.0))])
+def test_an_edit_s_guidance_interval_reads_as_two_numbers(text, interval) -> None:
+    req, _ = edit(("image", PNG, "a.png"), ("prompt", "make it blue"), ("cfg_interval", text))
+    assert req.cfg_interval == interval
+
+
+def test_an_edit_s_guidance_interval_that_is_not_two_numbers_is_refused_by_name() -> None:
+    with pytest.raises(oa.OpenAIError, match="'cfg_interval' must be two numbers") as info:
+        edit(("image", PNG, "a.png"), ("prompt", "make it blue"), ("cfg_interval", "0.1,x"))
+    assert info.value.param == "cfg_interval"

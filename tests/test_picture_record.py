@@ -82,6 +82,13 @@ def test_prompts_too_long_for_a_jpeg_segment_are_left_out_and_said_so():
     assert read_record(encode_image(PIXELS, "png", record=long))["prompt"] == "x" * 40_000
 
 
+@pytest.mark.parametrize("fmt, prompt", [("webp", "\U0001f534" * 8192), ("png", '"' * 32768),
+                                         ("jpeg", "\U0001f534" * 8192)])
+def test_prompts_at_their_bound_never_make_a_record_the_reader_refuses(fmt, prompt):
+    record = read_record(encode_image(PIXELS, fmt, record=a_record(prompt=prompt, negative_prompt=prompt)))
+    assert record["prompts_omitted"] is True and record["prompt"] is None and record["seed"] == 42
+
+
 def test_without_keep_prompts_the_record_holds_none():
     doc = json.loads(request_record(RecordSource("m", "mode", "c", "00"), generation(), "stream", (32, 48),
                                     RecordedInputs(PROMPT)))
@@ -127,12 +134,26 @@ def test_a_file_without_a_sound_record_is_refused_in_words(data, words):
     ({"steps": None}, "'steps' must not be null"),
     ({"record": 2}, "record version 2"),
     ({"seed": "lucky"}, "'seed' must be a number or one of"),
-    ({"guidance_interval": [0.0]}, "'guidance_interval' must hold two numbers"),
+    ({"guidance_interval": [0.0]}, "'guidance_interval' must hold two finite numbers"),
+    ({"resize": [10**400, 5]}, "'resize' must hold two finite numbers"),
+    ({"guidance_scale": 10**400}, "'guidance_scale' is out of range"),
     ({"think": 1}, "'think' has the wrong type"),
 ])
 def test_a_damaged_record_is_refused_naming_the_key(change, words):
     with pytest.raises(RecordError, match=words):
         parse_record(a_record(**change))
+
+
+def test_a_number_past_a_float_s_range_is_refused():
+    text = a_record().replace('"guidance_interval":[-1.0,2.0]', '"guidance_interval":[1e999,0]')
+    assert "1e999" in text
+    with pytest.raises(RecordError, match="two finite numbers"):
+        parse_record(text)
+
+
+def test_a_record_nested_past_the_parser_s_depth_is_refused_in_words():
+    with pytest.raises(RecordError, match="not valid JSON"):
+        parse_record('{"prompt": ' + "[" * 40_000 + "]" * 40_000 + "}")
 
 
 def test_a_record_lacking_a_required_key_or_too_large_is_refused():
@@ -159,7 +180,7 @@ def test_record_inputs_are_parsed_with_their_own_rules():
     assert recorded == RecordedInputs(PROMPT, None, 300)
     with pytest.raises(InputError, match="RECORD_THINK: must be INT64"):
         recorded_inputs({"RECORD_THINK": np.array([1], np.int32)})
-    with pytest.raises(InputError, match="THINK_MAX_TOKENS: must be in 1..4096"):
+    with pytest.raises(InputError, match="RECORD_THINK: 0 \\(no think mode\\) or think mode's cap, 1..4096"):
         recorded_inputs({"RECORD_THINK": np.array([5000], np.int64)})
     with pytest.raises(InputError, match="RECORD_PROMPT: at most"):
         recorded_inputs({"RECORD_PROMPT": np.array([b"x" * 40_000], np.object_)})
@@ -237,6 +258,7 @@ def test_what_the_command_line_gives_replaces_the_record():
     ({"seed": "stream"}, {}, "continued a noise stream"),
     ({"seed": "noise"}, {}, "noise its client sent"),
     ({"prompt": None}, {}, "holds no prompt"),
+    ({"prompt": None, "prompts_omitted": True}, {}, "did not fit in the file's metadata"),
     ({"resize": [32, 32]}, {}, "resized"),
     ({"edit": True}, {}, "was an edit"),
 ])

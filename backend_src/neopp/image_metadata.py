@@ -5,8 +5,8 @@ from the in-process runners) holds an XMP packet with the IPTC digital source ty
 ``trainedAlgorithmicMedia``, the machine-readable form image tools and platforms read to label
 generated pictures. A picture a model served also carries its record
 (:mod:`neopp.picture_record`): in a PNG ``iTXt`` chunk of its own, in JPEG and WebP as an
-attribute of the XMP packet (JPEG's XMP segment holds at most 64 KiB; a record too long for it
-leaves its prompts out and says so).
+attribute of the XMP packet. A record too long for the reader's bound, or for a JPEG's 64 KiB XMP
+segment, leaves its prompts out and says so.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from PIL import PngImagePlugin
 
-from .contract.picture_record import RECORD_KEY, xml_attribute
+from .contract.picture_record import MAX_RECORD_BYTES, RECORD_KEY, xml_attribute
 
 DIGITAL_SOURCE_TYPE = "http://cv.iptc.org/newscodes/digitalsourcetype/trainedAlgorithmicMedia"
 RECORD_NAMESPACE = "urn:neopp:record:1/"
@@ -50,22 +50,31 @@ def _ascii(record: str) -> str:
 
 def save_options(pil_format: str, record: str | None = None) -> dict[str, Any]:
     """Pillow's save arguments that write the marking, and the record when given, into a file
-    of ``pil_format``."""
+    of ``pil_format``. A record too long for the reader's bound (or a JPEG's XMP segment) leaves
+    its prompts out, so the server never writes a record its reader refuses."""
     if pil_format == "PNG":
         info = PngImagePlugin.PngInfo()
         info.add_itxt("XML:com.adobe.xmp", XMP_PACKET, zip=False)
         if record is not None:
-            info.add_itxt(RECORD_KEY, record, zip=False)
+            info.add_itxt(RECORD_KEY, _fitting(record, lambda r: len(r.encode())), zip=False)
         return {"pnginfo": info}
-    packet = xmp_packet(record)
-    if pil_format == "JPEG" and len(packet.encode()) > JPEG_XMP_ROOM and record is not None:
-        packet = xmp_packet(_without_prompts(record))
-    return {"xmp": packet.encode()}
+    if record is None:
+        return {"xmp": XMP_PACKET.encode()}
+    room = JPEG_XMP_ROOM if pil_format == "JPEG" else None
+    record = _fitting(record, lambda r: len(_ascii(r)), lambda r: room is None or len(xmp_packet(r).encode()) <= room)
+    return {"xmp": xmp_packet(record).encode()}
+
+
+def _fitting(record: str, stored: Any, fits: Any = lambda r: True) -> str:
+    """``record``, or the record without its prompts when its stored form is over the reader's bound."""
+    if stored(record) <= MAX_RECORD_BYTES and fits(record):
+        return record
+    return _without_prompts(record)
 
 
 def _without_prompts(record: str) -> str:
-    """The record with its prompts left out (a JPEG's XMP room is too small for them): their
-    fields say so instead of holding the text."""
+    """The record with its prompts left out (the file has no room for them): their fields say so
+    instead of holding the text."""
     doc = json.loads(record)
     for key in PROMPTS:
         if doc.get(key) is not None:

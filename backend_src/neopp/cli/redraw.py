@@ -22,13 +22,12 @@ from .generate import Ask
 def picture_record(path: Path) -> dict[str, Any]:
     """The record of the picture file at ``path``; a file without one is a usage error in words."""
     try:
-        size = path.stat().st_size
-        if size > MAX_PICTURE_BYTES:
-            raise CliError(f"--from {path}: {size} bytes, over the {MAX_PICTURE_BYTES} a picture read for its "
-                           "record may hold", 2)
-        data = path.read_bytes()
+        with open(path, "rb") as file:
+            data = file.read(MAX_PICTURE_BYTES + 1)  # a device or a pipe reports no size: read at most this
     except OSError as exc:
         raise CliError(f"--from {path}: cannot read the picture ({exc.strerror or exc})", 2) from None
+    if len(data) > MAX_PICTURE_BYTES:
+        raise CliError(f"--from {path}: over the {MAX_PICTURE_BYTES} bytes a picture read for its record may hold", 2)
     try:
         return read_record(data)
     except RecordError as exc:
@@ -47,8 +46,9 @@ def redraw_ask(ns: argparse.Namespace, record: dict[str, Any], ask: Ask) -> Ask:
                        "which this command does not ask for", 2)
     prompt = ask.prompt or record.get("prompt")
     if not prompt:
-        raise CliError(f"{source}: its record holds no prompt (the server keeps prompts only where its operator "
-                       "allows): give the prompt too", 2)
+        why = ("its prompts did not fit in the file's metadata" if record.get("prompts_omitted") else
+               "the server keeps prompts only where its operator allows")
+        raise CliError(f"{source}: its record holds no prompt ({why}): give the prompt too", 2)
     seed = ask.seed if ask.seed is not None else record["seed"]
     if isinstance(seed, str):
         why = "continued a noise stream" if seed == "stream" else "started from noise its client sent"

@@ -163,8 +163,8 @@ def parse_record(text: str) -> dict[str, Any]:
         raise RecordError(f"picture: its record is over {MAX_RECORD_BYTES} bytes")
     try:
         doc = json.loads(text, parse_constant=_no_constant)
-    except ValueError as exc:
-        raise RecordError(f"picture: its record is not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        raise RecordError(f"picture: its record is not valid JSON ({str(exc)[:80]})") from None
     if not isinstance(doc, dict):
         raise RecordError("picture: its record must be a JSON object")
     for key, value in doc.items():
@@ -177,6 +177,13 @@ def parse_record(text: str) -> dict[str, Any]:
     if isinstance(doc["seed"], str) and doc["seed"] not in SEED_WORDS:
         raise RecordError(f"picture: record 'seed' must be a number or one of {list(SEED_WORDS)}")
     return doc
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value) and abs(value) < 2**63
+    except OverflowError:
+        return False
 
 
 def _no_constant(name: str) -> Any:
@@ -192,10 +199,14 @@ def _check_field(key: str, value: Any) -> None:
             raise RecordError(f"picture: record {key!r} must not be null")
         return
     if float in kinds and type(value) is int:
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise RecordError(f"picture: record {key!r} is out of range") from None
     if not any(kind is not None and type(value) is kind for kind in kinds):
         raise RecordError(f"picture: record {key!r} has the wrong type ({type(value).__name__})")
     if isinstance(value, float) and not math.isfinite(value):
         raise RecordError(f"picture: record {key!r} must be finite")
-    if isinstance(value, list) and (len(value) != 2 or not all(type(v) in (int, float) for v in value)):
-        raise RecordError(f"picture: record {key!r} must hold two numbers")
+    if isinstance(value, list) and (len(value) != 2 or not all(type(v) in (int, float) and _finite(v)
+                                                               for v in value)):
+        raise RecordError(f"picture: record {key!r} must hold two finite numbers")

@@ -48,17 +48,21 @@ def _cache_dir() -> Path:
 
 
 def _file_hashes(files: list[Path], cache_dir: Path) -> dict[Path, str]:
-    """Each file's SHA-256, from the cache where its path, size and time still match."""
+    """Each file's SHA-256, from the cache where its path, size and time still match; each new
+    hash is kept at once, so a load stopped half way keeps what it hashed."""
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
         lock = open(cache_dir / (CACHE_NAME + ".lock"), "a")  # noqa: SIM115 - held across the hashing
     except OSError:  # no cache here (a read-only home): hash every time
         return {file: _sha256(file) for file in files}
     with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        cache = _read_cache(cache_dir / CACHE_NAME)
-        out, changed = {}, False
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without locks: hash without waiting for the others
+            pass
+        out = {}
         for file in files:
+            cache = _read_cache(cache_dir / CACHE_NAME)
             stat = file.stat()
             key, stamp = str(file.resolve()), [stat.st_size, stat.st_mtime_ns]
             kept = cache.get(key)
@@ -66,8 +70,7 @@ def _file_hashes(files: list[Path], cache_dir: Path) -> dict[Path, str]:
                 out[file] = kept[2]
                 continue
             out[file] = _sha256(file)
-            cache[key], changed = [*stamp, out[file]], True
-        if changed:
+            cache[key] = [*stamp, out[file]]
             _write_cache(cache_dir / CACHE_NAME, cache)
     return out
 

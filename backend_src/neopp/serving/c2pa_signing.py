@@ -97,12 +97,15 @@ def _pem(path: Path, parameter: str) -> bytes:
 
 def _algorithm(key_pem: bytes) -> str:
     """The C2PA signing algorithm of the key's type: ES256/384/512 for EC keys, Ed25519, PS256 for RSA."""
-    from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
-    from cryptography.hazmat.primitives.serialization import load_pem_private_key
-
+    try:
+        from cryptography.exceptions import UnsupportedAlgorithm
+        from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
+        from cryptography.hazmat.primitives.serialization import load_pem_private_key
+    except ImportError as exc:
+        raise ConfigError("c2pa_key: reading the key needs the cryptography package (pip install .[c2pa])") from exc
     try:
         key = load_pem_private_key(key_pem, password=None)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise ConfigError(f"c2pa_key: not an unencrypted PEM private key ({exc})") from None
     if isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name in _CURVE_ALGORITHMS:
         return _CURVE_ALGORITHMS[key.curve.name]

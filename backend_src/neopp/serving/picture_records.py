@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .. import __version__
+from ..contract.inputs import MAX_THINK_TOKENS
 from ..contract.picture_record import RECORD_VERSION, record_text
 from ..errors import InputError
-from ..request import check_think_tokens
 from .prompt_parsing import prompt_text
 
 if TYPE_CHECKING:
@@ -48,8 +48,9 @@ def recorded_inputs(inputs: Mapping[str, Any]) -> RecordedInputs:
         if value.dtype != np.int64 or value.shape != (1,):
             raise InputError(f"RECORD_THINK: must be INT64 of shape [1], got {value.dtype} {list(value.shape)}")
         think = int(value[0])
-        if think:
-            check_think_tokens(think)
+        if not 0 <= think <= MAX_THINK_TOKENS:
+            raise InputError(f"RECORD_THINK: 0 (no think mode) or think mode's cap, 1..{MAX_THINK_TOKENS}; "
+                             f"got {think}")
     return RecordedInputs(prompts["RECORD_PROMPT"] or None, prompts["RECORD_NEGATIVE_PROMPT"] or None, think)
 
 

@@ -28,7 +28,7 @@ INTEGER = re.compile(r"^-?[0-9]{1,20}$")
 NUMBER = re.compile(r"^-?(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][-+]?[0-9]{1,3})?$")
 # A form field's JSON type, as the published schema has it; the rest are text.
 KINDS = {name: spec["type"] for name, spec in EDIT_REQUEST["properties"].items()
-         if spec.get("type") in ("integer", "number", "boolean")}
+         if spec.get("type") in ("integer", "number", "boolean", "array")}
 
 
 def boundary(content_type: str) -> bytes:
@@ -112,6 +112,8 @@ def typed(texts: dict[str, str]) -> dict[str, Any]:
             doc[name] = int(text)
         elif kind == "number" and NUMBER.match(text):
             doc[name] = float(text)
+        elif kind == "array" and all(NUMBER.match(v.strip()) for v in text.strip().strip("[]").split(",")):
+            doc[name] = [float(v) for v in text.strip().strip("[]").split(",")]  # "low,high" or "[low, high]"
         else:
             doc[name] = text
     return doc
