@@ -89,6 +89,17 @@ def test_prompts_at_their_bound_never_make_a_record_the_reader_refuses(fmt, prom
     assert record["prompts_omitted"] is True and record["prompt"] is None and record["seed"] == 42
 
 
+@pytest.mark.parametrize("fmt", ["png", "jpeg", "webp"])
+def test_the_stored_record_is_what_the_file_holds(fmt):
+    """What a signature covers: the record as the file holds it, prompts dropped or not."""
+    from neopp.image_io import PIL_FORMATS
+    from neopp.image_metadata import stored_record
+
+    for record in (a_record(), a_record(prompt="x" * 40_000, negative_prompt="y" * 30_000)):
+        held = read_record(encode_image(PIXELS, fmt, record=record))
+        assert held == json.loads(stored_record(PIL_FORMATS[fmt], record))
+
+
 def test_without_keep_prompts_the_record_holds_none():
     doc = json.loads(request_record(RecordSource("m", "mode", "c", "00"), generation(), "stream", (32, 48),
                                     RecordedInputs(PROMPT)))

@@ -12,7 +12,7 @@ from .errors import InputError
 from .image_metadata import save_options
 from .modes import OUTPUT_FORMATS, normalise_format
 
-_PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
+PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG", "webp": "WEBP"}
 
 
 def encode_image(pixels: np.ndarray, fmt: str = "jpeg", resize: tuple[int, int] | None = None,
@@ -30,5 +30,5 @@ def encode_image(pixels: np.ndarray, fmt: str = "jpeg", resize: tuple[int, int] 
         image = image.resize((width, height), Image.Resampling.LANCZOS)
     buf = io.BytesIO()
     options = {"quality": quality} if fmt in ("jpeg", "webp") else {}
-    image.save(buf, format=_PIL_FORMATS[fmt], **options, **save_options(_PIL_FORMATS[fmt], record))
+    image.save(buf, format=PIL_FORMATS[fmt], **options, **save_options(PIL_FORMATS[fmt], record))
     return buf.getvalue()

@@ -4,7 +4,7 @@ Every PNG, JPEG and WebP this server writes (final images and previews, from eve
 from the in-process runners) holds an XMP packet with the IPTC digital source type
 ``trainedAlgorithmicMedia``, the machine-readable form image tools and platforms read to label
 generated pictures. A picture a model served also carries its record
-(:mod:`neopp.picture_record`): in a PNG ``iTXt`` chunk of its own, in JPEG and WebP as an
+(:mod:`neopp.contract.picture_record`): in a PNG ``iTXt`` chunk of its own, in JPEG and WebP as an
 attribute of the XMP packet. A record too long for the reader's bound, or for a JPEG's 64 KiB XMP
 segment, leaves its prompts out and says so.
 """
@@ -50,26 +50,26 @@ def _ascii(record: str) -> str:
 
 def save_options(pil_format: str, record: str | None = None) -> dict[str, Any]:
     """Pillow's save arguments that write the marking, and the record when given, into a file
-    of ``pil_format``. A record too long for the reader's bound (or a JPEG's XMP segment) leaves
-    its prompts out, so the server never writes a record its reader refuses."""
+    of ``pil_format``."""
     if pil_format == "PNG":
         info = PngImagePlugin.PngInfo()
         info.add_itxt("XML:com.adobe.xmp", XMP_PACKET, zip=False)
         if record is not None:
-            info.add_itxt(RECORD_KEY, _fitting(record, lambda r: len(r.encode())), zip=False)
+            info.add_itxt(RECORD_KEY, stored_record(pil_format, record), zip=False)
         return {"pnginfo": info}
-    if record is None:
-        return {"xmp": XMP_PACKET.encode()}
-    room = JPEG_XMP_ROOM if pil_format == "JPEG" else None
-    record = _fitting(record, lambda r: len(_ascii(r)), lambda r: room is None or len(xmp_packet(r).encode()) <= room)
-    return {"xmp": xmp_packet(record).encode()}
+    return {"xmp": xmp_packet(None if record is None else stored_record(pil_format, record)).encode()}
 
 
-def _fitting(record: str, stored: Any, fits: Any = lambda r: True) -> str:
-    """``record``, or the record without its prompts when its stored form is over the reader's bound."""
-    if stored(record) <= MAX_RECORD_BYTES and fits(record):
-        return record
-    return _without_prompts(record)
+def stored_record(pil_format: str, record: str) -> str:
+    """The record as a file of ``pil_format`` holds it: without its prompts when it would be too
+    long for the reader's bound (or a JPEG's XMP segment), so the server never writes a record its
+    reader refuses, and a signature covers what the file says."""
+    if pil_format == "PNG":
+        fits = len(record.encode()) <= MAX_RECORD_BYTES
+    else:
+        fits = len(_ascii(record)) <= MAX_RECORD_BYTES and \
+            (pil_format != "JPEG" or len(xmp_packet(record).encode()) <= JPEG_XMP_ROOM)
+    return record if fits else _without_prompts(record)
 
 
 def _without_prompts(record: str) -> str:

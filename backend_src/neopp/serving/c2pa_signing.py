@@ -48,7 +48,7 @@ class PictureSigner:
             import c2pa
         except ImportError as exc:
             raise ConfigError("c2pa_certificate is set but the c2pa-python package is not installed "
-                              "(pip install c2pa-python)") from exc
+                              "(pip install .[c2pa])") from exc
         chain, key_pem = _pem(certificate, "c2pa_certificate"), _pem(key, "c2pa_key")
         algorithm = _algorithm(key_pem)
         try:

@@ -46,8 +46,8 @@ See :data:`PARAMETER_DEFAULTS`:
   stays within it); ``max_queued``, the requests that may wait to start (past it a request is
   refused at once, UNAVAILABLE "Exceeds maximum queue size", 429 through the HTTP door);
   ``patience``, the steps the oldest request that does not fit may wait while smaller ones pass
-  it; ``engine_model`` (plain models): the streamed twin that loads this mode's engine, so the
-  plain model holds no weights and hands its requests to it (empty: the model loads its own).
+  it; ``engine_model`` (streamed twins): the model whose engine this one hands its requests to,
+  holding no weights itself (empty: the model loads its own).
 * speed on CUDA (:mod:`neopp.model.speed`), opt-in until a recorded GPU run shows each byte-equal
   to eager: ``cuda_graphs`` ``off`` (default) | ``auto`` (on for a one-process model on CUDA) |
   ``on``; ``max_graphs`` (8) graphs kept at once; ``attention_kernel`` ``default`` (default:

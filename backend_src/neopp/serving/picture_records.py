@@ -3,8 +3,8 @@
 The owner of a model's engine builds it once per request, at admission, from what it decided:
 the sampling values after the mode's defaults and an adapter's recommendations, the size, where
 the noise came from. The prompts and think mode are not the generation model's to know: a
-model that composed the request (``neopp_t2i``, the session model, the door's ``/v1``) passes
-them as ``RECORD_*`` inputs, which change no pixel. The prompts are written only where the
+model that composed the request (``neopp_t2i``, the door's ``/v1``; the session model forwards
+a client's own) passes them as ``RECORD_*`` inputs, which change no pixel. The prompts are written only where the
 model's ``record_prompt`` parameter allows (prompts can be private).
 """
 

@@ -29,7 +29,8 @@ import numpy as np
 from ..contract.inputs import INPUT_SPECS, KV_INPUTS, OUTPUT_SPECS, TensorSpec
 from ..contract.statuses import INTERNAL, WORKERS_DOWN
 from ..errors import ConfigError
-from ..image_io import encode_image
+from ..image_io import PIL_FORMATS, encode_image
+from ..image_metadata import stored_record
 from ..model.checkpoint_config import CheckpointConfig
 from .adapter_offer import model_offer
 from .c2pa_signing import picture_signer
@@ -239,8 +240,8 @@ class NeoPPTritonModel:
         resize = call.options.get("resize")
         fmt, record = call.options.get("format", "png"), call.options.get("record")
         image = encode_image(pixels, fmt, tuple(resize) if resize else None, record=record)
-        if self.signer is not None:
-            image = self.signer.sign(image, fmt, record)
+        if self.signer is not None:  # the manifest holds the record as the file does
+            image = self.signer.sign(image, fmt, None if record is None else stored_record(PIL_FORMATS[fmt], record))
         seconds = time.perf_counter() - call.start
         self.metrics.success(seconds)
         self.logger.log_info(summary_line(self.model_name, header["summary"], len(image), seconds))
