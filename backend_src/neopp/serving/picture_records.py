@@ -1,11 +1,12 @@
-"""The record a generation model writes into each picture it serves (:mod:`neopp.picture_record`).
+"""The record a generation model writes into each picture it serves
+(:mod:`neopp.contract.picture_record`).
 
 The owner of a model's engine builds it once per request, at admission, from what it decided:
 the sampling values after the mode's defaults and an adapter's recommendations, the size, where
 the noise came from. The prompts and think mode are not the generation model's to know: a
 model that composed the request (``neopp_t2i``, the door's ``/v1``; the session model forwards
-a client's own) passes them as ``RECORD_*`` inputs, which change no pixel. The prompts are written only where the
-model's ``record_prompt`` parameter allows (prompts can be private).
+a client's own) passes them as ``RECORD_*`` inputs, which change no pixel. The prompts are
+written only where the model's ``record_prompt`` parameter allows (prompts can be private).
 """
 
 from __future__ import annotations
