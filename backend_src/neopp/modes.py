@@ -20,6 +20,7 @@ MAX_STEPS_HARD = 1000
 # Per-request step caches (neopp.sampling.step_cache): off, first-block residual difference, and a
 # forecast of the tower's residual (TaylorSeer, first order) decided before the tower.
 CACHE_METHODS = ("off", "fbcache", "taylorseer")
+OFFLOAD_POLICIES = ("none", "low", "balanced")  # see neopp.model.layer_offload
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ class ModeSpec:
     default_size: tuple[int, int] = (1024, 1024)
     sizes: TrainedSizes = TrainedSizes()  # narrows the checkpoint's trained sizes (none: no narrowing)
     cache_methods: tuple[str, ...] | None = None  # step caches offered (None: every one the layout supports)
+    offload: str = "none"  # decoder layers in host memory, streamed to the GPU: none | low | balanced
 
     @property
     def world_size(self) -> int:
@@ -136,6 +138,8 @@ class ModeSpec:
         return CACHE_METHODS[1:] if self.cache_methods is None else self.cache_methods
 
     def check(self) -> None:
+        if self.offload not in OFFLOAD_POLICIES:
+            raise ConfigError(f"mode {self.name}: offload: one of {', '.join(OFFLOAD_POLICIES)}, got {self.offload!r}")
         if self.cache_methods:
             unknown = [m for m in self.cache_methods if m not in CACHE_METHODS[1:]]
             if unknown:
@@ -196,7 +200,7 @@ def mode_from_dict(raw: dict, name: str = "mode", base_dir: Path | None = None,
         seq_p_attn_type=parallel.get("seq_p_attn_type", "ulysses"),
         dit_quantized=bool(raw.get("dit_quantized", False)), dit_quant_scheme=raw.get("dit_quant_scheme"),
         lora_configs=tuple(loras), default_size=(int(size[0]), int(size[1])),
-        sizes=TrainedSizes.from_raw(raw, f"mode {name}"),
+        sizes=TrainedSizes.from_raw(raw, f"mode {name}"), offload=str(raw.get("offload", "none")),
     )
     mode.check()
     return mode

@@ -11,6 +11,7 @@ from .checkpoint import FM, LM, VISION, layer_prefix
 from .checkpoint_config import CheckpointConfig
 from .embeddings import Grid, MLPEmbedder, MLPHead, PatchEmbed, PixelHead
 from .gguf_checkpoint import GGUFLinear, GGUFWeight
+from .layer_offload import LayerOffload, streamed
 from .layers import DecoderLayer, Linear, MoE, SwiGLU, rms_norm, split_head_norm
 from .rope import Rope3D
 
@@ -63,9 +64,11 @@ class NeoPPTransformer:
     """Pre-infer (embed), the decoder layers (per branch), post-infer (head)."""
 
     def __init__(self, config: CheckpointConfig, patch: PatchEmbed, t_embed: MLPEmbedder, ns_embed: MLPEmbedder | None,
-                 layers: list[DecoderLayer], final_norm: torch.Tensor, head: MLPHead | PixelHead) -> None:
+                 layers: list[DecoderLayer], final_norm: torch.Tensor, head: MLPHead | PixelHead,
+                 offload: LayerOffload | None = None) -> None:
         self.config, self.patch, self.t_embed, self.ns_embed = config, patch, t_embed, ns_embed
         self.layers, self.final_norm, self.head = layers, final_norm, head
+        self.offload = offload  # None: every layer resident on the device
         self._compiled: tuple[Callable, Callable] | None = None
 
     def embed(self, x: torch.Tensor, t: float, noise_scale: float, grid: Grid) -> torch.Tensor:
@@ -86,8 +89,7 @@ class NeoPPTransformer:
         # reduce and multiply in another order than the same rows inside a batch.
         hid = hid.contiguous()
         before, after = (attention_inputs, layer_output) if eager else self.layer_parts
-        for i in range(len(self.layers)) if layers is None else layers:
-            layer = self.layers[i]
+        for i, layer in streamed(self.layers, self.offload, layers):
             q, k, v = before(layer, hid, branch.rope, heads, eps)
             hid = after(layer, hid, branch.attend(i, q, k, v), eps)
         return hid
@@ -118,9 +120,11 @@ class NeoPPTransformer:
 
     @staticmethod
     def from_tensors(config: CheckpointConfig, tensors: dict[str, torch.Tensor], device: torch.device,
-                     dtype: torch.dtype, layer_linear: LinearFactory | None = None) -> NeoPPTransformer:
+                     dtype: torch.dtype, layer_linear: LinearFactory | None = None,
+                     offload: LayerOffload | None = None) -> NeoPPTransformer:
         """Assemble from checked checkpoint tensors; `layer_linear` builds decoder-layer linears
-        (the FP8 mode passes its own), every other weight is cast to `dtype`."""
+        (the FP8 mode passes its own), every other weight is cast to `dtype`; `offload` takes each
+        layer to host memory as soon as it is built, so the device never holds more than one."""
 
         def t(key: str) -> torch.Tensor:
             return tensors[key].to(device=device, dtype=dtype)
@@ -157,6 +161,8 @@ class NeoPPTransformer:
                 q_norm=torch.stack([t(a + "q_norm_mot_gen.weight"), t(a + "q_norm_hw_mot_gen.weight")]),
                 k_norm=torch.stack([t(a + "k_norm_mot_gen.weight"), t(a + "k_norm_hw_mot_gen.weight")]),
                 mlp=mlp))
+            if offload is not None:
+                offload.adopt(layers[-1])
         patch = PatchEmbed(t(VISION + "patch_embedding.weight"), t(VISION + "patch_embedding.bias"),
                            t(VISION + "dense_embedding.weight"), t(VISION + "dense_embedding.bias"), config.patch_size)
 
@@ -170,7 +176,7 @@ class NeoPPTransformer:
             head = MLPHead(lin(FM + "fm_head.0.weight", True), lin(FM + "fm_head.2.weight", True))
         ns = embedder("noise_scale_embedder") if config.add_noise_scale_embedding else None
         return NeoPPTransformer(config, patch, embedder("timestep_embedder"), ns, layers,
-                                t(LM + "norm_mot_gen.weight"), head)
+                                t(LM + "norm_mot_gen.weight"), head, offload)
 
 
 def attention_inputs(layer: DecoderLayer, hid: torch.Tensor, rope: Rope3D, heads: tuple[int, int, int],

@@ -23,6 +23,7 @@ from ..model.checkpoint import default_dtype, load_checkpoint
 from ..model.checkpoint_config import CheckpointConfig
 from ..model.embeddings import Grid, patchify, unpatchify
 from ..model.gguf_checkpoint import GGUFWeight
+from ..model.layer_offload import LayerOffload, layer_offload
 from ..model.layers import ROW_ADAPTERS
 from ..model.lora import apply_loras_
 from ..model.quant import fp8_layer_linear, quantize_layer_linears_
@@ -90,7 +91,10 @@ class NeoPPPipeline:
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | Path, mode: ModeSpec | None = None, device: str | None = None,
                         dtype: torch.dtype | None = None, limits: Limits | None = None,
-                        layer_linear: LinearFactory | None = None, speed: SpeedOptions | None = None) -> NeoPPPipeline:
+                        layer_linear: LinearFactory | None = None, speed: SpeedOptions | None = None,
+                        offload: LayerOffload | None = None) -> NeoPPPipeline:
+        """``offload``: the layers' offload, in place of the one the mode's ``offload`` names (a
+        test's stand-in on the CPU)."""
         dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = dtype or default_dtype(dev)
         mode = mode or ModeSpec()
@@ -107,7 +111,8 @@ class NeoPPPipeline:
         if mode.dit_quantized:  # FP8 layer linears; quantise in place so originals are freed early
             quantize_layer_linears_(tensors)
             layer_linear = layer_linear or fp8_layer_linear(dev)
-        transformer = NeoPPTransformer.from_tensors(config, tensors, dev, dtype, layer_linear)
+        offload = offload or layer_offload(mode.offload, dev)
+        transformer = NeoPPTransformer.from_tensors(config, tensors, dev, dtype, layer_linear, offload)
         return cls(config, transformer, mode, dev, dtype, limits, speed=speed)
 
     def use_speed(self, speed: SpeedOptions) -> None:
@@ -118,8 +123,11 @@ class NeoPPPipeline:
         # Graphs hold one process's launches; a rank of a parallel mode exchanges with others mid-layer.
         one_process = self.mode.world_size == 1
         tower = self.transformer
+        if tower.offload is not None and speed.cuda_graphs == "on":
+            raise ConfigError(f"parameter cuda_graphs: 'on' cannot run with offload {tower.offload.policy!r}: a graph "
+                              "would replay one layer's weights; use auto (off with offload) or off")
         self.layer_graphs = speed.layer_graphs(tower.run_layers, self.device, tower.reads_host_values) \
-            if one_process else None
+            if one_process and tower.offload is None else None
 
     # ---- adapters (LoRA per request) -----------------------------------------------------
     def use_adapter_dir(self, folder: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:

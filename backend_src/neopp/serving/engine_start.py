@@ -59,7 +59,7 @@ def start_host(pb: Any, model_name: str, settings: TritonModelSettings, model_co
     counting.set()  # the warm-up leaves the metrics untouched
     pb.Logger.log_info(f"{model_name}: loaded {settings.checkpoint} mode={mode.name} device={engine.device} "
                        f"dtype={engine.dtype} kv_dims={engine.config.kv_dims} threads={threads}{measured} "
-                       f"token_budget={spec.token_budget} max_queued={spec.max_queued}"
+                       f"token_budget={spec.token_budget} max_queued={spec.max_queued} offload={mode.offload}"
                        f"{'' if warmed is None else f' warm-up {warmed:.2f}s'}")
     return EngineHost(model_name, engine, settings, mode, stopping, pb.Logger.log_error, metrics.held)
 

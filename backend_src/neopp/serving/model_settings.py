@@ -39,6 +39,10 @@ See :data:`PARAMETER_DEFAULTS`:
 * ``c2pa_certificate``, ``c2pa_key``: PEM files (a certificate chain, its private key) with which
   each final picture carries a signed C2PA manifest (:mod:`neopp.serving.c2pa_signing`); empty
   (default): nothing is signed. Env ``NEOPP_C2PA_CERTIFICATE`` / ``NEOPP_C2PA_KEY``;
+* ``offload``: the decoder layers kept in pinned host memory and streamed to the GPU
+  (:mod:`neopp.model.layer_offload`): ``none``, ``low`` (one layer on the GPU) or ``balanced``
+  (three, copies overlapping compute); empty (default): the mode file's ``offload`` key, else
+  ``none``. Env ``NEOPP_OFFLOAD``. Refused on a CPU device and with ``cuda_graphs: on``;
 * ``warmup``: ``true`` (default) runs one step at the default size at load (:mod:`neopp.engines.warmup`),
   so the first request is as fast as the next ones; ``false`` skips it.
 * step batching (docs/performance.md): ``token_budget``, the image tokens x branches one
@@ -76,7 +80,7 @@ from ..engines.scheduler import DEFAULT_MAX_QUEUED, DEFAULT_PATIENCE, DEFAULT_TO
 from ..errors import ConfigError
 from ..limits import Limits
 from ..model.checkpoint_config import CheckpointConfig
-from ..modes import MAX_STEPS_HARD, TASKS, ModeSpec, load_mode
+from ..modes import MAX_STEPS_HARD, OFFLOAD_POLICIES, TASKS, ModeSpec, load_mode
 from .parameters import read_parameters
 
 if TYPE_CHECKING:  # the stubs that only forward requests read their settings without torch
@@ -110,13 +114,14 @@ PARAMETER_DEFAULTS: dict[str, str] = {
     "attention_kernel": "default",
     "max_graphs": "8",
     "compile_layers": "off",
+    "offload": "",
     **{k: str(v) for k, v in Limits().__dict__.items()},
 }
 # What the server's environment may set for every model whose config does not: parameter -> variable.
 ENV_DEFAULTS = {"allow_untrained_sizes": "NEOPP_ALLOW_UNTRAINED_SIZES", "cuda_graphs": "NEOPP_CUDA_GRAPHS",
                 "attention_kernel": "NEOPP_ATTENTION_KERNEL", "compile_layers": "NEOPP_COMPILE_LAYERS",
                 "c2pa_certificate": "NEOPP_C2PA_CERTIFICATE", "c2pa_key": "NEOPP_C2PA_KEY",
-                "record_prompt": "NEOPP_RECORD_PROMPT"}
+                "record_prompt": "NEOPP_RECORD_PROMPT", "offload": "NEOPP_OFFLOAD"}
 _DTYPES = {"auto": None, "": None, "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
            "bf16": "bfloat16", "float16": "float16", "fp16": "float16"}  # -> the torch dtype's name
 
@@ -227,6 +232,7 @@ class TritonModelSettings:
     record_prompt: bool = False  # the pictures' records keep the prompts they were given
     c2pa_certificate: Path | None = None  # with c2pa_key: final pictures carry a signed C2PA manifest
     c2pa_key: Path | None = None
+    offload: str | None = None  # None: the mode file's
 
     @staticmethod
     def from_config(model_config: Mapping[str, Any], model_dir: Path | None) -> TritonModelSettings:
@@ -267,6 +273,7 @@ class TritonModelSettings:
             record_prompt=_bool_param(params, "record_prompt"),
             c2pa_certificate=_optional_path(params["c2pa_certificate"], root),
             c2pa_key=_optional_path(params["c2pa_key"], root),
+            offload=_offload(params["offload"]),
         )
 
 
@@ -312,6 +319,14 @@ def _cache_methods(value: str) -> tuple[str, ...] | None:
     return () if text == "none" else tuple(m.strip() for m in text.split(",") if m.strip())
 
 
+def _offload(value: str) -> str | None:
+    text = value.strip().lower()
+    if text and text not in OFFLOAD_POLICIES:
+        raise ConfigError(f"parameter offload: one of {', '.join(OFFLOAD_POLICIES)} (empty: the mode file's), "
+                          f"got {value!r}")
+    return text or None
+
+
 def _optional_path(value: str, root: Path) -> Path | None:
     """A file the operator names (relative: against the project root); empty: none."""
     if not value.strip():
@@ -342,7 +357,7 @@ def load_model_mode(settings: TritonModelSettings) -> ModeSpec:
                 raise ConfigError(f"LoRA file {missing[0]} does not exist (lora_dir {settings.lora_dir}; "
                                   f"set parameter lora_dir or env {override} / NEOPP_LORA_DIR)")
             check_loras(generation_shapes(settings.checkpoint), mode.lora_configs)
-        mode = dc_replace(mode, cache_methods=settings.cache_methods)
+        mode = dc_replace(mode, cache_methods=settings.cache_methods, offload=settings.offload or mode.offload)
         mode.check()
         return CheckpointConfig.from_checkpoint(settings.checkpoint).fit(mode)
     except ConfigError as exc:

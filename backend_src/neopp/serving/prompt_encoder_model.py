@@ -14,12 +14,15 @@ Parameters (``config.pbtxt``): ``checkpoint`` (env ``NEOPP_CHECKPOINT_NEOPP_PROM
 ``tokenizer.json`` with ``tokenizer_config.json`` and the language tower), ``device`` (as the
 generation models' parameter), ``num_threads`` (torch CPU threads; 0 keeps torch's default),
 ``max_prefill_batch`` (the most requests prefilled together; 1: each alone, so a prefix never
-depends on which prompts shared its forward, not even in its last bit).
+depends on which prompts shared its forward, not even in its last bit), ``offload`` (``none``,
+``low`` or ``balanced``: the tower's layers in pinned host memory, streamed to the GPU as the
+generation models' parameter does; env ``NEOPP_OFFLOAD`` is the default).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import time
@@ -41,7 +44,7 @@ if TYPE_CHECKING:
     from .prefill_host import PrefillHost
 
 ENCODER_PARAMETERS = {"checkpoint": "checkpoints/neopp", "device": "auto", "num_threads": "0",
-                      "max_prefill_batch": "16"}
+                      "max_prefill_batch": "16", "offload": "none"}
 KV_OUTPUTS = ("COND_KV", "UNCOND_KV", "IMAGE_KV")
 MAX_PREFILL_BATCH = 256
 MAX_ANSWER_BYTES = 1 << 34  # an answer comes from the owner stub, never from a client
@@ -88,7 +91,7 @@ class PromptEncoderTritonModel:
         self.pb, self.logger = pb_utils, pb_utils.Logger
         config = json.loads(args["model_config"])
         self.model_name = args.get("model_name", config.get("name", "neopp_prompt_encoder"))
-        params = read_parameters(config, ENCODER_PARAMETERS)
+        params = read_parameters(config, {**ENCODER_PARAMETERS, "offload": os.environ.get("NEOPP_OFFLOAD") or "none"})
         batch = max_prefill_batch(params)
         self._stopping = stop_on_sigterm(self.logger, self.model_name)
         self.host: PrefillHost | None = None
@@ -120,13 +123,14 @@ class PromptEncoderTritonModel:
         try:
             # bf16 on a GPU (an 8B understanding tower is 16 GiB so, 33 in float32); float32 on the CPU
             dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-            tower = LanguageTower.from_pretrained(ckpt, device=device, dtype=dtype)
+            offload = params["offload"].strip().lower() or "none"
+            tower = LanguageTower.from_pretrained(ckpt, device=device, dtype=dtype, offload=offload)
         except (ConfigError, OSError) as exc:
             raise ConfigError(f"model {self.model_name}: checkpoint {ckpt}: {exc}") from exc
         self.logger.log_info(f"{self.model_name}: loaded {ckpt} device={device} dtype={dtype} "
                              f"kv_dims={tower.config.kv_dims} prompts={tower.prompt_ids.kind} "
                              f"vocabulary={tower.prompt_ids.vocabulary_size()} "
-                             f"max_prefill_batch={params['max_prefill_batch']}")
+                             f"max_prefill_batch={params['max_prefill_batch']} offload={offload}")
         return tower
 
     def execute(self, requests: list[Any]) -> list[Any]:

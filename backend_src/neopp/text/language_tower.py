@@ -20,6 +20,7 @@ from ..json_file import read_json_object
 from ..model.checkpoint import LM, layer_prefix, read_generation_tensors
 from ..model.checkpoint_config import CheckpointConfig, checkpoint_folder
 from ..model.embeddings import Grid, PatchEmbed
+from ..model.layer_offload import LayerOffload, layer_offload, streamed
 from ..model.layers import DecoderLayer, Linear, rms_norm, split_head_norm
 from ..model.rope import Rope3D
 from .edit_images import Picture
@@ -84,10 +85,15 @@ class LanguageTower:
         self.vision: PatchEmbed | None = None  # the pictures' embedding (editing); None: cannot edit
         self.vision_problem: str | None = "it has no vision embedding"  # why vision is None
         self._plain_unconditional: tuple[torch.Tensor, int] | None = None
+        self.offload: LayerOffload | None = None  # None: every layer resident on the device
 
     @classmethod
     def from_pretrained(cls, ckpt_dir: str | Path, device: str | torch.device = "cpu",
-                        dtype: torch.dtype = torch.float32) -> LanguageTower:
+                        dtype: torch.dtype = torch.float32, offload: str | LayerOffload = "none") -> LanguageTower:
+        """``offload``: a policy of :mod:`neopp.model.layer_offload` (or an offload, a test's
+        stand-in on the CPU)."""
+        device = torch.device(device)
+        held = offload if isinstance(offload, LayerOffload) else layer_offload(offload, device)
         folder = checkpoint_folder(ckpt_dir)  # a GGUF file's tokenizer and config.json lie beside it
         try:
             prompt_ids = load_prompt_ids(folder)
@@ -99,15 +105,16 @@ class LanguageTower:
         mlp = UnderstandingMLP.from_llm_config(llm)
         check_language_shapes(config, tensors, prompt_ids.vocabulary_size(), mlp)
         tied = llm.get("tie_word_embeddings") is True
-        return cls.from_tensors(config, tensors, prompt_ids, torch.device(device), dtype, tied, mlp)
+        return cls.from_tensors(config, tensors, prompt_ids, device, dtype, tied, mlp, held)
 
     @classmethod
     def from_tensors(cls, config: CheckpointConfig, tensors: dict[str, torch.Tensor], prompt_ids: PromptIds,
                      device: torch.device, dtype: torch.dtype, tied: bool = False,
-                     mlp: UnderstandingMLP | None = None) -> LanguageTower:
+                     mlp: UnderstandingMLP | None = None, offload: LayerOffload | None = None) -> LanguageTower:
         """Tensors already on ``device`` in ``dtype`` (trainable parameters) are used as they are.
         ``tied``: the checkpoint's lm_head is its token embedding (``tie_word_embeddings``);
-        ``mlp``: which layers route over experts (A3B; default: every MLP dense)."""
+        ``mlp``: which layers route over experts (A3B; default: every MLP dense); ``offload``: takes
+        each layer to host memory as soon as it is built."""
         mlp = mlp or UnderstandingMLP()
 
         def t(key: str) -> torch.Tensor:
@@ -121,10 +128,13 @@ class LanguageTower:
                 input_norm=t(p + "input_layernorm.weight"), post_norm=t(p + "post_attention_layernorm.weight"),
                 q_norm=torch.stack([t(a + "q_norm.weight"), t(a + "q_norm_hw.weight")]),
                 k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]), mlp=mlp.build(i, t), **lin))
+            if offload is not None:
+                offload.adopt(layers[-1])
         head = None
         if FINAL_NORM in tensors and (LM_HEAD in tensors or tied):  # the output head, to write text with
             head = (t(FINAL_NORM), t(EMBED) if tied else t(LM_HEAD))
         tower = cls(config, t(EMBED), layers, prompt_ids, head)
+        tower.offload = offload
         tower.vision_problem = vision_problem(config, tensors)
         if tower.vision_problem is None:
             tower.vision = PatchEmbed(*(t(key) for key in VISION_KEYS), config.patch_size)
@@ -139,7 +149,7 @@ class LanguageTower:
         rope = Rope3D.text(s, hd, c.rope_theta, c.rope_theta_hw, ids.device)
         hid = F.embedding(ids, self.embed)
         kvs = []
-        for layer in self.layers:
+        for _, layer in streamed(self.layers, self.offload):
             a = rms_norm(hid, layer.input_norm, eps)
             q = rope(split_head_norm(layer.q_proj(a).view(b, s, nh, hd), layer.q_norm, eps))
             k = rope(split_head_norm(layer.k_proj(a).view(b, s, nkv, hd), layer.k_norm, eps))
@@ -180,7 +190,7 @@ class LanguageTower:
         hid = F.embedding(token_ids, self.embed)
         if pictures:
             hid[token_ids == self.prompt_ids.picture_token()] = torch.cat(pictures).to(hid.dtype)
-        for i, layer in enumerate(self.layers):
+        for i, layer in streamed(self.layers, self.offload):
             a = rms_norm(hid, layer.input_norm, eps)
             q = rope(split_head_norm(layer.q_proj(a).view(n, nh, hd), layer.q_norm, eps))
             cache.kv[i, 0, start:start + n] = rope(split_head_norm(layer.k_proj(a).view(n, nkv, hd), layer.k_norm, eps))
@@ -247,7 +257,7 @@ class LanguageTower:
         rope = Rope3D.concat([Rope3D.text(n, hd, c.rope_theta, c.rope_theta_hw, device) for n in lengths])
         hid = F.embedding(torch.tensor([i for ids in sequences for i in ids], device=device), self.embed)
         kv = self.embed.new_empty(c.num_layers, 2, total, nkv, hd)
-        for i, layer in enumerate(self.layers):
+        for i, layer in streamed(self.layers, self.offload):
             a = rms_norm(hid, layer.input_norm, eps)
             q = rope(split_head_norm(layer.q_proj(a).view(total, nh, hd), layer.q_norm, eps))
             kv[i, 0] = rope(split_head_norm(layer.k_proj(a).view(total, nkv, hd), layer.k_norm, eps))
