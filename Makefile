@@ -175,8 +175,10 @@ GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
 GPU_ENV = PYTHONPATH=$(REPO_DIR)/backend_src:$(REPO_DIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 .PHONY: gpu-check
 gpu-check:
-	-$(GPU_ENV) $(GPU_PY) -m pytest -q -rA tests/test_cuda_paths.py tests/test_cuda_graphs.py tests/test_fp8.py
+	-$(GPU_ENV) $(GPU_PY) -m pytest -q -rA tests/test_cuda_paths.py tests/test_cuda_graphs.py tests/test_fp8.py \
+	  tests/test_layer_offload.py
 	-$(GPU_ENV) $(GPU_PY) -m bench.gpu_check $(GPU_CHECK_ARGS)
+	-$(GPU_ENV) $(GPU_PY) -m bench.offload_check
 	$(GPU_ENV) $(GPU_PY) -m bench.continuous_batching --device cuda --dtype bfloat16 --geometries 8b \
 	  --two-instances --report continuous_batching_gpu.md $(GPU_BATCHING_ARGS)
 

@@ -62,6 +62,7 @@ SECTIONS = [
     Section("failover", "failover", "Replicas: a crash under load"),
     Section("8b", "eight_b", "8B geometry"),
     Section("gguf", "gguf_weights", "GGUF weights: memory, layer time, the demo's image"),
+    Section("offload_memory", "offload_memory", "GPU memory per tower, weight format and layer offload (computed)"),
     Section("provenance", "provenance", "Provenance: the record and the C2PA signature"),
     Section("demo_quality", "demo_quality",
             "Demo model: what each mode draws, judged on held-out prompts", to_file=True),
@@ -73,6 +74,7 @@ ON_REQUEST = {"8b"}
 # Files that need an argument of their own to be made (their command is in them); stitched in when present.
 BY_HAND = [("startup_baseline.md", "Start time against an earlier checkout"),
            ("gpu_check.md", "GPU check on one H200 (`make gpu-check`)"),
+           ("offload_gpu.md", "Layer offload on a GPU (`make gpu-check`)"),
            ("continuous_batching_gpu.md", "Continuous batching on one H200: one engine vs one and two plain instances")]
 
 

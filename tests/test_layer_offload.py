@@ -216,3 +216,63 @@ def test_the_mode_file_key_and_the_parameter(tmp_path):
         _offload("some")
     sampling = SamplingParams(infer_steps=2)
     assert ModeSpec(sampling_params=sampling).offload == "none"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["low", "balanced"])
+def test_on_cuda_the_streamed_tower_draws_the_resident_bytes_and_holds_its_slots_only(tiny, policy):
+    _, dense, cfg = tiny
+    cuda = torch.device("cuda")
+    resident = NeoPPPipeline.from_pretrained(dense, ModeSpec(), "cuda", torch.bfloat16)
+    streamed = NeoPPPipeline.from_pretrained(dense, ModeSpec(offload=policy), "cuda", torch.bfloat16)
+    offload = streamed.transformer.offload
+    assert offload is not None and offload.copy_stream is not None
+    assert all(h.is_pinned() for held in offload.layers for h in held.host)
+    req = make(cfg, 0, 64, 96, 4, 5)
+    assert torch.equal(streamed.sample(req), resident.sample(req))
+    batch = [make(cfg, 1, 64, 64, 3, 2), make(cfg, 2, 96, 64, 4, 3)]
+    want, got = batched(resident, batch), batched(streamed, batch)
+    for i in range(len(batch)):
+        assert_pixels_match(got[i], want[i], f"request {i}")
+    assert all(t.device.type == "cpu" for held in offload.layers for t in held.bases)
+    assert offload.device_bytes <= len(offload.ring) * max(held.nbytes for held in offload.layers)
+    assert layer_offload(policy, cuda).policy == policy
+
+
+def test_the_gpu_benchmark_runs_its_stand_in_on_the_cpu(tmp_path):
+    from bench import offload_check
+
+    assert offload_check.main(["--device", "cpu", "--shrink", "16", "--layers", "3", "--size", "64", "--steps", "2",
+                               "--out", str(tmp_path)]) == 0
+    rows = [line for line in (tmp_path / "offload_gpu.md").read_text().splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[0] for row in rows] == ["| none", "| low", "| balanced"]
+    assert all(row.endswith("| True |") for row in rows)
+
+
+def test_the_understanding_tower_keeps_a_gguf_file_s_blocks_and_writes_its_floats_prefixes(tmp_path):
+    from neopp.model.gguf_checkpoint import GGUFLinear
+    from testing.tiny_gguf import dequantized_reference
+
+    u1 = write_tiny_u1_checkpoint(tmp_path / "u1", seed=6)
+    file = write_gguf(u1, tmp_path / "q8", "Q8_0", seed=1)
+    blocks = LanguageTower.from_pretrained(file, "cpu", torch.float32, offload=stand_in("balanced"))
+    floats = LanguageTower.from_pretrained(dequantized_reference(file, tmp_path / "floats"), "cpu", torch.float32)
+    assert all(isinstance(lin, GGUFLinear) for layer in blocks.layers for lin in layer.linears()
+               if lin is not getattr(layer.mlp, "router", None))
+    ids = floats.prompt_ids.conditional("a blue square")
+    assert torch.equal(blocks.encode_ids(ids)[0], floats.encode_ids(ids)[0])
+
+
+def test_the_memory_tables_count_the_towers_from_the_loader_s_keys(tmp_path):
+    from bench import offload_memory as om
+
+    eight = om.Counts.of(om.EIGHT_B)
+    assert eight.layers == 36 and abs(eight.layers * eight.quantized + eight.outside - 7.03e9) < 0.01e9
+    assert abs(om.Counts.of(om.A3B).layers * om.Counts.of(om.A3B).layer_bytes("bf16") / 1e9 - 16.3) < 0.1
+    resident = om.need(om.EIGHT_B, eight, "bf16", "none", 2048)
+    assert om.need(om.EIGHT_B, eight, "bf16", "low", 2048) < om.need(om.EIGHT_B, eight, "bf16", "balanced", 2048)
+    assert resident - om.need(om.EIGHT_B, eight, "bf16", "low", 2048) == pytest.approx(
+        35 * eight.layer_bytes("bf16") / 1e9)
+    om.main(["--out", str(tmp_path)])
+    rows = [line for line in (tmp_path / "offload_memory.md").read_text().splitlines() if line.startswith("| U1")]
+    assert len(rows) == 2 * 2 * 4 * 3  # two 8B towers, two tables, four formats, three offloads

@@ -20,6 +20,7 @@ from ..json_file import read_json_object
 from ..model.checkpoint import LM, layer_prefix, read_generation_tensors
 from ..model.checkpoint_config import CheckpointConfig, checkpoint_folder
 from ..model.embeddings import Grid, PatchEmbed
+from ..model.gguf_checkpoint import GGUFLinear, GGUFWeight
 from ..model.layer_offload import LayerOffload, layer_offload, streamed
 from ..model.layers import DecoderLayer, Linear, rms_norm, split_head_norm
 from ..model.rope import Rope3D
@@ -100,7 +101,7 @@ class LanguageTower:
         except ConfigError as exc:
             raise ConfigError(f"checkpoint {ckpt_dir}: {exc}") from exc
         config = CheckpointConfig.from_checkpoint(ckpt_dir)
-        tensors = read_generation_tensors(ckpt_dir, is_language_key)  # GGUF weights dequantized below
+        tensors = read_generation_tensors(ckpt_dir, is_language_key)  # GGUF layer linears stay in their blocks
         llm = read_json_object(folder / "config.json", "config.json").get("llm_config") or {}
         mlp = UnderstandingMLP.from_llm_config(llm)
         check_language_shapes(config, tensors, prompt_ids.vocabulary_size(), mlp)
@@ -120,14 +121,18 @@ class LanguageTower:
         def t(key: str) -> torch.Tensor:
             return tensors[key].to(device=device, dtype=dtype)
 
+        def linear(key: str) -> Linear:  # a GGUF file's blocks stay blocks, dequantized per call
+            weight = tensors[key]
+            return GGUFLinear(weight, device) if isinstance(weight, GGUFWeight) else Linear(t(key))
+
         layers = []
         for i in range(config.num_layers):
             p, a = layer_prefix(i), layer_prefix(i) + "self_attn."
-            lin = {name: Linear(t(f"{a}{name}.weight")) for name in ATTN}
+            lin = {name: linear(f"{a}{name}.weight") for name in ATTN}
             layers.append(DecoderLayer(
                 input_norm=t(p + "input_layernorm.weight"), post_norm=t(p + "post_attention_layernorm.weight"),
                 q_norm=torch.stack([t(a + "q_norm.weight"), t(a + "q_norm_hw.weight")]),
-                k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]), mlp=mlp.build(i, t), **lin))
+                k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]), mlp=mlp.build(i, t, linear), **lin))
             if offload is not None:
                 offload.adopt(layers[-1])
         head = None

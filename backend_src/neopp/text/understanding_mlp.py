@@ -74,11 +74,15 @@ class UnderstandingMLP:
             want[keys[0]] = (self.num_experts, hidden)
         return want
 
-    def build(self, layer: int, tensor: Callable[[str], torch.Tensor]) -> SwiGLU | MoE:
+    def build(self, layer: int, tensor: Callable[[str], torch.Tensor],
+              linear: Callable[[str], Linear] | None = None) -> SwiGLU | MoE:
+        """``linear``: how a projection is held (a GGUF file's blocks); the router is always a
+        plain linear of ``tensor``, as in the generation tower."""
         keys = self.keys(layer)
+        make = linear or (lambda key: Linear(tensor(key)))
         if not self.routed(layer):
-            return SwiGLU(*(Linear(tensor(key)) for key in keys))
-        experts = [SwiGLU(*(Linear(tensor(key)) for key in keys[1 + 3 * j:4 + 3 * j])) for j in range(self.num_experts)]
+            return SwiGLU(*(make(key) for key in keys))
+        experts = [SwiGLU(*(make(key) for key in keys[1 + 3 * j:4 + 3 * j])) for j in range(self.num_experts)]
         return MoE(Linear(tensor(keys[0])), experts, self.top_k, self.norm_topk_prob)
 
 
