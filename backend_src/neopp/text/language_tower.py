@@ -132,7 +132,8 @@ class LanguageTower:
             layers.append(DecoderLayer(
                 input_norm=t(p + "input_layernorm.weight"), post_norm=t(p + "post_attention_layernorm.weight"),
                 q_norm=torch.stack([t(a + "q_norm.weight"), t(a + "q_norm_hw.weight")]),
-                k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]), mlp=mlp.build(i, t, linear), **lin))
+                k_norm=torch.stack([t(a + "k_norm.weight"), t(a + "k_norm_hw.weight")]),
+                mlp=mlp.build(i, t, linear), **lin))
             if offload is not None:
                 offload.adopt(layers[-1])
         head = None
