@@ -12,6 +12,7 @@ figures of offload on a GPU come from ``bench.offload_check`` (``make gpu-check`
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -133,17 +134,23 @@ def card(gb: float) -> str:
     return next((f"{c} GB" for c in CARDS if gb <= c), "none of them")
 
 
-def table() -> str:
-    lines = ["| tower | weights | offload | 1024x1024 | 2048x2048 | smallest card (2048x2048) | pinned host memory |",
-             "|---|---|---|---|---|---|---|"]
+def cases() -> Iterator[tuple[str, BenchGeometry, Counts, str, str]]:
+    """(tower, geometry, counts, weight format, offload) for every row of the tables."""
     for name, geo in TOWERS.items():
         counts = Counts.of(geo)
         for held in HELD:
             for offload in RESIDENT:
-                small, large = need(geo, counts, held, offload, 1024), need(geo, counts, held, offload, 2048)
-                host = 0.0 if offload == "none" else counts.layers * counts.layer_bytes(held) / GB
-                lines.append(f"| {name} | {held} | {offload} | {small:.1f} GB | {large:.1f} GB | {card(large)} | "
-                             f"{host:.1f} GB |")
+                yield name, geo, counts, held, offload
+
+
+def table() -> str:
+    lines = ["| tower | weights | offload | 1024x1024 | 2048x2048 | smallest card (2048x2048) | pinned host memory |",
+             "|---|---|---|---|---|---|---|"]
+    for name, geo, counts, held, offload in cases():
+        small, large = need(geo, counts, held, offload, 1024), need(geo, counts, held, offload, 2048)
+        host = 0.0 if offload == "none" else counts.layers * counts.layer_bytes(held) / GB
+        lines.append(f"| {name} | {held} | {offload} | {small:.1f} GB | {large:.1f} GB | {card(large)} | "
+                     f"{host:.1f} GB |")
     return "\n".join(lines)
 
 
@@ -151,14 +158,10 @@ def together() -> str:
     """A generation model and its prompt encoder on one card, both with the same format and offload."""
     lines = ["| tower | weights | offload | generation model | prompt encoder | together | smallest card |",
              "|---|---|---|---|---|---|---|"]
-    for name, geo in TOWERS.items():
-        counts = Counts.of(geo)
-        for held in HELD:
-            for offload in RESIDENT:
-                gen, enc = need(geo, counts, held, offload, 2048), ENCODERS[name].need(held, offload)
-                both = gen + enc
-                lines.append(f"| {name} | {held} | {offload} | {gen:.1f} GB | {enc:.1f} GB | {both:.1f} GB | "
-                             f"{card(both)} |")
+    for name, geo, counts, held, offload in cases():
+        gen, enc = need(geo, counts, held, offload, 2048), ENCODERS[name].need(held, offload)
+        lines.append(f"| {name} | {held} | {offload} | {gen:.1f} GB | {enc:.1f} GB | {gen + enc:.1f} GB | "
+                     f"{card(gen + enc)} |")
     return "\n".join(lines)
 
 
