@@ -158,11 +158,12 @@ def _centre(position: str, height: int, width: int, side: float, rng: np.random.
     return cx, cy
 
 
-def render(scene: Scene, height: int, width: int, rng: np.random.Generator) -> np.ndarray:
+def render(scene: Scene, height: int, width: int, rng: np.random.Generator,
+           side_range: tuple[float, float] = SIDE_RANGE) -> np.ndarray:
     """One image of the scene, uint8 [height, width, 3]; size and centre jitter come from rng."""
     if height < 32 or width < 32:
         raise ValueError(f"image {height}x{width} is too small; both sides must be at least 32")
-    side = float(rng.uniform(*SIDE_RANGE)) * min(height, width)
+    side = float(rng.uniform(*side_range)) * min(height, width)
     cx, cy = _centre(scene.position, height, width, side, rng)
     image = np.empty((height, width, 3), dtype=np.uint8)
     image[:] = COLORS[scene.background]
@@ -171,14 +172,16 @@ def render(scene: Scene, height: int, width: int, rng: np.random.Generator) -> n
 
 
 def sample_batch(
-    rng: np.random.Generator, n: int, height: int, width: int, scenes: Sequence[Scene] | None = None
+    rng: np.random.Generator, n: int, height: int, width: int, scenes: Sequence[Scene] | None = None,
+    side_range: tuple[float, float] = SIDE_RANGE,
 ) -> tuple[list[Scene], np.ndarray]:
-    """n scenes drawn uniformly (with replacement) from `scenes` (default: training) and their images."""
+    """n scenes drawn uniformly (with replacement) from `scenes` (default: training) and their images;
+    ``side_range``: the shape's side as fractions of the shorter image side."""
     pool = _train_pool() if scenes is None else list(scenes)
     picked = [pool[int(i)] for i in rng.integers(len(pool), size=n)]
     images = np.empty((n, height, width, 3), dtype=np.uint8)
     for k, scene in enumerate(picked):
-        images[k] = render(scene, height, width, rng)
+        images[k] = render(scene, height, width, rng, side_range)
     return picked, images
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from demo.model import demo_config, demo_tokenizer, init_weights, load_demo, save_checkpoint, towers
+from demo.shapes import SIDE_RANGE
 from demo.training import SIZE_POWER, Batches, Schedule, fit, flow_matching_loss, vocabulary
 from neopp.model.checkpoint_config import CheckpointConfig
 
@@ -29,12 +30,13 @@ def train(args: argparse.Namespace) -> dict:
     start = load_demo(args.init)[2] if args.init else init_weights(cfg, len(tokenizer.vocab), args.seed)
     params = {k: v.to(args.device).requires_grad_(True) for k, v in start.items()}
     language, tower = towers(config, params, tokenizer)
-    batches = Batches(args.seed, args.token_budget, size_power=args.size_power)
+    batches = Batches(args.seed, args.token_budget, size_power=args.size_power, side_range=tuple(args.side_range))
     began = time.perf_counter()
     ema, log = fit(params, lambda: flow_matching_loss(batches, config, language, tower, tokenizer, args.weight_floor),
                    Schedule(args.steps, args.lr, args.warmup, args.ema, args.log_every))
     save_checkpoint(args.out, cfg, tokenizer, ema)
     summary = {"seed": args.seed, "head": args.head, "size_power": args.size_power, "steps": args.steps,
+               "side_range": list(args.side_range),
                "init": str(args.init) if args.init else None, "weight_floor": args.weight_floor,
                "token_budget": args.token_budget, "lr": args.lr, "threads": args.threads,
                "seconds": round(time.perf_counter() - began, 1), "log": log}
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--size-power", type=float, default=SIZE_POWER,
                         help="sizes drawn with probability ~ tokens ** -power (0: the same compute per size)")
+    parser.add_argument("--side-range", type=float, nargs=2, default=SIDE_RANGE, metavar=("LOW", "HIGH"),
+                        help="the shape's side, as fractions of the shorter image side")
     parser.add_argument("--head", choices=("pixel", "mlp"), default="pixel",
                         help="the checkpoint's head: the pixel head (convs across tokens) or the per-token MLP head")
     parser.add_argument("--log-every", type=int, default=100)

@@ -173,6 +173,13 @@ def test_only_the_running_layer_points_at_a_slot_and_the_ring_reuses_its_slots(t
         if i == 1:
             break
     assert on_host(pipe)
+    stale = offload.each([0, 1])  # a loop left open: the next one takes its layer back ...
+    assert next(stale) == 0
+    current = offload.each([3, 4])
+    assert next(current) == 3
+    stale.close()  # ... and its late cleanup leaves the current loop's layer alone
+    assert storage(layers[3].q_proj.weight) != storage(offload.layers[3].host[0])
+    assert list(current) == [4] and on_host(pipe)
 
 
 def test_the_understanding_tower_writes_the_same_prefixes_streamed(tmp_path):
@@ -237,6 +244,29 @@ def test_on_cuda_the_streamed_tower_draws_the_resident_bytes_and_holds_its_slots
     assert all(t.device.type == "cpu" for held in offload.layers for t in held.bases)
     assert offload.device_bytes <= len(offload.ring) * max(held.nbytes for held in offload.layers)
     assert layer_offload(policy, cuda).policy == policy
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("policy", ["low", "balanced"])
+def test_on_cuda_a_slow_copy_or_a_slow_layer_never_reads_a_weight_early_or_late(tiny, policy):
+    """The compute stream sleeps in every layer (a copy that did not wait for its slot to be free
+    would overwrite the running layer), or the copy stream sleeps first (a layer that did not wait
+    for its copy would read the slot's previous layer): each layer's sums are its host copy's."""
+    _, dense, _ = tiny
+    offload = NeoPPPipeline.from_pretrained(dense, ModeSpec(offload=policy), "cuda", torch.float32).transformer.offload
+    want = [[h.double().sum().item() for h in held.host] for held in offload.layers]
+    order = [0, 1, 2, 3, 4, 2, 3, 4, 0, 1]
+    for slow_copy in (False, True):
+        sums = []
+        if slow_copy:
+            with torch.cuda.stream(offload.copy_stream):
+                torch.cuda._sleep(200_000_000)
+        for i in offload.each(order):
+            if not slow_copy:
+                torch.cuda._sleep(50_000_000)
+            sums.append([t.double().sum() for t in offload.layers[i].bases])
+        got = [[x.item() for x in layer] for layer in sums]
+        assert got == [want[i] for i in order], f"slow {'copy' if slow_copy else 'layer'}"
 
 
 def test_the_gpu_benchmark_runs_its_stand_in_on_the_cpu(tmp_path):

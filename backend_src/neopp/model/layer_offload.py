@@ -25,6 +25,7 @@ check its bytes and its ring.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -77,23 +78,55 @@ def layer_tensors(obj: Any) -> list[torch.Tensor]:
     return list(found.values())
 
 
+ALIGN = 256  # bytes: where each tensor of a layer starts in its flat buffer (what GPU kernels like)
+
+
+def span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a dense tensor's first element to its last, by its strides."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def carve(flat: torch.Tensor, place: tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]) -> torch.Tensor:
+    """The tensor at ``place`` (byte offset, dtype, size, stride) inside a flat byte buffer."""
+    offset, dtype, size, stride = place
+    with torch.inference_mode(False):
+        out = torch.empty(0, dtype=dtype, device=flat.device)
+        return out.set_(flat.untyped_storage(), offset // out.element_size(), size, stride)
+
+
+def pinned_bytes(n: int) -> torch.Tensor:
+    """``n`` bytes of page-locked host memory, exactly: torch's pinned allocator rounds each block up
+    to a power of two (an 8B layer's 0.39 GB would take 0.54). Registered with CUDA; where this
+    torch has no binding for that, through the allocator."""
+    flat = torch.empty(n, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    if n == 0 or not hasattr(cudart, "cudaHostRegister"):
+        return flat if n == 0 else torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    code = int(cudart.cudaHostRegister(flat.data_ptr(), n, 0))
+    if code != 0:
+        raise ConfigError(f"offload: could not pin {n} bytes of host memory for a layer (CUDA error {code}); "
+                          "the host needs the tower's layers in locked memory (see the container's memlock limit)")
+    weakref.finalize(flat, cudart.cudaHostUnregister, flat.data_ptr())
+    return flat
+
+
 @dataclass
 class HeldLayer:
-    """One layer's tensors: those that own their storage (``bases``) with their host copies, and
-    the views into them (the MoE experts' weights in their stacks), rebuilt over whichever storage
-    the bases point at."""
+    """One layer's tensors: those that own their storage (``bases``), laid out in one flat byte
+    buffer on the host (``flat``; each base at its ``places`` entry), and the views into them (the
+    MoE experts' weights in their stacks), rebuilt over whichever storage the bases point at."""
 
     bases: list[torch.Tensor]
-    host: list[torch.Tensor]
+    places: list[tuple[int, torch.dtype, tuple[int, ...], tuple[int, ...]]]
     views: list[tuple[torch.Tensor, int, tuple[int, ...], tuple[int, ...], int]]  # view, base, size, stride, offset
-
-    @property
-    def signature(self) -> tuple:
-        return tuple((h.shape, h.stride(), h.dtype) for h in self.host)
+    flat: torch.Tensor
+    host: list[torch.Tensor]
 
     @property
     def nbytes(self) -> int:
-        return sum(h.numel() * h.element_size() for h in self.host)
+        return self.flat.numel()
 
     def point_to(self, storage: Sequence[torch.Tensor]) -> None:
         for tensor, target in zip(self.bases, storage, strict=True):
@@ -105,13 +138,13 @@ class HeldLayer:
 
 @dataclass
 class Slot:
-    """Room on the device for one layer, and the events that order its copies against its use."""
+    """Room on the device for one layer (a flat byte buffer as large as the largest layer), the
+    layers' tensors carved from it, and the events that order its copies against its use."""
 
-    buffers: list[torch.Tensor] = field(default_factory=list)
-    signature: tuple = ()
+    flat: torch.Tensor | None = None
+    carved: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # by layer index
     ready: Any = None  # torch.cuda.Event: the copy in has finished
     free: Any = None   # torch.cuda.Event: the layer it held last has run
-    layer: int | None = None
 
 
 class LayerOffload:
@@ -126,7 +159,7 @@ class LayerOffload:
         self.slots = [self._slot() for _ in range(AHEAD[policy] + 1)]
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._turn = 0
-        self._bound: tuple[int, Slot] | None = None
+        self._bound: tuple[object, int, Slot] | None = None  # (the loop, its layer, the slot)
 
     def _slot(self) -> Slot:
         if not self.cuda:
@@ -144,18 +177,23 @@ class LayerOffload:
         index = {id(t): i for i, t in enumerate(bases)}
         views = [(t, index[id(t._base)], tuple(t.shape), t.stride(), t.storage_offset() - t._base.storage_offset())
                  for t in tensors if id(t) not in owners]
+        places, end = [], 0
+        for t in bases:
+            dense = t.is_contiguous() or span_bytes(t) == t.numel() * t.element_size()
+            if not dense and any(v[1] == index[id(t)] for v in views):
+                raise ConfigError(f"offload: a layer tensor of shape {tuple(t.shape)} has gaps and views into it")
+            stride = t.stride() if dense else torch.empty(t.shape).stride()  # a gapped one is held packed
+            start = -(-end // ALIGN) * ALIGN
+            places.append((start, t.dtype, tuple(t.shape), stride))
+            end = start + (span_bytes(t) if dense else t.numel() * t.element_size())
         with torch.inference_mode(False):
-            host = [self._host_copy(t) for t in bases]
-        held = HeldLayer(bases, host, views)
+            flat = pinned_bytes(end) if self.cuda else torch.empty(end, dtype=torch.uint8)
+            host = [carve(flat, place) for place in places]
+            for h, t in zip(host, bases, strict=True):
+                h.copy_(t.detach())
+        held = HeldLayer(bases, places, views, flat, host)
         held.point_to(host)
         self.layers.append(held)
-
-    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
-        if t.is_contiguous():
-            copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.cuda)
-        else:  # keeps a dense tensor's strides, so a product reads it in the same order
-            copy = torch.empty_like(t, device="cpu")
-        return copy.copy_(t.detach())
 
     @property
     def host_bytes(self) -> int:
@@ -168,15 +206,17 @@ class LayerOffload:
 
     @property
     def device_bytes(self) -> int:
-        """What the slots hold on the device now (at most this many layers' weights)."""
-        return sum(b.numel() * b.element_size() for slot in self.slots for b in slot.buffers)
+        """What the slots hold on the device: at most this many of the largest layer's bytes."""
+        return sum(slot.flat.numel() for slot in self.slots if slot.flat is not None)
 
     # ---- streaming ----------------------------------------------------------------------------
     def each(self, indices: Iterable[int]) -> Iterator[int]:
         """Yield each index once its layer's weights are on the device; when the loop body has
         queued the layer's work, its weights point back at the host and its slot takes a later
-        layer. One loop at a time (a tower runs on one thread)."""
-        self._unbind()  # a loop abandoned without closing leaves nothing bound
+        layer. One loop at a time (a tower runs on one thread); a loop left without being closed
+        has its layer taken back by the next one, and its own late cleanup touches nothing."""
+        self._unbind()
+        loop = object()
         order = list(indices)
         pending: deque[tuple[int, Slot]] = deque()
         loaded = 0
@@ -187,11 +227,11 @@ class LayerOffload:
             if not pending:
                 return
             index, slot = pending.popleft()
-            self._bind(index, slot)
+            self._bind(loop, index, slot)
             try:
                 yield index
             finally:
-                self._unbind()
+                self._unbind(loop)
 
     def _load(self, index: int) -> Slot:
         ring = self.ring
@@ -201,31 +241,33 @@ class LayerOffload:
         if self.copy_stream is None:
             self._fill(slot, held, non_blocking=False)
         else:
-            self.copy_stream.wait_event(slot.free)
+            self.copy_stream.wait_event(slot.free)  # the layer it held last has run
             with torch.cuda.stream(self.copy_stream):
                 self._fill(slot, held, non_blocking=True)
                 slot.ready.record(self.copy_stream)
-        slot.layer = index
         return slot
 
     def _fill(self, slot: Slot, held: HeldLayer, non_blocking: bool) -> None:
-        if slot.signature != held.signature:  # the first layer of its kind through this slot
+        if slot.flat is None:  # once: as large as the largest layer, so no layer reallocates it
             with torch.inference_mode(False):
-                slot.buffers = [torch.empty_like(h, device=self.device) for h in held.host]
-            slot.signature = held.signature
-        for buffer, host in zip(slot.buffers, held.host, strict=True):
-            buffer.copy_(host, non_blocking=non_blocking)
+                slot.flat = torch.empty(max(layer.nbytes for layer in self.layers), dtype=torch.uint8,
+                                        device=self.device)
+        slot.flat[:held.nbytes].copy_(held.flat, non_blocking=non_blocking)
 
-    def _bind(self, index: int, slot: Slot) -> None:
+    def _bind(self, loop: object, index: int, slot: Slot) -> None:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
-        self.layers[index].point_to(slot.buffers)
-        self._bound = (index, slot)
+        held = self.layers[index]
+        if index not in slot.carved:
+            slot.carved[index] = [carve(slot.flat, place) for place in held.places]
+        held.point_to(slot.carved[index])
+        self._bound = (loop, index, slot)
 
-    def _unbind(self) -> None:
-        if self._bound is None:
+    def _unbind(self, loop: object | None = None) -> None:
+        """Point the bound layer back at the host (``loop``: only if that loop bound it)."""
+        if self._bound is None or (loop is not None and self._bound[0] is not loop):
             return
-        index, slot = self._bound
+        _, index, slot = self._bound
         if self.cuda:
             slot.free.record(torch.cuda.current_stream(self.device))
         self.layers[index].point_to(self.layers[index].host)
