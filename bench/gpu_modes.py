@@ -29,7 +29,7 @@ from neopp.model.quant import fp8_layer_linear, quantize_layer_linears_
 from neopp.model.speed import SpeedOptions
 from neopp.model.transformer import NeoPPTransformer
 from neopp.modes import ModeSpec, SamplingParams
-from neopp.parallel.mesh import backend_for, build_mesh
+from neopp.parallel.mesh import backend_for, build_mesh, leave_mesh
 from neopp.parallel.parallel_pipeline import CommTimer, ParallelPipeline, check_heads
 from neopp.request import GenerationRequest
 from neopp.sampling.pipeline import NeoPPPipeline
@@ -286,7 +286,7 @@ def rank_main(rank: int, spec: CheckSpec, run: ModeRun, port: int, dtype: torch.
         if rank == 0:
             results.put({**out, "build_s": build_s, "comm_s": pipe.comm.seconds})
     finally:
-        dist.destroy_process_group()
+        leave_mesh()  # the ranks meet before their groups go: a gloo rank torn down early aborts its peer
 
 
 def run_ranks(spec: CheckSpec, run: ModeRun, dtype: torch.dtype) -> dict:
