@@ -148,10 +148,11 @@ def _shape_mask(shape: str, height: int, width: int, cx: float, cy: float, side:
     return (y >= -r) & (y <= r) & (np.abs(x) <= (y + r) / 2)
 
 
-def _centre(position: str, height: int, width: int, side: float, rng: np.random.Generator) -> tuple[float, float]:
+def _centre(position: str, height: int, width: int, side: float, rng: np.random.Generator,
+            jitter: float = JITTER) -> tuple[float, float]:
     """The anchor plus jitter, clamped so the shape stays clear of the judge's border frame."""
     fx, fy = ANCHORS[position]
-    jx, jy = rng.uniform(-JITTER, JITTER, size=2)
+    jx, jy = rng.uniform(-jitter, jitter, size=2)
     lo = side / 2 + BORDER
     cx = float(np.clip((fx + jx) * width, lo, width - lo))
     cy = float(np.clip((fy + jy) * height, lo, height - lo))
@@ -159,12 +160,12 @@ def _centre(position: str, height: int, width: int, side: float, rng: np.random.
 
 
 def render(scene: Scene, height: int, width: int, rng: np.random.Generator,
-           side_range: tuple[float, float] = SIDE_RANGE) -> np.ndarray:
+           side_range: tuple[float, float] = SIDE_RANGE, jitter: float = JITTER) -> np.ndarray:
     """One image of the scene, uint8 [height, width, 3]; size and centre jitter come from rng."""
     if height < 32 or width < 32:
         raise ValueError(f"image {height}x{width} is too small; both sides must be at least 32")
     side = float(rng.uniform(*side_range)) * min(height, width)
-    cx, cy = _centre(scene.position, height, width, side, rng)
+    cx, cy = _centre(scene.position, height, width, side, rng, jitter)
     image = np.empty((height, width, 3), dtype=np.uint8)
     image[:] = COLORS[scene.background]
     image[_shape_mask(scene.shape, height, width, cx, cy, side)] = COLORS[scene.color]
@@ -173,7 +174,7 @@ def render(scene: Scene, height: int, width: int, rng: np.random.Generator,
 
 def sample_batch(
     rng: np.random.Generator, n: int, height: int, width: int, scenes: Sequence[Scene] | None = None,
-    side_range: tuple[float, float] = SIDE_RANGE,
+    side_range: tuple[float, float] = SIDE_RANGE, jitter: float = JITTER,
 ) -> tuple[list[Scene], np.ndarray]:
     """n scenes drawn uniformly (with replacement) from `scenes` (default: training) and their images;
     ``side_range``: the shape's side as fractions of the shorter image side."""
@@ -181,7 +182,7 @@ def sample_batch(
     picked = [pool[int(i)] for i in rng.integers(len(pool), size=n)]
     images = np.empty((n, height, width, 3), dtype=np.uint8)
     for k, scene in enumerate(picked):
-        images[k] = render(scene, height, width, rng, side_range)
+        images[k] = render(scene, height, width, rng, side_range, jitter)
     return picked, images
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from demo.model import demo_config, demo_tokenizer, init_weights, load_demo, save_checkpoint, towers
-from demo.shapes import SIDE_RANGE
+from demo.model import NOISE, demo_config, demo_tokenizer, init_weights, load_demo, save_checkpoint, towers
+from demo.shapes import JITTER, SIDE_RANGE
 from demo.training import SIZE_POWER, Batches, Schedule, fit, flow_matching_loss, vocabulary
 from neopp.model.checkpoint_config import CheckpointConfig
 
@@ -26,17 +26,20 @@ def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     cfg, tokenizer = demo_config(pixel_head=args.head == "pixel"), demo_tokenizer(vocabulary())
+    cfg["noise_scale_mode"] = args.noise_scale_mode
     config = CheckpointConfig.from_dict(cfg)
     start = load_demo(args.init)[2] if args.init else init_weights(cfg, len(tokenizer.vocab), args.seed)
     params = {k: v.to(args.device).requires_grad_(True) for k, v in start.items()}
     language, tower = towers(config, params, tokenizer)
-    batches = Batches(args.seed, args.token_budget, size_power=args.size_power, side_range=tuple(args.side_range))
+    batches = Batches(args.seed, args.token_budget, size_power=args.size_power, side_range=tuple(args.side_range),
+                      jitter=args.jitter)
     began = time.perf_counter()
     ema, log = fit(params, lambda: flow_matching_loss(batches, config, language, tower, tokenizer, args.weight_floor),
                    Schedule(args.steps, args.lr, args.warmup, args.ema, args.log_every))
     save_checkpoint(args.out, cfg, tokenizer, ema)
     summary = {"seed": args.seed, "head": args.head, "size_power": args.size_power, "steps": args.steps,
-               "side_range": list(args.side_range),
+               "side_range": list(args.side_range), "jitter": args.jitter,
+               "noise_scale_mode": args.noise_scale_mode,
                "init": str(args.init) if args.init else None, "weight_floor": args.weight_floor,
                "token_budget": args.token_budget, "lr": args.lr, "threads": args.threads,
                "seconds": round(time.perf_counter() - began, 1), "log": log}
@@ -58,6 +61,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="sizes drawn with probability ~ tokens ** -power (0: the same compute per size)")
     parser.add_argument("--side-range", type=float, nargs=2, default=SIDE_RANGE, metavar=("LOW", "HIGH"),
                         help="the shape's side, as fractions of the shorter image side")
+    parser.add_argument("--jitter", type=float, default=JITTER,
+                        help="the shape centre's jitter, as a fraction of the image side along each axis")
+    parser.add_argument("--noise-scale-mode", choices=("resolution", "constant"), default=NOISE["noise_scale_mode"],
+                        help="the starting noise's loudness: growing with the image's tokens, or the same at "
+                        "every size (written to the checkpoint's config; the sampler follows it)")
     parser.add_argument("--head", choices=("pixel", "mlp"), default="pixel",
                         help="the checkpoint's head: the pixel head (convs across tokens) or the per-token MLP head")
     parser.add_argument("--log-every", type=int, default=100)

@@ -95,6 +95,17 @@ def test_render_is_a_function_of_the_generator():
     assert not np.array_equal(a, render(scene, 160, 224, np.random.default_rng(6)))
 
 
+def test_a_fixed_side_without_jitter_gives_one_picture_per_prompt_and_size():
+    """The probe's data: the prompt and the image size decide every pixel, and the judge reads it."""
+    scenes = held_out_scenes()[:6]
+    first = [render(s, 192, 256, np.random.default_rng(1), (0.4, 0.4), 0.0) for s in scenes]
+    again = [render(s, 192, 256, np.random.default_rng(2), (0.4, 0.4), 0.0) for s in scenes]
+    assert all(np.array_equal(a, b) for a, b in zip(first, again))
+    assert score(np.stack(first), scenes)["overall"] == 1.0
+    _, batch = sample_batch(np.random.default_rng(3), 4, 192, 256, scenes=scenes[:1], side_range=(0.4, 0.4), jitter=0.0)
+    assert all(np.array_equal(image, first[0]) for image in batch)
+
+
 def test_sample_batch_draws_from_the_given_scenes():
     rng = np.random.default_rng(1)
     scenes, images = sample_batch(rng, 12, 128, 192)
