@@ -11,6 +11,8 @@ steps, CFG 4, global norm):
 3. **The first prediction.** At ``t`` = 0 the input is pure noise, so the best x-prediction is
    the prompt's mean image, the same for every noise. How much the prediction moves between two
    noises against between two shape words, and how much a wrong shape word raises its error.
+4. **The prefix.** How far apart the keys and values at the shape word's place are for the
+   three shape words, beside the same for three colour words (a colour the tower does draw).
 
 It runs the training forward (`demo.model.GenerationBatch`, checked against the served tower
 by the tests) because serving cannot start mid-way.
@@ -137,6 +139,25 @@ def first_prediction(sampler: Sampler, scenes: list[shapes.Scene]) -> str:
             f"(+{100 * (wrong / right - 1):.0f} %).")
 
 
+def prefix_spread(sampler: Sampler, scenes: list[shapes.Scene]) -> str:
+    """Mean pairwise distance of the word's keys and values, relative to their norm, per layer."""
+    def spread(variants: list[shapes.Scene], place: int) -> torch.Tensor:
+        with torch.no_grad():
+            kv = sampler.language.prefix_kv(prompt_ids([v.prompt for v in variants], sampler.tokenizer)[0])
+        x = kv[:, :, :, place].flatten(3)                                   # [3, NL, 2, NKV*HD]
+        gaps = [(x[a] - x[b]).norm(dim=-1) for a in range(3) for b in range(a + 1, 3)]
+        return torch.stack(gaps).mean(0) / x.norm(dim=-1).mean(0)          # [NL, 2]
+
+    by_shape = torch.stack([spread([replace(s, shape=w) for w in shapes.SHAPES], 3) for s in scenes]).mean(0)
+    colours = [[c for c in shapes.COLORS if c != s.background][:3] for s in scenes]
+    by_colour = torch.stack([spread([replace(s, color=c) for c in cs], 2) for s, cs in zip(scenes, colours)]).mean(0)
+    lines = ["| layer | shape words: keys | values | colour words: keys | values |", "|---|---|---|---|---|"]
+    lines += [f"| {i} | {by_shape[i, 0]:.2f} | {by_shape[i, 1]:.2f} | {by_colour[i, 0]:.2f} | {by_colour[i, 1]:.2f} |"
+              for i in range(by_shape.shape[0])]
+    return ("Distance between the keys (and values) at the word's place for two words, over their norm, "
+            "mean over word pairs and prompts:\n\n" + "\n".join(lines))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, default=REPO / "demo" / "checkpoints" / "dense")
@@ -152,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
             f"`{args.checkpoint.relative_to(REPO) if args.checkpoint.is_relative_to(REPO) else args.checkpoint.name}`."
             f"\n\n## Start later\n\n{start_later(sampler, scenes, [float(s) for s in args.starts.split(',')])}"
             f"\n\n## Same noise, three shape words\n\n{three_words(sampler, scenes[: args.n // 2])}"
-            f"\n\n## The first prediction\n\n{first_prediction(sampler, scenes)}")
+            f"\n\n## The first prediction\n\n{first_prediction(sampler, scenes)}"
+            f"\n\n## The prefix\n\n{prefix_spread(sampler, scenes)}")
     write_report(args.out, "Where the demo model decides the shape", body)
 
 
