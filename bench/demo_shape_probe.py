@@ -141,16 +141,17 @@ def first_prediction(sampler: Sampler, scenes: list[shapes.Scene]) -> str:
 
 def prefix_spread(sampler: Sampler, scenes: list[shapes.Scene]) -> str:
     """Mean pairwise distance of the word's keys and values, relative to their norm, per layer."""
-    def spread(variants: list[shapes.Scene], place: int) -> torch.Tensor:
+    def spread(variants: list[shapes.Scene]) -> torch.Tensor:
+        ids = prompt_ids([v.prompt for v in variants], sampler.tokenizer)[0]
+        place = int((ids != ids[0]).any(0).nonzero()[0])                   # the one word that differs
         with torch.no_grad():
-            kv = sampler.language.prefix_kv(prompt_ids([v.prompt for v in variants], sampler.tokenizer)[0])
-        x = kv[:, :, :, place].flatten(3)                                   # [3, NL, 2, NKV*HD]
+            x = sampler.language.prefix_kv(ids)[:, :, :, place].flatten(3)  # [3, NL, 2, NKV*HD]
         gaps = [(x[a] - x[b]).norm(dim=-1) for a in range(3) for b in range(a + 1, 3)]
         return torch.stack(gaps).mean(0) / x.norm(dim=-1).mean(0)          # [NL, 2]
 
-    by_shape = torch.stack([spread([replace(s, shape=w) for w in shapes.SHAPES], 3) for s in scenes]).mean(0)
+    by_shape = torch.stack([spread([replace(s, shape=w) for w in shapes.SHAPES]) for s in scenes]).mean(0)
     colours = [[c for c in shapes.COLORS if c != s.background][:3] for s in scenes]
-    by_colour = torch.stack([spread([replace(s, color=c) for c in cs], 2) for s, cs in zip(scenes, colours)]).mean(0)
+    by_colour = torch.stack([spread([replace(s, color=c) for c in cs]) for s, cs in zip(scenes, colours)]).mean(0)
     lines = ["| layer | shape words: keys | values | colour words: keys | values |", "|---|---|---|---|---|"]
     lines += [f"| {i} | {by_shape[i, 0]:.2f} | {by_shape[i, 1]:.2f} | {by_colour[i, 0]:.2f} | {by_colour[i, 1]:.2f} |"
               for i in range(by_shape.shape[0])]

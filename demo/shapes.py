@@ -36,8 +36,6 @@ ANCHORS: dict[str, tuple[float, float]] = {
     "at the bottom": (0.5, 0.75),
     "in the center": (0.5, 0.5),
 }
-SIDE_RANGE = (0.30, 0.45)  # bounding-box side, as a fraction of the shorter image side
-JITTER = 0.04  # centre jitter, as a fraction of the image side along that axis
 BORDER = 4  # the frame the judge reads the background from; shapes stay inside it
 HELD_OUT_SIZE = 200
 _HELD_OUT_SEED = 20240611
@@ -45,6 +43,18 @@ _HELD_OUT_SEED = 20240611
 _PROMPT = re.compile(r"a (\S+) (\S+) (.+) on a (\S+) background")
 _PALETTE = np.array(list(COLORS.values()), dtype=np.float32)
 _NAMES = tuple(COLORS)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How large a shape is drawn and how far its centre strays from the anchor; each image draws
+    its own from these ranges."""
+
+    side_range: tuple[float, float] = (0.30, 0.45)  # bounding-box side, a fraction of the shorter image side
+    jitter: float = 0.04  # centre jitter, a fraction of the image side along that axis
+
+
+LAYOUT = Layout()  # the committed demo's
 
 
 @dataclass(frozen=True)
@@ -149,7 +159,7 @@ def _shape_mask(shape: str, height: int, width: int, cx: float, cy: float, side:
 
 
 def _centre(position: str, height: int, width: int, side: float, rng: np.random.Generator,
-            jitter: float = JITTER) -> tuple[float, float]:
+            jitter: float) -> tuple[float, float]:
     """The anchor plus jitter, clamped so the shape stays clear of the judge's border frame."""
     fx, fy = ANCHORS[position]
     jx, jy = rng.uniform(-jitter, jitter, size=2)
@@ -160,12 +170,12 @@ def _centre(position: str, height: int, width: int, side: float, rng: np.random.
 
 
 def render(scene: Scene, height: int, width: int, rng: np.random.Generator,
-           side_range: tuple[float, float] = SIDE_RANGE, jitter: float = JITTER) -> np.ndarray:
+           layout: Layout = LAYOUT) -> np.ndarray:
     """One image of the scene, uint8 [height, width, 3]; size and centre jitter come from rng."""
     if height < 32 or width < 32:
         raise ValueError(f"image {height}x{width} is too small; both sides must be at least 32")
-    side = float(rng.uniform(*side_range)) * min(height, width)
-    cx, cy = _centre(scene.position, height, width, side, rng, jitter)
+    side = float(rng.uniform(*layout.side_range)) * min(height, width)
+    cx, cy = _centre(scene.position, height, width, side, rng, layout.jitter)
     image = np.empty((height, width, 3), dtype=np.uint8)
     image[:] = COLORS[scene.background]
     image[_shape_mask(scene.shape, height, width, cx, cy, side)] = COLORS[scene.color]
@@ -174,15 +184,14 @@ def render(scene: Scene, height: int, width: int, rng: np.random.Generator,
 
 def sample_batch(
     rng: np.random.Generator, n: int, height: int, width: int, scenes: Sequence[Scene] | None = None,
-    side_range: tuple[float, float] = SIDE_RANGE, jitter: float = JITTER,
+    layout: Layout = LAYOUT,
 ) -> tuple[list[Scene], np.ndarray]:
-    """n scenes drawn uniformly (with replacement) from `scenes` (default: training) and their images;
-    ``side_range``: the shape's side as fractions of the shorter image side."""
+    """n scenes drawn uniformly (with replacement) from `scenes` (default: training) and their images."""
     pool = _train_pool() if scenes is None else list(scenes)
     picked = [pool[int(i)] for i in rng.integers(len(pool), size=n)]
     images = np.empty((n, height, width, 3), dtype=np.uint8)
     for k, scene in enumerate(picked):
-        images[k] = render(scene, height, width, rng, side_range, jitter)
+        images[k] = render(scene, height, width, rng, layout)
     return picked, images
 
 

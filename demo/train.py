@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from demo.model import NOISE, demo_config, demo_tokenizer, init_weights, load_demo, save_checkpoint, towers
-from demo.shapes import JITTER, SIDE_RANGE
+from demo.shapes import LAYOUT, Layout
 from demo.training import SIZE_POWER, Batches, Schedule, fit, flow_matching_loss, vocabulary
 from neopp.model.checkpoint_config import CheckpointConfig
 
@@ -31,8 +31,8 @@ def train(args: argparse.Namespace) -> dict:
     start = load_demo(args.init)[2] if args.init else init_weights(cfg, len(tokenizer.vocab), args.seed)
     params = {k: v.to(args.device).requires_grad_(True) for k, v in start.items()}
     language, tower = towers(config, params, tokenizer)
-    batches = Batches(args.seed, args.token_budget, size_power=args.size_power, side_range=tuple(args.side_range),
-                      jitter=args.jitter)
+    layout = Layout(tuple(args.side_range), args.jitter)
+    batches = Batches(args.seed, args.token_budget, size_power=args.size_power, layout=layout)
     began = time.perf_counter()
     ema, log = fit(params, lambda: flow_matching_loss(batches, config, language, tower, tokenizer, args.weight_floor),
                    Schedule(args.steps, args.lr, args.warmup, args.ema, args.log_every))
@@ -59,9 +59,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--size-power", type=float, default=SIZE_POWER,
                         help="sizes drawn with probability ~ tokens ** -power (0: the same compute per size)")
-    parser.add_argument("--side-range", type=float, nargs=2, default=SIDE_RANGE, metavar=("LOW", "HIGH"),
+    parser.add_argument("--side-range", type=float, nargs=2, default=LAYOUT.side_range, metavar=("LOW", "HIGH"),
                         help="the shape's side, as fractions of the shorter image side")
-    parser.add_argument("--jitter", type=float, default=JITTER,
+    parser.add_argument("--jitter", type=float, default=LAYOUT.jitter,
                         help="the shape centre's jitter, as a fraction of the image side along each axis")
     parser.add_argument("--noise-scale-mode", choices=("resolution", "constant"), default=NOISE["noise_scale_mode"],
                         help="the starting noise's loudness: growing with the image's tokens, or the same at "

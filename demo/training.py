@@ -56,10 +56,9 @@ class Batches:
     about ``token_budget`` tokens, so power 0 spends the same compute on every size."""
 
     def __init__(self, seed: int, token_budget: int, sizes: list[tuple[int, int]] | None = None,
-                 size_power: float = SIZE_POWER, side_range: tuple[float, float] = shapes.SIDE_RANGE,
-                 jitter: float = shapes.JITTER) -> None:
+                 size_power: float = SIZE_POWER, layout: shapes.Layout = shapes.LAYOUT) -> None:
         self.rng = np.random.default_rng(seed)
-        self.side_range, self.jitter = side_range, jitter
+        self.layout = layout
         self.gen = torch.Generator().manual_seed(seed)
         self.token_budget = token_budget
         self.last_tokens = 0  # image tokens of the latest batch (what throughput counts)
@@ -75,8 +74,7 @@ class Batches:
     def images(self) -> tuple[list, torch.Tensor]:
         h, w, n = self.size()
         self.last_tokens = n * (h // 32) * (w // 32)
-        scenes, images = shapes.sample_batch(self.rng, n, h, w, side_range=self.side_range,
-                                             jitter=self.jitter)
+        scenes, images = shapes.sample_batch(self.rng, n, h, w, layout=self.layout)
         return scenes, torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
 
     def times(self, n: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from demo.shapes import (
     POSITIONS,
     SHAPES,
     SIZES,
+    Layout,
     Scene,
     all_scenes,
     held_out_scenes,
@@ -98,11 +99,12 @@ def test_render_is_a_function_of_the_generator():
 def test_a_fixed_side_without_jitter_gives_one_picture_per_prompt_and_size():
     """The probe's data: the prompt and the image size decide every pixel, and the judge reads it."""
     scenes = held_out_scenes()[:6]
-    first = [render(s, 192, 256, np.random.default_rng(1), (0.4, 0.4), 0.0) for s in scenes]
-    again = [render(s, 192, 256, np.random.default_rng(2), (0.4, 0.4), 0.0) for s in scenes]
+    fixed = Layout(side_range=(0.4, 0.4), jitter=0.0)
+    first = [render(s, 192, 256, np.random.default_rng(1), fixed) for s in scenes]
+    again = [render(s, 192, 256, np.random.default_rng(2), fixed) for s in scenes]
     assert all(np.array_equal(a, b) for a, b in zip(first, again))
     assert score(np.stack(first), scenes)["overall"] == 1.0
-    _, batch = sample_batch(np.random.default_rng(3), 4, 192, 256, scenes=scenes[:1], side_range=(0.4, 0.4), jitter=0.0)
+    _, batch = sample_batch(np.random.default_rng(3), 4, 192, 256, scenes=scenes[:1], layout=fixed)
     assert all(np.array_equal(image, first[0]) for image in batch)
 
 
